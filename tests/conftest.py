@@ -1,0 +1,48 @@
+"""Shared fixtures: one Vulkan device for the whole run, checked after every test for messages
+from the Khronos validation layer (enabled by `make test`): a validation error is a bug."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import vkml
+
+
+@pytest.fixture(scope="session")
+def device():
+    dev = vkml.Device()
+    yield dev
+    dev.close()
+
+
+@pytest.fixture(autouse=True)
+def no_validation_messages(request):
+    yield
+    if "device" not in request.fixturenames:
+        return
+    messages = request.getfixturevalue("device").backend.validation_messages
+    found = list(messages)
+    messages.clear()
+    assert not found, "validation layer reported:\n" + "\n".join(found)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def pytest_report_header(config):
+    layers = os.environ.get("VK_INSTANCE_LAYERS", "")
+    return f"vkml: VK_INSTANCE_LAYERS={layers or '(none: validation off)'}"
+
+
+def rel_l2(actual, expected) -> float:
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert np.all(np.isfinite(actual)), "NaN or Inf in vkml's result"
+    denom = np.linalg.norm(expected)
+    return float(np.linalg.norm(actual - expected) / (denom if denom > 0 else 1.0))

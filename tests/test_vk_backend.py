@@ -1,0 +1,275 @@
+"""vkml.vk: the Vulkan backend on whatever device is here (lavapipe in CI).
+
+Run with VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation so every test that makes a backend also
+checks that the validation layer stayed silent.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vkml.backend import Barrier, Binding, Copy, Dispatch
+from vkml.errors import DeviceError
+from vkml.naga import compile_wgsl
+from vkml.vk import VulkanBackend, memory_candidates, rank_devices, select_device
+from vkml.vk.memory import DEVICE_LOCAL, HOST_CACHED, HOST_COHERENT, HOST_VISIBLE
+
+REPO = Path(__file__).resolve().parent.parent
+
+AXPB = """@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) g: vec3<u32>) {
+    if (g.x < arrayLength(&y)) {
+        y[g.x] = 2.0 * x[g.x] + b[g.x];
+    }
+}
+"""
+
+N = 1000
+NBYTES = N * 4
+GROUPS = ((N + 63) // 64, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory):
+    # Keep the pipeline cache (and naga's) out of the user's home.
+    old = os.environ.get("VKML_CACHE_DIR")
+    os.environ["VKML_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    with VulkanBackend() as b:
+        yield b
+    if old is None:
+        del os.environ["VKML_CACHE_DIR"]
+    else:
+        os.environ["VKML_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def axpb(backend):
+    return backend.create_pipeline("axpb", AXPB, compile_wgsl(AXPB, "axpb"), 3,
+                                   [False, False, True])
+
+
+def aligned(backend, n: int) -> int:
+    a = backend.caps.min_storage_offset_alignment
+    return (n + a - 1) // a * a
+
+
+def floats(backend, buf, offset: int, n: int = N) -> np.ndarray:
+    return np.frombuffer(backend.read_buffer(buf, offset, n * 4), dtype=np.float32)
+
+
+def test_rank_devices_prefers_discrete_then_integrated_virtual_cpu():
+    devices = [("llvmpipe", "cpu"), ("NVIDIA H200", "discrete"), ("Intel UHD", "integrated"),
+               ("virtio-gpu", "virtual"), ("NVIDIA L4", "discrete")]
+    assert rank_devices(devices) == [1, 4, 2, 3, 0]
+    assert rank_devices([]) == []
+    assert select_device(devices, None) == 1
+    assert select_device(devices, "0") == 0
+    assert select_device(devices, "nvidia") == 1
+    assert select_device(devices, "  l4 ") == 4
+    with pytest.raises(DeviceError, match=r"(?s)'radeon'.*\[3\] virtio-gpu \(virtual\)"):
+        select_device(devices, "radeon")
+    with pytest.raises(DeviceError, match="'9'"):
+        select_device(devices, "9")
+    with pytest.raises(DeviceError, match="mesa-vulkan-drivers"):
+        select_device([], None)
+
+
+def test_memory_candidates():
+    mappable = HOST_VISIBLE | HOST_COHERENT
+    # A discrete GPU without resizable BAR: a small mappable window of VRAM.
+    types = [(DEVICE_LOCAL, 0), (mappable, 1), (mappable | HOST_CACHED, 1),
+             (DEVICE_LOCAL | mappable, 2)]
+    heaps = [80 << 30, 128 << 30, 256 << 20]
+    assert memory_candidates(types, heaps, 0b1111, "device") == [0, 3]
+    assert memory_candidates(types, heaps, 0b1111, "readback") == [2, 1, 3]
+    assert memory_candidates(types, heaps, 0b1111, "upload") == [1, 2, 3]
+    assert memory_candidates(types, heaps, 0b0110, "device") == []
+    # With resizable BAR all of VRAM is mappable, so device buffers get mapped.
+    assert memory_candidates(types, [80 << 30, 128 << 30, 80 << 30], 0b1111, "device") == [3, 0]
+    # lavapipe: one type that is everything.
+    one = [(DEVICE_LOCAL | mappable | HOST_CACHED, 0)]
+    for kind in ("device", "upload", "readback"):
+        assert memory_candidates(one, [2 << 30], 1, kind) == [0]
+
+
+@pytest.mark.parametrize("kind", ["device", "upload", "readback"])
+@pytest.mark.parametrize("staged", [False, True])
+def test_buffer_round_trip(backend, kind, staged):
+    buf = backend.create_buffer(10, kind, f"rt-{kind}")
+    assert buf.nbytes == 12 and buf.label == f"rt-{kind}"
+    if staged:  # force the staging-copy path that discrete GPUs take
+        buf.host_read = buf.host_write = False
+    data = np.arange(3, dtype=np.float32) + 0.5
+    backend.write_buffer(buf, 0, data.tobytes())
+    backend.write_buffer(buf, 4, memoryview(np.float32([7.0])))
+    assert backend.read_buffer(buf, 0, 12) == np.float32([0.5, 7.0, 2.5]).tobytes()
+    assert backend.read_buffer(buf, 5, 3) == np.float32([7.0]).tobytes()[1:]
+    assert backend.read_buffer(buf, 8, 0) == b""
+    with pytest.raises(DeviceError, match="does not fit"):
+        backend.write_buffer(buf, 8, b"12345")
+    backend.free_buffer(buf)
+    assert backend.validation_messages == []
+
+
+def test_dispatch_at_offsets_inside_one_buffer(backend, axpb):
+    ox = aligned(backend, 64)
+    ob = aligned(backend, ox + NBYTES + 4)
+    oy = aligned(backend, ob + NBYTES + 4)
+    arena = backend.create_buffer(oy + NBYTES, "device", "arena")
+    x = np.linspace(-1, 1, N, dtype=np.float32)
+    b = np.arange(N, dtype=np.float32)
+    backend.write_buffer(arena, ox, x)
+    backend.write_buffer(arena, ob, b)
+    prog = backend.record([Dispatch(axpb, (Binding(arena, ox, NBYTES, False),
+                                           Binding(arena, ob, NBYTES, False),
+                                           Binding(arena, oy, NBYTES, True)), GROUPS)], "axpb")
+    backend.submit(prog)
+    backend.wait()
+    np.testing.assert_allclose(floats(backend, arena, oy), 2 * x + b, rtol=1e-6)
+    backend.free_program(prog)
+    backend.free_program(prog)
+    assert backend.validation_messages == []
+
+
+def test_same_program_resubmitted_without_rerecording(backend, axpb):
+    x_buf = backend.create_buffer(NBYTES, "upload", "x")
+    b_buf = backend.create_buffer(NBYTES, "device", "b")
+    y_buf = backend.create_buffer(NBYTES, "readback", "y")
+    b = np.full(N, 3.0, dtype=np.float32)
+    backend.write_buffer(b_buf, 0, b)
+    prog = backend.record([Dispatch(axpb, (Binding(x_buf, 0, NBYTES, False),
+                                           Binding(b_buf, 0, NBYTES, False),
+                                           Binding(y_buf, 0, NBYTES, True)), GROUPS)], "resubmit")
+    for step in range(3):
+        x = np.arange(N, dtype=np.float32) * (step + 1)
+        backend.write_buffer(x_buf, 0, x)
+        backend.submit(prog)
+        backend.wait()
+        np.testing.assert_array_equal(floats(backend, y_buf, 0), 2 * x + b)
+    # Back-to-back submits of one program: the second waits for the first.
+    backend.submit(prog)
+    backend.submit(prog)
+    backend.wait()
+    np.testing.assert_array_equal(floats(backend, y_buf, 0), 2 * x + b)
+    backend.free_program(prog)
+    assert backend.validation_messages == []
+
+
+def test_copy_barrier_dispatch_chain(backend, axpb):
+    staging = backend.create_buffer(2 * NBYTES, "upload", "staging")
+    dev = backend.create_buffer(3 * NBYTES, "device", "dev")
+    out = backend.create_buffer(NBYTES, "readback", "out")
+    x = np.linspace(0, 1, N, dtype=np.float32)
+    b = np.float32(-1) * np.arange(N, dtype=np.float32)
+    backend.write_buffer(staging, 0, np.concatenate([x, b]))
+    prog = backend.record([
+        Copy(staging, 0, dev, 0, 2 * NBYTES),
+        Barrier(),
+        Dispatch(axpb, (Binding(dev, 0, NBYTES, False), Binding(dev, NBYTES, NBYTES, False),
+                        Binding(dev, 2 * NBYTES, NBYTES, True)), GROUPS),
+        Barrier(),
+        Copy(dev, 2 * NBYTES, out, 0, NBYTES),
+    ], "chain")
+    backend.submit(prog)
+    backend.wait()
+    np.testing.assert_allclose(floats(backend, out, 0), 2 * x + b, rtol=1e-6)
+    backend.free_program(prog)
+    assert backend.validation_messages == []
+
+
+def test_timestamps_one_per_dispatch(backend, axpb):
+    buf = backend.create_buffer(3 * NBYTES, "device", "ts")
+    bindings = (Binding(buf, 0, NBYTES, False), Binding(buf, NBYTES, NBYTES, False),
+                Binding(buf, 2 * NBYTES, NBYTES, True))
+    cmds = [Dispatch(axpb, bindings, GROUPS), Barrier(), Dispatch(axpb, bindings, GROUPS)]
+    prog = backend.record(cmds, "timed", timestamps=True)
+    with pytest.raises(DeviceError, match="not been submitted"):
+        backend.program_timings(prog)
+    backend.submit(prog)
+    backend.wait()
+    if backend.caps.timestamp_period_ns > 0:
+        times = backend.program_timings(prog)
+        assert len(times) == 2 and all(t >= 0 for t in times)
+    backend.free_program(prog)
+    assert backend.validation_messages == []
+
+
+def test_bad_bindings_are_refused(backend, axpb):
+    buf = backend.create_buffer(3 * NBYTES, "device", "bad")
+    align = backend.caps.min_storage_offset_alignment
+    good = Binding(buf, 0, NBYTES, False)
+    with pytest.raises(DeviceError, match="minStorageBufferOffsetAlignment"):
+        backend.record([Dispatch(axpb, (good, good, Binding(buf, align // 2, 8, True)), GROUPS)],
+                       "misaligned")
+    with pytest.raises(DeviceError, match="2 bindings for a kernel with 3"):
+        backend.record([Dispatch(axpb, (good, good), GROUPS)], "short")
+    with pytest.raises(DeviceError, match="do not fit"):
+        backend.record([Copy(buf, 0, buf, 2 * NBYTES, 2 * NBYTES)], "overflow")
+    assert backend.validation_messages == []
+
+
+def test_fence_path_without_timeline_semaphores():
+    with VulkanBackend(timeline_semaphores=False) as backend:
+        pipe = backend.create_pipeline("axpb", AXPB, compile_wgsl(AXPB, "axpb"), 3,
+                                       [False, False, True])
+        buf = backend.create_buffer(3 * NBYTES, "device", "fence")
+        x = np.arange(N, dtype=np.float32)
+        backend.write_buffer(buf, 0, np.concatenate([x, x]))
+        prog = backend.record([Dispatch(pipe, (Binding(buf, 0, NBYTES, False),
+                                               Binding(buf, NBYTES, NBYTES, False),
+                                               Binding(buf, 2 * NBYTES, NBYTES, True)), GROUPS)],
+                              "fence")
+        backend.submit(prog)
+        backend.submit(prog)
+        backend.wait()
+        np.testing.assert_array_equal(floats(backend, buf, 2 * NBYTES), 3 * x)
+        assert backend.validation_messages == []
+
+
+def test_bad_selector_lists_devices(monkeypatch):
+    monkeypatch.setenv("VKML_DEVICE", "no-such-gpu-anywhere")
+    with pytest.raises(DeviceError, match=r"(?s)'no-such-gpu-anywhere'.*\[0\] .*\((cpu|discrete|"
+                                          r"integrated|virtual|other)\)"):
+        VulkanBackend()
+    with pytest.raises(DeviceError, match="'99'"):
+        VulkanBackend("99")
+
+
+# Prints the DeviceError that constructing a backend raises, and exits 3.
+_CONSTRUCT = """
+from vkml.errors import DeviceError
+from vkml.naga import compile_wgsl
+from vkml.vk import VulkanBackend
+try:
+    VulkanBackend()
+except DeviceError as exc:
+    print(exc)
+    raise SystemExit(3)
+"""
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], check=False, cwd=REPO, text=True,
+                          capture_output=True, env={**os.environ, **env}, timeout=60)
+
+
+def test_zero_devices_explains_how_to_install_a_driver():
+    done = _run_python(_CONSTRUCT, VK_DRIVER_FILES="/nonexistent.json",
+                       VK_ICD_FILENAMES="/nonexistent.json")
+    assert done.returncode == 3, done.stderr
+    for hint in ("mesa-vulkan-drivers", "VK_DRIVER_FILES", "VK_ICD_FILENAMES"):
+        assert hint in done.stdout
+
+
+def test_import_needs_no_loader_and_a_missing_loader_is_explained():
+    # A None entry in sys.modules makes `import vulkan` raise ImportError, as with no libvulkan.
+    done = _run_python("import sys\nsys.modules['vulkan'] = None\n" + _CONSTRUCT)
+    assert done.returncode == 3, done.stderr
+    assert "libvulkan.so.1" in done.stdout and "apt-get install libvulkan1" in done.stdout

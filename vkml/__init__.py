@@ -1,0 +1,17 @@
+"""vkml: train and run neural networks on any Vulkan GPU, inside your render loop.
+
+    g = vkml.Graph(); x = g.input("x", (32, 784)); ...
+    model = vkml.compile(g, loss=loss, optimizer=vkml.Adam(lr=1e-3))
+    model.set_input("x", xb); model.step(); model.read("loss")
+"""
+
+from . import nn
+from .device import Device
+from .errors import DeviceError, GraphError, InputError, NagaError, VkmlError
+from .graph import Graph, Tensor
+from .optim import SGD, Adam, AdamW, Optimizer
+from .session import Session, compile
+
+__all__ = ["Graph", "Tensor", "compile", "Session", "Device", "SGD", "Adam", "AdamW",
+           "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NagaError",
+           "DeviceError"]

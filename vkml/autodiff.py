@@ -1,0 +1,55 @@
+"""Reverse-mode automatic differentiation: Graph + scalar loss -> the same graph extended with
+gradient nodes, one gradient tensor per parameter.
+
+Gradients are built from ordinary ops through each op's `grad` rule, so the backward pass goes
+through the same rewrite, planning and codegen stages as the forward pass.
+"""
+
+from __future__ import annotations
+
+from .errors import GraphError
+from .graph import Graph, Tensor
+from .ops import OPS
+
+
+def gradients(graph: Graph, loss: Tensor, params: dict[str, Tensor] | None = None
+              ) -> dict[str, Tensor]:
+    """Append the backward pass of `loss` to `graph`; returns parameter name -> gradient node.
+
+    A parameter the loss does not depend on gets a zero gradient (so an optimizer can still
+    treat every parameter alike)."""
+    if loss.shape != ():
+        raise GraphError(f"the loss must be a scalar; {loss.label} has shape {loss.shape}. "
+                         "Reduce it first, e.g. with .mean()")
+    params = graph.params if params is None else params
+    forward = graph.reachable([loss])
+    wanted = {p.id for p in params.values()}
+    # Only nodes on a path from a parameter to the loss need a gradient.
+    needs_grad: set[int] = set()
+    for node in forward:
+        if node.id in wanted or any(i.id in needs_grad for i in node.inputs):
+            needs_grad.add(node.id)
+
+    grad_of: dict[int, Tensor] = {loss.id: graph.constant(1.0)}
+    for node in reversed(forward):
+        upstream = grad_of.get(node.id)
+        if upstream is None or not node.inputs:
+            continue
+        rule = OPS[node.op].grad
+        targets = [i for i in node.inputs if i.id in needs_grad]
+        if not targets:
+            continue
+        if rule is None:
+            raise GraphError(f"{node.label} (made at {node.where}) has no gradient rule, but a "
+                             "parameter's gradient flows through it")
+        for inp, g in zip(node.inputs, rule(graph, node, upstream)):
+            if g is None or inp.id not in needs_grad:
+                continue
+            previous = grad_of.get(inp.id)
+            grad_of[inp.id] = g if previous is None else graph.add(previous, g)
+
+    result = {}
+    for name, p in params.items():
+        g = grad_of.get(p.id)
+        result[name] = g if g is not None else graph.broadcast_to(graph.constant(0.0), p.shape)
+    return result

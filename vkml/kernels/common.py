@@ -1,0 +1,54 @@
+"""Pieces shared by the kernel generators: bindings, the dispatch grid, workgroup reductions."""
+
+from __future__ import annotations
+
+from ..backend import Capabilities
+
+
+def storage(binding: int, name: str, dtype: str = "f32", writable: bool = False) -> str:
+    access = "read_write" if writable else "read"
+    return f"@group(0) @binding({binding}) var<storage, {access}> {name}: array<{dtype}>;"
+
+
+def grid(workgroups: int, caps: Capabilities) -> tuple[int, int, int]:
+    """Spread a 1-D count of workgroups over x and y, since x alone is capped (65535 typically).
+    Kernels recover the linear index with `LINEAR_WORKGROUP` and ignore any surplus."""
+    cap = caps.max_workgroup_count[0]
+    if workgroups <= cap:
+        return (max(workgroups, 1), 1, 1)
+    return (cap, -(-workgroups // cap), 1)
+
+
+LINEAR_WORKGROUP = "wid.x + wid.y * nwg.x"
+ENTRY_ARGS = ("@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
+              "@builtin(local_invocation_index) lid: u32")
+
+
+def tree_reduce(scratch: str, size: int, combine: str) -> list[str]:
+    """WGSL lines folding `scratch[0..size)` into `scratch[0]` across the workgroup; `combine`
+    is a format string of `a` and `b` (e.g. "{a} + {b}"). Unrolled: naga does not unroll loops."""
+    lines = ["  workgroupBarrier();"]
+    step = size // 2
+    while step >= 1:
+        merged = combine.format(a=f"{scratch}[lid]", b=f"{scratch}[lid + {step}u]")
+        lines.append(f"  if (lid < {step}u) {{ {scratch}[lid] = {merged}; }}")
+        lines.append("  workgroupBarrier();")
+        step //= 2
+    return lines
+
+
+def unflatten(index: str, shape: tuple[int, ...], prefix: str) -> list[str]:
+    """WGSL `let` lines splitting a flat row-major `index` into per-axis indices prefix0, ..."""
+    lines, inner = [], 1
+    for axis in reversed(range(len(shape))):
+        value = f"{index} / {inner}u" if inner > 1 else index
+        if axis > 0:
+            value = f"({value}) % {shape[axis]}u"
+        lines.append(f"  let {prefix}{axis} = {value};")
+        inner *= shape[axis]
+    return list(reversed(lines))
+
+
+def offset(indices: list[str], strides: tuple[int, ...]) -> str:
+    terms = [f"{i} * {s}u" if s != 1 else i for i, s in zip(indices, strides) if s != 0]
+    return " + ".join(terms) if terms else "0u"

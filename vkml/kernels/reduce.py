@@ -1,0 +1,90 @@
+"""Reduction archetypes: one workgroup per output element (sum over any axes), and one
+workgroup per row for softmax / log-softmax (max, sum of exponentials, write)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import Capabilities
+from ..graph import Tensor
+from ..ops import contiguous_strides
+from . import Kernel
+from .common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, offset, storage, tree_reduce, unflatten
+
+WORKGROUP = 64
+
+
+def _input_offset(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[list[str], str]:
+    """WGSL lines and the expression of the input offset of (output `o`, reduced index `r`)."""
+    strides = contiguous_strides(shape)
+    kept = [a for a in range(len(shape)) if a not in axes]
+    reduced_count = int(np.prod([shape[a] for a in axes], dtype=np.int64))
+    kept_count = int(np.prod([shape[a] for a in kept], dtype=np.int64))
+    if all(a >= len(shape) - len(axes) for a in axes):  # trailing axes: rows of a matrix
+        return [], f"o * {reduced_count}u + r"
+    if all(a < len(axes) for a in axes):  # leading axes: columns of a matrix
+        return [], f"r * {kept_count}u + o"
+    lines = unflatten("o", tuple(shape[a] for a in kept), "k")
+    lines += ["    " + line.strip() for line in unflatten("r", tuple(shape[a] for a in axes), "j")]
+    indices = {a: f"k{n}" for n, a in enumerate(kept)} | {a: f"j{n}" for n, a in enumerate(axes)}
+    return lines, offset([indices[a] for a in range(len(shape))], strides)
+
+
+def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
+    (x,) = node.inputs
+    axes = node.attrs["axes"]
+    reduced = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
+    outputs = node.size
+    setup, at = _input_offset(x.shape, axes)
+    lines = [storage(0, "inp"), storage(1, "out", writable=True),
+             f"var<workgroup> partial: array<f32, {WORKGROUP}>;",
+             f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
+             f"  let o = {LINEAR_WORKGROUP};",
+             "  var acc = 0.0;",
+             # Surplus workgroups of the 2-D grid skip the loads but join the barriers.
+             f"  if (o < {outputs}u) {{",
+             *[line for line in setup if line.lstrip().startswith("let k")],
+             f"    for (var r = lid; r < {reduced}u; r += {WORKGROUP}u) {{",
+             *["  " + line for line in setup if line.lstrip().startswith("let j")],
+             f"      acc += inp[{at}];",
+             "    }", "  }",
+             "  partial[lid] = acc;",
+             *tree_reduce("partial", WORKGROUP, "{a} + {b}"),
+             f"  if (lid == 0u && o < {outputs}u) {{ out[o] = partial[0]; }}", "}"]
+    return Kernel(name=f"sum_{'x'.join(map(str, x.shape))}_axes{''.join(map(str, axes))}",
+                  wgsl="\n".join(lines) + "\n", writable=(False, True),
+                  groups=grid(outputs, caps))
+
+
+def generate_softmax(node: Tensor, caps: Capabilities) -> Kernel:
+    (x,) = node.inputs
+    length = x.shape[-1]
+    rows = x.size // length
+    if node.op == "softmax":
+        result = "exp(inp[base + c] - row_max) / row_sum"
+    else:
+        result = "inp[base + c] - row_max - log(row_sum)"
+    lines = [storage(0, "inp"), storage(1, "out", writable=True),
+             f"var<workgroup> partial: array<f32, {WORKGROUP}>;",
+             f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
+             f"  let row = {LINEAR_WORKGROUP};",
+             f"  let valid = row < {rows}u;",
+             f"  let base = min(row, {rows - 1}u) * {length}u;",
+             "  var m = -3.4028235e38;",
+             f"  for (var c = lid; c < {length}u; c += {WORKGROUP}u) {{",
+             "    m = max(m, inp[base + c]);", "  }",
+             "  partial[lid] = m;",
+             *tree_reduce("partial", WORKGROUP, "max({a}, {b})"),
+             "  let row_max = partial[0];",
+             "  workgroupBarrier();",
+             "  var s = 0.0;",
+             f"  for (var c = lid; c < {length}u; c += {WORKGROUP}u) {{",
+             "    s += exp(inp[base + c] - row_max);", "  }",
+             "  partial[lid] = s;",
+             *tree_reduce("partial", WORKGROUP, "{a} + {b}"),
+             "  let row_sum = partial[0];",
+             "  if (!valid) { return; }",
+             f"  for (var c = lid; c < {length}u; c += {WORKGROUP}u) {{",
+             f"    out[base + c] = {result};", "  }", "}"]
+    return Kernel(name=f"{node.op}_{rows}x{length}", wgsl="\n".join(lines) + "\n",
+                  writable=(False, True), groups=grid(rows, caps))

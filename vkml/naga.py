@@ -1,0 +1,269 @@
+"""WGSL -> SPIR-V through naga compiled to WebAssembly (npm `naga-wasm`), run under wasmtime.
+
+Node.js is only needed to fetch the package (`npm ci`); at run time the wasm-bindgen glue that
+naga's wasm imports is reimplemented here in Python. Results are cached by content: in memory,
+then on disk as `<cache>/spirv/<sha256>.spv`, so a warm process never instantiates the wasm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import wasmtime
+
+from vkml.errors import NagaError
+
+SPIRV_MAGIC = 0x07230203
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_WASM = REPO_ROOT / "node_modules" / "naga-wasm" / "dist" / "wasm" / "naga_bg.wasm"
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get("VKML_CACHE_DIR"):
+        return Path(os.environ["VKML_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "vkml"
+
+
+class _Rejected(Exception):
+    """naga refused the WGSL. Built by the glue's `new Error(msg)` import and handed back by naga
+    as an externref; its text is naga's formatted report (line, column, caret)."""
+
+
+class _WasmThrew(Exception):
+    """naga's wasm called wasm-bindgen's `throw` (a Rust panic surfaced as a JS exception)."""
+
+
+class _NagaWasm:
+    """One naga wasm instance and the wasm-bindgen imports it needs. Not thread-safe."""
+
+    def __init__(self, engine: wasmtime.Engine, module: wasmtime.Module) -> None:
+        self.store = wasmtime.Store(engine)
+        linker = wasmtime.Linker(engine)
+        for imp in module.imports:
+            linker.define_func(imp.module, imp.name, imp.type, self._import(imp.name))
+        self.x = linker.instantiate(self.store, module).exports(self.store)
+        self.x["__wbindgen_start"](self.store)
+
+    def _str(self, ptr: int, n: int) -> str:
+        return bytes(self.x["memory"].read(self.store, ptr, ptr + n)).decode()
+
+    def _init_table(self) -> None:
+        # Mirrors naga.js: wasm-bindgen expects undefined, null, true, false at fixed slots.
+        table = self.x["__wbindgen_externrefs"]
+        off = table.grow(self.store, 4, None)
+        for i, v in enumerate([None, None, True, False]):
+            table.set(self.store, off + i, wasmtime.Val.externref(v))
+
+    def _throw(self, ptr: int, n: int) -> None:
+        raise _WasmThrew(self._str(ptr, n))
+
+    def _import(self, name: str) -> Callable[..., Any]:
+        # Import names carry a per-build hash suffix (`__wbg_Error_67e7...`): match by prefix.
+        # With SPIR-V options passed as undefined, naga only calls the handlers below.
+        handlers: dict[str, Callable[..., Any]] = {
+            "__wbg_Error_": lambda p, n: wasmtime.Val.externref(_Rejected(self._str(p, n))),
+            "__wbindgen_generic_": lambda p, n: wasmtime.Val.externref(self._str(p, n)),
+            "__wbg___wbindgen_throw_": self._throw,
+            "__wbg___wbindgen_is_undefined_": lambda v: v is None,
+            "__wbg___wbindgen_is_object_": lambda v: isinstance(v, dict),
+            "__wbg___wbindgen_is_string_": lambda v: isinstance(v, str),
+            "__wbg___wbindgen_is_function_": callable,
+            "__wbg___wbindgen_jsval_loose_eq_": lambda a, b: a == b,
+            "__wbindgen_init_externref_table": self._init_table,
+        }
+        for prefix, fn in handlers.items():
+            if name.startswith(prefix):
+                return fn
+
+        def unsupported(*args: Any) -> None:
+            raise NotImplementedError(f"naga wasm called import {name!r}, which vkml.naga's "
+                                      "glue does not implement (see naga.js in naga-wasm)")
+        return unsupported
+
+    def _result(self, ret: list[Any]) -> Any:
+        # wasm-bindgen returns (value..., err_externref_slot, is_err).
+        if ret[-1]:
+            table = self.x["__wbindgen_externrefs"]
+            err = table.get(self.store, ret[-2])
+            self.x["__externref_table_dealloc"](self.store, ret[-2])
+            raise err if isinstance(err, _Rejected) else _Rejected(str(err))
+        return ret[0] if len(ret) == 3 else ret[:2]
+
+    def wgsl_to_spirv(self, wgsl: str) -> bytes:
+        s, x = self.store, self.x
+        src = wgsl.encode()
+        ptr = x["__wbindgen_malloc"](s, len(src), 1)
+        x["memory"].write(s, src, ptr)
+        mod = self._result(x["parseWgsl"](s, ptr, len(src)))  # takes ownership of `src`
+        owned = [("__wbg_module_free", mod)]
+        # Free on success and on rejection only: after a trap the instance is discarded, and
+        # calling into it again would only raise a second, misleading error.
+        try:
+            info = self._result(x["validate"](s, mod))
+            owned.append(("__wbg_moduleinfo_free", info))
+            out, n = self._result(x["writeSpirv"](s, mod, info, None))
+            spirv = bytes(x["memory"].read(s, out, out + 4 * n))
+            x["__wbindgen_free"](s, out, 4 * n, 4)
+        except _Rejected:
+            self._free(owned)
+            raise
+        self._free(owned)
+        return spirv
+
+    def _free(self, owned: list[tuple[str, int]]) -> None:
+        for fn, ptr in reversed(owned):
+            self.x[fn](self.store, ptr, 0)
+
+
+def _numbered(src: str) -> str:
+    lines = src.splitlines()
+    width = len(str(len(lines)))
+    return "\n".join(f"{i:>{width}} | {line}" for i, line in enumerate(lines, 1))
+
+
+def _error(msg: str, name: str, wgsl: str, report: str | None) -> NagaError:
+    err = NagaError(f"{msg}\n--- WGSL of '{name}' (numbered) ---\n{_numbered(wgsl)}")
+    err.report, err.wgsl, err.kernel_name = report, wgsl, name
+    return err
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    # Temp file in the same directory + os.replace: concurrent writers never expose a torn file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+class Compiler:
+    """WGSL -> SPIR-V with an in-process memo and an on-disk cache under `cache_dir`.
+
+    Everything expensive (hashing and compiling the wasm, instantiating it) happens on first use,
+    so constructing one is free. All work is serialized by one lock: a wasmtime Store is not
+    thread-safe, and a translation takes well under a millisecond anyway.
+    """
+
+    def __init__(self, cache_dir: Path | str | None = None,
+                 wasm_path: Path | str | None = None) -> None:
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        env = os.environ.get("VKML_NAGA_WASM")
+        self.wasm_path = Path(wasm_path or env or DEFAULT_WASM)
+        self.stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0,
+                      "module_compiles": 0, "module_deserializes": 0}
+        self._lock = threading.Lock()
+        self._memo: dict[str, bytes] = {}
+        self._wasm_hash: str | None = None
+        self._engine_module: tuple[wasmtime.Engine, wasmtime.Module] | None = None
+        self._naga: _NagaWasm | None = None
+
+    def _hash_wasm(self) -> str:
+        if self._wasm_hash is None:
+            if not self.wasm_path.is_file():
+                raise NagaError(
+                    f"naga's wasm file is missing: {self.wasm_path}. Run `npm ci` in {REPO_ROOT} "
+                    "(it fetches the naga-wasm package pinned in package.json), or set "
+                    "VKML_NAGA_WASM to the path of naga_bg.wasm.")
+            self._wasm_hash = hashlib.sha256(self.wasm_path.read_bytes()).hexdigest()
+        return self._wasm_hash
+
+    def _load_module(self) -> tuple[wasmtime.Engine, wasmtime.Module]:
+        # Compiling the 2 MB wasm takes ~1 s; a serialized module loads in milliseconds. It is
+        # only valid for the same wasm and wasmtime build, hence both in the file name.
+        if self._engine_module is None:
+            cfg = wasmtime.Config()
+            cfg.wasm_reference_types = True  # wasm-bindgen passes JS values as externrefs
+            engine = wasmtime.Engine(cfg)
+            ver = importlib.metadata.version("wasmtime")
+            path = self.cache_dir / "wasm" / f"naga-{self._hash_wasm()[:24]}-wasmtime-{ver}.cwasm"
+            try:
+                module = wasmtime.Module.deserialize_file(engine, str(path))
+                self.stats["module_deserializes"] += 1
+            except (wasmtime.WasmtimeError, OSError):  # absent, stale or foreign: recompile
+                module = wasmtime.Module.from_file(engine, str(self.wasm_path))
+                self.stats["module_compiles"] += 1
+                _write_atomic(path, module.serialize())
+            self._engine_module = engine, module
+        return self._engine_module
+
+    def _translate(self, wgsl: str, name: str) -> bytes:
+        if self._naga is None:
+            self._naga = _NagaWasm(*self._load_module())
+        self.stats["compiles"] += 1
+        try:
+            return self._naga.wgsl_to_spirv(wgsl)
+        except _Rejected as e:
+            raise _error(f"naga rejected kernel '{name}':\n{e}", name, wgsl, str(e)) from None
+        except BaseException as e:
+            # A trap can leave naga's heap half-updated: drop the instance, next call starts fresh.
+            self._naga = None
+            if not isinstance(e, (wasmtime.Trap, wasmtime.WasmtimeError, _WasmThrew)):
+                raise
+            what = str(e).strip().splitlines()[-1].strip()
+            raise _error(
+                f"naga crashed on kernel '{name}' ({what}). "
+                "Known cause: a non-constant stride in a cooperative-matrix load/store "
+                "(coopLoad*/coopStore*): bake strides into the WGSL as literals.",
+                name, wgsl, str(e)) from e
+
+    def compile(self, wgsl: str, name: str) -> bytes:
+        """SPIR-V words (little-endian u32 stream) for `wgsl`; `name` only labels errors."""
+        with self._lock:
+            key = hashlib.sha256(f"{self._hash_wasm()}\0{wgsl}".encode()).hexdigest()
+            if key in self._memo:
+                self.stats["memory_hits"] += 1
+                return self._memo[key]
+            path = self.cache_dir / "spirv" / f"{key}.spv"
+            try:
+                spirv = path.read_bytes()
+                ok = len(spirv) % 4 == 0 and int.from_bytes(spirv[:4], "little") == SPIRV_MAGIC
+            except OSError:
+                ok = False
+            if ok:
+                self.stats["disk_hits"] += 1
+            else:
+                spirv = self._translate(wgsl, name)
+                _write_atomic(path, spirv)
+            self._memo[key] = spirv
+            return spirv
+
+
+_default: Compiler | None = None
+_default_lock = threading.Lock()
+
+
+def _compiler() -> Compiler:
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Compiler()
+        return _default
+
+
+def compile_wgsl(wgsl: str, name: str) -> bytes:
+    """WGSL -> SPIR-V bytes via the process-wide Compiler (cache dir from the environment)."""
+    return _compiler().compile(wgsl, name)
+
+
+def cache_stats() -> dict[str, int]:
+    """Counts of memory hits, disk hits, wasm translations and wasm-module loads so far."""
+    return dict(_compiler().stats)
+
+
+def _reset_for_tests() -> None:
+    """Forget the process-wide Compiler, so it re-reads VKML_CACHE_DIR / VKML_NAGA_WASM."""
+    global _default
+    with _default_lock:
+        _default = None

@@ -1,0 +1,154 @@
+"""Elementwise ops: one output element from the inputs' elements at the same (broadcast) index.
+
+Each is one WGSL expression; the pointwise kernel archetype wraps it with the indexing. Unary ops
+come from one table so that the forward expression and the derivative sit side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..errors import GraphError
+from . import OpDef, Shape, contiguous_strides, register
+
+if TYPE_CHECKING:
+    from ..graph import Graph, Tensor
+
+
+def _same(inputs, attrs):
+    (x,) = inputs
+    if x.dtype != "f32":
+        raise GraphError(f"expects f32, got {x.dtype}")
+    return x.shape, "f32"
+
+
+def broadcast_shapes(a: Shape, b: Shape) -> Shape:
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        da = a[-i] if i <= len(a) else 1
+        db = b[-i] if i <= len(b) else 1
+        if da != db and 1 not in (da, db):
+            raise GraphError(f"shapes {a} and {b} do not broadcast: axis -{i} is {da} vs {db}")
+        out.append(max(da, db))
+    return tuple(reversed(out))
+
+
+def _binary(inputs, attrs):
+    a, b = inputs
+    if a.dtype != "f32" or b.dtype != "f32":
+        raise GraphError(f"expects f32 operands, got {a.dtype} and {b.dtype}")
+    return broadcast_shapes(a.shape, b.shape), "f32"
+
+
+def sum_to(g: Graph, x: Tensor, shape: Shape) -> Tensor:
+    """Undo broadcasting: sum `x` over the axes along which `shape` was broadcast."""
+    if x.shape == shape:
+        return x
+    pad = len(x.shape) - len(shape)
+    axes = [i for i in range(len(x.shape)) if i < pad or (shape[i - pad] == 1 and x.shape[i] != 1)]
+    return g.reshape(g.sum(x, axes), shape) if axes else g.reshape(x, shape)
+
+
+# ---- unary ops: name -> (expression of x0, gradient(g, x, y, gout)) -----------------------------
+ERF_HELPER = """
+fn vkml_erf(x: f32) -> f32 {
+  // Abramowitz & Stegun 7.1.26 is too coarse for 1e-5 agreement; this is the erfc-based
+  // Numerical Recipes (erfcc) approximation, |error| < 1.2e-7 everywhere.
+  let z = abs(x);
+  let t = 1.0 / (1.0 + 0.5 * z);
+  let r = t * exp(-z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 +
+    t * (-0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 +
+    t * (-0.82215223 + t * 0.17087277)))))))));
+  return select(r - 1.0, 1.0 - r, x >= 0.0);
+}
+"""
+TANH_HELPER = """
+fn vkml_tanh(x: f32) -> f32 {
+  // exp(-2|x|) never overflows, unlike the (e^2x - 1) / (e^2x + 1) some drivers use for tanh.
+  let t = exp(-2.0 * abs(x));
+  return sign(x) * (1.0 - t) / (1.0 + t);
+}
+"""
+UnaryGrad = Callable[["Graph", "Tensor", "Tensor", "Tensor"], "Tensor"]
+UNARY: dict[str, tuple[str, str, UnaryGrad | None]] = {
+    "relu": ("max(x0, 0.0)", "", lambda g, x, y, d: g.mul(d, g.apply("step", [x]))),
+    "step": ("select(0.0, 1.0, x0 > 0.0)", "", None),
+    "sigmoid": ("1.0 / (1.0 + exp(-x0))", "", lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y)))),
+    "tanh": ("vkml_tanh(x0)", TANH_HELPER, lambda g, x, y, d: g.mul(d, g.sub(1.0, g.mul(y, y)))),
+    "gelu": ("0.5 * x0 * (1.0 + vkml_erf(x0 * 0.70710678118654752))", ERF_HELPER,
+             lambda g, x, y, d: g.mul(d, g.apply("gelu_deriv", [x]))),
+    "gelu_deriv": ("0.5 * (1.0 + vkml_erf(x0 * 0.70710678118654752))"
+                   " + x0 * exp(-0.5 * x0 * x0) * 0.39894228040143268", ERF_HELPER, None),
+    "silu": ("x0 / (1.0 + exp(-x0))", "", lambda g, x, y, d: g.mul(d, g.apply("silu_deriv", [x]))),
+    "silu_deriv": ("(1.0 / (1.0 + exp(-x0))) * (1.0 + x0 * (1.0 - 1.0 / (1.0 + exp(-x0))))", "",
+                   None),
+    "exp": ("exp(x0)", "", lambda g, x, y, d: g.mul(d, y)),
+    "log": ("log(x0)", "", lambda g, x, y, d: g.div(d, x)),
+    "neg": ("-x0", "", lambda g, x, y, d: g.neg(d)),
+}
+
+
+def _unary_grad(rule: UnaryGrad) -> Callable:
+    return lambda g, node, d: [rule(g, node.inputs[0], node, d)]
+
+
+for _name, (_expr, _helpers, _grad) in UNARY.items():
+    register(OpDef(_name, _same, "pointwise", grad=_unary_grad(_grad) if _grad else None,
+                   expr=lambda node, e=_expr: e, helpers=_helpers))
+
+
+# ---- binary ops with numpy broadcasting -------------------------------------------------------
+def _add_grad(g, node, d):
+    a, b = node.inputs
+    return [sum_to(g, d, a.shape), sum_to(g, d, b.shape)]
+
+
+def _sub_grad(g, node, d):
+    a, b = node.inputs
+    return [sum_to(g, d, a.shape), sum_to(g, g.neg(d), b.shape)]
+
+
+def _mul_grad(g, node, d):
+    a, b = node.inputs
+    return [sum_to(g, g.mul(d, b), a.shape), sum_to(g, g.mul(d, a), b.shape)]
+
+
+def _div_grad(g, node, d):
+    a, b = node.inputs
+    da = g.div(d, b)
+    return [sum_to(g, da, a.shape), sum_to(g, g.neg(g.mul(da, node)), b.shape)]
+
+
+for _name, _op, _grad in (("add", "+", _add_grad), ("sub", "-", _sub_grad),
+                          ("mul", "*", _mul_grad), ("div", "/", _div_grad)):
+    register(OpDef(_name, _binary, "pointwise", grad=_grad, expr=lambda n, o=_op: f"x0 {o} x1"))
+
+
+# ---- explicit broadcasting and one-hot encoding -------------------------------------------------
+def _broadcast_to(inputs, attrs):
+    (x,) = inputs
+    shape = attrs["shape"]
+    if broadcast_shapes(x.shape, shape) != shape:
+        raise GraphError(f"cannot broadcast {x.shape} to {shape}")
+    return shape, x.dtype
+
+
+register(OpDef("broadcast_to", _broadcast_to, "pointwise",
+               grad=lambda g, node, d: [sum_to(g, d, node.inputs[0].shape)],
+               expr=lambda node: "x0"))
+
+
+def _one_hot(inputs, attrs):
+    (labels,) = inputs
+    if labels.dtype != "i32":
+        raise GraphError(f"one_hot expects i32 class indices, got {labels.dtype}")
+    return (*labels.shape, attrs["num_classes"]), "f32"
+
+
+register(OpDef(
+    "one_hot", _one_hot, "pointwise",
+    expr=lambda node: f"select(0.0, 1.0, x0 == i32(i{len(node.shape) - 1}))",
+    strides=lambda node: [(*contiguous_strides(node.inputs[0].shape), 0)],
+))
+

@@ -1,0 +1,312 @@
+"""VulkanBackend: the vkml.backend.Backend contract on top of the `vulkan` (cffi) package."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from vkml.backend import BufferKind, Capabilities, Command, Copy
+from vkml.errors import DeviceError
+from vkml.vk.commands import Program, destroy_program, read_timings, record_program
+from vkml.vk.device import WAIT_TIMEOUT_NS, Device
+from vkml.vk.memory import Buffer, allocate_buffer, free_buffer
+from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
+
+
+class VulkanBackend:
+    """One Vulkan device and queue; buffers, pipelines and pre-recorded programs on it.
+
+    `selector` (or env VKML_DEVICE) picks the device: an index into the enumeration or part of
+    its name; by default a discrete GPU, then integrated, virtual, CPU. Completion is tracked with
+    one timeline semaphore (a fence per program when the device lacks them, or when
+    `timeline_semaphores=False`). submit() is safe from several threads (`queue_lock` guards the
+    queue, and a host renderer sharing the queue should take it too); recording and freeing are
+    meant for one thread.
+    """
+
+    caps: Capabilities
+
+    def __init__(self, selector: str | None = None, *, timeline_semaphores: bool = True) -> None:
+        self._closed = False
+        self._pool: Any = None
+        self._cache: PipelineCache | None = None
+        self._semaphore: Any = None
+        self._dev = dev = Device(selector, timeline_semaphores)
+        self._vk, self._ffi, self._lib = dev.vk, dev.ffi, dev.lib
+        self._device, self._queue = dev.device, dev.queue
+        self.caps = dev.caps
+        self.validation_messages: list[str] = dev.validation_messages
+        self.queue_lock = threading.Lock()
+        self._buffers: set[Buffer] = set()
+        self._pipelines: list[Pipeline] = []
+        self._programs: set[Program] = set()
+        self._in_flight: set[Program] = set()  # fence mode only
+        self._timeline = dev.timeline
+        self._value = 0  # last timeline value submitted
+        self._completed = 0  # a timeline value known to be reached
+        vk, ffi = self._vk, self._ffi
+        try:
+            info = ffi.new("VkCommandPoolCreateInfo*", {
+                "sType": vk.VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+                "queueFamilyIndex": dev.queue_family})
+            out = ffi.new("VkCommandPool*")
+            self._check(self._lib.vkCreateCommandPool(self._device, info, ffi.NULL, out),
+                        "vkCreateCommandPool")
+            self._pool = out[0]
+            self._cache = PipelineCache(dev)
+            if self._timeline:
+                kind = ffi.new("VkSemaphoreTypeCreateInfo*", {
+                    "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
+                    "semaphoreType": vk.VK_SEMAPHORE_TYPE_TIMELINE})
+                sinfo = ffi.new("VkSemaphoreCreateInfo*", {
+                    "sType": vk.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, "pNext": kind})
+                sem = ffi.new("VkSemaphore[1]")
+                self._check(self._lib.vkCreateSemaphore(self._device, sinfo, ffi.NULL, sem),
+                            "vkCreateSemaphore (timeline)")
+                self._semaphore, self._semaphore_array = sem[0], sem
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<VulkanBackend {self.caps.device_name!r} ({self.caps.device_type})>"
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    def create_buffer(self, nbytes: int, kind: BufferKind, label: str) -> Buffer:
+        self._alive()
+        buf = allocate_buffer(self._dev, nbytes, kind, label)
+        self._buffers.add(buf)
+        return buf
+
+    def free_buffer(self, buffer: Buffer) -> None:
+        """Release `buffer`; the caller guarantees no pending or recorded program still uses it."""
+        if buffer in self._buffers:
+            self._buffers.discard(buffer)
+            free_buffer(self._dev, buffer)
+
+    def write_buffer(self, buffer: Buffer, offset: int, data: bytes | memoryview) -> None:
+        """Host -> buffer. Mapped buffers are written at once: wait() first if in use."""
+        n = memoryview(data).nbytes
+        if offset < 0 or offset + n > buffer.nbytes:
+            raise DeviceError(f"write of {n} bytes at offset {offset} does not fit in {buffer!r}")
+        if buffer.host_write:
+            self._ffi.memmove(buffer.pointer + offset, data, n)
+            return
+        if n == 0:
+            return
+        staging = self.create_buffer(n, "upload", "staging-write")
+        try:
+            self._ffi.memmove(staging.pointer, data, n)
+            self.run_now([Copy(staging, 0, buffer, offset, n)])
+        finally:
+            self.free_buffer(staging)
+
+    def read_buffer(self, buffer: Buffer, offset: int, nbytes: int) -> bytes:
+        """Buffer -> host. Call wait() first so the work that writes `buffer` has finished."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > buffer.nbytes:
+            raise DeviceError(f"read of {nbytes} bytes at offset {offset} does not fit in "
+                              f"{buffer!r}")
+        if buffer.host_read:
+            return self._ffi.buffer(buffer.pointer + offset, nbytes)[:]
+        if nbytes == 0:
+            return b""
+        staging = self.create_buffer(nbytes, "readback", "staging-read")
+        try:
+            self.run_now([Copy(buffer, offset, staging, 0, nbytes)])
+            return self._ffi.buffer(staging.pointer, nbytes)[:]
+        finally:
+            self.free_buffer(staging)
+
+    # -- pipelines ----------------------------------------------------------------------------
+
+    def create_pipeline(self, name: str, wgsl: str, spirv: bytes, num_bindings: int,
+                        writable: Sequence[bool]) -> Pipeline:
+        """A compute pipeline from SPIR-V (`wgsl` is the source it came from, kept for errors)."""
+        self._alive()
+        try:
+            pipe = create_pipeline(self._dev, self._cache, name, spirv, num_bindings, writable)
+        except DeviceError as exc:
+            raise DeviceError(f"{exc}\n--- WGSL of kernel {name!r} ---\n{wgsl}") from None
+        self._pipelines.append(pipe)
+        return pipe
+
+    # -- programs -----------------------------------------------------------------------------
+
+    def record(self, commands: Sequence[Command], label: str,
+               timestamps: bool = False) -> Program:
+        """Record `commands` once into a Program that submit() can run any number of times."""
+        self._alive()
+        prog = record_program(self._dev, self._pool, commands, label, timestamps)
+        vk, ffi = self._vk, self._ffi
+        buffers = ffi.new("VkCommandBuffer[1]", [prog.command_buffer])
+        info = ffi.new("VkSubmitInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "commandBufferCount": 1,
+            "pCommandBuffers": buffers})
+        keep: tuple[Any, ...] = (buffers, info)
+        if self._timeline:
+            prog.signal_value = ffi.new("uint64_t[1]")
+            timeline = ffi.new("VkTimelineSemaphoreSubmitInfo*", {
+                "sType": vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO,
+                "signalSemaphoreValueCount": 1, "pSignalSemaphoreValues": prog.signal_value})
+            info.pNext = timeline
+            info.signalSemaphoreCount = 1
+            info.pSignalSemaphores = self._semaphore_array
+            keep += (timeline,)
+        else:
+            finfo = ffi.new("VkFenceCreateInfo*", {"sType": vk.VK_STRUCTURE_TYPE_FENCE_CREATE_INFO})
+            fence = ffi.new("VkFence[1]")
+            result = self._lib.vkCreateFence(self._device, finfo, ffi.NULL, fence)
+            if result != vk.VK_SUCCESS:
+                destroy_program(self._dev, self._pool, prog)
+                self._check(result, "vkCreateFence")
+            prog.fence = fence
+        prog.submit_info = info
+        prog._keep = keep
+        self._programs.add(prog)
+        return prog
+
+    def submit(self, program: Program) -> None:
+        """Queue `program` to run; returns at once. A still-running `program` is waited for."""
+        if program.submit_info is None:
+            raise DeviceError(f"{program!r} was freed or belongs to a closed backend")
+        lib = self._lib
+        if self._timeline:
+            if program.last_value > self._completed:
+                # A command buffer without SIMULTANEOUS_USE must not be pending twice.
+                self._wait_value(program.last_value)
+            with self.queue_lock:
+                value = self._value + 1
+                program.signal_value[0] = value
+                result = lib.vkQueueSubmit(self._queue, 1, program.submit_info, self._ffi.NULL)
+                if result == 0:
+                    self._value = program.last_value = value
+        else:
+            if program.in_flight:
+                self._wait_fences([program])
+            lib.vkResetFences(self._device, 1, program.fence)
+            with self.queue_lock:
+                result = lib.vkQueueSubmit(self._queue, 1, program.submit_info, program.fence[0])
+            if result == 0:
+                program.in_flight = True
+                self._in_flight.add(program)
+        if result != 0:
+            self._check(result, f"vkQueueSubmit of program {program.label!r}")
+        program.submitted = True
+
+    def wait(self) -> None:
+        """Block until everything submitted so far has finished."""
+        if self._timeline:
+            target = self._value
+            if target > self._completed:
+                self._wait_value(target)
+        elif self._in_flight:
+            self._wait_fences(list(self._in_flight))
+
+    def run_now(self, commands: Sequence[Command]) -> None:
+        """Record, run and free a one-off program (uploads, downloads): slow, for rare use."""
+        prog = self.record(commands, "run_now")
+        try:
+            self.submit(prog)
+            self.wait()
+        finally:
+            self.free_program(prog)
+
+    def program_timings(self, program: Program) -> list[float]:
+        """Milliseconds per dispatch of the latest run of a program recorded with timestamps.
+
+        Each entry spans from the end of the previous dispatch (or the program's start) to the
+        end of this one, so dispatches without a Barrier between them may share time.
+        """
+        return read_timings(self._dev, program)
+
+    def free_program(self, program: Program) -> None:
+        """Release a program's command buffer and descriptor sets, after it has finished."""
+        if program not in self._programs:
+            return
+        if self._timeline:
+            if program.last_value > self._completed:
+                self._wait_value(program.last_value)
+        elif program.in_flight:
+            self._wait_fences([program])
+        self._programs.discard(program)
+        destroy_program(self._dev, self._pool, program)
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the device to go idle and destroy everything; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        dev, lib, null = self._dev, self._lib, self._ffi.NULL
+        if self._device is not None:
+            with self.queue_lock:
+                lib.vkDeviceWaitIdle(self._device)  # on device loss there is nothing to wait for
+            for prog in list(self._programs):
+                destroy_program(dev, self._pool, prog)
+            for pipe in self._pipelines:
+                destroy_pipeline(dev, pipe)
+            for buf in list(self._buffers):
+                free_buffer(dev, buf)
+            self._programs.clear()
+            self._in_flight.clear()
+            self._pipelines.clear()
+            self._buffers.clear()
+            if self._cache is not None:
+                self._cache.save_and_destroy()
+            if self._semaphore is not None:
+                lib.vkDestroySemaphore(self._device, self._semaphore, null)
+            if self._pool is not None:
+                lib.vkDestroyCommandPool(self._device, self._pool, null)
+        dev.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _alive(self) -> None:
+        if self._closed:
+            raise DeviceError("this VulkanBackend is closed")
+
+    def _check(self, result: int, what: str) -> None:
+        vk = self._vk
+        if result == vk.VK_SUCCESS:
+            return
+        if result == vk.VK_ERROR_DEVICE_LOST:
+            raise DeviceError(
+                f"{what}: the Vulkan device {self.caps.device_name!r} was lost (driver reset, "
+                "GPU fault or a kernel that ran out of bounds); close this backend and make a "
+                "new one")
+        if result == vk.VK_TIMEOUT:
+            raise DeviceError(
+                f"{what}: the GPU did not finish within {WAIT_TIMEOUT_NS // 10**9} s; a kernel is "
+                "hung or far too slow for this device (try smaller chunks)")
+        name = getattr(vk.exception_codes.get(result), "__name__", str(result))
+        raise DeviceError(f"{what} failed with {name}")
+
+    def _wait_value(self, value: int) -> None:
+        ffi = self._ffi
+        values = ffi.new("uint64_t[1]", [value])
+        info = ffi.new("VkSemaphoreWaitInfo*", {
+            "sType": self._vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO, "semaphoreCount": 1,
+            "pSemaphores": self._semaphore_array, "pValues": values})
+        self._check(self._lib.vkWaitSemaphores(self._device, info, WAIT_TIMEOUT_NS),
+                    "waiting for submitted work")
+        self._completed = max(self._completed, value)
+
+    def _wait_fences(self, programs: list[Program]) -> None:
+        fences = self._ffi.new("VkFence[]", [p.fence[0] for p in programs])
+        self._check(self._lib.vkWaitForFences(self._device, len(programs), fences, 1,
+                                              WAIT_TIMEOUT_NS), "waiting for submitted work")
+        for p in programs:
+            p.in_flight = False
+            self._in_flight.discard(p)

@@ -1,0 +1,257 @@
+"""Recording a command list into a reusable command buffer (a Program)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vkml.backend import Barrier, Command, Copy, Dispatch
+from vkml.errors import DeviceError
+from vkml.vk.memory import Buffer
+from vkml.vk.pipelines import Pipeline
+
+
+class Program:
+    """A recorded command buffer plus the descriptor sets and queries it uses.
+
+    `submit_info` (and the timeline value it points at) is built once here, so a submit only
+    stores a number and calls vkQueueSubmit.
+    """
+
+    __slots__ = (
+        "_keep",
+        "command_buffer",
+        "descriptor_pool",
+        "fence",
+        "in_flight",
+        "label",
+        "last_value",
+        "num_dispatches",
+        "query_pool",
+        "signal_value",
+        "submit_info",
+        "submitted",
+    )
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.command_buffer: Any = None
+        self.descriptor_pool: Any = None
+        self.query_pool: Any = None
+        self.num_dispatches = 0
+        self.submit_info: Any = None
+        self.signal_value: Any = None  # uint64_t[1] the timeline submit info points at
+        self.fence: Any = None  # VkFence[1], only without timeline semaphores
+        self.last_value = 0  # timeline value of the latest submit
+        self.in_flight = False  # fence mode: submitted and not yet waited for
+        self.submitted = False
+        self._keep: tuple[Any, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"<vk.Program {self.label!r} {self.num_dispatches} dispatches>"
+
+
+def _memory_barrier(dev: Any, cb: Any, src_stage: int, src_access: int, dst_stage: int,
+                    dst_access: int) -> None:
+    vk, ffi = dev.vk, dev.ffi
+    barrier = ffi.new("VkMemoryBarrier*", {"sType": vk.VK_STRUCTURE_TYPE_MEMORY_BARRIER,
+                                           "srcAccessMask": src_access,
+                                           "dstAccessMask": dst_access})
+    dev.lib.vkCmdPipelineBarrier(cb, src_stage, dst_stage, 0, 1, barrier, 0, ffi.NULL, 0, ffi.NULL)
+
+
+def _check_range(buf: Any, offset: int, nbytes: int, what: str) -> None:
+    if not isinstance(buf, Buffer) or buf.handle is None:
+        raise DeviceError(f"{what}: {buf!r} is not a live buffer of this backend")
+    if nbytes <= 0 or offset < 0 or offset + nbytes > buf.nbytes:
+        raise DeviceError(f"{what}: bytes [{offset}, {offset + nbytes}) do not fit in "
+                          f"{buf!r}")
+
+
+def validate(dev: Any, commands: Sequence[Command], label: str) -> None:
+    align = dev.caps.min_storage_offset_alignment
+    for n, cmd in enumerate(commands):
+        if isinstance(cmd, Dispatch):
+            pipe = cmd.pipeline
+            what = f"program {label!r} command {n} (kernel {getattr(pipe, 'name', pipe)!r})"
+            if not isinstance(pipe, Pipeline) or pipe.handle is None:
+                raise DeviceError(f"{what}: not a live pipeline of this backend")
+            if len(cmd.bindings) != pipe.num_bindings:
+                raise DeviceError(f"{what}: {len(cmd.bindings)} bindings for a kernel with "
+                                  f"{pipe.num_bindings}")
+            for i, b in enumerate(cmd.bindings):
+                _check_range(b.buffer, b.offset, b.nbytes, f"{what} binding {i}")
+                if b.offset % align:
+                    raise DeviceError(f"{what} binding {i}: offset {b.offset} is not a multiple "
+                                      f"of minStorageBufferOffsetAlignment={align}")
+                if b.nbytes > dev.caps.max_storage_buffer_range:
+                    raise DeviceError(f"{what} binding {i}: {b.nbytes} bytes exceed "
+                                      f"maxStorageBufferRange={dev.caps.max_storage_buffer_range}")
+            if any(g > m for g, m in zip(cmd.groups, dev.caps.max_workgroup_count, strict=True)):
+                raise DeviceError(f"{what}: groups {cmd.groups} exceed maxComputeWorkGroupCount="
+                                  f"{dev.caps.max_workgroup_count}")
+        elif isinstance(cmd, Copy):
+            what = f"program {label!r} command {n} (copy)"
+            _check_range(cmd.src, cmd.src_offset, cmd.nbytes, f"{what} source")
+            _check_range(cmd.dst, cmd.dst_offset, cmd.nbytes, f"{what} destination")
+            if cmd.src is cmd.dst and abs(cmd.src_offset - cmd.dst_offset) < cmd.nbytes:
+                raise DeviceError(f"{what}: source and destination ranges overlap")
+        elif not isinstance(cmd, Barrier):
+            raise DeviceError(f"program {label!r} command {n}: unknown command {cmd!r}")
+
+
+def record_program(dev: Any, pool: Any, commands: Sequence[Command], label: str,
+                   timestamps: bool) -> Program:
+    """Record `commands` into a new primary command buffer allocated from `pool`."""
+    vk, ffi, lib, device = dev.vk, dev.ffi, dev.lib, dev.device
+    validate(dev, commands, label)
+    prog = Program(label)
+    dispatches = [c for c in commands if isinstance(c, Dispatch)]
+    prog.num_dispatches = len(dispatches)
+    try:
+        sets = iter(_descriptor_sets(dev, prog, [d for d in dispatches if d.bindings]))
+
+        alloc = ffi.new("VkCommandBufferAllocateInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, "commandPool": pool,
+            "level": vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, "commandBufferCount": 1})
+        out = ffi.new("VkCommandBuffer[1]")
+        if lib.vkAllocateCommandBuffers(device, alloc, out) != vk.VK_SUCCESS:
+            raise DeviceError(f"program {label!r}: vkAllocateCommandBuffers failed")
+        cb = prog.command_buffer = out[0]
+
+        query_count = len(dispatches) + 1
+        if timestamps and dev.caps.timestamp_period_ns > 0:
+            qinfo = ffi.new("VkQueryPoolCreateInfo*", {
+                "sType": vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
+                "queryType": vk.VK_QUERY_TYPE_TIMESTAMP, "queryCount": query_count})
+            qout = ffi.new("VkQueryPool*")
+            if lib.vkCreateQueryPool(device, qinfo, ffi.NULL, qout) != vk.VK_SUCCESS:
+                raise DeviceError(f"program {label!r}: vkCreateQueryPool failed")
+            prog.query_pool = qout[0]
+
+        # Not ONE_TIME_SUBMIT: the same buffer is resubmitted for every step.
+        begin = ffi.new("VkCommandBufferBeginInfo*",
+                        {"sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO})
+        lib.vkBeginCommandBuffer(cb, begin)
+        compute = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
+        transfer = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+        writes = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+        all_access = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
+                      | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+        if prog.query_pool is not None:
+            lib.vkCmdResetQueryPool(cb, prog.query_pool, 0, query_count)
+        # Earlier submissions and host writes (inputs written between steps) become visible.
+        _memory_barrier(dev, cb, compute | transfer | vk.VK_PIPELINE_STAGE_HOST_BIT,
+                        writes | vk.VK_ACCESS_HOST_WRITE_BIT, compute | transfer, all_access)
+        bottom = vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT
+        if prog.query_pool is not None:
+            lib.vkCmdWriteTimestamp(cb, bottom, prog.query_pool, 0)
+        set_array = ffi.new("VkDescriptorSet[1]")
+        region = ffi.new("VkBufferCopy*")
+        bind = vk.VK_PIPELINE_BIND_POINT_COMPUTE
+        n_dispatch = 0
+        for cmd in commands:
+            if isinstance(cmd, Dispatch):
+                lib.vkCmdBindPipeline(cb, bind, cmd.pipeline.handle)
+                if cmd.bindings:
+                    set_array[0] = next(sets)
+                    lib.vkCmdBindDescriptorSets(cb, bind, cmd.pipeline.layout, 0, 1, set_array,
+                                                0, ffi.NULL)
+                lib.vkCmdDispatch(cb, *cmd.groups)
+                n_dispatch += 1
+                if prog.query_pool is not None:
+                    lib.vkCmdWriteTimestamp(cb, bottom, prog.query_pool, n_dispatch)
+            elif isinstance(cmd, Barrier):
+                _memory_barrier(dev, cb, compute | transfer, writes, compute | transfer,
+                                all_access)
+            else:
+                region.srcOffset, region.dstOffset, region.size = (
+                    cmd.src_offset, cmd.dst_offset, cmd.nbytes)
+                lib.vkCmdCopyBuffer(cb, cmd.src.handle, cmd.dst.handle, 1, region)
+        # With this, a read_buffer after wait() sees the results through the mapping.
+        _memory_barrier(dev, cb, compute | transfer, writes, vk.VK_PIPELINE_STAGE_HOST_BIT,
+                        vk.VK_ACCESS_HOST_READ_BIT)
+        if lib.vkEndCommandBuffer(cb) != vk.VK_SUCCESS:
+            raise DeviceError(f"program {label!r}: vkEndCommandBuffer failed")
+    except BaseException:
+        destroy_program(dev, pool, prog)
+        raise
+    return prog
+
+
+def _descriptor_sets(dev: Any, prog: Program, dispatches: list[Dispatch]) -> list[Any]:
+    """One descriptor set per dispatch, from a pool that belongs to `prog` alone."""
+    if not dispatches:
+        return []
+    vk, ffi, lib, device = dev.vk, dev.ffi, dev.lib, dev.device
+    total = sum(len(d.bindings) for d in dispatches)
+    size = ffi.new("VkDescriptorPoolSize*", {"type": vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+                                             "descriptorCount": total})
+    pool_info = ffi.new("VkDescriptorPoolCreateInfo*", {
+        "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_POOL_CREATE_INFO, "maxSets": len(dispatches),
+        "poolSizeCount": 1, "pPoolSizes": size})
+    out_pool = ffi.new("VkDescriptorPool*")
+    if lib.vkCreateDescriptorPool(device, pool_info, ffi.NULL, out_pool) != vk.VK_SUCCESS:
+        raise DeviceError(f"program {prog.label!r}: vkCreateDescriptorPool failed")
+    prog.descriptor_pool = out_pool[0]
+
+    layouts = ffi.new("VkDescriptorSetLayout[]", [d.pipeline.set_layout for d in dispatches])
+    alloc = ffi.new("VkDescriptorSetAllocateInfo*", {
+        "sType": vk.VK_STRUCTURE_TYPE_DESCRIPTOR_SET_ALLOCATE_INFO,
+        "descriptorPool": prog.descriptor_pool, "descriptorSetCount": len(dispatches),
+        "pSetLayouts": layouts})
+    sets = ffi.new("VkDescriptorSet[]", len(dispatches))
+    if lib.vkAllocateDescriptorSets(device, alloc, sets) != vk.VK_SUCCESS:
+        raise DeviceError(f"program {prog.label!r}: vkAllocateDescriptorSets failed")
+
+    infos = ffi.new("VkDescriptorBufferInfo[]", total)
+    writes = ffi.new("VkWriteDescriptorSet[]", total)
+    k = 0
+    for s, d in enumerate(dispatches):
+        for i, b in enumerate(d.bindings):
+            infos[k].buffer, infos[k].offset, infos[k].range = b.buffer.handle, b.offset, b.nbytes
+            w = writes[k]
+            w.sType = vk.VK_STRUCTURE_TYPE_WRITE_DESCRIPTOR_SET
+            w.dstSet, w.dstBinding, w.descriptorCount = sets[s], i, 1
+            w.descriptorType = vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER
+            w.pBufferInfo = infos + k
+            k += 1
+    lib.vkUpdateDescriptorSets(device, total, writes, 0, ffi.NULL)
+    return list(sets)
+
+
+def read_timings(dev: Any, prog: Program) -> list[float]:
+    """Milliseconds per dispatch: the time between the end of one dispatch and the next."""
+    if prog.query_pool is None:
+        raise DeviceError(
+            f"program {prog.label!r} has no timestamps: record it with timestamps=True on a "
+            "device whose queue writes timestamps (caps.timestamp_period_ns > 0)")
+    if not prog.submitted:
+        raise DeviceError(f"program {prog.label!r} has not been submitted yet")
+    vk, ffi = dev.vk, dev.ffi
+    n = prog.num_dispatches + 1
+    values = ffi.new("uint64_t[]", n)
+    result = dev.lib.vkGetQueryPoolResults(
+        dev.device, prog.query_pool, 0, n, n * 8, values, 8,
+        vk.VK_QUERY_RESULT_64_BIT | vk.VK_QUERY_RESULT_WAIT_BIT)
+    if result != vk.VK_SUCCESS:
+        raise DeviceError(f"program {prog.label!r}: vkGetQueryPoolResults failed ({result})")
+    mask = (1 << dev.timestamp_valid_bits) - 1 if dev.timestamp_valid_bits < 64 else 2**64 - 1
+    scale = dev.caps.timestamp_period_ns / 1e6
+    return [((values[i + 1] - values[i]) & mask) * scale for i in range(n - 1)]
+
+
+def destroy_program(dev: Any, pool: Any, prog: Program) -> None:
+    lib, ffi, device = dev.lib, dev.ffi, dev.device
+    if prog.command_buffer is not None:
+        buffers = ffi.new("VkCommandBuffer[1]", [prog.command_buffer])
+        lib.vkFreeCommandBuffers(device, pool, 1, buffers)
+    if prog.descriptor_pool is not None:
+        lib.vkDestroyDescriptorPool(device, prog.descriptor_pool, ffi.NULL)
+    if prog.query_pool is not None:
+        lib.vkDestroyQueryPool(device, prog.query_pool, ffi.NULL)
+    if prog.fence is not None:
+        lib.vkDestroyFence(device, prog.fence[0], ffi.NULL)
+    prog.command_buffer = prog.descriptor_pool = prog.query_pool = prog.fence = None
+    prog.submit_info = prog.signal_value = None
+    prog._keep = ()

@@ -1,0 +1,312 @@
+"""Instance, physical-device choice, logical device and queue: everything below the backend.
+
+`vulkan` is imported here lazily (inside `load_vulkan`), so `import vkml.vk` works on a machine
+without libvulkan and fails only when a backend is actually constructed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+from vkml.backend import Capabilities
+from vkml.errors import DeviceError
+from vkml.vk.select import DEVICE_TYPE_NAMES, no_device_message, select_device
+
+VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
+WAIT_TIMEOUT_NS = 60 * 10**9
+
+
+def load_vulkan() -> ModuleType:
+    try:
+        import vulkan
+    except (OSError, ImportError) as exc:
+        raise DeviceError(
+            f"no Vulkan loader (libvulkan.so.1) could be loaded ({exc}); install the loader and "
+            "a driver (on Debian: apt-get install libvulkan1 mesa-vulkan-drivers) and the Python "
+            "binding (pip install vulkan)"
+        ) from exc
+    return vulkan
+
+
+def version_string(v: int) -> str:
+    return f"{v >> 22 & 0x7F}.{v >> 12 & 0x3FF}.{v & 0xFFF}"
+
+
+def _text(value: Any, ffi: Any) -> str:
+    # The binding hands back `str` for some char arrays and raw cdata for others.
+    return value if isinstance(value, str) else ffi.string(value).decode(errors="replace")
+
+
+def _check(vk: ModuleType, result: int, what: str) -> None:
+    if result != vk.VK_SUCCESS:
+        name = getattr(vk.exception_codes.get(result), "__name__", str(result))
+        raise DeviceError(f"{what} failed with {name}")
+
+
+class Device:
+    """A Vulkan instance + logical device with one compute queue, and what it can do (`caps`)."""
+
+    def __init__(self, selector: str | None, want_timeline: bool = True) -> None:
+        self.vk = vk = load_vulkan()
+        self.ffi = vk.ffi
+        self.lib = vk.lib
+        self.validation_messages: list[str] = []
+        self.instance: Any = None
+        self.device: Any = None
+        self._messenger: Any = None
+        self._destroy_messenger: Any = None
+        # cffi frees a callback when its object dies, and the layer would then call freed code.
+        self._callback: Any = None
+        try:
+            self._create_instance()
+            self._choose_physical_device(selector)
+            self._create_device(want_timeline)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- instance -----------------------------------------------------------------------------
+
+    def _create_instance(self) -> None:
+        vk, ffi = self.vk, self.ffi
+        loader_version = vk.vkEnumerateInstanceVersion()
+        if loader_version < vk.VK_MAKE_VERSION(1, 2, 0):
+            raise DeviceError(
+                f"the Vulkan loader supports only API {version_string(loader_version)}; vkml "
+                "needs 1.2 or newer (on Debian: apt-get install libvulkan1 from a current release)"
+            )
+        api = min(loader_version, vk.VK_MAKE_VERSION(1, 3, 0))
+
+        env_layers = os.environ.get("VK_INSTANCE_LAYERS", "")
+        explicit = os.environ.get("VKML_VALIDATION", "") == "1"
+        validate = VALIDATION_LAYER in env_layers or explicit
+        layers: list[str] = []
+        if explicit and VALIDATION_LAYER not in env_layers:
+            available = {_text(p.layerName, ffi) for p in vk.vkEnumerateInstanceLayerProperties()}
+            if VALIDATION_LAYER in available:
+                layers.append(VALIDATION_LAYER)
+            else:
+                print(f"vkml: VKML_VALIDATION=1 but {VALIDATION_LAYER} is not installed "
+                      "(on Debian: apt-get install vulkan-validationlayers)", file=sys.stderr)
+        extensions: list[str] = []
+        if validate:
+            names = {_text(e.extensionName, ffi)
+                     for e in vk.vkEnumerateInstanceExtensionProperties(None)}
+            if layers or VALIDATION_LAYER in env_layers:
+                try:
+                    names |= {_text(e.extensionName, ffi)
+                              for e in vk.vkEnumerateInstanceExtensionProperties(VALIDATION_LAYER)}
+                except vk.VkError:
+                    pass  # the layer is named in the env but not installed: the loader says so
+            if "VK_EXT_debug_utils" in names:
+                extensions.append("VK_EXT_debug_utils")
+
+        # Every string and struct the create call points at lives in a local until it returns.
+        app_name = ffi.new("char[]", b"vkml")
+        app = ffi.new("VkApplicationInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_APPLICATION_INFO, "pApplicationName": app_name,
+            "pEngineName": app_name, "apiVersion": api,
+        })
+        layer_strs = [ffi.new("char[]", s.encode()) for s in layers]
+        ext_strs = [ffi.new("char[]", s.encode()) for s in extensions]
+        layer_arr = ffi.new("char*[]", layer_strs) if layers else ffi.NULL
+        ext_arr = ffi.new("char*[]", ext_strs) if extensions else ffi.NULL
+        messenger_info = self._messenger_info() if extensions else ffi.NULL
+        info = ffi.new("VkInstanceCreateInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO,
+            # Chained here too so messages from vkCreateInstance/vkDestroyInstance are caught.
+            "pNext": messenger_info, "pApplicationInfo": app,
+            "enabledLayerCount": len(layers), "ppEnabledLayerNames": layer_arr,
+            "enabledExtensionCount": len(extensions), "ppEnabledExtensionNames": ext_arr,
+        })
+        out = ffi.new("VkInstance*")
+        result = self.lib.vkCreateInstance(info, ffi.NULL, out)
+        if result == vk.VK_ERROR_INCOMPATIBLE_DRIVER:
+            raise DeviceError(no_device_message())
+        _check(vk, result, "vkCreateInstance")
+        self.instance = out[0]
+        if extensions:
+            create = vk.vkGetInstanceProcAddr(self.instance, "vkCreateDebugUtilsMessengerEXT")
+            self._destroy_messenger = vk.vkGetInstanceProcAddr(
+                self.instance, "vkDestroyDebugUtilsMessengerEXT")
+            self._messenger = create(self.instance, messenger_info, None)
+
+    def _messenger_info(self) -> Any:
+        vk, ffi = self.vk, self.ffi
+        if self._callback is None:
+            self._callback = ffi.callback("PFN_vkDebugUtilsMessengerCallbackEXT", self._on_message)
+        return ffi.new("VkDebugUtilsMessengerCreateInfoEXT*", {
+            "sType": vk.VK_STRUCTURE_TYPE_DEBUG_UTILS_MESSENGER_CREATE_INFO_EXT,
+            # INFO/VERBOSE are the loader's and layer's chatter; only problems are recorded.
+            "messageSeverity": vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT
+            | vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT,
+            "messageType": vk.VK_DEBUG_UTILS_MESSAGE_TYPE_GENERAL_BIT_EXT
+            | vk.VK_DEBUG_UTILS_MESSAGE_TYPE_VALIDATION_BIT_EXT
+            | vk.VK_DEBUG_UTILS_MESSAGE_TYPE_PERFORMANCE_BIT_EXT,
+            "pfnUserCallback": self._callback,
+        })
+
+    def _on_message(self, severity: int, _types: int, data: Any, _user: Any) -> int:
+        ffi = self.ffi
+        message = ffi.string(data.pMessage).decode(errors="replace") if data.pMessage else ""
+        ident = ffi.string(data.pMessageIdName).decode() if data.pMessageIdName else ""
+        # The loader reports at WARNING that the env var enabled the layer: that is the setup
+        # working, not a problem.
+        if ident == "Loader Message" and message.startswith("env var "):
+            return self.vk.VK_FALSE
+        self.validation_messages.append(message)
+        if severity & self.vk.VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT:
+            print(f"vkml: Vulkan validation error: {message}", file=sys.stderr)
+        return self.vk.VK_FALSE
+
+    # -- physical device ----------------------------------------------------------------------
+
+    def _choose_physical_device(self, selector: str | None) -> None:
+        vk, ffi = self.vk, self.ffi
+        try:
+            physical = vk.vkEnumeratePhysicalDevices(self.instance)
+        except (vk.VkError, vk.VkException) as exc:
+            raise DeviceError(no_device_message()) from exc
+        described = []
+        for pd in physical:
+            props = vk.vkGetPhysicalDeviceProperties(pd)
+            described.append((_text(props.deviceName, ffi),
+                              DEVICE_TYPE_NAMES.get(props.deviceType, "other")))
+        if selector is None:
+            selector = os.environ.get("VKML_DEVICE")
+        index = select_device(described, selector)
+        self.physical = physical[index]
+        self.device_name, self.device_type = described[index]
+
+        families = vk.vkGetPhysicalDeviceQueueFamilyProperties(self.physical)
+        compute = [i for i, f in enumerate(families) if f.queueFlags & vk.VK_QUEUE_COMPUTE_BIT]
+        if not compute:
+            raise DeviceError(f"Vulkan device {self.device_name!r} has no compute queue")
+        # A universal (graphics+compute) family: it always supports timestamps, and it is the
+        # queue a host renderer shares with us, so one lock can serialize both.
+        universal = [i for i in compute if families[i].queueFlags & vk.VK_QUEUE_GRAPHICS_BIT]
+        self.queue_family = (universal or compute)[0]
+        self.timestamp_valid_bits = families[self.queue_family].timestampValidBits
+
+    # -- logical device -----------------------------------------------------------------------
+
+    def _create_device(self, want_timeline: bool) -> None:
+        vk, ffi, lib = self.vk, self.ffi, self.lib
+        pd = self.physical
+        extensions = {_text(e.extensionName, ffi)
+                      for e in vk.vkEnumerateDeviceExtensionProperties(pd, None)}
+        props = ffi.new("VkPhysicalDeviceProperties2*",
+                        {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2})
+        lib.vkGetPhysicalDeviceProperties2(pd, props)
+        device_api = props.properties.apiVersion
+        modern = device_api >= vk.VK_MAKE_VERSION(1, 2, 0)
+
+        subgroup = ffi.new("VkPhysicalDeviceSubgroupProperties*",
+                           {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES})
+        driver = ffi.new("VkPhysicalDeviceDriverProperties*",
+                         {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES,
+                          "pNext": subgroup})
+        if modern:
+            props.pNext = driver
+            lib.vkGetPhysicalDeviceProperties2(pd, props)
+            subgroup_size = subgroup.subgroupSize
+            driver_text = (f"{_text(driver.driverName, ffi)}: {_text(driver.driverInfo, ffi)}")
+        else:
+            subgroup_size = 32  # a 1.0/1.1 device: the Vulkan 1.2 property chain is not allowed
+            driver_text = f"driver version {props.properties.driverVersion:#x}"
+        limits = props.properties.limits
+        self.pipeline_cache_key = (
+            f"{props.properties.vendorID:04x}-{props.properties.deviceID:04x}-"
+            f"{props.properties.driverVersion:x}-"
+            + bytes(list(props.properties.pipelineCacheUUID)).hex()
+        )
+
+        # Query which optional features exist, then enable exactly those we use.
+        coop_ext = "VK_KHR_cooperative_matrix" in extensions
+        coop_stype = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
+        q_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {"sType": coop_stype})
+        q12 = ffi.new("VkPhysicalDeviceVulkan12Features*",
+                      {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+                       "pNext": q_coop if coop_ext else ffi.NULL})
+        q11 = ffi.new("VkPhysicalDeviceVulkan11Features*",
+                      {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,
+                       "pNext": q12})
+        if modern:
+            q2 = ffi.new("VkPhysicalDeviceFeatures2*",
+                         {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, "pNext": q11})
+            lib.vkGetPhysicalDeviceFeatures2(pd, q2)
+        self.timeline = bool(want_timeline and q12.timelineSemaphore)
+        f16 = bool(q12.shaderFloat16 and q11.storageBuffer16BitAccess)
+        memory_model = bool(q12.vulkanMemoryModel)
+        coop = bool(coop_ext and q_coop.cooperativeMatrix and f16 and memory_model)
+
+        e_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {
+            "sType": coop_stype, "cooperativeMatrix": vk.VK_TRUE})
+        e12 = ffi.new("VkPhysicalDeviceVulkan12Features*", {
+            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+            "pNext": e_coop if coop else ffi.NULL,
+            "timelineSemaphore": self.timeline, "shaderFloat16": f16,
+            "vulkanMemoryModel": memory_model,
+            "vulkanMemoryModelDeviceScope": bool(q12.vulkanMemoryModelDeviceScope)})
+        e11 = ffi.new("VkPhysicalDeviceVulkan11Features*", {
+            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, "pNext": e12,
+            "storageBuffer16BitAccess": f16})
+        enabled_exts = ["VK_KHR_cooperative_matrix"] if coop else []
+        ext_strs = [ffi.new("char[]", s.encode()) for s in enabled_exts]
+        ext_arr = ffi.new("char*[]", ext_strs) if ext_strs else ffi.NULL
+        priority = ffi.new("float[1]", [1.0])
+        queue_info = ffi.new("VkDeviceQueueCreateInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
+            "queueFamilyIndex": self.queue_family, "queueCount": 1,
+            "pQueuePriorities": priority})
+        info = ffi.new("VkDeviceCreateInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
+            "pNext": e11 if modern else ffi.NULL,
+            "queueCreateInfoCount": 1, "pQueueCreateInfos": queue_info,
+            "enabledExtensionCount": len(enabled_exts), "ppEnabledExtensionNames": ext_arr})
+        out = ffi.new("VkDevice*")
+        _check(vk, lib.vkCreateDevice(pd, info, ffi.NULL, out),
+               f"vkCreateDevice on {self.device_name!r}")
+        self.device = out[0]
+        queue = ffi.new("VkQueue*")
+        lib.vkGetDeviceQueue(self.device, self.queue_family, 0, queue)
+        self.queue = queue[0]
+
+        memory = vk.vkGetPhysicalDeviceMemoryProperties(pd)
+        self.memory_types = [(memory.memoryTypes[i].propertyFlags, memory.memoryTypes[i].heapIndex)
+                             for i in range(memory.memoryTypeCount)]
+        self.heap_sizes = [memory.memoryHeaps[i].size for i in range(memory.memoryHeapCount)]
+
+        timestamps = self.timestamp_valid_bits > 0 and limits.timestampPeriod > 0
+        self.caps = Capabilities(
+            device_name=self.device_name,
+            device_type=self.device_type,
+            api_version=version_string(device_api),
+            driver=driver_text,
+            max_workgroup_invocations=limits.maxComputeWorkGroupInvocations,
+            max_workgroup_size=tuple(limits.maxComputeWorkGroupSize),
+            max_workgroup_count=tuple(limits.maxComputeWorkGroupCount),
+            max_shared_memory_bytes=limits.maxComputeSharedMemorySize,
+            min_storage_offset_alignment=limits.minStorageBufferOffsetAlignment,
+            max_storage_buffer_range=limits.maxStorageBufferRange,
+            max_bindings_per_stage=limits.maxPerStageDescriptorStorageBuffers,
+            subgroup_size=subgroup_size,
+            timestamp_period_ns=float(limits.timestampPeriod) if timestamps else 0.0,
+            cooperative_matrix=coop,
+            shader_f16=f16,
+            extensions=frozenset(extensions),
+        )
+
+    def close(self) -> None:
+        if self.device is not None:
+            self.lib.vkDestroyDevice(self.device, self.ffi.NULL)
+            self.device = None
+        if self._messenger is not None:
+            self._destroy_messenger(self.instance, self._messenger, None)
+            self._messenger = None
+        if self.instance is not None:
+            self.lib.vkDestroyInstance(self.instance, self.ffi.NULL)
+            self.instance = None
