@@ -1,0 +1,205 @@
+"""The session as a user meets it: checkpoints, recording once, and clear errors on bad input
+that leave the session usable."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import vkml
+from vkml.ops import OPS
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def mlp_session(device, optimizer=None, seed=0):
+    g = vkml.Graph(seed=seed)
+    x = g.input("x", (4, 6))
+    labels = g.input("labels", (4,), "i32")
+    logits = vkml.nn.Linear(g, "fc2", 8, 3)(vkml.nn.Linear(g, "fc1", 6, 8)(x).relu())
+    g.output("logits", logits)
+    session = vkml.compile(g, loss=g.cross_entropy(logits, labels),
+                           optimizer=optimizer or vkml.Adam(lr=1e-2), device=device)
+    x_value = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    session.set_input("x", x_value)
+    session.set_input("labels", np.array([0, 1, 2, 1], np.int32))
+    return session
+
+
+def test_save_load_round_trip_restores_parameters_and_optimizer_state(device, tmp_path):
+    trained = mlp_session(device)
+    for _ in range(3):
+        trained.step()
+    path = tmp_path / "ckpt.safetensors"
+    trained.save(path)
+    saved = trained.state_dict()
+    assert "optimizer/fc1.weight/exp_avg" in saved and "optimizer/hyperparams" in saved
+
+    fresh = mlp_session(device, seed=99)  # different initial weights
+    fresh.load(path)
+    restored = fresh.state_dict()
+    assert restored.keys() == saved.keys()
+    for k in saved:
+        np.testing.assert_array_equal(restored[k], saved[k], err_msg=k)
+
+    # Resuming from the checkpoint continues exactly where the original run goes.
+    trained.step()
+    fresh.step()
+    for k, v in trained.params().items():
+        np.testing.assert_array_equal(fresh.read(k), v, err_msg=k)
+
+
+def test_load_checks_everything_before_changing_anything(device, tmp_path):
+    session = mlp_session(device)
+    before = session.state_dict()
+    bad = {k: v for k, v in session.params().items()}
+    bad["fc1.weight"] = np.zeros((2, 2), np.float32)  # wrong shape
+    bad["fc2.bias"] = np.ones(3, np.float32) * 5  # would change, but must not
+    path = tmp_path / "bad.safetensors"
+    save_file(bad, str(path))
+    with pytest.raises(vkml.InputError, match=r"'fc1.weight' has shape \(2, 2\), expected"):
+        session.load(path)
+    for k, v in session.state_dict().items():
+        np.testing.assert_array_equal(v, before[k])
+
+    partial = tmp_path / "partial.safetensors"
+    save_file({"fc1.bias": np.ones(8, np.float32), "other": np.ones(1, np.float32)}, str(partial))
+    with pytest.raises(vkml.InputError, match="missing parameters.*unknown tensors"):
+        session.load(partial)
+    save_file({"fc1.bias": np.ones(8, np.float32)}, str(partial))
+    session.load(partial, strict=False)
+    np.testing.assert_array_equal(session.read("fc1.bias"), np.ones(8, np.float32))
+
+
+def test_weights_saved_by_torch_load_by_name(device, tmp_path):
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Sequential()
+    net.add_module("fc1", torch.nn.Linear(6, 8))
+    net.add_module("act", torch.nn.ReLU())
+    net.add_module("fc2", torch.nn.Linear(8, 3))
+    path = tmp_path / "torch.safetensors"
+    save_file({k: v.detach().numpy() for k, v in net.state_dict().items()}, str(path))
+    session = mlp_session(device)
+    session.load(path)
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    session.set_input("x", x)
+    session.forward()
+    expected = net(torch.tensor(x)).detach().numpy()
+    np.testing.assert_allclose(session.read("logits"), expected, rtol=1e-5, atol=1e-6)
+    assert load_file(str(path)).keys() == session.params().keys()
+
+
+def test_steps_reuse_the_recorded_command_buffer(device, monkeypatch):
+    session = mlp_session(device)
+
+    def record_again(*args, **kwargs):
+        raise AssertionError("step() recorded a command buffer")
+
+    monkeypatch.setattr(device.backend, "record", record_again)
+    losses = []
+    for _ in range(5):
+        session.step()
+        losses.append(float(session.read("loss")))
+    assert losses[-1] < losses[0]
+
+
+def test_inference_session_computes_outputs_only(device):
+    g = vkml.Graph()
+    x = g.input("x", (2, 3))
+    w = g.param("w", (3, 4), init=np.arange(12, dtype=np.float32).reshape(3, 4))
+    g.output("y", (x @ w).sigmoid())
+    session = vkml.compile(g, device=device)
+    xv = np.ones((2, 3), np.float32)
+    session.set_input("x", xv)
+    session.step()
+    expected = 1 / (1 + np.exp(-(xv @ session.read("w"))))
+    np.testing.assert_allclose(session.read("y"), expected, rtol=1e-6)
+    with pytest.raises(vkml.InputError, match="no gradient"):
+        session.grad("w")
+
+
+BAD_INPUTS = [
+    ("x", np.zeros((4, 5), np.float32), r"input 'x' expects shape \(4, 6\), got \(4, 5\)"),
+    ("x", np.zeros((4, 6), np.int64), r"input 'x' expects floating-point.*astype\(np.float32\)"),
+    ("labels", np.zeros(4, np.float32), r"input 'labels' expects integers.*astype\(np.int32\)"),
+    ("nope", np.zeros(1), r"unknown input 'nope'; this session's inputs are: 'x', 'labels'"),
+]
+
+
+@pytest.mark.parametrize("name,value,message", BAD_INPUTS, ids=[m[:20] for *_, m in BAD_INPUTS])
+def test_bad_input_is_refused_clearly_and_session_stays_usable(device, name, value, message):
+    session = mlp_session(device)
+    session.step()
+    loss = float(session.read("loss"))
+    with pytest.raises(vkml.InputError, match=message):
+        session.set_input(name, value)
+    session.step()  # the same inputs as before are still in place
+    assert np.isfinite(float(session.read("loss")))
+    assert float(session.read("loss")) < loss + 1.0
+
+
+def test_reading_unknown_names_and_unset_inputs(device):
+    session = mlp_session(device)
+    with pytest.raises(vkml.InputError, match="nothing named 'fc3.weight'.*parameters"):
+        session.read("fc3.weight")
+    g = vkml.Graph()
+    x = g.input("x", (2,))
+    g.output("y", x.exp())
+    fresh = vkml.compile(g, device=device)
+    with pytest.raises(vkml.InputError, match="input 'x' was never set"):
+        fresh.step()
+
+
+def test_graph_shape_mismatch_names_both_operands():
+    g = vkml.Graph()
+    a = g.input("a", (4, 6))
+    w = g.param("w", (5, 3))
+    with pytest.raises(vkml.GraphError) as err:
+        a @ w
+    text = str(err.value)
+    assert "input 'a' f32[4,6]" in text and "param 'w' f32[5,3]" in text
+    assert "6 != 5" in text and "test_session.py" in text
+    with pytest.raises(vkml.GraphError, match=r"do not broadcast: axis -1 is 6 vs 3"):
+        g.add(a, g.param("b", (3,)))
+    with pytest.raises(vkml.GraphError, match="already used"):
+        g.input("a", (1,))
+    with pytest.raises(vkml.GraphError, match="loss must be a scalar"):
+        vkml.compile(g, loss=a.exp() * w.sum())
+
+
+def test_kernel_rejected_by_naga_reports_it_and_leaves_device_usable(device, monkeypatch):
+    broken = dataclasses.replace(OPS["exp"], expr=lambda node: "exp(x0, 2.0)")
+    monkeypatch.setitem(OPS, "exp", broken)
+    g = vkml.Graph()
+    x = g.input("x", (3,))
+    g.output("y", x.exp())
+    with pytest.raises(vkml.NagaError) as err:
+        vkml.compile(g, device=device)
+    text = str(err.value)
+    assert "naga rejected kernel 'exp_3'" in text
+    assert "exp(x0, 2.0)" in text  # the numbered WGSL is shown
+    monkeypatch.undo()
+    session = vkml.compile(g, device=device)
+    session.set_input("x", np.zeros(3, np.float32))
+    session.step()
+    np.testing.assert_array_equal(session.read("y"), np.ones(3, np.float32))
+
+
+def test_no_vulkan_device_gives_an_actionable_error():
+    env = dict(os.environ, VK_DRIVER_FILES="/nonexistent/icd.json",
+               VK_ICD_FILENAMES="/nonexistent/icd.json", PYTHONPATH=str(REPO))
+    code = ("import vkml\n"
+            "g = vkml.Graph(); x = g.input('x', (2,)); g.output('y', x.exp())\n"
+            "try:\n    vkml.compile(g)\n"
+            "except vkml.DeviceError as e:\n    print('DeviceError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert "DeviceError:" in out.stdout, out.stdout + out.stderr
+    assert "mesa-vulkan-drivers" in out.stdout

@@ -1,0 +1,108 @@
+"""Training: N steps of each optimizer end in the same parameters as torch.optim."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import rel_l2
+
+import vkml
+
+STEPS = 20
+SIZES = (12, 16, 5)
+BATCH = 8
+
+
+def build(optimizer, device, activation="tanh"):
+    g = vkml.Graph(seed=7)
+    x = g.input("x", (BATCH, SIZES[0]))
+    labels = g.input("labels", (BATCH,), "i32")
+    h = getattr(vkml.nn.Linear(g, "fc1", SIZES[0], SIZES[1])(x), activation)()
+    logits = vkml.nn.Linear(g, "fc2", SIZES[1], SIZES[2])(h)
+    return vkml.compile(g, loss=g.cross_entropy(logits, labels), optimizer=optimizer,
+                        device=device)
+
+
+def batches(seed=3):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((BATCH, SIZES[0])).astype(np.float32),
+             rng.integers(0, SIZES[2], BATCH).astype(np.int32)) for _ in range(STEPS)]
+
+
+def torch_reference(initial, make_optimizer, activation="tanh"):
+    params = {k: torch.tensor(v, requires_grad=True) for k, v in initial.items()}
+    opt = make_optimizer(list(params.values()))
+    losses = []
+    for xb, yb in batches():
+        opt.zero_grad()
+        h = getattr(torch, activation)(torch.tensor(xb) @ params["fc1.weight"].T
+                                       + params["fc1.bias"])
+        logits = h @ params["fc2.weight"].T + params["fc2.bias"]
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(yb).long())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().numpy() for k, v in params.items()}, losses
+
+
+OPTIMIZERS = {
+    "sgd": (vkml.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    "sgd_momentum_decay": (vkml.SGD(lr=0.05, momentum=0.9, weight_decay=1e-2, dampening=0.1),
+                           lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9,
+                                                     weight_decay=1e-2, dampening=0.1)),
+    "sgd_nesterov": (vkml.SGD(lr=0.05, momentum=0.9, nesterov=True),
+                     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True)),
+    "adam": (vkml.Adam(lr=1e-2), lambda p: torch.optim.Adam(p, lr=1e-2)),
+    "adam_l2": (vkml.Adam(lr=1e-2, weight_decay=1e-2),
+                lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2)),
+    "adamw": (vkml.AdamW(lr=1e-2, weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_parameters_after_training_match_torch_optim(name, device):
+    ours, theirs = OPTIMIZERS[name]
+    session = build(ours, device)
+    initial = session.params()
+    losses = []
+    for xb, yb in batches():
+        session.set_input("x", xb)
+        session.set_input("labels", yb)
+        session.step()
+        losses.append(float(session.read("loss")))
+    expected, ref_losses = torch_reference(initial, theirs)
+    assert losses[-1] < losses[0], losses
+    assert rel_l2(losses, ref_losses) < 1e-4
+    for k, v in session.params().items():
+        assert rel_l2(v, expected[k]) < 1e-4, k
+
+
+def test_loss_decreases_on_a_fixed_batch(device):
+    session = build(vkml.Adam(lr=1e-2), device, activation="relu")
+    xb, yb = batches()[0]
+    session.set_input("x", xb)
+    session.set_input("labels", yb)
+    losses = []
+    for _ in range(30):
+        session.step()
+        losses.append(float(session.read("loss")))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_learning_rate_change_takes_effect_without_recompiling(device):
+    session = build(vkml.SGD(lr=0.1), device)
+    xb, yb = batches()[0]
+    session.set_input("x", xb)
+    session.set_input("labels", yb)
+    session.set_hyperparams(lr=0.0)
+    before = session.params()
+    session.step()
+    for k, v in session.params().items():
+        np.testing.assert_array_equal(v, before[k])
+    session.set_hyperparams(lr=0.1)
+    session.step()
+    assert any(not np.array_equal(v, before[k]) for k, v in session.params().items())
+    with pytest.raises(vkml.InputError, match="unknown hyperparameter"):
+        session.set_hyperparams(learning_rate=0.1)
