@@ -4,7 +4,7 @@
 
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := libvulkan1 mesa-vulkan-drivers vulkan-validationlayers npm
+APT_PACKAGES := libvulkan1 mesa-vulkan-drivers vulkan-validationlayers
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Tests run under the Khronos validation layer: any message it reports fails the test.
 TEST_ENV := VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation
@@ -14,7 +14,8 @@ TEST_ENV := VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation
 setup: system-packages node_modules/.installed $(VENV)/.installed
 
 system-packages:
-	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done; \
+	  command -v npm >/dev/null || echo npm); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing $$missing"; \
 	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing; \
