@@ -16,7 +16,9 @@ from vkml.errors import DeviceError
 from vkml.vk.select import DEVICE_TYPE_NAMES, no_device_message, select_device
 
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
-WAIT_TIMEOUT_NS = 60 * 10**9
+# How long a wait may last before the work is declared hung. Generous by default: a CPU driver on
+# a loaded machine can take tens of seconds for what a GPU does in milliseconds.
+WAIT_TIMEOUT_NS = int(float(os.environ.get("VKML_WAIT_TIMEOUT", "300")) * 10**9)
 
 
 def load_vulkan() -> ModuleType:
