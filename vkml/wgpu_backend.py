@@ -1,0 +1,473 @@
+"""WgpuBackend: the vkml.backend.Backend contract on wgpu-py (wgpu-native), for Metal and others.
+
+The same plan and the same WGSL run here as on `vkml/vk/`; wgpu compiles the WGSL itself, so the
+SPIR-V that naga made for Vulkan is not used. This is the only module that imports `wgpu`, and
+only when a backend is constructed, so `import vkml` never needs it.
+
+What WebGPU does not allow, and what this module does about it:
+- A command buffer runs once. `record` therefore builds everything that can be reused (bind
+  groups, the flat command list), and `submit` only re-encodes that list: one compute pass per
+  run of dispatches, three calls per dispatch, then one queue submission.
+- There are no explicit barriers: WebGPU makes each dispatch's writes visible to the next one
+  by itself, so `Barrier` commands are dropped.
+- One buffer may not be copied to itself; such a copy goes through a scratch buffer.
+- One buffer may not be bound both read-only and writable in one dispatch; see `_writable_wgsl`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from vkml.backend import Barrier, BufferKind, Capabilities, Command, Copy, Dispatch
+from vkml.errors import DeviceError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
+
+# WebGPU's default, and what a browser guarantees. Adapters may allow less (lavapipe says 32), but
+# a plan laid out for 256 is valid on every WebGPU implementation, so this is not lowered.
+STORAGE_OFFSET_ALIGNMENT = 256
+# wgpu's copies, queue writes and mapped ranges work in whole 4-byte words.
+COPY_ALIGN = 4
+
+# Limits raised from WebGPU's defaults (128 MiB bindings, 8 storage buffers per stage, 16 KiB of
+# workgroup memory, ...) to what the adapter offers, so planning and codegen see the real device.
+_RAISED_LIMITS = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-storage-buffers-per-shader-stage",
+    "max-compute-workgroup-storage-size",
+    "max-compute-invocations-per-workgroup",
+    "max-compute-workgroup-size-x",
+    "max-compute-workgroup-size-y",
+    "max-compute-workgroup-size-z",
+    "max-compute-workgroups-per-dimension",
+)
+_OPTIONAL_FEATURES = ("shader-f16", "subgroup")
+_DEVICE_TYPES = {"DiscreteGPU": "discrete", "IntegratedGPU": "integrated",
+                 "VirtualGPU": "virtual", "CPU": "cpu"}
+_READ_ONLY_STORAGE = re.compile(r"var\s*<\s*storage\s*,\s*read\s*>")
+
+
+def _writable_wgsl(wgsl: str) -> str:
+    """Declare every storage buffer `read_write`.
+
+    vkml binds byte ranges of one arena buffer, so a dispatch often reads and writes the same
+    buffer. WebGPU tracks usage per buffer, not per range, and rejects a buffer that is both
+    read-only storage and writable storage in one dispatch ("conflicting usages ...
+    STORAGE_READ_ONLY and STORAGE_READ_WRITE"). wgpu also insists that a layout entry's access
+    equals the shader's (a "storage" entry for a `read` variable fails pipeline creation), so
+    the layout alone cannot fix it: the shader is rewritten too. Kernels never write their inputs,
+    so the only cost is that the driver cannot treat inputs as read-only.
+    """
+    return _READ_ONLY_STORAGE.sub("var<storage, read_write>", wgsl)
+
+
+def _aligned_range(offset: int, nbytes: int) -> tuple[int, int]:
+    start = offset - offset % COPY_ALIGN
+    end = -(-(offset + nbytes) // COPY_ALIGN) * COPY_ALIGN
+    return start, end - start
+
+
+class Buffer:
+    __slots__ = ("handle", "kind", "label", "nbytes")
+
+    def __init__(self, handle: Any, nbytes: int, kind: BufferKind, label: str) -> None:
+        self.handle, self.nbytes, self.kind, self.label = handle, nbytes, kind, label
+
+    def __repr__(self) -> str:
+        return f"<wgpu.Buffer {self.label!r} {self.kind} {self.nbytes} B>"
+
+
+class Pipeline:
+    __slots__ = ("handle", "layout", "name", "num_bindings")
+
+    def __init__(self, name: str, handle: Any, layout: Any, num_bindings: int) -> None:
+        self.name, self.handle, self.layout, self.num_bindings = name, handle, layout, num_bindings
+
+    def __repr__(self) -> str:
+        return f"<wgpu.Pipeline {self.name!r}>"
+
+
+class Program:
+    """A recorded command list: `segments` alternate compute passes (lists of (pipeline handle,
+    bind group or None, x, y, z)) and copies ((src handle, src offset, dst handle, dst offset,
+    size)); the bind groups and any scratch buffer live as long as the program."""
+
+    __slots__ = ("label", "num_dispatches", "scratch", "segments")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.segments: list[list[tuple[Any, ...]] | tuple[Any, ...]] | None = []
+        self.num_dispatches = 0
+        self.scratch: Any = None
+
+    def __repr__(self) -> str:
+        return f"<wgpu.Program {self.label!r} {self.num_dispatches} dispatches>"
+
+
+class _ErrorLog(logging.Handler):
+    """wgpu-py raises most validation errors from the call that caused them; the rest (errors
+    the device reports later, outside any call) it only logs. Those land here."""
+
+    def __init__(self, messages: list[str]) -> None:
+        super().__init__(logging.ERROR)
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _load_wgpu() -> Any:
+    try:
+        import wgpu
+        import wgpu.backends.wgpu_native  # the default backend, imported to read its version
+    except ImportError as exc:
+        raise DeviceError(
+            f"the wgpu backend needs wgpu-py ({exc}); install it with `pip install vkml[wgpu]` "
+            "or `pip install wgpu==0.32.0`") from exc
+    return wgpu
+
+
+def _describe(adapter: Any) -> tuple[str, str]:
+    info = adapter.info
+    return (f"{info['device']} ({info['backend_type']})",
+            _DEVICE_TYPES.get(info["adapter_type"], "other"))
+
+
+def _choose_adapter(adapters: Sequence[Any], selector: str | None) -> Any:
+    """The best adapter, or the one `selector` names (an index or part of a name).
+
+    Preference: discrete, integrated, virtual, CPU; within a kind, any backend before OpenGL,
+    whose compute support is the weakest.
+    """
+    described = [_describe(a) for a in adapters]
+    listing = "\n".join(f"  [{i}] {name} ({kind})" for i, (name, kind) in enumerate(described))
+    if not adapters:
+        raise DeviceError("wgpu found no adapter: no Metal, Vulkan, D3D12 or OpenGL driver "
+                          "could be loaded (set RUST_LOG=wgpu_hal=info to see why)")
+    order = sorted(range(len(adapters)), key=lambda i: (
+        ["discrete", "integrated", "virtual", "cpu", "other"].index(described[i][1]),
+        adapters[i].info["backend_type"] == "OpenGL", i))
+    text = (selector or "").strip()
+    if not text:
+        return adapters[order[0]]
+    if text.isdigit() and int(text) < len(adapters):
+        return adapters[int(text)]
+    for i in order:
+        if text.lower() in described[i][0].lower():
+            return adapters[i]
+    raise DeviceError(f"no wgpu adapter matches {selector!r} (from the selector argument or "
+                      f"VKML_DEVICE); give an index or part of a name. Adapters:\n{listing}")
+
+
+class WgpuBackend:
+    """One wgpu adapter and device (Metal on macOS; Vulkan, D3D12 or OpenGL elsewhere)."""
+
+    caps: Capabilities
+
+    def __init__(self, selector: str | None = None) -> None:
+        self._wgpu = wgpu = _load_wgpu()
+        self._closed = False
+        self.validation_messages: list[str] = []
+        self._log = _ErrorLog(self.validation_messages)
+        self._buffers: set[Buffer] = set()
+        self._pending = False
+        adapter = _choose_adapter(wgpu.gpu.enumerate_adapters_sync(), selector)
+        features = [f for f in _OPTIONAL_FEATURES if f in adapter.features]
+        limits = {k: adapter.limits[k] for k in _RAISED_LIMITS if k in adapter.limits}
+        try:
+            self._device = adapter.request_device_sync(
+                label="vkml", required_features=features, required_limits=limits)
+        except Exception as exc:  # wgpu-py raises RuntimeError or GPUError subclasses here
+            raise DeviceError(f"wgpu could not open {_describe(adapter)[0]!r}: {exc}") from exc
+        self._queue = self._device.queue
+        logging.getLogger("wgpu").addHandler(self._log)
+
+        info, lim = adapter.info, self._device.limits
+        native = wgpu.backends.wgpu_native
+        self.caps = Capabilities(
+            device_name=info["device"],
+            device_type=_describe(adapter)[1],
+            api_version=f"wgpu-native {'.'.join(map(str, native.lib_version_info))} over "
+                        f"{info['backend_type']}",
+            driver=info["description"] or info["vendor"],
+            max_workgroup_invocations=lim["max-compute-invocations-per-workgroup"],
+            max_workgroup_size=(lim["max-compute-workgroup-size-x"],
+                                lim["max-compute-workgroup-size-y"],
+                                lim["max-compute-workgroup-size-z"]),
+            max_workgroup_count=(lim["max-compute-workgroups-per-dimension"],) * 3,
+            max_shared_memory_bytes=lim["max-compute-workgroup-storage-size"],
+            min_storage_offset_alignment=max(STORAGE_OFFSET_ALIGNMENT,
+                                             lim["min-storage-buffer-offset-alignment"]),
+            max_storage_buffer_range=min(lim["max-storage-buffer-binding-size"],
+                                         lim["max-buffer-size"]),
+            max_bindings_per_stage=lim["max-storage-buffers-per-shader-stage"],
+            # WebGPU reports only a range; the smallest size is the one a kernel may rely on.
+            # (wgpu-py 0.32 spells the key "stackgroup_min_size".)
+            subgroup_size=int(info.get("subgroup_min_size", info.get("stackgroup_min_size", 4))),
+            timestamp_period_ns=0.0,
+            cooperative_matrix=False,
+            shader_f16="shader-f16" in features,
+            extensions=frozenset(str(f) for f in self._device.features),
+        )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<WgpuBackend {self.caps.device_name!r} ({self.caps.device_type})>"
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    def create_buffer(self, nbytes: int, kind: BufferKind, label: str) -> Buffer:
+        self._alive()
+        usage = self._wgpu.BufferUsage
+        if kind == "readback":
+            flags = usage.MAP_READ | usage.COPY_DST
+        elif kind == "upload":
+            # Written with queue.write_buffer, which wgpu orders before the next submission;
+            # a MAP_WRITE buffer would need a map/unmap round trip around every step.
+            flags = usage.COPY_SRC | usage.COPY_DST
+        else:
+            flags = usage.STORAGE | usage.COPY_SRC | usage.COPY_DST
+        size = max(COPY_ALIGN, -(-nbytes // COPY_ALIGN) * COPY_ALIGN)
+        if size > self._device.limits["max-buffer-size"]:
+            raise DeviceError(f"buffer {label!r} of {nbytes} bytes exceeds the device's "
+                              f"max-buffer-size={self._device.limits['max-buffer-size']}")
+        handle = self._device.create_buffer(label=label, size=size, usage=flags)
+        buf = Buffer(handle, nbytes, kind, label)
+        self._buffers.add(buf)
+        return buf
+
+    def free_buffer(self, buffer: Buffer) -> None:
+        """Release `buffer`; the caller guarantees no pending or recorded program still uses it."""
+        if buffer in self._buffers:
+            self._buffers.discard(buffer)
+            buffer.handle.destroy()
+
+    def write_buffer(self, buffer: Buffer, offset: int, data: bytes | memoryview) -> None:
+        """Host -> buffer, in queue order: it lands before any later submit runs."""
+        n = memoryview(data).nbytes
+        if offset < 0 or offset + n > buffer.nbytes:
+            raise DeviceError(f"write of {n} bytes at offset {offset} does not fit in {buffer!r}")
+        if n == 0:
+            return
+        start, size = _aligned_range(offset, n)
+        if (start, size) != (offset, n):  # keep the bytes around a write of partial words
+            merged = bytearray(self._read(buffer, start, size))
+            merged[offset - start:offset - start + n] = memoryview(data).cast("B")
+            data, offset = merged, start
+        self._queue.write_buffer(buffer.handle, offset, data)
+
+    def read_buffer(self, buffer: Buffer, offset: int, nbytes: int) -> bytes:
+        """Buffer -> host, after all submitted work (wgpu waits for it)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > buffer.nbytes:
+            raise DeviceError(f"read of {nbytes} bytes at offset {offset} does not fit in "
+                              f"{buffer!r}")
+        return self._read(buffer, offset, nbytes) if nbytes else b""
+
+    # -- pipelines ----------------------------------------------------------------------------
+
+    def create_pipeline(self, name: str, wgsl: str, spirv: bytes, num_bindings: int,
+                        writable: Sequence[bool]) -> Pipeline:
+        """A compute pipeline from the WGSL (`spirv` is Vulkan's and unused; `writable` too,
+        since every binding is made writable, see `_writable_wgsl`)."""
+        self._alive()
+        wgpu, dev = self._wgpu, self._device
+        try:
+            module = dev.create_shader_module(label=name, code=_writable_wgsl(wgsl))
+            layout = dev.create_bind_group_layout(label=name, entries=[
+                {"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
+                 "buffer": {"type": wgpu.BufferBindingType.storage}}
+                for i in range(num_bindings)])
+            handle = dev.create_compute_pipeline(
+                label=name, layout=dev.create_pipeline_layout(bind_group_layouts=[layout]),
+                compute={"module": module, "entry_point": "main"})
+        except wgpu.GPUError as exc:
+            raise DeviceError(f"wgpu rejected kernel {name!r}: {exc}\n--- WGSL ---\n{wgsl}"
+                              ) from None
+        return Pipeline(name, handle, layout, num_bindings)
+
+    # -- programs -----------------------------------------------------------------------------
+
+    def record(self, commands: Sequence[Command], label: str) -> Program:
+        """Check `commands` and build their bind groups once; submit() re-encodes from these."""
+        self._alive()
+        self._validate(commands, label)
+        prog = Program(label)
+        segments: list[list[tuple[Any, ...]] | tuple[Any, ...]] = []
+        scratch_bytes = max((c.nbytes for c in commands
+                             if isinstance(c, Copy) and c.src is c.dst), default=0)
+        if scratch_bytes:
+            prog.scratch = self._device.create_buffer(
+                label=f"{label} copy scratch", size=-(-scratch_bytes // COPY_ALIGN) * COPY_ALIGN,
+                usage=self._wgpu.BufferUsage.COPY_SRC | self._wgpu.BufferUsage.COPY_DST)
+        for cmd in commands:
+            if isinstance(cmd, Dispatch):
+                if not segments or not isinstance(segments[-1], list):
+                    segments.append([])
+                group = None
+                if cmd.bindings:
+                    group = self._device.create_bind_group(
+                        label=f"{label}:{cmd.pipeline.name}", layout=cmd.pipeline.layout,
+                        entries=[{"binding": i, "resource": {"buffer": b.buffer.handle,
+                                                             "offset": b.offset,
+                                                             "size": b.nbytes}}
+                                 for i, b in enumerate(cmd.bindings)])
+                segments[-1].append((cmd.pipeline.handle, group, *cmd.groups))
+                prog.num_dispatches += 1
+            elif isinstance(cmd, Copy):
+                src, dst = cmd.src.handle, cmd.dst.handle
+                if cmd.src is cmd.dst:
+                    segments.append((src, cmd.src_offset, prog.scratch, 0, cmd.nbytes))
+                    src, so = prog.scratch, 0
+                else:
+                    so = cmd.src_offset
+                segments.append((src, so, dst, cmd.dst_offset, cmd.nbytes))
+        prog.segments = segments
+        return prog
+
+    def submit(self, program: Program) -> None:
+        """Encode `program` afresh (wgpu command buffers run once) and queue it; returns at once.
+        Later submissions run after it, in queue order."""
+        segments = program.segments
+        if segments is None:
+            raise DeviceError(f"{program!r} was freed or belongs to a closed backend")
+        encoder = self._device.create_command_encoder(label=program.label)
+        for seg in segments:
+            if isinstance(seg, list):
+                compute = encoder.begin_compute_pass()
+                current = None
+                for pipeline, group, x, y, z in seg:
+                    if pipeline is not current:
+                        compute.set_pipeline(pipeline)
+                        current = pipeline
+                    if group is not None:
+                        compute.set_bind_group(0, group)
+                    compute.dispatch_workgroups(x, y, z)
+                compute.end()
+            else:
+                encoder.copy_buffer_to_buffer(*seg)
+        self._queue.submit([encoder.finish()])
+        self._pending = True
+
+    def wait(self) -> None:
+        """Block until everything submitted so far has finished.
+
+        This is wgpu's device.poll(wait=True). wgpu-py 0.32.0's public route to it,
+        queue.on_submitted_work_done_sync(), raises a TypeError (its callback's C signature
+        no longer matches the bundled wgpu-native 29), so the device's own poll is called.
+        VKML_WAIT_TIMEOUT is not applied: wgpu's poll has no timeout.
+        """
+        if self._pending:
+            self._device._poll_wait()
+            self._pending = False
+
+    def run_now(self, commands: Sequence[Command]) -> None:
+        prog = self.record(commands, "run_now")
+        try:
+            self.submit(prog)
+            self.wait()
+        finally:
+            self.free_program(prog)
+
+    def free_program(self, program: Program) -> None:
+        """Drop a program's bind groups and scratch; work already submitted is unaffected."""
+        if program.scratch is not None:
+            self.wait()
+            program.scratch.destroy()
+            program.scratch = None
+        program.segments = None
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the device, then destroy every buffer and the device; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait()
+        for buf in list(self._buffers):
+            buf.handle.destroy()
+        self._buffers.clear()
+        self._device.destroy()
+        logging.getLogger("wgpu").removeHandler(self._log)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _alive(self) -> None:
+        if self._closed:
+            raise DeviceError("this WgpuBackend is closed")
+
+    def _read(self, buffer: Buffer, offset: int, nbytes: int) -> bytes:
+        """Bytes [offset, offset + nbytes) of `buffer`, which may reach into the padding that
+        rounds every buffer up to whole words."""
+        start, size = _aligned_range(offset, nbytes)
+        if buffer.kind == "readback":
+            start -= start % 8  # map offsets must be multiples of 8
+            size = -(-(offset + nbytes - start) // COPY_ALIGN) * COPY_ALIGN
+            buffer.handle.map_sync(self._wgpu.MapMode.READ, start, size)
+            try:
+                raw = buffer.handle.read_mapped(start, size)
+            finally:
+                buffer.handle.unmap()
+        else:
+            raw = self._queue.read_buffer(buffer.handle, start, size)
+            # Its copy was submitted last and has finished, so everything before it has too.
+            self._pending = False
+        return bytes(memoryview(raw).cast("B")[offset - start:offset - start + nbytes])
+
+    def _check_range(self, buf: object, offset: int, nbytes: int, what: str) -> None:
+        if not isinstance(buf, Buffer) or buf not in self._buffers:
+            raise DeviceError(f"{what}: {buf!r} is not a live buffer of this backend")
+        if nbytes <= 0 or offset < 0 or offset + nbytes > buf.nbytes:
+            raise DeviceError(f"{what}: bytes [{offset}, {offset + nbytes}) do not fit in {buf!r}")
+
+    def _validate(self, commands: Sequence[Command], label: str) -> None:
+        """Raise DeviceError naming the command, rather than a wgpu error at submit time."""
+        caps = self.caps
+        for n, cmd in enumerate(commands):
+            if isinstance(cmd, Dispatch):
+                pipe = cmd.pipeline
+                what = f"program {label!r} command {n} (kernel {getattr(pipe, 'name', pipe)!r})"
+                if not isinstance(pipe, Pipeline):
+                    raise DeviceError(f"{what}: not a pipeline of this backend")
+                if len(cmd.bindings) != pipe.num_bindings:
+                    raise DeviceError(f"{what}: {len(cmd.bindings)} bindings for a kernel with "
+                                      f"{pipe.num_bindings}")
+                for i, b in enumerate(cmd.bindings):
+                    self._check_range(b.buffer, b.offset, b.nbytes, f"{what} binding {i}")
+                    if b.buffer.kind != "device":
+                        raise DeviceError(f"{what} binding {i}: {b.buffer!r} is not a device "
+                                          "buffer; only those can be bound as storage")
+                    if b.offset % caps.min_storage_offset_alignment or b.nbytes % COPY_ALIGN:
+                        raise DeviceError(
+                            f"{what} binding {i}: offset {b.offset} must be a multiple of "
+                            f"{caps.min_storage_offset_alignment} and size {b.nbytes} of "
+                            f"{COPY_ALIGN}")
+                    if b.nbytes > caps.max_storage_buffer_range:
+                        raise DeviceError(f"{what} binding {i}: {b.nbytes} bytes exceed "
+                                          f"max-storage-buffer-binding-size="
+                                          f"{caps.max_storage_buffer_range}")
+                if any(g > m for g, m in zip(cmd.groups, caps.max_workgroup_count, strict=True)):
+                    raise DeviceError(f"{what}: groups {cmd.groups} exceed "
+                                      f"max-compute-workgroups-per-dimension="
+                                      f"{caps.max_workgroup_count[0]}")
+            elif isinstance(cmd, Copy):
+                what = f"program {label!r} command {n} (copy)"
+                self._check_range(cmd.src, cmd.src_offset, cmd.nbytes, f"{what} source")
+                self._check_range(cmd.dst, cmd.dst_offset, cmd.nbytes, f"{what} destination")
+                if cmd.src is cmd.dst and abs(cmd.src_offset - cmd.dst_offset) < cmd.nbytes:
+                    raise DeviceError(f"{what}: source and destination ranges overlap")
+                if any(v % COPY_ALIGN for v in (cmd.src_offset, cmd.dst_offset, cmd.nbytes)):
+                    raise DeviceError(f"{what}: offsets and size must be multiples of "
+                                      f"{COPY_ALIGN} bytes in wgpu")
+            elif not isinstance(cmd, Barrier):
+                raise DeviceError(f"program {label!r} command {n}: unknown command {cmd!r}")
