@@ -1,5 +1,11 @@
-"""Shared fixtures: one Vulkan device for the whole run, checked after every test for messages
-from the Khronos validation layer (enabled by `make test`): a validation error is a bug."""
+"""Shared fixtures: one device per backend for the whole run, checked after every test for
+messages from the Khronos validation layer (enabled by `make test`) on Vulkan, and for the errors
+wgpu reports outside a call (its validation errors inside a call raise) on wgpu: either is a bug.
+
+Every test that takes `device` runs on both backends; the wgpu ones are skipped, saying why,
+where wgpu-py is not installed. wgpu runs over Vulkan here too (lavapipe), so the Khronos layer
+also watches wgpu's own Vulkan calls; what it says about them reaches `validation_messages` only
+if wgpu-native logs it at error level, otherwise the layer prints it (`pytest -s` shows it)."""
 
 from __future__ import annotations
 
@@ -11,9 +17,11 @@ import pytest
 import vkml
 
 
-@pytest.fixture(scope="session")
-def device():
-    dev = vkml.Device()
+@pytest.fixture(scope="session", params=["vulkan", "wgpu"])
+def device(request):
+    if request.param == "wgpu":
+        pytest.importorskip("wgpu", reason="the wgpu backend needs `pip install vkml[wgpu]`")
+    dev = vkml.Device(backend=request.param)
     yield dev
     dev.close()
 

@@ -193,8 +193,10 @@ def test_kernel_rejected_by_naga_reports_it_and_leaves_device_usable(device, mon
 
 
 def test_no_vulkan_device_gives_an_actionable_error():
+    # Pinned to Vulkan: "auto" would fall back to wgpu (see test_wgpu_backend.py).
     env = dict(os.environ, VK_DRIVER_FILES="/nonexistent/icd.json",
-               VK_ICD_FILENAMES="/nonexistent/icd.json", PYTHONPATH=str(REPO))
+               VK_ICD_FILENAMES="/nonexistent/icd.json", PYTHONPATH=str(REPO),
+               VKML_BACKEND="vulkan")
     code = ("import vkml\n"
             "g = vkml.Graph(); x = g.input('x', (2,)); g.output('y', x.exp())\n"
             "try:\n    vkml.compile(g)\n"

@@ -1,0 +1,176 @@
+"""vkml.wgpu_backend: the same plans and kernels through wgpu agree with the Vulkan backend.
+
+Here wgpu runs over its own Vulkan backend on lavapipe; nothing in this file ran on Metal.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import rel_l2
+from test_ops import CASES, Case, build_session
+
+import vkml
+from vkml.backend import Barrier, Binding, Copy, Dispatch
+from vkml.errors import DeviceError
+
+pytest.importorskip("wgpu", reason="the wgpu backend needs `pip install vkml[wgpu]`")
+
+from vkml.wgpu_backend import WgpuBackend  # noqa: E402  (only once wgpu is known to exist)
+
+REPO = Path(__file__).resolve().parent.parent
+AGREE = 1e-5
+
+# x and b are read-only, y writable: bound as ranges of ONE buffer this is the usage conflict
+# WebGPU rejects unless the backend rewrites the kernel.
+AXPB = """@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<f32>;
+@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) g: vec3<u32>) {
+    if (g.x < arrayLength(&y)) {
+        y[g.x] = 2.0 * x[g.x] + b[g.x];
+    }
+}
+"""
+N = 1000
+NBYTES = N * 4
+
+
+@pytest.fixture(scope="module")
+def pair():
+    devices = {name: vkml.Device(backend=name) for name in ("vulkan", "wgpu")}
+    yield devices
+    for d in devices.values():
+        d.close()
+
+
+@pytest.fixture
+def backend(pair):
+    yield pair["wgpu"].backend
+    assert_quiet(pair)
+
+
+def assert_quiet(pair) -> None:
+    for name, dev in pair.items():
+        found = list(dev.backend.validation_messages)
+        dev.backend.validation_messages.clear()
+        assert not found, f"{name} reported:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_op_agrees_with_vulkan(case: Case, pair):
+    results = {}
+    for name, dev in pair.items():
+        session, operands, _, _ = build_session(case, dev, np.random.default_rng(1234))
+        session.step()
+        results[name] = [session.read("out")] + [session.grad(f"p{i}")
+                                                 for i in range(len(operands))]
+        session.close()
+    for got, want in zip(results["wgpu"], results["vulkan"], strict=True):
+        assert rel_l2(got, want) < AGREE
+    assert_quiet(pair)
+
+
+def test_training_ends_in_the_same_parameters_as_vulkan(pair):
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((8, 12)).astype(np.float32),
+                rng.integers(0, 5, 8).astype(np.int32)) for _ in range(20)]
+    params = {}
+    for name, dev in pair.items():
+        g = vkml.Graph(seed=3)
+        x = g.input("x", (8, 12))
+        labels = g.input("labels", (8,), "i32")
+        logits = vkml.nn.Linear(g, "fc2", 16, 5)(vkml.nn.Linear(g, "fc1", 12, 16)(x).gelu())
+        session = vkml.compile(g, loss=g.cross_entropy(logits, labels),
+                               optimizer=vkml.Adam(lr=1e-2), device=dev)
+        for xb, yb in batches:
+            session.set_input("x", xb)
+            session.set_input("labels", yb)
+            session.step()
+        params[name] = session.params()
+        session.close()
+    assert params["wgpu"].keys() == params["vulkan"].keys()
+    for k, v in params["vulkan"].items():
+        assert rel_l2(params["wgpu"][k], v) < AGREE, k
+    assert_quiet(pair)
+
+
+def test_one_buffer_bound_read_only_and_writable_in_one_dispatch(backend):
+    pipe = backend.create_pipeline("axpb", AXPB, b"", 3, [False, False, True])
+    align = backend.caps.min_storage_offset_alignment
+    assert align >= 256  # WebGPU's default, what the planner must honour
+    stride = -(-NBYTES // align) * align
+    arena = backend.create_buffer(3 * stride, "device", "arena")
+    x = np.arange(N, dtype=np.float32)
+    backend.write_buffer(arena, 0, x.tobytes())
+    backend.write_buffer(arena, stride, np.ones(N, np.float32).tobytes())
+    bindings = (Binding(arena, 0, NBYTES, False), Binding(arena, stride, NBYTES, False),
+                Binding(arena, 2 * stride, NBYTES, True))
+    program = backend.record([Dispatch(pipe, bindings, (-(-N // 64), 1, 1)), Barrier(),
+                              Copy(arena, 2 * stride, arena, 0, NBYTES)], "axpb")
+    for _ in range(2):  # a recorded program runs any number of times
+        backend.submit(program)
+    backend.wait()
+    # x -> 2x + 1, twice, through the same-buffer copy that goes via a scratch buffer
+    np.testing.assert_array_equal(
+        np.frombuffer(backend.read_buffer(arena, 0, NBYTES), np.float32), 4 * x + 3)
+    backend.free_program(program)
+    backend.free_buffer(arena)
+
+
+def test_partial_words_and_readback_buffers(backend):
+    buf = backend.create_buffer(10, "device", "odd")
+    backend.write_buffer(buf, 0, bytes(range(10)))
+    backend.write_buffer(buf, 3, b"\xff\xfe")
+    assert backend.read_buffer(buf, 1, 7) == bytes([1, 2, 0xFF, 0xFE, 5, 6, 7])
+    readback = backend.create_buffer(16, "readback", "readback")
+    backend.run_now([Copy(buf, 0, readback, 4, 8)])
+    assert backend.read_buffer(readback, 5, 6) == bytes([1, 2, 0xFF, 0xFE, 5, 6])
+    for b in (buf, readback):
+        backend.free_buffer(b)
+
+
+def test_bad_commands_raise_device_error_naming_the_problem(backend):
+    pipe = backend.create_pipeline("axpb", AXPB, b"", 3, [False, False, True])
+    buf = backend.create_buffer(4096, "device", "arena")
+    misaligned = (Binding(buf, 0, 64, False), Binding(buf, 128, 64, False),
+                  Binding(buf, 256, 64, True))
+    with pytest.raises(DeviceError, match="offset 128 must be a multiple of 256"):
+        backend.record([Dispatch(pipe, misaligned, (1, 1, 1))], "bad")
+    with pytest.raises(DeviceError, match="overlap"):
+        backend.record([Copy(buf, 0, buf, 8, 16)], "bad")
+    with pytest.raises(DeviceError, match="does not fit"):
+        backend.write_buffer(buf, 4090, b"12345678")
+    with pytest.raises(DeviceError, match="rejected kernel 'broken'"):
+        backend.create_pipeline("broken", "fn main( {", b"", 0, [])
+    backend.free_buffer(buf)
+
+
+def test_selector_that_matches_no_adapter_lists_the_adapters():
+    with pytest.raises(DeviceError, match=r"(?s)'no such gpu'.*\[0\] "):
+        WgpuBackend("no such gpu")
+
+
+def test_device_picks_the_backend_by_argument_or_env(pair, monkeypatch):
+    assert pair["wgpu"].backend_name == "wgpu" and "wgpu" in repr(pair["wgpu"])
+    assert pair["vulkan"].backend_name == "vulkan" and "Vulkan" in repr(pair["vulkan"])
+    monkeypatch.setenv("VKML_BACKEND", "metal")
+    with pytest.raises(DeviceError, match="unknown backend 'metal'"):
+        vkml.Device()
+
+
+def test_auto_falls_back_to_wgpu_without_a_vulkan_driver():
+    env = dict(os.environ, VK_DRIVER_FILES="/nonexistent/icd.json",
+               VK_ICD_FILENAMES="/nonexistent/icd.json", PYTHONPATH=str(REPO))
+    env.pop("VKML_BACKEND", None)
+    env.pop("VK_INSTANCE_LAYERS", None)  # the layer would report the missing driver
+    code = "import vkml\nd = vkml.Device()\nprint(d.backend_name, repr(d))\nd.close()\n"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.startswith("wgpu <vkml.Device"), out.stdout + out.stderr
