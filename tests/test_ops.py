@@ -95,6 +95,22 @@ CASES = [
          lambda g, a, labels: g.cross_entropy(a, labels),
          lambda a, labels: F.cross_entropy(a, labels), extras={"labels": labels_onehot}),
     Case("mse", [(5, 7), (5, 7)], lambda g, a, b: g.mse(a, b), F.mse_loss),
+    # ---- issue 4: op coverage ----
+    unary("sqrt", torch.sqrt, positive=True),
+    unary("rsqrt", torch.rsqrt, positive=True),
+    unary("square", torch.square),
+    Case("bmm", [(3, 5, 4), (3, 4, 6)], lambda g, a, b: a @ b, torch.matmul),
+    Case("bmm_broadcast_lhs", [(5, 4), (2, 3, 4, 6)], lambda g, a, b: a @ b, torch.matmul),
+    Case("bmm_broadcast_ones", [(2, 1, 5, 4), (1, 3, 4, 6)], lambda g, a, b: a @ b,
+         torch.matmul),
+    Case("bmm_transpose_b", [(2, 3, 5, 4), (2, 3, 6, 4)],
+         lambda g, a, b: g.matmul(a, b, transpose_b=True),
+         lambda a, b: a @ b.transpose(-1, -2)),
+    Case("bmm_transpose_a_tiles", [(2, 40, 35), (2, 40, 33)],
+         lambda g, a, b: g.matmul(a, b, transpose_a=True),
+         lambda a, b: a.transpose(-1, -2) @ b),
+    Case("bmm_epilogue", [(2, 5, 4), (2, 4, 6), (6,)], lambda g, a, b, c: (a @ b + c).relu(),
+         lambda a, b, c: (a @ b + c).relu()),
 ]
 
 

@@ -228,6 +228,9 @@ class Graph:
     def exp(self, x: Tensor) -> Tensor: return self.apply("exp", [x])
     def log(self, x: Tensor) -> Tensor: return self.apply("log", [x])
     def neg(self, x: Tensor) -> Tensor: return self.apply("neg", [x])
+    def sqrt(self, x: Tensor) -> Tensor: return self.apply("sqrt", [x])
+    def rsqrt(self, x: Tensor) -> Tensor: return self.apply("rsqrt", [x])
+    def square(self, x: Tensor) -> Tensor: return self.apply("square", [x])
 
     def broadcast_to(self, x: Tensor, shape: Sequence[int]) -> Tensor:
         return self.apply("broadcast_to", [x], shape=tuple(shape))
@@ -256,7 +259,8 @@ class Graph:
     # ---- linear algebra and layout --------------------------------------------------------
     def matmul(self, a: Tensor, b: Tensor, transpose_a: bool = False,
                transpose_b: bool = False) -> Tensor:
-        """op(a) @ op(b) for 2-D operands, op transposing when asked (no copy is made)."""
+        """op(a) @ op(b), op transposing the last two axes when asked (no copy is made);
+        operands of rank > 2 are batches of matrices, their leading axes broadcast as numpy's."""
         return self.apply("matmul", [a, b], transpose_a=bool(transpose_a),
                           transpose_b=bool(transpose_b))
 

@@ -86,6 +86,11 @@ UNARY: dict[str, tuple[str, str, UnaryGrad | None]] = {
     "exp": ("exp(x0)", "", lambda g, x, y, d: g.mul(d, y)),
     "log": ("log(x0)", "", lambda g, x, y, d: g.div(d, x)),
     "neg": ("-x0", "", lambda g, x, y, d: g.neg(d)),
+    "sqrt": ("sqrt(x0)", "", lambda g, x, y, d: g.div(g.mul(d, 0.5), y)),
+    # WGSL's inverseSqrt may be a fast approximation on some drivers; 1/sqrt is exact to an ulp.
+    "rsqrt": ("1.0 / sqrt(x0)", "",
+              lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5))),
+    "square": ("x0 * x0", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0))),
 }
 
 
