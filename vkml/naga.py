@@ -23,6 +23,13 @@ from vkml.errors import NagaError
 SPIRV_MAGIC = 0x07230203
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WASM = REPO_ROOT / "node_modules" / "naga-wasm" / "dist" / "wasm" / "naga_bg.wasm"
+# SPIR-V shipped with the project (tools/build_spirv.py), named by the WGSL's sha256: with it, a
+# deployed app runs its kernels without naga's wasm at all.
+SHIPPED_SPIRV = REPO_ROOT / "spirv"
+
+
+def wgsl_hash(wgsl: str) -> str:
+    return hashlib.sha256(wgsl.encode()).hexdigest()
 
 
 def default_cache_dir() -> Path:
@@ -135,6 +142,16 @@ def _error(msg: str, name: str, wgsl: str, report: str | None) -> NagaError:
     return err
 
 
+def _read_spirv(path: Path) -> bytes | None:
+    """The file's SPIR-V, or None when it is absent or not SPIR-V (a torn or foreign file)."""
+    try:
+        spirv = path.read_bytes()
+    except OSError:
+        return None
+    ok = len(spirv) % 4 == 0 and int.from_bytes(spirv[:4], "little") == SPIRV_MAGIC
+    return spirv if ok else None
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     # Temp file in the same directory + os.replace: concurrent writers never expose a torn file.
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -157,11 +174,13 @@ class Compiler:
     """
 
     def __init__(self, cache_dir: Path | str | None = None,
-                 wasm_path: Path | str | None = None) -> None:
+                 wasm_path: Path | str | None = None,
+                 shipped_dir: Path | str | None = None) -> None:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         env = os.environ.get("VKML_NAGA_WASM")
         self.wasm_path = Path(wasm_path or env or DEFAULT_WASM)
-        self.stats = {"memory_hits": 0, "disk_hits": 0, "compiles": 0,
+        self.shipped_dir = Path(shipped_dir or os.environ.get("VKML_SPIRV_DIR") or SHIPPED_SPIRV)
+        self.stats = {"memory_hits": 0, "shipped_hits": 0, "disk_hits": 0, "compiles": 0,
                       "module_compiles": 0, "module_deserializes": 0}
         self._lock = threading.Lock()
         self._memo: dict[str, bytes] = {}
@@ -221,22 +240,24 @@ class Compiler:
     def compile(self, wgsl: str, name: str) -> bytes:
         """SPIR-V words (little-endian u32 stream) for `wgsl`; `name` only labels errors."""
         with self._lock:
-            key = hashlib.sha256(f"{self._hash_wasm()}\0{wgsl}".encode()).hexdigest()
-            if key in self._memo:
+            shipped_key = wgsl_hash(wgsl)
+            if shipped_key in self._memo:
                 self.stats["memory_hits"] += 1
-                return self._memo[key]
-            path = self.cache_dir / "spirv" / f"{key}.spv"
-            try:
-                spirv = path.read_bytes()
-                ok = len(spirv) % 4 == 0 and int.from_bytes(spirv[:4], "little") == SPIRV_MAGIC
-            except OSError:
-                ok = False
-            if ok:
-                self.stats["disk_hits"] += 1
+                return self._memo[shipped_key]
+            spirv = _read_spirv(self.shipped_dir / f"{shipped_key}.spv")
+            if spirv is not None:
+                self.stats["shipped_hits"] += 1
             else:
-                spirv = self._translate(wgsl, name)
-                _write_atomic(path, spirv)
-            self._memo[key] = spirv
+                # The cache is keyed by the naga build too: a new naga recompiles everything.
+                key = hashlib.sha256(f"{self._hash_wasm()}\0{wgsl}".encode()).hexdigest()
+                path = self.cache_dir / "spirv" / f"{key}.spv"
+                spirv = _read_spirv(path)
+                if spirv is not None:
+                    self.stats["disk_hits"] += 1
+                else:
+                    spirv = self._translate(wgsl, name)
+                    _write_atomic(path, spirv)
+            self._memo[shipped_key] = spirv
             return spirv
 
 

@@ -2,12 +2,16 @@
 records once.
 
 Every node that computes something becomes one dispatch of its lowered kernel; views (reshape)
-share their input's storage. A barrier is placed before a dispatch only when it reads or
-overwrites something written, or overwrites something read, since the previous barrier.
+share their input's storage. The schedule groups dispatches into levels: a dispatch's level is one
+more than that of the latest earlier dispatch it depends on (reading what it wrote, or writing
+what it read or wrote). Dispatches of one level are independent, so one barrier between levels
+keeps every read-after-write, write-after-read and write-after-write ordered, and no more are
+needed. Memory planning then shares bytes between tensors whose level intervals do not overlap.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,7 +23,7 @@ from .errors import GraphError
 from .graph import Graph, Tensor
 from .kernels import Kernel
 from .kernels import optimizer as optimizer_kernels
-from .memory import MemoryPlan, plan_memory
+from .memory import FOREVER, Lifetime, MemoryPlan, plan_memory
 from .ops import OPS
 from .optim import Optimizer
 
@@ -55,9 +59,18 @@ class View:
 class PlannedDispatch:
     kernel: Kernel
     slots: tuple[int, ...]  # one per kernel binding
-    barrier_before: bool
+    level: int  # a barrier separates dispatches of different levels
     phase: Phase
     label: str  # the node (or update) it computes
+
+    @property
+    def writes(self) -> set[int]:
+        return {s for s, w in zip(self.slots, self.kernel.writable) if w}
+
+    @property
+    def reads(self) -> set[int]:
+        # a writable binding may be read too (an optimizer update reads its parameter)
+        return set(self.slots)
 
 
 @dataclass
@@ -73,10 +86,45 @@ class Plan:
     optimizer_state: dict[str, dict[str, int]] = field(default_factory=dict)
     hyperparams_slot: int | None = None
     initial_values: dict[int, np.ndarray] = field(default_factory=dict)
+    lifetimes: dict[int, Lifetime] = field(default_factory=dict)
 
     @property
     def barrier_count(self) -> int:
-        return sum(d.barrier_before for d in self.dispatches)
+        return len({d.level for d in self.dispatches}) - 1 if self.dispatches else 0
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes: logical (one buffer per tensor) per role and in all, and physical."""
+        report: dict[str, int] = {}
+        for s in self.slots:
+            report[f"logical_{s.role}"] = report.get(f"logical_{s.role}", 0) + s.nbytes
+        report["logical"] = self.memory.logical_bytes
+        report["physical"] = self.memory.physical_bytes
+        return report
+
+    def summary(self) -> str:
+        kernels = Counter(d.kernel.name for d in self.dispatches)
+        report = self.memory_report()
+        by_role = ", ".join(f"{k[8:]} {v}" for k, v in report.items() if k.startswith("logical_"))
+        lines = [f"{len(self.dispatches)} dispatches of {len(kernels)} kernels, "
+                 f"{self.barrier_count} barriers",
+                 f"memory: {report['physical']} bytes allocated for {report['logical']} bytes of "
+                 f"tensors ({100 * report['physical'] / max(report['logical'], 1):.0f}%); "
+                 f"by role: {by_role}",
+                 "kernels: " + ", ".join(f"{k}" + (f" x{n}" if n > 1 else "")
+                                         for k, n in kernels.items())]
+        return "\n".join(lines)
+
+    def dump_memory(self) -> str:
+        """Each tensor's lifetime (in schedule levels) and placement, biggest first."""
+        lines = [self.summary().splitlines()[1]]
+        for slot in sorted(self.slots, key=lambda s: -s.nbytes):
+            life = self.lifetimes[slot.id]
+            arena, offset = self.memory.placement[slot.id]
+            span = "pinned" if life.last == FOREVER and life.first < 0 else (
+                f"levels {life.first}..{'end' if life.last == FOREVER else life.last}")
+            lines.append(f"  t{slot.id:<4} {slot.nbytes:>10} B  arena {arena} +{offset:<10} "
+                         f"{span:18} {slot.role:15} {slot.label}")
+        return "\n".join(lines)
 
     def dump(self) -> str:
         lines = [f"plan: {len(self.dispatches)} dispatches, {self.barrier_count} barriers, "
@@ -86,8 +134,8 @@ class Plan:
             arena, offset = self.memory.placement[s.id]
             lines.append(f"  t{s.id}: {s.dtype}[{','.join(map(str, s.shape))}] {s.role:15} "
                          f"arena {arena} +{offset:<10} {s.label}")
-        for d in self.dispatches:
-            if d.barrier_before:
+        for previous, d in zip([None, *self.dispatches], self.dispatches):
+            if previous is not None and previous.level != d.level:
                 lines.append("  -- barrier --")
             bindings = ", ".join(f"t{s}" for s in d.slots)
             lines.append(f"  [{d.phase:8}] {d.kernel.name} groups={d.kernel.groups} "
@@ -98,7 +146,9 @@ class Plan:
 
 
 def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor],
-              optimizer: Optimizer | None, caps: Capabilities) -> Plan:
+              optimizer: Optimizer | None, caps: Capabilities, keep_grads: bool = True) -> Plan:
+    """`keep_grads`: gradients stay readable after the step (else an optimizer consumes them
+    and their memory is reused)."""
     for name, t in outputs.items():
         if not graph._owns(t):
             raise GraphError(f"output '{name}' ({t.label}) is not a node of this graph")
@@ -130,57 +180,80 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
         kernel = kernels.lower(node, caps)
         bound = tuple(slot_of[t.id] for t in node.inputs) + (slot_of[node.id],)
         phase: Phase = "forward" if node.id in forward_ids else "backward"
-        dispatches.append(PlannedDispatch(kernel, bound, False, phase, f"{node.label} "
+        dispatches.append(PlannedDispatch(kernel, bound, 0, phase, f"{node.label} "
                                           f"at {node.where}"))
 
     params = {name: slot_of[t.id] for name, t in graph.params.items() if t.id in slot_of}
+    grad_views = {n: View(slot_of[t.id], t.shape) for n, t in grads.items()}
     plan = Plan(slots, dispatches, MemoryPlan({}, [], 0),
                 inputs={n: slot_of[t.id] for n, t in graph.inputs.items() if t.id in slot_of},
                 outputs={n: View(slot_of[t.id], t.shape) for n, t in outputs.items()},
-                params=params, grads={n: View(slot_of[t.id], t.shape) for n, t in grads.items()},
+                params=params, grads=grad_views if keep_grads else {},
                 initial_values=initial)
     if optimizer is not None:
-        _add_optimizer(plan, optimizer, new_slot, caps)
-    plan.dispatches = _place_barriers(plan.dispatches)
+        _add_optimizer(plan, optimizer, {n: v.slot for n, v in grad_views.items()}, new_slot,
+                       caps)
+    plan.dispatches = _schedule(plan.dispatches)
+    plan.lifetimes = _lifetimes(plan)
     try:
-        plan.memory = plan_memory({s.id: s.nbytes for s in slots},
-                                  max(caps.min_storage_offset_alignment, 16),
+        plan.memory = plan_memory(plan.lifetimes, max(caps.min_storage_offset_alignment, 16),
                                   caps.max_storage_buffer_range)
     except ValueError as e:
         raise GraphError(f"{e}; on {caps.device_name}") from None
     return plan
 
 
-def _add_optimizer(plan: Plan, optimizer: Optimizer, new_slot, caps: Capabilities) -> None:
+def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_slot,
+                   caps: Capabilities) -> None:
     names = optimizer_kernels.hyperparam_names(optimizer)
     hp = new_slot("optimizer hyperparameters", (len(names),), "f32", "hyperparams")
     values = optimizer.hyperparams()
     plan.initial_values[hp] = np.array([values.get(n, 0.0) for n in names], np.float32)
     plan.optimizer, plan.hyperparams_slot = optimizer, hp
     counter = optimizer_kernels.step_counter(optimizer)
-    plan.dispatches.append(PlannedDispatch(counter, (hp,), False, "update", "step count"))
+    plan.dispatches.append(PlannedDispatch(counter, (hp,), 0, "update", "step count"))
     for name, param in plan.params.items():
         shape = plan.slots[param].shape
         state = {s: new_slot(f"{name} {s}", shape, "f32", "optimizer_state")
                  for s in optimizer.state_names}
         plan.optimizer_state[name] = state
         kernel = optimizer_kernels.update(optimizer, plan.slots[param].nbytes // 4, caps)
-        bound = (param, plan.grads[name].slot, hp, *state.values())
-        plan.dispatches.append(PlannedDispatch(kernel, bound, False, "update", f"update {name}"))
+        bound = (param, grads[name], hp, *state.values())
+        plan.dispatches.append(PlannedDispatch(kernel, bound, 0, "update", f"update {name}"))
 
 
-def _place_barriers(dispatches: list[PlannedDispatch]) -> list[PlannedDispatch]:
-    placed = []
-    written: set[int] = set()  # since the last barrier
-    read: set[int] = set()
+def _schedule(dispatches: list[PlannedDispatch]) -> list[PlannedDispatch]:
+    """Levels as soon as possible, then the dispatches sorted by level (stable)."""
+    written_at: dict[int, int] = {}  # slot -> level of its latest writer
+    read_at: dict[int, int] = {}  # slot -> highest level reading it
+    leveled = []
     for d in dispatches:
-        writes = {s for s, w in zip(d.slots, d.kernel.writable) if w}
-        reads = set(d.slots) - writes
-        # read-after-write, write-after-write and write-after-read all need the barrier
-        hazard = bool((reads | writes) & written or writes & read)
-        if hazard:
-            written, read = set(), set()
-        written |= writes
-        read |= reads
-        placed.append(PlannedDispatch(d.kernel, d.slots, hazard, d.phase, d.label))
-    return placed
+        level = max([written_at[s] + 1 for s in d.reads if s in written_at]
+                    + [read_at[s] + 1 for s in d.writes if s in read_at] + [0])
+        for s in d.writes:
+            written_at[s] = level
+        for s in d.reads:
+            read_at[s] = max(read_at.get(s, -1), level)
+        leveled.append(PlannedDispatch(d.kernel, d.slots, level, d.phase, d.label))
+    return sorted(leveled, key=lambda d: d.level)
+
+
+def _lifetimes(plan: Plan) -> dict[int, Lifetime]:
+    """Each slot's interval of levels; pinned slots live from start-up to the end."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for d in plan.dispatches:
+        for s in d.writes:
+            first.setdefault(s, d.level)
+        for s in d.reads:
+            last[s] = max(last.get(s, -1), d.level)
+    readable = {v.slot for v in (*plan.outputs.values(), *plan.grads.values())}
+    lifetimes = {}
+    for s in plan.slots:
+        if s.role in ("param", "constant", "optimizer_state", "hyperparams"):
+            start, end = -1, FOREVER
+        else:
+            start = -1 if s.role == "input" else first.get(s.id, -1)
+            end = FOREVER if s.id in readable else last.get(s.id, start)
+        lifetimes[s.id] = Lifetime(s.nbytes, start, end)
+    return lifetimes

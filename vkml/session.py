@@ -13,22 +13,23 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from . import autodiff, naga
+from . import naga
 from .backend import Barrier, Binding, Command, Copy, Dispatch
 from .device import Device, default_device
-from .errors import GraphError, InputError
+from .errors import InputError
 from .graph import Graph, Tensor
 from .kernels import optimizer as optimizer_kernels
 from .optim import Optimizer
-from .plan import Plan, Slot, make_plan
+from .pipeline import lower
+from .plan import Plan, Slot
 
 NUMPY_DTYPE = {"f32": np.float32, "i32": np.int32}
 STATE_PREFIX = "optimizer/"
 
 
 def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | None = None,
-            device: Device | None = None, outputs: Mapping[str, Tensor] | None = None
-            ) -> Session:
+            device: Device | None = None, outputs: Mapping[str, Tensor] | None = None,
+            rewrite: str = "greedy", keep_grads: bool | None = None) -> Session:
     """Compile `graph` into a runnable session.
 
     - no `loss`: an inference session; `step()` computes the graph's outputs.
@@ -37,23 +38,14 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     - `loss` and `optimizer`: `step()` is one training step (forward, backward, update) in a
       single submission.
     The loss is readable as "loss"; `outputs` adds more readable tensors by name.
+    `rewrite`: "greedy" fuses kernels (vkml/rewrite.py); "none" runs one kernel per op.
+    `keep_grads`: keep gradients readable after a training step (by default only sessions
+    without an optimizer keep them; otherwise their memory is reused).
     """
-    if optimizer is not None and loss is None:
-        raise GraphError("an optimizer needs a loss to minimise: compile(graph, loss=..., "
-                         "optimizer=...)")
-    work = graph.copy()
-    named = dict(graph.outputs)
-    for name, t in {**(outputs or {}), **({"loss": loss} if loss is not None else {})}.items():
-        if named.get(name, t) is not t:
-            raise GraphError(f"two different tensors are named '{name}'")
-        named[name] = t
-    if not named:
-        raise GraphError("nothing to compute: pass loss=..., or mark tensors with "
-                         "graph.output(name, tensor)")
-    grads = autodiff.gradients(work, loss) if loss is not None else {}
     device = device or default_device()
-    plan = make_plan(work, named, grads, optimizer, device.caps)
-    return Session(plan, device)
+    stages = lower(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
+                   rewrite=rewrite, keep_grads=keep_grads)
+    return Session(stages.plan, device)
 
 
 class Session:
@@ -96,11 +88,13 @@ class Session:
 
         def program(phases: set[str], label: str) -> object:
             commands = list(uploads)
+            level = None
             for d in plan.dispatches:
                 if d.phase not in phases:
                     continue
-                if d.barrier_before and commands and not isinstance(commands[-1], Barrier):
+                if level is not None and d.level != level:
                     commands.append(Barrier())
+                level = d.level
                 bindings = tuple(Binding(*self._place(s), max(plan.slots[s].nbytes, 4), w)
                                  for s, w in zip(d.slots, d.kernel.writable))
                 commands.append(Dispatch(pipelines[d.kernel.wgsl], bindings, d.kernel.groups))
@@ -159,6 +153,9 @@ class Session:
     def grad(self, param: str) -> np.ndarray:
         """The gradient of the loss for parameter `param`, as computed by the last step."""
         if param not in self.plan.grads:
+            if param in self.plan.params and self.plan.optimizer is not None:
+                raise InputError(f"the gradient of '{param}' is not kept by this training "
+                                 "session: compile with keep_grads=True to read it")
             raise InputError(f"no gradient for '{param}': compile with a loss, and name one of "
                              f"the parameters {sorted(self.plan.params)}")
         view = self.plan.grads[param]
@@ -256,8 +253,9 @@ class Session:
 
     # ---- inspection and teardown ----------------------------------------------------------------
     def explain(self) -> str:
-        """The plan as text: tensors with their placement, dispatches, barriers."""
-        return self.plan.dump()
+        """What was compiled: dispatch and barrier counts, memory, kernels chosen, then the
+        plan itself (tensors with their placement, dispatches between barriers)."""
+        return self.plan.summary() + "\n\n" + self.plan.dump()
 
     def close(self) -> None:
         self.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..backend import Capabilities
+from ..ops import Body
 
 
 def storage(binding: int, name: str, dtype: str = "f32", writable: bool = False) -> str:
@@ -52,3 +53,21 @@ def unflatten(index: str, shape: tuple[int, ...], prefix: str) -> list[str]:
 def offset(indices: list[str], strides: tuple[int, ...]) -> str:
     terms = [f"{i} * {s}u" if s != 1 else i for i, s in zip(indices, strides) if s != 0]
     return " + ".join(terms) if terms else "0u"
+
+
+def helper_functions(*bodies: Body | None) -> list[str]:
+    """The WGSL helper functions the bodies use, each once."""
+    seen: dict[str, None] = {}
+    for body in bodies:
+        for h in body.helpers if body else ():
+            seen.setdefault(h.strip(), None)
+    return list(seen)
+
+
+def body_lines(body: Body, reads: dict[int, str], indent: str, target: str) -> list[str]:
+    """Bind each input k of `body` to the WGSL expression `reads[k]`, run its statements and
+    assign its result to `target` (`acc +=` style targets work too)."""
+    lines = [f"{indent}let x{k} = {reads[k]};" for k in sorted(reads)]
+    lines += [f"{indent}{stmt}" for stmt in body.lets]
+    lines.append(f"{indent}{target} {body.result};")
+    return lines

@@ -7,9 +7,19 @@ import numpy as np
 
 from ..backend import Capabilities
 from ..graph import Tensor
-from ..ops import contiguous_strides
+from ..ops import Body, contiguous_strides
 from . import Kernel
-from .common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, offset, storage, tree_reduce, unflatten
+from .common import (
+    ENTRY_ARGS,
+    LINEAR_WORKGROUP,
+    body_lines,
+    grid,
+    helper_functions,
+    offset,
+    storage,
+    tree_reduce,
+    unflatten,
+)
 
 WORKGROUP = 64
 
@@ -30,13 +40,29 @@ def _input_offset(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[list[s
     return lines, offset([indices[a] for a in range(len(shape))], strides)
 
 
-def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
+def sum_parts(node: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], Body, Body, int]:
+    """(summed tensor's shape, axes, prologue, epilogue, number of prologue inputs): a plain sum
+    is the fused form with identity bodies."""
+    if node.op == "fused_sum":
+        a = node.attrs
+        return a["in_shape"], a["axes"], a["prologue"], a["epilogue"], a["n_prologue"]
     (x,) = node.inputs
-    axes = node.attrs["axes"]
-    reduced = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
+    identity = Body((), "x0", (contiguous_strides(x.shape),))
+    return x.shape, node.attrs["axes"], identity, Body((), "x0", ((),)), 1
+
+
+def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
+    in_shape, axes, prologue, epilogue, n_prologue = sum_parts(node)
+    reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     outputs = node.size
-    setup, at = _input_offset(x.shape, axes)
-    lines = [storage(0, "inp"), storage(1, "out", writable=True),
+    setup, at = _input_offset(in_shape, axes)
+    out_index = [f"i{a}" for a in range(len(node.shape))]
+    epilogue_reads = {0: "partial[0]"} | {
+        k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
+        for k in range(1, len(epilogue.strides))}
+    lines = [*helper_functions(prologue, epilogue),
+             *[storage(k, f"in{k}") for k in range(len(node.inputs))],
+             storage(len(node.inputs), "out", writable=True),
              f"var<workgroup> partial: array<f32, {WORKGROUP}>;",
              f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
              f"  let o = {LINEAR_WORKGROUP};",
@@ -46,13 +72,17 @@ def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
              *[line for line in setup if line.lstrip().startswith("let k")],
              f"    for (var r = lid; r < {reduced}u; r += {WORKGROUP}u) {{",
              *["  " + line for line in setup if line.lstrip().startswith("let j")],
-             f"      acc += inp[{at}];",
+             f"      let at = {at};",
+             *body_lines(prologue, {k: f"in{k}[at]" for k in range(n_prologue)}, "      ",
+                         "acc +="),
              "    }", "  }",
              "  partial[lid] = acc;",
              *tree_reduce("partial", WORKGROUP, "{a} + {b}"),
-             f"  if (lid == 0u && o < {outputs}u) {{ out[o] = partial[0]; }}", "}"]
-    return Kernel(name=f"sum_{'x'.join(map(str, x.shape))}_axes{''.join(map(str, axes))}",
-                  wgsl="\n".join(lines) + "\n", writable=(False, True),
+             f"  if (lid == 0u && o < {outputs}u) {{",
+             *unflatten("o", node.shape, "i"),
+             *body_lines(epilogue, epilogue_reads, "    ", "out[o] ="), "  }", "}"]
+    return Kernel(name=f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
+                  wgsl="\n".join(lines) + "\n", writable=(False,) * len(node.inputs) + (True,),
                   groups=grid(outputs, caps))
 
 

@@ -1,0 +1,24 @@
+"""Fused ops, made only by `vkml/rewrite.py` after autodiff (so they need no gradient rule).
+
+- fused_pointwise: a DAG of pointwise ops as one `Body` (attrs "body").
+- fused_matmul: matmul whose result passes through an epilogue `Body` before it is stored;
+  inputs (a, b, *epilogue inputs); in the epilogue x0 is the accumulator, x1... the extra inputs.
+- fused_sum: a sum whose summand is a prologue `Body` over inputs[:n_prologue] (all read at the
+  summed tensor's own index) and whose result passes through an epilogue `Body` (x0 = the sum,
+  x1... = inputs[n_prologue:]).
+The result's shape and dtype are stored in attrs, as the rewrite already knows them.
+"""
+
+from __future__ import annotations
+
+from . import OpDef, register
+
+
+def _stored(inputs, attrs):
+    return attrs["shape"], attrs["dtype"]
+
+
+register(OpDef("fused_pointwise", _stored, "pointwise",
+               expr=lambda node: node.attrs["body"].result))
+register(OpDef("fused_matmul", _stored, "matmul"))
+register(OpDef("fused_sum", _stored, "reduce"))

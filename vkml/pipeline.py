@@ -1,0 +1,86 @@
+"""The compiler's stages in order, each a function of the previous one's output:
+
+    Graph --autodiff--> Graph --rewrite--> Graph --plan--> Plan --codegen--> WGSL --naga--> SPIR-V
+
+`lower()` runs them up to the plan (WGSL is generated during planning, SPIR-V when a session is
+made) and keeps every intermediate, so `python -m vkml dump` and tests can print any of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from . import autodiff, naga
+from .backend import Capabilities
+from .errors import GraphError
+from .graph import Graph, Tensor
+from .optim import Optimizer
+from .plan import Plan, make_plan
+from .rewrite import fuse
+
+STAGES = ("graph", "rewritten", "plan", "memory", "wgsl", "spirv")
+REWRITES = ("greedy", "none")
+
+
+@dataclass
+class Stages:
+    graph: Graph  # the user's graph extended with the backward pass
+    roots: list[Tensor]  # outputs and gradients in `graph`
+    rewritten: Graph
+    rewritten_roots: list[Tensor]
+    plan: Plan
+
+    def kernels(self) -> dict[str, str]:
+        """Each distinct kernel's WGSL, by kernel name."""
+        return {d.kernel.name: d.kernel.wgsl for d in self.plan.dispatches}
+
+    def spirv(self) -> dict[str, bytes]:
+        return {name: naga.compile_wgsl(wgsl, name) for name, wgsl in self.kernels().items()}
+
+    def dump(self, stage: str) -> str:
+        if stage == "graph":
+            return self.graph.dump(self.roots)
+        if stage == "rewritten":
+            return self.rewritten.dump(self.rewritten_roots)
+        if stage == "plan":
+            return self.plan.dump()
+        if stage == "memory":
+            return self.plan.dump_memory()
+        if stage == "wgsl":
+            return "\n".join(f"// ---- kernel {name}\n{wgsl}" for name, wgsl in
+                             self.kernels().items())
+        if stage == "spirv":
+            return "\n".join(f"{name}: {len(spv)} bytes of SPIR-V" for name, spv in
+                             self.spirv().items())
+        raise GraphError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+
+
+def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
+          optimizer: Optimizer | None = None, outputs: Mapping[str, Tensor] | None = None,
+          rewrite: str = "greedy", keep_grads: bool | None = None) -> Stages:
+    """Graph -> Plan, keeping each stage. Arguments as for `vkml.compile`."""
+    if rewrite not in REWRITES:
+        raise GraphError(f"unknown rewrite {rewrite!r}; use one of {REWRITES}")
+    if optimizer is not None and loss is None:
+        raise GraphError("an optimizer needs a loss to minimise: compile(graph, loss=..., "
+                         "optimizer=...)")
+    work = graph.copy()
+    named = dict(graph.outputs)
+    for name, t in {**(outputs or {}), **({"loss": loss} if loss is not None else {})}.items():
+        if named.get(name, t) is not t:
+            raise GraphError(f"two different tensors are named '{name}'")
+        named[name] = t
+    if not named:
+        raise GraphError("nothing to compute: pass loss=..., or mark tensors with "
+                         "graph.output(name, tensor)")
+    grads = autodiff.gradients(work, loss) if loss is not None else {}
+    roots = [*named.values(), *grads.values()]
+    fused, fused_named, fused_grads = work, named, grads
+    if rewrite == "greedy":
+        fused, new_of = fuse(work, roots)
+        fused_named = {n: new_of[t.id] for n, t in named.items()}
+        fused_grads = {n: new_of[t.id] for n, t in grads.items()}
+    keep = optimizer is None if keep_grads is None else keep_grads
+    plan = make_plan(fused, fused_named, fused_grads, optimizer, caps, keep_grads=keep)
+    return Stages(work, roots, fused, [*fused_named.values(), *fused_grads.values()], plan)

@@ -1,0 +1,210 @@
+"""Fusion by rewriting: Graph -> Graph with fewer, larger kernels.
+
+Greedy rules, applied in topological order until nothing changes. A producer is absorbed into its
+consumer only when nothing else needs it in memory: it has exactly one consumer and is not a
+graph output or gradient.
+- pointwise into pointwise: chains and DAGs of elementwise ops become one `fused_pointwise`;
+  scalar constants become WGSL literals on the way.
+- pointwise into a matmul's epilogue: bias add, activation, scaling happen before the store.
+- pointwise into a sum's prologue (the summand) and epilogue (the sum's result), which turns
+  cross-entropy and MSE into single row reductions after the softmax.
+Runs after autodiff, so forward and backward kernels are fused alike; fused ops need no gradient.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+
+from .graph import Graph, Tensor
+from .ops import OPS, Body, Shape, body_of, contiguous_strides
+
+_NAME = re.compile(r"\b[xv]\d+\b")
+_LET = re.compile(r"\blet (v\d+)\b")
+IDENTITY_EPILOGUE = Body((), "x0", ((),))
+
+
+class _BodyBuilder:
+    """Accumulates one fused body: its external inputs (deduplicated) and its statements."""
+
+    def __init__(self, reserved: int = 0) -> None:
+        self.inputs: list[Tensor | None] = [None] * reserved  # None: not a buffer (accumulator)
+        self.strides: list[Shape] = [()] * reserved
+        self.lets: list[str] = []
+        self.helpers: dict[str, None] = {}
+        self.fresh = 0
+
+    def input(self, tensor: Tensor, strides: Shape) -> str:
+        for k, (t, s) in enumerate(zip(self.inputs, self.strides)):
+            if t is tensor and s == strides:
+                return f"x{k}"
+        self.inputs.append(tensor)
+        self.strides.append(strides)
+        return f"x{len(self.inputs) - 1}"
+
+    def inline(self, body: Body, args: list[str]) -> str:
+        """Append `body` with its inputs bound to `args`; returns the variable of its result."""
+        mapping = {f"x{k}": a for k, a in enumerate(args)}
+        for stmt in body.lets:
+            for name in _LET.findall(stmt):
+                mapping[name] = self._new_var()
+
+        def rename(text: str) -> str:
+            return _NAME.sub(lambda m: mapping.get(m.group(0), m.group(0)), text)
+
+        self.lets += [rename(stmt) for stmt in body.lets]
+        result = self._new_var()
+        self.lets.append(f"let {result} = {rename(body.result)};")
+        self.helpers.update(dict.fromkeys(body.helpers))
+        return result
+
+    def _new_var(self) -> str:
+        self.fresh += 1
+        return f"v{self.fresh}"
+
+    def body(self, result: str) -> Body:
+        return Body(tuple(self.lets), result, tuple(self.strides), tuple(self.helpers))
+
+
+def _literal(t: Tensor, values: dict[int, np.ndarray]) -> str | None:
+    """A WGSL literal for a scalar constant, so it needs no buffer and no binding."""
+    if t.op != "constant" or t.size != 1:
+        return None
+    value = float(values[t.id].reshape(()))
+    return f"({value:.9e})" if np.isfinite(value) else None
+
+
+def fuse(graph: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor]]:
+    """The fused graph, and a map from the id of each node of `graph` kept to its new node."""
+    changed, mapping = True, {t.id: t for t in graph.reachable(roots)}
+    while changed:
+        graph, step_mapping, changed = _fuse_once(graph, [mapping[r.id] for r in roots])
+        mapping = {old: step_mapping[new.id] for old, new in mapping.items()
+                   if new.id in step_mapping}
+    return graph, mapping
+
+
+def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor], bool]:
+    order = old.reachable(roots)
+    pinned = {t.id for t in roots}
+    consumers = Counter(i.id for t in order for i in {x.id: x for x in t.inputs}.values())
+    new = Graph.__new__(Graph)
+    new.nodes, new.outputs, new.rng = [], {}, old.rng
+    new.initial_values = {}
+    new_of: dict[int, Tensor] = {}
+    old_of: dict[int, int] = {}
+    changed = False
+
+    def absorbable(t: Tensor) -> bool:
+        original = old_of[t.id]
+        return original not in pinned and consumers[original] == 1
+
+    def emit(template: Tensor, op: str, inputs: list[Tensor], attrs: dict) -> Tensor:
+        t = Tensor(new, len(new.nodes), op, tuple(inputs), template.shape, template.dtype, attrs,
+                   template.name, template.where)
+        new.nodes.append(t)
+        return t
+
+    for node in order:
+        inputs = [new_of[i.id] for i in node.inputs]
+        fused = None
+        if OPS[node.op].archetype == "pointwise":
+            fused = _fuse_pointwise(node, inputs, absorbable, new.initial_values, emit)
+        elif node.op == "sum":
+            fused = _fuse_sum_prologue(node, inputs, absorbable, emit)
+        if fused is None:
+            fused = emit(node, node.op, inputs, node.attrs)
+        else:
+            changed = True
+        new_of[node.id] = fused
+        old_of[fused.id] = node.id
+        if node.id in old.initial_values:
+            new.initial_values[fused.id] = old.initial_values[node.id]
+    new.inputs = {n: new_of[t.id] for n, t in old.inputs.items() if t.id in new_of}
+    new.params = {n: new_of[t.id] for n, t in old.params.items() if t.id in new_of}
+    new.outputs = {n: new_of[t.id] for n, t in old.outputs.items() if t.id in new_of}
+    return new, new_of, changed
+
+
+def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
+    body = body_of(node)
+    identity = contiguous_strides(node.shape)
+    builder = _BodyBuilder()
+    args, changed = [], False
+    for t, strides in zip(inputs, body.strides):
+        literal = _literal(t, values)
+        if literal is not None:
+            args.append(literal)
+            changed = True
+        elif (OPS[t.op].archetype == "pointwise" and strides == identity
+              and t.shape == node.shape and absorbable(t)):
+            producer = body_of(t)
+            args.append(builder.inline(producer, [builder.input(x, s) for x, s in
+                                                  zip(t.inputs, producer.strides)]))
+            changed = True
+        else:
+            args.append(builder.input(t, strides))
+    result = builder.inline(body, args)
+
+    # Now the whole computation may move into a matmul's or a sum's epilogue.
+    for k, (t, strides) in enumerate(zip(builder.inputs, builder.strides)):
+        if (t.op in ("matmul", "fused_matmul", "sum", "fused_sum") and strides == identity
+                and t.shape == node.shape and absorbable(t)):
+            return _absorb_into_epilogue(node, t, k, builder.body(result), builder.inputs, emit)
+    if not changed:
+        return None
+    return emit(node, "fused_pointwise", [t for t in builder.inputs if t is not None],
+                {"body": builder.body(result), "shape": node.shape, "dtype": node.dtype})
+
+
+def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
+                          body_inputs: list, emit) -> Tensor:
+    """`node` (as `body` over `body_inputs`, of which input `slot` is `producer`) becomes
+    `producer`'s epilogue."""
+    if producer.op in ("matmul", "fused_matmul"):
+        leading = list(producer.inputs[:2])
+        old_epilogue = producer.attrs.get("epilogue", IDENTITY_EPILOGUE)
+        extras = list(producer.inputs[2:])
+    else:
+        attrs = _as_fused_sum(producer)
+        leading = list(producer.inputs[:attrs["n_prologue"]])
+        old_epilogue = attrs["epilogue"]
+        extras = list(producer.inputs[attrs["n_prologue"]:])
+    builder = _BodyBuilder(reserved=1)
+    previous = builder.inline(old_epilogue, ["x0"] + [builder.input(x, s) for x, s in
+                                                      zip(extras, old_epilogue.strides[1:])])
+    args = [previous if k == slot else builder.input(t, s)
+            for k, (t, s) in enumerate(zip(body_inputs, body.strides))]
+    epilogue = builder.body(builder.inline(body, args))
+    inputs = leading + [t for t in builder.inputs[1:] if t is not None]
+    if producer.op in ("matmul", "fused_matmul"):
+        attrs = {**producer.attrs, "epilogue": epilogue, "shape": node.shape, "dtype": node.dtype}
+        return emit(node, "fused_matmul", inputs, attrs)
+    attrs = {**_as_fused_sum(producer), "epilogue": epilogue, "shape": node.shape,
+             "dtype": node.dtype}
+    return emit(node, "fused_sum", inputs, attrs)
+
+
+def _as_fused_sum(t: Tensor) -> dict:
+    """The fused_sum attributes of a plain or fused sum."""
+    if t.op == "fused_sum":
+        return dict(t.attrs)
+    (x,) = t.inputs
+    return {"axes": t.attrs["axes"], "in_shape": x.shape, "n_prologue": 1,
+            "prologue": Body((), "x0", (contiguous_strides(x.shape),)),
+            "epilogue": IDENTITY_EPILOGUE, "shape": t.shape, "dtype": t.dtype}
+
+
+def _fuse_sum_prologue(node, inputs, absorbable, emit) -> Tensor | None:
+    """sum(pointwise(...)) -> one reduction whose summand is computed as it is read."""
+    (summand,) = inputs
+    if OPS[summand.op].archetype != "pointwise" or not absorbable(summand):
+        return None
+    body = body_of(summand)
+    # The prologue reads every input at the summand's own flat index.
+    if any(s != contiguous_strides(summand.shape) for s in body.strides):
+        return None
+    attrs = {**_as_fused_sum(node), "prologue": body, "n_prologue": len(summand.inputs)}
+    return emit(node, "fused_sum", list(summand.inputs), attrs)
