@@ -17,6 +17,8 @@ import numpy as np
 
 from .errors import GraphError
 from .ops import OPS, DType, Shape
+from .ops import attention as _attention
+from .ops import norm as _norm
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -279,6 +281,115 @@ class Graph:
             axes = (*range(len(x.shape) - 2), len(x.shape) - 1, len(x.shape) - 2)
         return self.apply("transpose", [x], axes=tuple(int(a) for a in axes))
 
+    def permute(self, x: Tensor, axes: Sequence[int]) -> Tensor:
+        """torch.permute: the same op as transpose with explicit axes."""
+        return self.transpose(x, axes)
+
+    # ---- indexing and shape (issue 4; vkml/ops/indexing.py) ------------------------------------
+    def slice(self, x: Tensor, axis: int, start: int, stop: int) -> Tensor:
+        """x[..., start:stop, ...] along `axis` (step 1, non-negative bounds)."""
+        return self.apply("slice", [x], axis=int(axis), start=int(start), stop=int(stop))
+
+    def pad(self, x: Tensor, axis: int, before: int, after: int) -> Tensor:
+        """Zero padding along one axis."""
+        return self.apply("pad", [x], axis=int(axis), before=int(before), after=int(after))
+
+    def concat(self, xs: Sequence[Tensor], axis: int = 0) -> Tensor:
+        if len(xs) == 1:
+            return xs[0]
+        return self.apply("concat", list(xs), axis=int(axis))
+
+    def split(self, x: Tensor, sizes: int | Sequence[int], axis: int = 0) -> list[Tensor]:
+        """torch.split: chunks of `sizes` (an int: equal chunks, the last may be shorter)."""
+        extent = x.shape[axis]
+        if isinstance(sizes, int):
+            sizes = [min(sizes, extent - s) for s in range(0, extent, sizes)]
+        if sum(sizes) != extent:
+            raise GraphError(f"split: sizes {list(sizes)} do not add up to {extent}")
+        out, start = [], 0
+        for size in sizes:
+            out.append(x if size == extent else self.slice(x, axis, start, start + size))
+            start += size
+        return out
+
+    def upsample_nearest(self, x: Tensor, scale: int = 2) -> Tensor:
+        """Nearest upsampling of an (N, C, H, W) tensor by an integer factor: a broadcast (one
+        pointwise kernel); its gradient is a sum over each scale x scale block."""
+        n, c, h, w = x.shape
+        wide = self.broadcast_to(self.reshape(x, (n, c, h, 1, w, 1)), (n, c, h, scale, w, scale))
+        return self.reshape(wide, (n, c, h * scale, w * scale))
+
+    def embedding(self, ids: Tensor, weight: Tensor) -> Tensor:
+        """F.embedding(ids, weight): rows of `weight` (rows, dim) at i32 `ids` -> (*ids, dim)."""
+        return self.apply("embedding", [weight, ids])
+
+    # ---- normalisation, attention, activations (compositions: vkml/ops/norm.py, attention.py)
+    def layer_norm(self, x: Tensor, normalized_shape, weight: Tensor | None = None,
+                   bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+        return _norm.layer_norm(self, x, normalized_shape, weight, bias, eps)
+
+    def rms_norm(self, x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+        return _norm.rms_norm(self, x, weight, eps)
+
+    def group_norm(self, x: Tensor, num_groups: int, weight: Tensor | None = None,
+                   bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+        return _norm.group_norm(self, x, num_groups, weight, bias, eps)
+
+    def batch_norm(self, x: Tensor, running_mean: Tensor | None = None,
+                   running_var: Tensor | None = None, weight: Tensor | None = None,
+                   bias: Tensor | None = None, training: bool = False,
+                   eps: float = 1e-5) -> Tensor:
+        return _norm.batch_norm(self, x, running_mean, running_var, weight, bias, training, eps)
+
+    def scaled_dot_product_attention(self, q: Tensor, k: Tensor, v: Tensor,
+                                     mask: Tensor | None = None, causal: bool = False,
+                                     scale: float | None = None) -> Tensor:
+        return _attention.scaled_dot_product_attention(self, q, k, v, mask, causal, scale)
+
+    def rope(self, x: Tensor, theta: float = 10000.0, offset: int = 0) -> Tensor:
+        return _attention.rope(self, x, theta, offset)
+
+    def swiglu(self, a: Tensor, b: Tensor) -> Tensor:
+        return _attention.swiglu(self, a, b)
+
+    # ---- convolution and pooling (NCHW; vkml/ops/conv.py) -----------------------------------
+    def conv2d(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,
+               dilation=1, groups: int = 1) -> Tensor:
+        """F.conv2d: weight (out, in/groups, kh, kw); int or (h, w) stride/padding/dilation."""
+        y = self.apply("conv2d", [x, weight], stride=_pair(stride), padding=_pair(padding),
+                       dilation=_pair(dilation), groups=int(groups))
+        if bias is not None:
+            y = self.add(y, self.reshape(bias, (bias.size, 1, 1)))
+        return y
+
+    def conv1d(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int = 1,
+               padding: int = 0, dilation: int = 1, groups: int = 1) -> Tensor:
+        """F.conv1d as conv2d over a height of 1: x (N, C, L), weight (out, in/groups, k)."""
+        n, c, length = x.shape
+        o, cpg, k = weight.shape
+        y = self.conv2d(self.reshape(x, (n, c, 1, length)), self.reshape(weight, (o, cpg, 1, k)),
+                        None, (1, stride), (0, padding), (1, dilation), groups)
+        y = self.reshape(y, (n, o, y.shape[-1]))
+        return y if bias is None else self.add(y, self.reshape(bias, (o, 1)))
+
+    def max_pool2d(self, x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+        kernel = _pair(kernel_size)
+        return self.apply("max_pool2d", [x], kernel=kernel,
+                          stride=kernel if stride is None else _pair(stride),
+                          padding=_pair(padding))
+
+    def avg_pool2d(self, x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+        """F.avg_pool2d (count_include_pad=True): a depthwise conv2d with constant weights."""
+        kh, kw = _pair(kernel_size)
+        c = x.shape[1]
+        weight = self.constant(np.full((c, 1, kh, kw), 1.0 / (kh * kw), np.float32))
+        return self.conv2d(x, weight, None, (kh, kw) if stride is None else stride, padding,
+                           1, c)
+
+    def global_avg_pool2d(self, x: Tensor) -> Tensor:
+        """(N, C, H, W) -> (N, C, 1, 1), as F.adaptive_avg_pool2d(x, 1)."""
+        return self.mean(x, (2, 3), keepdims=True)
+
     # ---- losses (compositions of the ops above, so they differentiate for free) -----------
     def cross_entropy(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Mean cross-entropy over the rows of 2-D `logits`. `labels`: class indices (i32,
@@ -340,6 +451,10 @@ class Graph:
         return "\n".join(lines)
 
     __str__ = dump
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, (int, np.integer)) else (int(v[0]), int(v[1]))
 
 
 def _normalize_axes(x: Tensor, axis: int | Sequence[int] | None) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ class Kernel:
 
 def lower(node: Tensor, caps: Capabilities) -> Kernel:
     """The kernel computing `node` from its inputs (bindings: inputs in order, then output)."""
-    from . import matmul, pointwise, reduce
+    from . import conv, gather, matmul, pointwise, reduce
 
     archetype = OPS[node.op].archetype
     if archetype == "pointwise":
@@ -39,4 +39,8 @@ def lower(node: Tensor, caps: Capabilities) -> Kernel:
         return reduce.generate_softmax(node, caps)
     if archetype == "matmul":
         return matmul.generate(node, caps)
+    if archetype == "gather":
+        return gather.generate(node, caps)
+    if archetype == "conv":
+        return conv.generate(node, caps)
     raise ValueError(f"{node.label}: archetype '{archetype}' produces no kernel")
