@@ -65,13 +65,28 @@ def broadcast_strides(shape: Shape, out_shape: Shape) -> Shape:
                  for i in range(len(out_shape)))
 
 
-def input_strides(node: Tensor) -> list[Shape]:
-    """How the pointwise kernel indexes each input of `node` (see OpDef.strides)."""
-    rule = OPS[node.op].strides
-    if rule is not None:
-        return rule(node)
-    return [broadcast_strides(x.shape, node.shape) for x in node.inputs]
+@dataclass(frozen=True)
+class Body:
+    """A pointwise computation as WGSL: `lets` (statements), then `result` (an expression), over
+    the inputs' elements x0, x1, ... and the output's multi-index i0, i1, ...; input k is read at
+    `strides[k]` (element stride per output axis, 0 = broadcast). Fusion composes bodies."""
+
+    lets: tuple[str, ...]
+    result: str
+    strides: tuple[Shape, ...]
+    helpers: tuple[str, ...] = ()
+
+
+def body_of(node: Tensor) -> Body:
+    """The pointwise body of a pointwise node: stored on fused nodes, built from the OpDef else."""
+    if "body" in node.attrs:
+        return node.attrs["body"]
+    opdef = OPS[node.op]
+    assert opdef.expr is not None, f"{node.label} is not pointwise"
+    strides = (opdef.strides(node) if opdef.strides is not None
+               else [broadcast_strides(x.shape, node.shape) for x in node.inputs])
+    return Body((), opdef.expr(node), tuple(strides), (opdef.helpers,) if opdef.helpers else ())
 
 
 # The families register their ops on import.
-from . import conv, indexing, layout, linalg, pointwise, reduce, source  # noqa: E402,F401
+from . import conv, fused, indexing, layout, linalg, pointwise, reduce, source  # noqa: E402,F401
