@@ -42,7 +42,11 @@ def gradients(graph: Graph, loss: Tensor, params: dict[str, Tensor] | None = Non
         if rule is None:
             raise GraphError(f"{node.label} (made at {node.where}) has no gradient rule, but a "
                              "parameter's gradient flows through it")
-        for inp, g in zip(node.inputs, rule(graph, node, upstream)):
+        first_new = len(graph.nodes)
+        input_grads = rule(graph, node, upstream)
+        for made in graph.nodes[first_new:]:  # dumps and errors point at the forward op
+            made.where = f"grad of {node.where}"
+        for inp, g in zip(node.inputs, input_grads):
             if g is None or inp.id not in needs_grad:
                 continue
             previous = grad_of.get(inp.id)

@@ -76,6 +76,9 @@ class Body:
     strides: tuple[Shape, ...]
     helpers: tuple[str, ...] = ()
 
+    def __str__(self) -> str:
+        return "{" + " ".join(self.lets) + f" -> {self.result}}}"
+
 
 def body_of(node: Tensor) -> Body:
     """The pointwise body of a pointwise node: stored on fused nodes, built from the OpDef else."""

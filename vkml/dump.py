@@ -1,0 +1,84 @@
+"""`python -m vkml dump <script.py | module> --stage <stage>`: show what a program compiles.
+
+The program runs until its first `vkml.compile(...)` call; that call's graph and arguments are
+captured (the program stops there, nothing is trained) and lowered stage by stage, and the
+chosen stage is printed, or written under `--out` (SPIR-V always is, being binary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import session as session_module
+from .device import Device, default_device
+from .errors import VkmlError
+from .pipeline import STAGES, Stages, lower
+
+
+class _Captured(Exception):
+    def __init__(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.args_, self.kwargs = args, kwargs
+
+
+def capture(target: str, argv: list[str]) -> tuple[tuple, dict[str, Any]]:
+    """Run `target` (a .py path or a module name) until it calls vkml.compile; return the
+    call's arguments."""
+    import vkml
+
+    def intercept(*args: Any, **kwargs: Any) -> None:
+        raise _Captured(args, kwargs)
+
+    saved = vkml.compile, session_module.compile, sys.argv
+    vkml.compile = session_module.compile = intercept  # type: ignore[assignment]
+    sys.argv = [target, *argv]
+    try:
+        if target.endswith(".py") or os.path.sep in target:
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except _Captured as call:
+        return call.args_, call.kwargs
+    finally:
+        vkml.compile, session_module.compile, sys.argv = saved
+    raise VkmlError(f"{target} finished without calling vkml.compile: nothing to dump")
+
+
+def stages_of(target: str, argv: list[str], device: Device | None = None) -> Stages:
+    args, kwargs = capture(target, argv)
+    graph, *rest = args
+    names = ("loss", "optimizer", "device", "outputs", "rewrite", "keep_grads")
+    options = dict(zip(names, rest)) | kwargs
+    device = options.pop("device", None) or device or default_device()
+    return lower(graph, device.caps, **options)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", help="a Python script or module that calls vkml.compile")
+    parser.add_argument("--stage", choices=STAGES, default="plan",
+                        help="which stage to show (default: %(default)s)")
+    parser.add_argument("--out", type=Path,
+                        help="also write it under this folder (SPIR-V: default out/dump)")
+    parser.add_argument("args", nargs="*", help="arguments for the target (after --)")
+
+
+def run(opts: argparse.Namespace) -> int:
+    stages = stages_of(opts.target, opts.args)
+    if opts.stage == "spirv" or opts.out:
+        out = opts.out or Path("out") / "dump"
+        out.mkdir(parents=True, exist_ok=True)
+        if opts.stage == "spirv":
+            for name, spirv in stages.spirv().items():
+                (out / f"{name}.spv").write_bytes(spirv)
+        elif opts.stage == "wgsl":
+            for name, wgsl in stages.kernels().items():
+                (out / f"{name}.wgsl").write_text(wgsl)
+        else:
+            (out / f"{opts.stage}.txt").write_text(stages.dump(opts.stage) + "\n")
+        print(f"wrote the {opts.stage} stage under {out}/")
+    print(stages.dump(opts.stage))
+    return 0
