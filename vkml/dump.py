@@ -11,6 +11,7 @@ import argparse
 import os
 import runpy
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,9 @@ def capture(target: str, argv: list[str]) -> tuple[tuple, dict[str, Any]]:
         if target.endswith(".py") or os.path.sep in target:
             runpy.run_path(target, run_name="__main__")
         else:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            with warnings.catch_warnings():  # re-running an imported package's __main__ is fine
+                warnings.simplefilter("ignore", RuntimeWarning)
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
     except _Captured as call:
         return call.args_, call.kwargs
     finally:

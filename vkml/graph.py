@@ -444,7 +444,7 @@ class Graph:
             args = ", ".join(f"%{i.id}" for i in t.inputs)
             attrs = " ".join(f"{k}={v}" for k, v in t.attrs.items()
                              if k not in ("shape", "dtype") or t.op in ("reshape", "broadcast_to"))
-            tag = f"  # {t.name}" if t.name else ""
+            tag = f"  # {t.name}" if t.name else f"  # {t.where}"
             if t.id in names:
                 tag += f"  -> output '{names[t.id]}'"
             lines.append(f"%{t.id}: {t.type} = {t.op}({args}){' ' + attrs if attrs else ''}{tag}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import tempfile
 import threading
@@ -30,6 +31,12 @@ SHIPPED_SPIRV = REPO_ROOT / "spirv"
 
 def wgsl_hash(wgsl: str) -> str:
     return hashlib.sha256(wgsl.encode()).hexdigest()
+
+
+def wasm_package_version() -> str:
+    """The naga-wasm npm package's version, from its package.json."""
+    package = DEFAULT_WASM.parent.parent.parent / "package.json"
+    return json.loads(package.read_text())["version"]
 
 
 def default_cache_dir() -> Path:

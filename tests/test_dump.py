@@ -1,0 +1,48 @@
+"""`python -m vkml dump` prints every stage of what a script compiles, and explain() summarises."""
+
+from __future__ import annotations
+
+import pytest
+
+from vkml.__main__ import main
+
+SCRIPT = """
+import vkml
+g = vkml.Graph()
+x = g.input("x", (4, 6))
+y = g.input("y", (4,), "i32")
+loss = g.cross_entropy(vkml.nn.Linear(g, "fc", 6, 3)(x).relu(), y)
+model = vkml.compile(g, loss=loss, optimizer=vkml.SGD())
+raise SystemExit("dump must stop the script at vkml.compile")
+"""
+
+EXPECTED = {
+    "graph": ["= param()  # fc.weight", "= log_softmax(", "grad of"],
+    "rewritten": ["fused_matmul(", "fused_sum(", "epilogue={"],
+    "plan": ["-- barrier --", "[update  ] sgd_update_18", "arena 0"],
+    "memory": ["pinned", "levels", "bytes allocated"],
+    "wgsl": ["// ---- kernel fused_matmul", "@compute @workgroup_size"],
+    "spirv": ["bytes of SPIR-V"],
+}
+
+
+@pytest.mark.parametrize("stage", EXPECTED)
+def test_dump_prints_each_stage(stage, tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    assert main(["dump", str(script), "--stage", stage, "--out", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    for marker in EXPECTED[stage]:
+        assert marker in text, (stage, marker)
+    written = list((tmp_path / "out").iterdir())
+    if stage == "spirv":
+        assert written and all(p.read_bytes()[:4] == b"\x03\x02\x23\x07" for p in written)
+    else:
+        assert written
+
+
+def test_dump_of_a_script_that_never_compiles(tmp_path):
+    script = tmp_path / "nothing.py"
+    script.write_text("x = 1\n")
+    with pytest.raises(Exception, match="without calling vkml.compile"):
+        main(["dump", str(script)])
