@@ -30,7 +30,7 @@ EXPECTED = {
 def test_dump_prints_each_stage(stage, tmp_path, capsys):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    assert main(["dump", str(script), "--stage", stage, "--out", str(tmp_path / "out")]) == 0
+    assert main(["dump", "--stage", stage, "--out", str(tmp_path / "out"), str(script)]) == 0
     text = capsys.readouterr().out
     for marker in EXPECTED[stage]:
         assert marker in text, (stage, marker)

@@ -1,4 +1,5 @@
-"""`python -m vkml dump <script.py | module> --stage <stage>`: show what a program compiles.
+"""`python -m vkml dump [--stage S] [--out DIR] <script.py | module> [args]`: show what a
+program compiles.
 
 The program runs until its first `vkml.compile(...)` call; that call's graph and arguments are
 captured (the program stops there, nothing is trained) and lowered stage by stage, and the
@@ -66,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which stage to show (default: %(default)s)")
     parser.add_argument("--out", type=Path,
                         help="also write it under this folder (SPIR-V: default out/dump)")
-    parser.add_argument("args", nargs="*", help="arguments for the target (after --)")
+    # Everything after the target is the target's own command line, as with `python -m`.
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the target")
 
 
 def run(opts: argparse.Namespace) -> int:
