@@ -187,6 +187,17 @@ CASES = [
          lambda g, q, k, v, mask: g.scaled_dot_product_attention(q, k, v, mask=mask),
          lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
          extras={"mask": lambda rng: rng.standard_normal((3, 5)).astype(np.float32)}),
+    Case("flash_attention_cross", [(2, 2, 4, 8), (2, 2, 5, 8), (2, 2, 5, 6)],
+         lambda g, q, k, v: g.scaled_dot_product_attention(q, k, v, fused=True),
+         F.scaled_dot_product_attention),
+    Case("flash_attention_causal", [(1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)],
+         lambda g, q, k, v: g.scaled_dot_product_attention(q, k, v, causal=True, fused=True),
+         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+    Case("flash_attention_gqa_causal_cross", [(2, 4, 5, 4), (2, 2, 7, 4), (2, 2, 7, 3)],
+         lambda g, q, k, v: g.scaled_dot_product_attention(q, k, v, causal=True, scale=0.3,
+                                                           fused=True),
+         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3,
+                                                        enable_gqa=True)),
 ]
 
 

@@ -343,8 +343,8 @@ class Graph:
 
     def scaled_dot_product_attention(self, q: Tensor, k: Tensor, v: Tensor,
                                      mask: Tensor | None = None, causal: bool = False,
-                                     scale: float | None = None) -> Tensor:
-        return _attention.scaled_dot_product_attention(self, q, k, v, mask, causal, scale)
+                                     scale: float | None = None, fused: bool = False) -> Tensor:
+        return _attention.scaled_dot_product_attention(self, q, k, v, mask, causal, scale, fused)
 
     def rope(self, x: Tensor, theta: float = 10000.0, offset: int = 0) -> Tensor:
         return _attention.rope(self, x, theta, offset)

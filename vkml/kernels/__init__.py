@@ -28,7 +28,7 @@ class Kernel:
 
 def lower(node: Tensor, caps: Capabilities) -> Kernel:
     """The kernel computing `node` from its inputs (bindings: inputs in order, then output)."""
-    from . import conv, gather, matmul, pointwise, reduce
+    from . import attention, conv, gather, matmul, pointwise, reduce
 
     archetype = OPS[node.op].archetype
     if archetype == "pointwise":
@@ -43,4 +43,6 @@ def lower(node: Tensor, caps: Capabilities) -> Kernel:
         return gather.generate(node, caps)
     if archetype == "conv":
         return conv.generate(node, caps)
+    if archetype == "attention":
+        return attention.generate(node, caps)
     raise ValueError(f"{node.label}: archetype '{archetype}' produces no kernel")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 DType = Literal["f32", "i32"]
 Shape = tuple[int, ...]
 Archetype = Literal["source", "view", "pointwise", "reduce", "softmax", "matmul", "gather",
-                    "conv"]
+                    "conv", "attention"]
 
 InferRule = Callable[[list["Tensor"], dict[str, Any]], tuple[Shape, DType]]
 GradRule = Callable[["Graph", "Tensor", "Tensor"], Sequence[Optional["Tensor"]]]
@@ -92,4 +92,4 @@ def body_of(node: Tensor) -> Body:
 
 
 # The families register their ops on import.
-from . import conv, fused, indexing, layout, linalg, pointwise, reduce, source  # noqa: E402,F401
+from . import attention, conv, fused, indexing, layout, linalg, pointwise, reduce, source  # noqa: E402,F401,E501
