@@ -1,14 +1,16 @@
-"""Convolution archetype (NCHW, PyTorch's layouts), direct kernels over the im2col index map (the
-patch matrix is never materialised); the kernel window is unrolled from Python, bounds checks
-stand for the zero padding.
-- conv2d: one thread per output element, summing channels-in-group x window.
-- conv2d_input_grad (a transposed convolution): one thread per input element, summing the
-  output positions whose window covers it (divisibility by the stride checked per tap).
+"""Convolution archetype (NCHW, PyTorch's layouts), over the im2col index map (the patch matrix
+is never materialised); kernel taps are unrolled from Python, bounds checks stand for the zero
+padding.
+- conv2d: register-tiled implicit GEMM, rows = output pixels (n, oy, ox), columns = output
+  channels of the group (grid z = group), k = input channels of the group x taps.
+- conv2d_input_grad (a transposed convolution): the same implicit GEMM, rows = input pixels,
+  columns = input channels of the group, k = output channels x taps (a tap counts where the
+  stride divides the distance).
 - conv2d_weight_grad: one workgroup per weight element, its threads splitting batch x output
-  pixels, then a tree reduction (deterministic).
+  pixels (the GEMM's long k), then a tree reduction (deterministic).
 - max_pool2d and its backward, which recomputes each covering window's first maximum.
-Not yet the register-tiled implicit GEMM of the matmul archetype; these are correct, simple and
-memory-bound."""
+Operands are read straight from memory into registers (each value reused across the register
+tile); not yet staged through workgroup memory or cooperative matrices."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """2-D convolution and max pooling over NCHW tensors, with PyTorch's conventions (weight
 (out, in/groups, kh, kw); stride, padding, dilation, groups). All lower to the "conv" archetype
-(`vkml/kernels/conv.py`), direct kernels reading the input through the im2col index map without
-materialising it: the forward and the input gradient one thread per output element, the weight
-gradient one workgroup per weight element reducing over batch x output pixels. 1-D convolution,
+(`vkml/kernels/conv.py`), reading the input through the im2col index map without materialising
+it: the forward and the input gradient as register-tiled implicit GEMMs, the weight gradient one
+workgroup per weight element reducing over batch x output pixels. 1-D convolution,
 average and global-average pooling are compositions (graph.py)."""
 
 from __future__ import annotations
