@@ -255,6 +255,15 @@ class Graph:
         count = int(np.prod([x.shape[i] for i in axes], dtype=np.int64))
         return self.mul(self.sum(x, axes, keepdims), 1.0 / count)
 
+    def amax(self, x: Tensor, axis: int | Sequence[int] | None = None,
+             keepdims: bool = False) -> Tensor:
+        """torch.amax: the maximum over `axis` (all axes by default)."""
+        axes = _normalize_axes(x, axis)
+        reduced = self.apply("amax", [x], axes=axes)
+        if keepdims:
+            return self.reshape(reduced, [1 if i in axes else d for i, d in enumerate(x.shape)])
+        return reduced
+
     def softmax(self, x: Tensor) -> Tensor: return self.apply("softmax", [x])
     def log_softmax(self, x: Tensor) -> Tensor: return self.apply("log_softmax", [x])
 

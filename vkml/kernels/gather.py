@@ -4,6 +4,8 @@ gradient, deterministic: no float atomics). Shapes are baked in as constants."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..backend import Capabilities
 from ..graph import Tensor
 from ..ops import contiguous_strides
@@ -55,6 +57,19 @@ def _body(node: Tensor) -> list[str]:
                 f"  for (var p = 0u; p < {positions}u; p++) {{",
                 f"    if (in1[p] == row) {{ acc += in0[p * {dim}u + col]; }}", "  }",
                 "  out[idx] = acc;"]
+    if node.op == "amax":
+        (x,) = node.inputs
+        axes = node.attrs["axes"]
+        reduced = tuple(x.shape[a] for a in axes)
+        count = int(np.prod(reduced, dtype=np.int64))
+        kept_names = iter(names)
+        index = [f"j{axes.index(a)}" if a in axes else next(kept_names)
+                 for a in range(len(x.shape))]
+        return ["  var m = -3.4028235e38;",
+                f"  for (var r = 0u; r < {count}u; r++) {{",
+                *["  " + line for line in unflatten("r", reduced, "j")],
+                f"    m = max(m, in0[{offset(index, contiguous_strides(x.shape))}]);", "  }",
+                "  out[idx] = m;"]
     raise ValueError(f"{node.label}: no gather kernel")
 
 

@@ -125,6 +125,8 @@ def _div_grad(g, node, d):
     return [sum_to(g, da, a.shape), sum_to(g, g.neg(g.mul(da, node)), b.shape)]
 
 
+register(OpDef("equal", _binary, "pointwise", expr=lambda n: "select(0.0, 1.0, x0 == x1)"))
+
 for _name, _op, _grad in (("add", "+", _add_grad), ("sub", "-", _sub_grad),
                           ("mul", "*", _mul_grad), ("div", "/", _div_grad)):
     register(OpDef(_name, _binary, "pointwise", grad=_grad, expr=lambda n, o=_op: f"x0 {o} x1"))

@@ -41,3 +41,17 @@ def _log_softmax_grad(g, node, d):
 
 register(OpDef("softmax", _rowwise, "softmax", grad=_softmax_grad))
 register(OpDef("log_softmax", _rowwise, "softmax", grad=_log_softmax_grad))
+
+
+def _amax_grad(g, node, d):
+    # torch.amax's rule: the gradient is shared evenly among the elements equal to the maximum.
+    (x,) = node.inputs
+    kept = [1 if i in node.attrs["axes"] else n for i, n in enumerate(x.shape)]
+    hit = g.apply("equal", [x, g.reshape(node, kept)])
+    share = g.div(g.reshape(d, kept), g.reshape(g.sum(hit, node.attrs["axes"]), kept))
+    return [g.mul(hit, share)]
+
+
+# Max over any axes: a serial loop per output element (the gather archetype), not a tree
+# reduction; fine for the short rows it serves.
+register(OpDef("amax", _sum, "gather", grad=_amax_grad))
