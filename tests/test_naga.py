@@ -82,7 +82,7 @@ def test_disk_hit_does_no_wasm_work(compiler):
     first = compiler.compile(kernel(), "scale")
     fresh = naga.Compiler(compiler.cache_dir)  # empty memo, like a new process
     assert fresh.compile(kernel(), "scale") == first
-    assert fresh.stats == {"memory_hits": 0, "disk_hits": 1, "compiles": 0,
+    assert fresh.stats == {"memory_hits": 0, "shipped_hits": 0, "disk_hits": 1, "compiles": 0,
                            "module_compiles": 0, "module_deserializes": 0}
     assert fresh._naga is None and fresh._engine_module is None
 

@@ -48,9 +48,12 @@ def test_dispatches_of_one_level_are_independent(plan):
 def test_tensors_sharing_memory_never_live_at_the_same_time(plan):
     first: dict[int, int] = {}
     last: dict[int, int] = {}
+    by_target = {target: out for out, target in plan.aliases.items()}
     for d in plan.dispatches:
         for s in d.writes:
             first.setdefault(s, d.level)
+            if "_inplace" in d.kernel.name:  # it also produces the tensor it aliases
+                first.setdefault(by_target[s], d.level)
         for s in d.reads:
             last[s] = max(last.get(s, -1), d.level)
     forever = float("inf")
@@ -62,16 +65,35 @@ def test_tensors_sharing_memory_never_live_at_the_same_time(plan):
         start = -1 if slot.role == "input" else first[slot.id]
         return start, forever if slot.id in readable else last.get(slot.id, start)
 
+    def root(slot_id):  # a pointwise op writing in place takes over its input's bytes
+        while slot_id in plan.aliases:
+            slot_id = plan.aliases[slot_id]
+        return slot_id
+
+    def group_span(slot):  # the bytes of a tensor and of those written in place over it
+        spans = [span(o) for o in plan.slots if root(o.id) == root(slot.id)]
+        return min(a for a, _ in spans), max(b for _, b in spans)
+
     placed = [(s, *plan.memory.placement[s.id]) for s in plan.slots]
     for s, arena, offset in placed:
         for t, arena2, offset2 in placed:
-            if s.id >= t.id or arena != arena2:
+            if s.id >= t.id or arena != arena2 or root(s.id) == root(t.id):
                 continue
             if offset < offset2 + max(t.nbytes, 4) and offset2 < offset + max(s.nbytes, 4):
-                (s0, s1), (t0, t1) = span(s), span(t)
+                (s0, s1), (t0, t1) = group_span(s), group_span(t)
                 assert s1 < t0 or t1 < s0, (s.label, t.label)
     report = plan.memory_report()
     assert report["physical"] < report["logical"]
+
+
+def test_in_place_writes_reuse_an_input_that_dies_there(plan):
+    written_in_place = [d for d in plan.dispatches if "_inplace" in d.kernel.name]
+    assert written_in_place and len(plan.aliases) == len(written_in_place)
+    for d in written_in_place:
+        (target,) = d.writes
+        assert target in plan.aliases.values()
+        later = [e for e in plan.dispatches if e.level >= d.level and e is not d]
+        assert all(target not in e.reads for e in later if e.level == d.level)
 
 
 SYNC_SCRIPT = """

@@ -35,9 +35,25 @@ class MemoryPlan:
         return sum(self.arena_bytes)
 
 
-def plan_memory(lifetimes: dict[int, Lifetime], alignment: int,
-                max_binding_bytes: int) -> MemoryPlan:
-    """Raises ValueError for a tensor too large to bind."""
+def plan_memory(lifetimes: dict[int, Lifetime], alignment: int, max_binding_bytes: int,
+                aliases: dict[int, int] | None = None) -> MemoryPlan:
+    """`aliases`: slot -> slot it overwrites in place; the two share one range, which must hold
+    for both lifetimes. Raises ValueError for a tensor too large to bind."""
+    aliases = aliases or {}
+
+    def root(slot: int) -> int:
+        while slot in aliases:
+            slot = aliases[slot]
+        return slot
+
+    logical = sum(lt.nbytes for lt in lifetimes.values())
+    merged = {s: lt for s, lt in lifetimes.items() if s not in aliases}
+    for slot, life in lifetimes.items():
+        if slot in aliases:
+            r = merged[root(slot)]
+            merged[root(slot)] = Lifetime(max(r.nbytes, life.nbytes), min(r.first, life.first),
+                                          max(r.last, life.last))
+    lifetimes = merged
     arenas: list[list[tuple[int, int, Lifetime]]] = []  # per arena: (offset, end, lifetime)
     placement: dict[int, tuple[int, int]] = {}
     order = sorted(lifetimes, key=lambda s: (-lifetimes[s].nbytes, lifetimes[s].first, s))
@@ -55,8 +71,10 @@ def plan_memory(lifetimes: dict[int, Lifetime], alignment: int,
                 placed.append((offset, offset + size, life))
                 placement[slot] = (index, offset)
                 break
+    for slot in aliases:
+        placement[slot] = placement[root(slot)]
     arena_bytes = [max(end for _, end, _ in placed) for placed in arenas]
-    return MemoryPlan(placement, arena_bytes, sum(lt.nbytes for lt in lifetimes.values()))
+    return MemoryPlan(placement, arena_bytes, logical)
 
 
 def _lowest_free_offset(placed: list[tuple[int, int, Lifetime]], life: Lifetime, size: int,

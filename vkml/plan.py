@@ -11,6 +11,7 @@ needed. Memory planning then shares bytes between tensors whose level intervals 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,8 +24,9 @@ from .errors import GraphError
 from .graph import Graph, Tensor
 from .kernels import Kernel
 from .kernels import optimizer as optimizer_kernels
+from .kernels import pointwise as pointwise_kernels
 from .memory import FOREVER, Lifetime, MemoryPlan, plan_memory
-from .ops import OPS
+from .ops import OPS, body_of, contiguous_strides
 from .optim import Optimizer
 
 Role = Literal["input", "param", "constant", "activation", "gradient", "optimizer_state",
@@ -62,6 +64,7 @@ class PlannedDispatch:
     level: int  # a barrier separates dispatches of different levels
     phase: Phase
     label: str  # the node (or update) it computes
+    node: Tensor | None = None  # None for optimizer kernels
 
     @property
     def writes(self) -> set[int]:
@@ -87,6 +90,7 @@ class Plan:
     hyperparams_slot: int | None = None
     initial_values: dict[int, np.ndarray] = field(default_factory=dict)
     lifetimes: dict[int, Lifetime] = field(default_factory=dict)
+    aliases: dict[int, int] = field(default_factory=dict)  # slot written in place -> its input
 
     @property
     def barrier_count(self) -> int:
@@ -181,7 +185,7 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
         bound = tuple(slot_of[t.id] for t in node.inputs) + (slot_of[node.id],)
         phase: Phase = "forward" if node.id in forward_ids else "backward"
         dispatches.append(PlannedDispatch(kernel, bound, 0, phase, f"{node.label} "
-                                          f"at {node.where}"))
+                                          f"at {node.where}", node))
 
     params = {name: slot_of[t.id] for name, t in graph.params.items() if t.id in slot_of}
     grad_views = {n: View(slot_of[t.id], t.shape) for n, t in grads.items()}
@@ -194,10 +198,11 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
         _add_optimizer(plan, optimizer, {n: v.slot for n, v in grad_views.items()}, new_slot,
                        caps)
     plan.dispatches = _schedule(plan.dispatches)
+    plan.aliases = _write_in_place(plan, caps)
     plan.lifetimes = _lifetimes(plan)
     try:
         plan.memory = plan_memory(plan.lifetimes, max(caps.min_storage_offset_alignment, 16),
-                                  caps.max_storage_buffer_range)
+                                  caps.max_storage_buffer_range, plan.aliases)
     except ValueError as e:
         raise GraphError(f"{e}; on {caps.device_name}") from None
     return plan
@@ -234,8 +239,39 @@ def _schedule(dispatches: list[PlannedDispatch]) -> list[PlannedDispatch]:
             written_at[s] = level
         for s in d.reads:
             read_at[s] = max(read_at.get(s, -1), level)
-        leveled.append(PlannedDispatch(d.kernel, d.slots, level, d.phase, d.label))
+        leveled.append(dataclasses.replace(d, level=level))
     return sorted(leveled, key=lambda d: d.level)
+
+
+def _write_in_place(plan: Plan, caps: Capabilities) -> dict[int, int]:
+    """Let a pointwise dispatch overwrite an input instead of writing a new tensor where that is
+    safe: the input is a temporary of the same size, read at the very index being written, and
+    nothing else reads it at that level or later. Returns output slot -> overwritten slot."""
+    readable = {v.slot for v in (*plan.outputs.values(), *plan.grads.values())}
+    readers: Counter[tuple[int, int]] = Counter()
+    last_read: dict[int, int] = {}
+    for d in plan.dispatches:
+        for s in d.reads:
+            readers[s, d.level] += 1
+            last_read[s] = max(last_read.get(s, -1), d.level)
+    aliases: dict[int, int] = {}
+    for i, d in enumerate(plan.dispatches):
+        if d.node is None or OPS[d.node.op].archetype != "pointwise":
+            continue
+        out = plan.slots[d.slots[-1]]
+        same_index = contiguous_strides(d.node.shape)
+        strides = body_of(d.node).strides
+        for k, s in enumerate(d.slots[:-1]):
+            slot = plan.slots[s]
+            if (slot.role in ("activation", "gradient") and s not in readable
+                    and slot.nbytes == out.nbytes and slot.dtype == out.dtype
+                    and all(t == same_index for j, t in enumerate(strides) if d.slots[j] == s)
+                    and last_read[s] == d.level and readers[s, d.level] == 1):
+                kernel = pointwise_kernels.generate(d.node, caps, in_place=k)
+                plan.dispatches[i] = dataclasses.replace(d, kernel=kernel, slots=d.slots[:-1])
+                aliases[out.id] = s
+                break
+    return aliases
 
 
 def _lifetimes(plan: Plan) -> dict[int, Lifetime]:
@@ -247,6 +283,8 @@ def _lifetimes(plan: Plan) -> dict[int, Lifetime]:
             first.setdefault(s, d.level)
         for s in d.reads:
             last[s] = max(last.get(s, -1), d.level)
+    for out, target in plan.aliases.items():  # written in place, at its input's last read
+        first.setdefault(out, last[target])
     readable = {v.slot for v in (*plan.outputs.values(), *plan.grads.values())}
     lifetimes = {}
     for s in plan.slots:

@@ -22,22 +22,29 @@ from .common import (
 WORKGROUP = 256
 
 
-def generate(node: Tensor, caps: Capabilities) -> Kernel:
+def generate(node: Tensor, caps: Capabilities, in_place: int | None = None) -> Kernel:
+    """Bindings: the inputs, then the output; with `in_place` = k the result overwrites input k
+    (read at the same index it is written) and there is no output binding."""
     body = body_of(node)
     own = contiguous_strides(node.shape)
     index_names = [f"i{a}" for a in range(len(node.shape))]
     reads = {k: f"in{k}[{'idx' if s == own else offset(index_names, s)}]"
              for k, s in enumerate(body.strides)}
     lines = helper_functions(body)
-    lines += [storage(k, f"in{k}", x.dtype) for k, x in enumerate(node.inputs)]
-    lines.append(storage(len(node.inputs), "out", node.dtype, writable=True))
+    lines += [storage(k, f"in{k}", x.dtype, writable=k == in_place)
+              for k, x in enumerate(node.inputs)]
+    if in_place is None:
+        lines.append(storage(len(node.inputs), "out", node.dtype, writable=True))
+    target = "out" if in_place is None else f"in{in_place}"
     lines += [f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
               f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
               f"  if (idx >= {node.size}u) {{ return; }}",
               # Unused axis indices cost nothing: the driver's compiler drops them.
               *unflatten("idx", node.shape, "i"),
-              *body_lines(body, reads, "  ", "out[idx] ="), "}"]
-    return Kernel(name=f"{node.op}_{'x'.join(map(str, node.shape)) or 'scalar'}",
+              *body_lines(body, reads, "  ", f"{target}[idx] ="), "}"]
+    suffix = "" if in_place is None else f"_inplace{in_place}"
+    return Kernel(name=f"{node.op}_{'x'.join(map(str, node.shape)) or 'scalar'}{suffix}",
                   wgsl="\n".join(lines) + "\n",
-                  writable=(False,) * len(node.inputs) + (True,),
+                  writable=(tuple(k == in_place for k in range(len(node.inputs)))
+                            + ((True,) if in_place is None else ())),
                   groups=grid(-(-node.size // WORKGROUP), caps))
