@@ -1,0 +1,82 @@
+"""The reference models of vkml/models/ at their tiny configs against plain-PyTorch
+implementations (tests/torch_reference.py) on the same weights, read from the vkml session by
+name into the torch module with load_state_dict(strict=True), so the names are checked too.
+PROTOCOL.md's gates: forward relative L2 < 1% (we ask 1e-4 in f32), total and per-parameter
+gradient-norm errors < 5% (we ask 1e-3) and cosine > 0.99, and the loss decreasing over 10 Adam
+steps. The torch side runs in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch_reference as ref
+from conftest import rel_l2
+
+import vkml
+from vkml.models import smollm2
+
+FORWARD_TOL = 1e-4
+GRAD_TOL = 1e-3
+STEPS = 10
+
+
+def check(built, module, device, rng, lr=1e-2, forward_tol=FORWARD_TOL, grad_tol=GRAD_TOL):
+    session = vkml.compile(built.graph, loss=built.loss, outputs=built.outputs,
+                           optimizer=vkml.Adam(lr=lr), keep_grads=True, device=device)
+    params = session.params()
+    module = module.double()
+    module.load_state_dict({k: torch.tensor(v, dtype=torch.float64)
+                            for k, v in params.items()}, strict=True)
+    inputs = built.sample_inputs(rng)
+    for name, value in inputs.items():
+        session.set_input(name, value)
+    session.step()  # forward, backward (kept gradients) and the first Adam update
+
+    torch_inputs = {k: torch.tensor(v if v.dtype == np.int32 else v.astype(np.float64))
+                    for k, v in inputs.items()}
+    outputs, loss = module(**torch_inputs)
+    loss.backward()
+    errors = {"loss": rel_l2(session.read("loss"), loss.detach().numpy())}
+    for name, want in outputs.items():
+        errors[name] = rel_l2(session.read(name), want.detach().numpy())
+    torch_params = dict(module.named_parameters())
+    grads = {n: session.grad(n).astype(np.float64) for n in params}
+    ref_grads = {n: torch_params[n].grad.numpy() for n in params}
+    total = np.sqrt(sum(np.sum(g * g) for g in grads.values()))
+    ref_total = np.sqrt(sum(np.sum(g * g) for g in ref_grads.values()))
+    per_param = {}
+    for n in params:
+        g, r = grads[n].ravel(), ref_grads[n].ravel()
+        assert np.all(np.isfinite(g)), f"NaN or Inf in the gradient of {n}"
+        rn = np.linalg.norm(r)
+        norm_err = abs(np.linalg.norm(g) - rn) / rn if rn > 0 else np.linalg.norm(g)
+        cosine = float(g @ r / (np.linalg.norm(g) * rn)) if rn > 0 else 1.0
+        per_param[n] = (norm_err, cosine)
+    losses = [float(session.read("loss"))]
+    for _ in range(STEPS - 1):
+        session.step()
+        losses.append(float(session.read("loss")))
+    session.close()
+
+    worst = max(per_param.items(), key=lambda kv: kv[1][0])
+    print(f"\nforward errors {errors}; grad total {abs(total - ref_total) / ref_total:.2e}; "
+          f"worst param {worst[0]} {worst[1]}; min cosine "
+          f"{min(c for _, c in per_param.values()):.6f}; losses {losses[0]:.4f} -> "
+          f"{losses[-1]:.4f}")
+    for name, err in errors.items():
+        assert err < forward_tol, (name, err)
+    assert abs(total - ref_total) / ref_total < grad_tol
+    for n, (norm_err, cosine) in per_param.items():
+        assert norm_err < grad_tol, (n, norm_err)
+        assert cosine > 0.999, (n, cosine)
+    assert np.all(np.isfinite(losses)), losses
+    assert losses[-1] < losses[0], losses
+    assert sum(b < a for a, b in zip(losses, losses[1:])) >= (STEPS - 1) * 2 // 3, losses
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["composed", "flash"])
+def test_smollm2(device, rng, fused):
+    cfg = smollm2.tiny()
+    cfg = type(cfg)(**{**cfg.__dict__, "fused_attention": fused})
+    check(smollm2.build(cfg), ref.SmolLM2(cfg), device, rng)

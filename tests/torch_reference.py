@@ -1,0 +1,107 @@
+"""Plain-PyTorch reference implementations of vkml's reference models (vkml/models/), written
+independently of vkml from the published architectures, with module attribute names chosen so
+that `state_dict()` names equal the Hugging Face / torchvision ones vkml uses: a vkml session's
+`params()` loads into them with `load_state_dict(..., strict=True)`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# ---- SmolLM2 (LLaMA) ----------------------------------------------------------------------------
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+def rope(x, theta):
+    """Hugging Face LLaMA rotary embedding on (B, H, S, D), positions 0..S-1."""
+    length, dim = x.shape[-2:]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    emb = torch.outer(torch.arange(length, dtype=torch.float64), inv_freq).repeat(1, 2)
+    return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d, n_heads, n_kv, head_dim, kv_in=None, theta=None):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim, self.theta = n_heads, n_kv, head_dim, theta
+        self.q_proj = nn.Linear(d, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(kv_in or d, n_kv * head_dim, bias=False)
+        self.v_proj = nn.Linear(kv_in or d, n_kv * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, d, bias=False)
+
+    def forward(self, x, kv=None, causal=False):
+        b, s, _ = x.shape
+        kv = x if kv is None else kv
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(kv).view(b, kv.shape[1], self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(kv).view(b, kv.shape[1], self.n_kv, self.head_dim).transpose(1, 2)
+        if self.theta is not None:
+            q, k = rope(q, self.theta), rope(k, self.theta)
+        rep = self.n_heads // self.n_kv  # repeat_kv, as Hugging Face does
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        if causal:
+            mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        out = scores.softmax(-1) @ v
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d, f):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg, kv_in=None, theta=None):
+        super().__init__()
+        d = cfg.hidden_size
+        self.self_attn = LlamaAttention(d, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                        cfg.head_dim, kv_in, theta)
+        self.mlp = LlamaMLP(d, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+
+    def forward(self, x, kv=None, causal=False):
+        x = x + self.self_attn(self.input_layernorm(x), kv, causal)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, theta=cfg.rope_theta)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class SmolLM2(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, ids, targets):
+        x = self.model.embed_tokens(ids.long())
+        for layer in self.model.layers:
+            x = layer(x, causal=True)
+        x = self.model.norm(x)
+        head = (self.model.embed_tokens.weight if self.cfg.tie_word_embeddings
+                else self.lm_head.weight)
+        logits = (x @ head.T).reshape(-1, self.cfg.vocab_size)
+        return {"logits": logits}, F.cross_entropy(logits, targets.long())
