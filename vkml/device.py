@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from typing import Any
 
 from .backend import Backend, Capabilities
 from .errors import DeviceError
@@ -40,6 +42,52 @@ class Device:
                     raise DeviceError(f"no usable device. Vulkan: {vulkan_error}\nwgpu: "
                                       f"{wgpu_error}") from None
                 self.backend_name = "wgpu"
+
+    @classmethod
+    def from_vulkan(cls, instance: Any, physical_device: Any, device: Any,
+                    queue_family_index: int, queue: Any, queue_lock: Any = None, *,
+                    enabled_features: Iterable[str] = (), enabled_extensions: Iterable[str] = (),
+                    require: Iterable[str] = ()) -> Device:
+        """Run vkml on a Vulkan device and queue the host created (a game engine, an OpenXR
+        session). Handles are cffi handles of the `vulkan` package or plain integers (as
+        pyopenxr hands them out).
+
+        vkml never destroys these handles (close() releases only vkml's own buffers,
+        pipelines, command buffers and semaphore) and enables nothing: Vulkan cannot report
+        which features a device was created with, so the host declares them.
+        `enabled_features`: names of VkPhysicalDeviceVulkan11/12Features and
+        VkPhysicalDeviceCooperativeMatrixFeaturesKHR members it set (vkml uses
+        "timelineSemaphore", "shaderFloat16", "storageBuffer16BitAccess", "vulkanMemoryModel",
+        "cooperativeMatrix"); `enabled_extensions`: device extensions it enabled
+        ("VK_KHR_cooperative_matrix"). Without "timelineSemaphore" vkml tracks its work with
+        fences and `session.done()` is unavailable; without the f16/cooperative-matrix features
+        it generates f32 kernels. `require`: names vkml must find declared, else DeviceError
+        naming the missing one and how to enable it. A declared name the device does not
+        support is an error too. The instance must be Vulkan 1.1 or newer.
+
+        `queue_lock` (anything with the threading.Lock protocol) is held around every
+        vkQueueSubmit vkml makes; the host must hold the same lock around its own submits and
+        presents on this queue. Without one, vkml makes a lock: `device.queue_lock`.
+        """
+        from .vk import VulkanBackend
+
+        self = cls.__new__(cls)
+        self.backend_name = "vulkan"
+        self.backend = VulkanBackend.from_handles(
+            instance, physical_device, device, queue_family_index, queue, queue_lock,
+            enabled_features=enabled_features, enabled_extensions=enabled_extensions,
+            require=require)
+        return self
+
+    @property
+    def queue_lock(self) -> Any:
+        """The lock held around every queue submission (None on wgpu, which owns its queue)."""
+        return getattr(self.backend, "queue_lock", None)
+
+    @property
+    def adopted(self) -> bool:
+        """Whether the Vulkan handles belong to a host (Device.from_vulkan)."""
+        return not getattr(self.backend, "owned", True)
 
     @property
     def caps(self) -> Capabilities:

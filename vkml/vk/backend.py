@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vkml.backend import BufferKind, Capabilities, Command, Copy
 from vkml.errors import DeviceError
-from vkml.vk.commands import Program, destroy_program, read_timings, record_program
-from vkml.vk.device import WAIT_TIMEOUT_NS, Device
+from vkml.vk.commands import (
+    Program,
+    destroy_program,
+    emit_external,
+    prepare_program,
+    read_timings,
+    record_program,
+)
+from vkml.vk.device import WAIT_TIMEOUT_NS, Adopted, Device, as_handle
 from vkml.vk.memory import Buffer, allocate_buffer, free_buffer
 from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
 
@@ -29,18 +36,22 @@ class VulkanBackend:
     """
 
     caps: Capabilities
+    consumes_spirv = True
 
-    def __init__(self, selector: str | None = None, *, timeline_semaphores: bool = True) -> None:
+    def __init__(self, selector: str | None = None, *, timeline_semaphores: bool = True,
+                 adopt: Adopted | None = None, queue_lock: Any = None) -> None:
         self._closed = False
         self._pool: Any = None
         self._cache: PipelineCache | None = None
         self._semaphore: Any = None
-        self._dev = dev = Device(selector, timeline_semaphores)
+        self._dev = dev = Device(selector, timeline_semaphores, adopt)
         self._vk, self._ffi, self._lib = dev.vk, dev.ffi, dev.lib
         self._device, self._queue = dev.device, dev.queue
         self.caps = dev.caps
+        self.owned = dev.owned
         self.validation_messages: list[str] = dev.validation_messages
-        self.queue_lock = threading.Lock()
+        # Every vkQueueSubmit of this backend holds it; a host sharing the queue passes its own.
+        self.queue_lock = queue_lock if queue_lock is not None else threading.Lock()
         self._buffers: set[Buffer] = set()
         self._pipelines: list[Pipeline] = []
         self._programs: set[Program] = set()
@@ -71,6 +82,27 @@ class VulkanBackend:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def from_handles(cls, instance: Any, physical_device: Any, device: Any,
+                     queue_family_index: int, queue: Any, queue_lock: Any = None, *,
+                     enabled_features: Iterable[str] = (), enabled_extensions: Iterable[str] = (),
+                     require: Iterable[str] = ()) -> VulkanBackend:
+        """A backend on a device the host created; see vkml.Device.from_vulkan."""
+        adopt = Adopted(instance, physical_device, device, queue_family_index, queue,
+                        frozenset(enabled_features), frozenset(enabled_extensions),
+                        frozenset(require))
+        return cls(adopt=adopt, queue_lock=queue_lock)
+
+    @property
+    def timeline_semaphore(self) -> Any:
+        """The timeline semaphore every submit signals (None in fence mode)."""
+        return self._semaphore if self._timeline else None
+
+    @property
+    def last_value(self) -> int:
+        """The timeline value the latest submit signals."""
+        return self._value
 
     def __enter__(self) -> Self:
         return self
@@ -176,6 +208,24 @@ class VulkanBackend:
         self._programs.add(prog)
         return prog
 
+    def prepare_external(self, commands: Sequence[Command], label: str) -> Program:
+        """Descriptor sets for `commands`, to be recorded into the host's command buffers by
+        record_into() (as often as the host likes; nothing is allocated per call)."""
+        self._alive()
+        prog = prepare_program(self._dev, commands, label)
+        self._programs.add(prog)
+        return prog
+
+    def record_into(self, command_buffer: Any, program: Program) -> None:
+        """Record `program` (from prepare_external) into a command buffer in the recording
+        state, from this device's queue family, between global memory barriers."""
+        self._alive()
+        if program not in self._programs or program.command_buffer is not None:
+            raise DeviceError(f"{program!r} is not a program from prepare_external() of this "
+                              "backend")
+        cb = as_handle(self._ffi, "VkCommandBuffer", command_buffer, "command_buffer")
+        emit_external(self._dev, cb, program)
+
     def submit(self, program: Program) -> None:
         """Queue `program` to run; returns at once. A still-running `program` is waited for."""
         if program.submit_info is None:
@@ -251,8 +301,15 @@ class VulkanBackend:
         self._closed = True
         dev, lib, null = self._dev, self._lib, self._ffi.NULL
         if self._device is not None:
-            with self.queue_lock:
-                lib.vkDeviceWaitIdle(self._device)  # on device loss there is nothing to wait for
+            if self.owned:
+                with self.queue_lock:
+                    lib.vkDeviceWaitIdle(self._device)  # on device loss nothing to wait for
+            else:
+                # The host's device: wait for vkml's own work only, never for the host's.
+                try:
+                    self.wait()
+                except DeviceError:
+                    pass
             for prog in list(self._programs):
                 destroy_program(dev, self._pool, prog)
             for pipe in self._pipelines:

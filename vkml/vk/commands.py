@@ -21,6 +21,7 @@ class Program:
     __slots__ = (
         "_keep",
         "command_buffer",
+        "commands",
         "descriptor_pool",
         "fence",
         "in_flight",
@@ -28,6 +29,7 @@ class Program:
         "last_value",
         "num_dispatches",
         "query_pool",
+        "sets",
         "signal_value",
         "submit_info",
         "submitted",
@@ -39,6 +41,8 @@ class Program:
         self.descriptor_pool: Any = None
         self.query_pool: Any = None
         self.num_dispatches = 0
+        self.commands: tuple[Command, ...] = ()
+        self.sets: list[Any] = []  # one descriptor set per dispatch with bindings, in order
         self.submit_info: Any = None
         self.signal_value: Any = None  # uint64_t[1] the timeline submit info points at
         self.fence: Any = None  # VkFence[1], only without timeline semaphores
@@ -104,13 +108,8 @@ def record_program(dev: Any, pool: Any, commands: Sequence[Command], label: str,
                    timestamps: bool) -> Program:
     """Record `commands` into a new primary command buffer allocated from `pool`."""
     vk, ffi, lib, device = dev.vk, dev.ffi, dev.lib, dev.device
-    validate(dev, commands, label)
-    prog = Program(label)
-    dispatches = [c for c in commands if isinstance(c, Dispatch)]
-    prog.num_dispatches = len(dispatches)
+    prog = prepare_program(dev, commands, label)
     try:
-        sets = iter(_descriptor_sets(dev, prog, [d for d in dispatches if d.bindings]))
-
         alloc = ffi.new("VkCommandBufferAllocateInfo*", {
             "sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO, "commandPool": pool,
             "level": vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, "commandBufferCount": 1})
@@ -119,7 +118,7 @@ def record_program(dev: Any, pool: Any, commands: Sequence[Command], label: str,
             raise DeviceError(f"program {label!r}: vkAllocateCommandBuffers failed")
         cb = prog.command_buffer = out[0]
 
-        query_count = len(dispatches) + 1
+        query_count = prog.num_dispatches + 1
         if timestamps and dev.caps.timestamp_period_ns > 0:
             qinfo = ffi.new("VkQueryPoolCreateInfo*", {
                 "sType": vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
@@ -133,41 +132,15 @@ def record_program(dev: Any, pool: Any, commands: Sequence[Command], label: str,
         begin = ffi.new("VkCommandBufferBeginInfo*",
                         {"sType": vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO})
         lib.vkBeginCommandBuffer(cb, begin)
+        if prog.query_pool is not None:
+            lib.vkCmdResetQueryPool(cb, prog.query_pool, 0, query_count)
         compute = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
         transfer = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
         writes = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
-        all_access = (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
-                      | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
-        if prog.query_pool is not None:
-            lib.vkCmdResetQueryPool(cb, prog.query_pool, 0, query_count)
         # Earlier submissions and host writes (inputs written between steps) become visible.
         _memory_barrier(dev, cb, compute | transfer | vk.VK_PIPELINE_STAGE_HOST_BIT,
-                        writes | vk.VK_ACCESS_HOST_WRITE_BIT, compute | transfer, all_access)
-        bottom = vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT
-        if prog.query_pool is not None:
-            lib.vkCmdWriteTimestamp(cb, bottom, prog.query_pool, 0)
-        set_array = ffi.new("VkDescriptorSet[1]")
-        region = ffi.new("VkBufferCopy*")
-        bind = vk.VK_PIPELINE_BIND_POINT_COMPUTE
-        n_dispatch = 0
-        for cmd in commands:
-            if isinstance(cmd, Dispatch):
-                lib.vkCmdBindPipeline(cb, bind, cmd.pipeline.handle)
-                if cmd.bindings:
-                    set_array[0] = next(sets)
-                    lib.vkCmdBindDescriptorSets(cb, bind, cmd.pipeline.layout, 0, 1, set_array,
-                                                0, ffi.NULL)
-                lib.vkCmdDispatch(cb, *cmd.groups)
-                n_dispatch += 1
-                if prog.query_pool is not None:
-                    lib.vkCmdWriteTimestamp(cb, bottom, prog.query_pool, n_dispatch)
-            elif isinstance(cmd, Barrier):
-                _memory_barrier(dev, cb, compute | transfer, writes, compute | transfer,
-                                all_access)
-            else:
-                region.srcOffset, region.dstOffset, region.size = (
-                    cmd.src_offset, cmd.dst_offset, cmd.nbytes)
-                lib.vkCmdCopyBuffer(cb, cmd.src.handle, cmd.dst.handle, 1, region)
+                        writes | vk.VK_ACCESS_HOST_WRITE_BIT, compute | transfer, _all_access(vk))
+        emit_commands(dev, cb, prog)
         # With this, a read_buffer after wait() sees the results through the mapping.
         _memory_barrier(dev, cb, compute | transfer, writes, vk.VK_PIPELINE_STAGE_HOST_BIT,
                         vk.VK_ACCESS_HOST_READ_BIT)
@@ -177,6 +150,84 @@ def record_program(dev: Any, pool: Any, commands: Sequence[Command], label: str,
         destroy_program(dev, pool, prog)
         raise
     return prog
+
+
+def _all_access(vk: Any) -> int:
+    return (vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT
+            | vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+
+
+def prepare_program(dev: Any, commands: Sequence[Command], label: str) -> Program:
+    """A Program's descriptor sets for `commands`, with no command buffer yet."""
+    validate(dev, commands, label)
+    prog = Program(label)
+    prog.commands = tuple(commands)
+    dispatches = [c for c in commands if isinstance(c, Dispatch)]
+    prog.num_dispatches = len(dispatches)
+    try:
+        prog.sets = _descriptor_sets(dev, prog, [d for d in dispatches if d.bindings])
+    except BaseException:
+        destroy_program(dev, None, prog)
+        raise
+    return prog
+
+
+def emit_commands(dev: Any, cb: Any, prog: Program) -> None:
+    """Record a program's commands (copies, barriers between levels, dispatches, and a
+    timestamp after each dispatch when it has a query pool) into command buffer `cb`."""
+    vk, ffi, lib = dev.vk, dev.ffi, dev.lib
+    compute = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
+    transfer = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+    writes = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+    all_access = _all_access(vk)
+    bottom = vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT
+    if prog.query_pool is not None:
+        lib.vkCmdWriteTimestamp(cb, bottom, prog.query_pool, 0)
+    sets = iter(prog.sets)
+    set_array = ffi.new("VkDescriptorSet[1]")
+    region = ffi.new("VkBufferCopy*")
+    bind = vk.VK_PIPELINE_BIND_POINT_COMPUTE
+    n_dispatch = 0
+    for cmd in prog.commands:
+        if isinstance(cmd, Dispatch):
+            lib.vkCmdBindPipeline(cb, bind, cmd.pipeline.handle)
+            if cmd.bindings:
+                set_array[0] = next(sets)
+                lib.vkCmdBindDescriptorSets(cb, bind, cmd.pipeline.layout, 0, 1, set_array,
+                                            0, ffi.NULL)
+            lib.vkCmdDispatch(cb, *cmd.groups)
+            n_dispatch += 1
+            if prog.query_pool is not None:
+                lib.vkCmdWriteTimestamp(cb, bottom, prog.query_pool, n_dispatch)
+        elif isinstance(cmd, Barrier):
+            _memory_barrier(dev, cb, compute | transfer, writes, compute | transfer, all_access)
+        else:
+            region.srcOffset, region.dstOffset, region.size = (
+                cmd.src_offset, cmd.dst_offset, cmd.nbytes)
+            lib.vkCmdCopyBuffer(cb, cmd.src.handle, cmd.dst.handle, 1, region)
+
+
+def emit_external(dev: Any, cb: Any, prog: Program) -> None:
+    """Record `prog` into a command buffer the host is recording, fenced by global memory
+    barriers on entry and exit (see Session.record for the stages and accesses)."""
+    vk = dev.vk
+    compute = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
+    transfer = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+    everything = vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT
+    memory = vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT
+    writes = vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT
+    # Entry: all of the host's earlier work (any stage, any write; and host writes made before
+    # the submit) completes and is visible before vkml's copies and dispatches read or write.
+    _memory_barrier(dev, cb, everything | vk.VK_PIPELINE_STAGE_HOST_BIT,
+                    vk.VK_ACCESS_MEMORY_WRITE_BIT | vk.VK_ACCESS_HOST_WRITE_BIT,
+                    compute | transfer, _all_access(vk))
+    emit_commands(dev, cb, prog)
+    # Exit: vkml's writes complete and are visible to all later work of the host (any stage,
+    # any access) and to host reads after the host waits for its submission; and later writes
+    # of the host wait for vkml's reads.
+    _memory_barrier(dev, cb, compute | transfer, writes,
+                    everything | vk.VK_PIPELINE_STAGE_HOST_BIT,
+                    memory | vk.VK_ACCESS_HOST_READ_BIT)
 
 
 def _descriptor_sets(dev: Any, prog: Program, dispatches: list[Dispatch]) -> list[Any]:
@@ -243,7 +294,7 @@ def read_timings(dev: Any, prog: Program) -> list[float]:
 
 def destroy_program(dev: Any, pool: Any, prog: Program) -> None:
     lib, ffi, device = dev.lib, dev.ffi, dev.device
-    if prog.command_buffer is not None:
+    if prog.command_buffer is not None and pool is not None:
         buffers = ffi.new("VkCommandBuffer[1]", [prog.command_buffer])
         lib.vkFreeCommandBuffers(device, pool, 1, buffers)
     if prog.descriptor_pool is not None:
@@ -254,4 +305,5 @@ def destroy_program(dev: Any, pool: Any, prog: Program) -> None:
         lib.vkDestroyFence(device, prog.fence[0], ffi.NULL)
     prog.command_buffer = prog.descriptor_pool = prog.query_pool = prog.fence = None
     prog.submit_info = prog.signal_value = None
+    prog.sets, prog.commands = [], ()
     prog._keep = ()

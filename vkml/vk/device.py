@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -19,6 +20,79 @@ VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 # How long a wait may last before the work is declared hung. Generous by default: a CPU driver on
 # a loaded machine can take tens of seconds for what a GPU does in milliseconds.
 WAIT_TIMEOUT_NS = int(float(os.environ.get("VKML_WAIT_TIMEOUT", "300")) * 10**9)
+
+
+# Features vkml can use, by their member names in the Vulkan feature structs.
+FEATURES_11 = ("storageBuffer16BitAccess",)
+FEATURES_12 = ("timelineSemaphore", "shaderFloat16", "vulkanMemoryModel",
+               "vulkanMemoryModelDeviceScope")
+FEATURES_COOP = ("cooperativeMatrix",)
+FEATURE_STRUCT = {**dict.fromkeys(FEATURES_11, "VkPhysicalDeviceVulkan11Features"),
+                  **dict.fromkeys(FEATURES_12, "VkPhysicalDeviceVulkan12Features"),
+                  **dict.fromkeys(FEATURES_COOP, "VkPhysicalDeviceCooperativeMatrixFeaturesKHR")}
+EXTENSIONS = ("VK_KHR_cooperative_matrix",)
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """Handles a host created (cffi handles of the `vulkan` package, or integers such as
+    pyopenxr hands out), and what the host enabled on the device."""
+
+    instance: Any
+    physical_device: Any
+    device: Any
+    queue_family_index: int
+    queue: Any
+    enabled_features: frozenset[str] = frozenset()
+    enabled_extensions: frozenset[str] = frozenset()
+    require: frozenset[str] = frozenset()
+
+
+def how_to_enable(name: str) -> str:
+    if name in FEATURE_STRUCT:
+        return (f"set {FEATURE_STRUCT[name]}.{name} = VK_TRUE in the pNext chain of the "
+                "VkDeviceCreateInfo that creates the device, then pass "
+                f"enabled_features=[..., {name!r}] to vkml.Device.from_vulkan")
+    return (f"add {name!r} to VkDeviceCreateInfo.ppEnabledExtensionNames, then pass "
+            f"enabled_extensions=[..., {name!r}] to vkml.Device.from_vulkan")
+
+
+def check_declared(device_name: str, supported: dict[str, bool], extensions: set[str],
+                   adopt: Adopted) -> set[str]:
+    """The features and extensions vkml may use on an adopted device: those the host declares
+    enabled. A declaration the device cannot have, or a required one missing, is an error that
+    names it."""
+    known = set(FEATURE_STRUCT) | set(EXTENSIONS)
+    declared = set(adopt.enabled_features) | set(adopt.enabled_extensions)
+    unknown = sorted((set(adopt.enabled_features) - set(FEATURE_STRUCT))
+                     | (set(adopt.enabled_extensions) - set(EXTENSIONS))
+                     | (set(adopt.require) - known))
+    if unknown:
+        raise DeviceError(f"unknown feature or extension name(s) {unknown}; vkml knows features "
+                          f"{sorted(FEATURE_STRUCT)} and extensions {list(EXTENSIONS)}")
+    for name in sorted(declared):
+        ok = name in extensions if name in EXTENSIONS else supported.get(name, False)
+        if not ok:
+            raise DeviceError(f"{name!r} is declared enabled but {device_name!r} does not "
+                              "support it, so the host cannot have enabled it")
+    missing = sorted(set(adopt.require) - declared)
+    if missing:
+        raise DeviceError(f"the host's device lacks {', '.join(map(repr, missing))}, which vkml "
+                          "was asked to require: " + "; ".join(how_to_enable(m) for m in missing))
+    return declared
+
+
+def as_handle(ffi: Any, ctype: str, value: Any, what: str) -> Any:
+    """A cffi handle of type `ctype` from a cffi handle, a ctypes pointer or an integer."""
+    if isinstance(value, ffi.CData):
+        return ffi.cast(ctype, value)
+    raw = getattr(value, "value", value)  # ctypes.c_void_p and friends
+    if raw is None or raw == 0:
+        raise DeviceError(f"{what} is a null handle")
+    if not isinstance(raw, int):
+        raise DeviceError(f"{what}: expected a Vulkan handle (a `vulkan` cffi handle or an "
+                          f"integer), got {type(value).__name__}")
+    return ffi.cast(ctype, raw)
 
 
 def load_vulkan() -> ModuleType:
@@ -51,7 +125,8 @@ def _check(vk: ModuleType, result: int, what: str) -> None:
 class Device:
     """A Vulkan instance + logical device with one compute queue, and what it can do (`caps`)."""
 
-    def __init__(self, selector: str | None, want_timeline: bool = True) -> None:
+    def __init__(self, selector: str | None, want_timeline: bool = True,
+                 adopt: Adopted | None = None) -> None:
         self.vk = vk = load_vulkan()
         self.ffi = vk.ffi
         self.lib = vk.lib
@@ -62,13 +137,43 @@ class Device:
         self._destroy_messenger: Any = None
         # cffi frees a callback when its object dies, and the layer would then call freed code.
         self._callback: Any = None
+        # An adopted device (handles the host created) is never destroyed by vkml.
+        self.owned = adopt is None
+        self.enabled_features: frozenset[str] = frozenset()
         try:
-            self._create_instance()
-            self._choose_physical_device(selector)
-            self._create_device(want_timeline)
+            if adopt is None:
+                self._create_instance()
+                self._choose_physical_device(selector)
+            else:
+                self._adopt(adopt)
+            self._create_device(want_timeline, adopt)
         except BaseException:
             self.close()
             raise
+
+    # -- adopting the host's handles ------------------------------------------------------------
+
+    def _adopt(self, adopt: Adopted) -> None:
+        vk, ffi = self.vk, self.ffi
+        self.instance = as_handle(ffi, "VkInstance", adopt.instance, "instance")
+        self.physical = as_handle(ffi, "VkPhysicalDevice", adopt.physical_device,
+                                  "physical_device")
+        props = vk.vkGetPhysicalDeviceProperties(self.physical)
+        self.device_name = _text(props.deviceName, ffi)
+        self.device_type = DEVICE_TYPE_NAMES.get(props.deviceType, "other")
+        families = vk.vkGetPhysicalDeviceQueueFamilyProperties(self.physical)
+        qfi = int(adopt.queue_family_index)
+        if not 0 <= qfi < len(families):
+            raise DeviceError(f"queue_family_index {qfi} does not exist on {self.device_name!r} "
+                              f"(it has {len(families)} queue families)")
+        if not families[qfi].queueFlags & vk.VK_QUEUE_COMPUTE_BIT:
+            raise DeviceError(f"queue family {qfi} of {self.device_name!r} lacks "
+                              "VK_QUEUE_COMPUTE_BIT: vkml needs a queue that runs compute "
+                              "shaders (a graphics queue family has it on every Vulkan device)")
+        self.queue_family = qfi
+        self.timestamp_valid_bits = families[qfi].timestampValidBits
+        self.device = as_handle(ffi, "VkDevice", adopt.device, "device")
+        self.queue = as_handle(ffi, "VkQueue", adopt.queue, "queue")
 
     # -- instance -----------------------------------------------------------------------------
 
@@ -195,7 +300,7 @@ class Device:
 
     # -- logical device -----------------------------------------------------------------------
 
-    def _create_device(self, want_timeline: bool) -> None:
+    def _create_device(self, want_timeline: bool, adopt: Adopted | None = None) -> None:
         vk, ffi, lib = self.vk, self.ffi, self.lib
         pd = self.physical
         extensions = {_text(e.extensionName, ffi)
@@ -240,10 +345,32 @@ class Device:
             q2 = ffi.new("VkPhysicalDeviceFeatures2*",
                          {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2, "pNext": q11})
             lib.vkGetPhysicalDeviceFeatures2(pd, q2)
+        if adopt is not None:
+            # Vulkan cannot be asked which features a device was created with: the host says.
+            supported = {name: bool(getattr(q, name)) for q, names in (
+                (q11, FEATURES_11), (q12, FEATURES_12), (q_coop, FEATURES_COOP))
+                for name in names} if modern else {}
+            if not coop_ext:
+                supported.update(dict.fromkeys(FEATURES_COOP, False))
+            on = check_declared(self.device_name, supported, extensions, adopt)
+            self.enabled_features = frozenset(on)
+            self.timeline = bool(want_timeline and "timelineSemaphore" in on)
+            f16 = {"shaderFloat16", "storageBuffer16BitAccess"} <= on
+            memory_model = "vulkanMemoryModel" in on
+            coop = bool({"cooperativeMatrix", "VK_KHR_cooperative_matrix"} <= on and f16
+                        and memory_model)
+            self._finish(pd, device_api, driver_text, subgroup_size, limits, extensions, f16,
+                         coop)
+            return
         self.timeline = bool(want_timeline and q12.timelineSemaphore)
         f16 = bool(q12.shaderFloat16 and q11.storageBuffer16BitAccess)
         memory_model = bool(q12.vulkanMemoryModel)
         coop = bool(coop_ext and q_coop.cooperativeMatrix and f16 and memory_model)
+        self.enabled_features = frozenset(
+            name for name, on in (("timelineSemaphore", self.timeline), ("shaderFloat16", f16),
+                                  ("storageBuffer16BitAccess", f16),
+                                  ("vulkanMemoryModel", memory_model),
+                                  ("cooperativeMatrix", coop)) if on)
 
         e_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {
             "sType": coop_stype, "cooperativeMatrix": vk.VK_TRUE})
@@ -276,7 +403,11 @@ class Device:
         queue = ffi.new("VkQueue*")
         lib.vkGetDeviceQueue(self.device, self.queue_family, 0, queue)
         self.queue = queue[0]
+        self._finish(pd, device_api, driver_text, subgroup_size, limits, extensions, f16, coop)
 
+    def _finish(self, pd: Any, device_api: int, driver_text: str, subgroup_size: int,
+                limits: Any, extensions: set[str], f16: bool, coop: bool) -> None:
+        vk = self.vk
         memory = vk.vkGetPhysicalDeviceMemoryProperties(pd)
         self.memory_types = [(memory.memoryTypes[i].propertyFlags, memory.memoryTypes[i].heapIndex)
                              for i in range(memory.memoryTypeCount)]
@@ -303,6 +434,9 @@ class Device:
         )
 
     def close(self) -> None:
+        if not self.owned:  # the host's handles: forget them, destroy nothing
+            self.device = self.instance = None
+            return
         if self.device is not None:
             self.lib.vkDestroyDevice(self.device, self.ffi.NULL)
             self.device = None
