@@ -4,8 +4,9 @@
 
 Every figure is measured in a fresh subprocess (this script re-runs itself with --child), so
 nothing is shared in memory between measurements:
-- compile, cold: VKML_CACHE_DIR and MESA_SHADER_CACHE_DIR point at a new empty directory (no
-  serialized naga wasm module, no SPIR-V, no VkPipelineCache, no driver shader cache);
+- compile, cold: VKML_CACHE_DIR, MESA_SHADER_CACHE_DIR and VKML_SPIRV_DIR point at a new empty
+  directory (no serialized naga wasm module, no SPIR-V cached or shipped, no VkPipelineCache, no
+  driver shader cache);
 - compile, warm: a new process on the directory a cold run filled.
 "Compile" is graph -> runnable session (`vkml.compile`, for the demo's MLP training graph);
 importing vkml and opening the device are reported apart. Drivers that compile lazily (lavapipe
@@ -140,7 +141,9 @@ def main() -> None:
     cold, warm = [], []
     for _ in range(args.reps):
         with tempfile.TemporaryDirectory(prefix="vkml-bench-") as cache:
-            env = {"VKML_CACHE_DIR": cache, "MESA_SHADER_CACHE_DIR": os.path.join(cache, "mesa")}
+            # No shipped SPIR-V either, so a cold compile really runs naga.
+            env = {"VKML_CACHE_DIR": cache, "MESA_SHADER_CACHE_DIR": os.path.join(cache, "mesa"),
+                   "VKML_SPIRV_DIR": os.path.join(cache, "no-shipped-spirv")}
             cold.append(run_child(["compile"], env))
             warm.append(run_child(["compile"], env))
         print(f"compile cold {cold[-1]['compile_s']:.3f} s, warm {warm[-1]['compile_s']:.3f} s",

@@ -71,6 +71,8 @@ Command = Dispatch | Barrier | Copy
 
 class Backend(Protocol):
     caps: Capabilities
+    # False where the backend compiles the WGSL itself (wgpu): then no SPIR-V is made for it.
+    consumes_spirv: bool
 
     def create_buffer(self, nbytes: int, kind: BufferKind, label: str) -> object: ...
     def write_buffer(self, buffer: object, offset: int, data: bytes | memoryview) -> None: ...

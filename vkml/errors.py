@@ -1,5 +1,7 @@
 """Every error vkml raises on purpose; each message names the input at fault and the fix."""
 
+from __future__ import annotations
+
 
 class VkmlError(Exception):
     """Base class: catch this to catch anything vkml raises on purpose."""
@@ -15,6 +17,20 @@ class InputError(VkmlError):
 
 class NagaError(VkmlError):
     """naga rejected a generated kernel; the message carries naga's report and the WGSL."""
+
+    report: str | None = None
+    wgsl: str = ""
+    kernel_name: str = ""
+
+    @classmethod
+    def for_kernel(cls, message: str, name: str, wgsl: str, report: str | None) -> NagaError:
+        """`message`, then the kernel's WGSL with line numbers to match naga's report."""
+        lines = wgsl.splitlines()
+        width = len(str(len(lines)))
+        numbered = "\n".join(f"{i:>{width}} | {line}" for i, line in enumerate(lines, 1))
+        err = cls(f"{message}\n--- WGSL of '{name}' (numbered) ---\n{numbered}")
+        err.report, err.wgsl, err.kernel_name = report, wgsl, name
+        return err
 
 
 class DeviceError(VkmlError):

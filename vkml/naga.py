@@ -137,18 +137,6 @@ class _NagaWasm:
             self.x[fn](self.store, ptr, 0)
 
 
-def _numbered(src: str) -> str:
-    lines = src.splitlines()
-    width = len(str(len(lines)))
-    return "\n".join(f"{i:>{width}} | {line}" for i, line in enumerate(lines, 1))
-
-
-def _error(msg: str, name: str, wgsl: str, report: str | None) -> NagaError:
-    err = NagaError(f"{msg}\n--- WGSL of '{name}' (numbered) ---\n{_numbered(wgsl)}")
-    err.report, err.wgsl, err.kernel_name = report, wgsl, name
-    return err
-
-
 def _read_spirv(path: Path) -> bytes | None:
     """The file's SPIR-V, or None when it is absent or not SPIR-V (a torn or foreign file)."""
     try:
@@ -231,14 +219,15 @@ class Compiler:
         try:
             return self._naga.wgsl_to_spirv(wgsl)
         except _Rejected as e:
-            raise _error(f"naga rejected kernel '{name}':\n{e}", name, wgsl, str(e)) from None
+            raise NagaError.for_kernel(f"naga rejected kernel '{name}':\n{e}", name, wgsl,
+                                       str(e)) from None
         except BaseException as e:
             # A trap can leave naga's heap half-updated: drop the instance, next call starts fresh.
             self._naga = None
             if not isinstance(e, (wasmtime.Trap, wasmtime.WasmtimeError, _WasmThrew)):
                 raise
             what = str(e).strip().splitlines()[-1].strip()
-            raise _error(
+            raise NagaError.for_kernel(
                 f"naga crashed on kernel '{name}' ({what}). "
                 "Known cause: a non-constant stride in a cooperative-matrix load/store "
                 "(coopLoad*/coopStore*): bake strides into the WGSL as literals.",

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vkml.backend import Barrier, BufferKind, Capabilities, Command, Copy, Dispatch
-from vkml.errors import DeviceError
+from vkml.errors import DeviceError, NagaError
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
@@ -168,6 +168,7 @@ class WgpuBackend:
     """One wgpu adapter and device (Metal on macOS; Vulkan, D3D12 or OpenGL elsewhere)."""
 
     caps: Capabilities
+    consumes_spirv = False  # wgpu compiles the WGSL itself
 
     def __init__(self, selector: str | None = None) -> None:
         self._wgpu = wgpu = _load_wgpu()
@@ -283,6 +284,10 @@ class WgpuBackend:
         wgpu, dev = self._wgpu, self._device
         try:
             module = dev.create_shader_module(label=name, code=_writable_wgsl(wgsl))
+        except wgpu.GPUError as exc:  # wgpu's WGSL front end is naga too: same report
+            raise NagaError.for_kernel(f"naga rejected kernel '{name}' (in wgpu):\n{exc}", name,
+                                       wgsl, str(exc)) from None
+        try:
             layout = dev.create_bind_group_layout(label=name, entries=[
                 {"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
                  "buffer": {"type": wgpu.BufferBindingType.storage}}
