@@ -14,20 +14,29 @@ import torch_reference as ref
 from conftest import rel_l2
 
 import vkml
-from vkml.models import smollm2
+from vkml.models import resnet, smollm2
 
 FORWARD_TOL = 1e-4
 GRAD_TOL = 1e-3
 STEPS = 10
 
 
+def load(module, params):
+    """The vkml parameters into the float64 torch module, by name: every name must exist on
+    both sides (torch's num_batches_tracked counters aside)."""
+    module = module.double()
+    missing, unexpected = module.load_state_dict(
+        {k: torch.tensor(v, dtype=torch.float64) for k, v in params.items()}, strict=False)
+    assert not unexpected, f"vkml names torch does not know: {unexpected}"
+    assert all(k.endswith("num_batches_tracked") for k in missing), f"not set: {missing}"
+    return module
+
+
 def check(built, module, device, rng, lr=1e-2, forward_tol=FORWARD_TOL, grad_tol=GRAD_TOL):
     session = vkml.compile(built.graph, loss=built.loss, outputs=built.outputs,
                            optimizer=vkml.Adam(lr=lr), keep_grads=True, device=device)
     params = session.params()
-    module = module.double()
-    module.load_state_dict({k: torch.tensor(v, dtype=torch.float64)
-                            for k, v in params.items()}, strict=True)
+    module = load(module, params)
     inputs = built.sample_inputs(rng)
     for name, value in inputs.items():
         session.set_input(name, value)
@@ -80,3 +89,29 @@ def test_smollm2(device, rng, fused):
     cfg = smollm2.tiny()
     cfg = type(cfg)(**{**cfg.__dict__, "fused_attention": fused})
     check(smollm2.build(cfg), ref.SmolLM2(cfg), device, rng)
+
+
+@pytest.mark.parametrize("block", ["basic", "bottleneck"])
+def test_resnet_training_form(device, rng, block):
+    cfg = resnet.tiny(block)
+    check(resnet.build(cfg), ref.ResNet(cfg), device, rng)
+
+
+def test_resnet_inference_form(device, rng):
+    """bn="eval": running statistics (set to non-trivial values) as parameters, forward only."""
+    cfg = resnet.tiny("bottleneck")
+    cfg = type(cfg)(**{**cfg.__dict__, "bn": "eval"})
+    built = resnet.build(cfg)
+    session = vkml.compile(built.graph, outputs=built.outputs, device=device)
+    for name, value in session.params().items():
+        if name.endswith("running_mean"):
+            session.set_param(name, rng.standard_normal(value.shape).astype(np.float32) * 0.1)
+        elif name.endswith("running_var"):
+            session.set_param(name, rng.uniform(0.5, 2.0, value.shape).astype(np.float32))
+    module = load(ref.ResNet(cfg), session.params()).eval()
+    inputs = built.sample_inputs(rng)
+    session.set_input("x", inputs["x"])
+    session.step()
+    want, _ = module(torch.tensor(inputs["x"], dtype=torch.float64), torch.tensor(inputs["labels"]))
+    assert rel_l2(session.read("logits"), want["logits"].detach().numpy()) < FORWARD_TOL
+    session.close()

@@ -105,3 +105,78 @@ class SmolLM2(nn.Module):
                 else self.lm_head.weight)
         logits = (x @ head.T).reshape(-1, self.cfg.vocab_size)
         return {"logits": logits}, F.cross_entropy(logits, targets.long())
+
+
+# ---- ResNet (torchvision layout) ---------------------------------------------------------------
+def _bn2d(cfg, c):
+    # "train": batch statistics only (no running-statistics buffers, as the vkml graph has none);
+    # "eval": running statistics, used after module.eval().
+    return nn.BatchNorm2d(c, eps=cfg.bn_eps, track_running_stats=cfg.bn == "eval")
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, cfg, cin, width, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, width, 3, stride, 1, bias=False)
+        self.bn1 = _bn2d(cfg, width)
+        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+        self.bn2 = _bn2d(cfg, width)
+        self.downsample = None
+        if stride != 1 or cin != width:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, width, 1, stride, bias=False),
+                                            _bn2d(cfg, width))
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h))
+        return F.relu(h + (x if self.downsample is None else self.downsample(x)))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cfg, cin, width, stride):
+        super().__init__()
+        out = width * 4
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = _bn2d(cfg, width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = _bn2d(cfg, width)
+        self.conv3 = nn.Conv2d(width, out, 1, bias=False)
+        self.bn3 = _bn2d(cfg, out)
+        self.downsample = None
+        if stride != 1 or cin != out:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, out, 1, stride, bias=False),
+                                            _bn2d(cfg, out))
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = F.relu(self.bn2(self.conv2(h)))
+        h = self.bn3(self.conv3(h))
+        return F.relu(h + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        block = BasicBlock if cfg.block == "basic" else Bottleneck
+        self.conv1 = nn.Conv2d(cfg.in_channels, cfg.stem_width, 7, 2, 3, bias=False)
+        self.bn1 = _bn2d(cfg, cfg.stem_width)
+        cin = cfg.stem_width
+        for stage, (n, width) in enumerate(zip(cfg.layers, cfg.widths), start=1):
+            blocks = []
+            for i in range(n):
+                blocks.append(block(cfg, cin, width, 2 if stage > 1 and i == 0 else 1))
+                cin = width * block.expansion
+            setattr(self, f"layer{stage}", nn.Sequential(*blocks))
+        self.n_stages = len(cfg.layers)
+        self.fc = nn.Linear(cin, cfg.num_classes)
+
+    def forward(self, x, labels):
+        h = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        for stage in range(1, self.n_stages + 1):
+            h = getattr(self, f"layer{stage}")(h)
+        logits = self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+        return {"logits": logits}, F.cross_entropy(logits, labels.long())
