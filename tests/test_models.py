@@ -14,7 +14,7 @@ import torch_reference as ref
 from conftest import rel_l2
 
 import vkml
-from vkml.models import resnet, smollm2
+from vkml.models import resnet, smollm2, unet
 
 FORWARD_TOL = 1e-4
 GRAD_TOL = 1e-3
@@ -115,3 +115,8 @@ def test_resnet_inference_form(device, rng):
     want, _ = module(torch.tensor(inputs["x"], dtype=torch.float64), torch.tensor(inputs["labels"]))
     assert rel_l2(session.read("logits"), want["logits"].detach().numpy()) < FORWARD_TOL
     session.close()
+
+
+def test_unet(device, rng):
+    cfg = unet.tiny()
+    check(unet.build(cfg), ref.UNet(cfg), device, rng)

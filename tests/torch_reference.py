@@ -180,3 +180,61 @@ class ResNet(nn.Module):
             h = getattr(self, f"layer{stage}")(h)
         logits = self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
         return {"logits": logits}, F.cross_entropy(logits, labels.long())
+
+
+# ---- the small diffusion U-Net -----------------------------------------------------------------
+class ResBlock(nn.Module):
+    def __init__(self, cin, cout, groups, eps):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, cin, eps)
+        self.conv1 = nn.Conv2d(cin, cout, 3, 1, 1)
+        self.norm2 = nn.GroupNorm(groups, cout, eps)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1)
+        self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return h + (x if self.conv_shortcut is None else self.conv_shortcut(x))
+
+
+class UNet(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        widths = [cfg.base * m for m in cfg.mults]
+        self.conv_in = nn.Conv2d(cfg.in_channels, widths[0], 3, 1, 1)
+        self.down = nn.ModuleList()
+        cin = widths[0]
+        for i, w in enumerate(widths):
+            level = nn.Module()
+            level.res = ResBlock(cin, w, cfg.groups, cfg.eps)
+            if i < len(widths) - 1:
+                level.downsample = nn.Conv2d(w, w, 3, 2, 1)
+            self.down.append(level)
+            cin = w
+        self.mid = nn.Module()
+        self.mid.res = ResBlock(cin, cin, cfg.groups, cfg.eps)
+        self.up = nn.ModuleList(nn.Module() for _ in widths)
+        for i in reversed(range(len(widths))):
+            if i < len(widths) - 1:
+                self.up[i].upsample = nn.Conv2d(cin, cin, 3, 1, 1)
+            self.up[i].res = ResBlock(cin + widths[i], widths[i], cfg.groups, cfg.eps)
+            cin = widths[i]
+        self.norm_out = nn.GroupNorm(cfg.groups, cin, cfg.eps)
+        self.conv_out = nn.Conv2d(cin, cfg.out_channels, 3, 1, 1)
+
+    def forward(self, x, target):
+        h = self.conv_in(x)
+        skips = []
+        for level in self.down:
+            h = level.res(h)
+            skips.append(h)
+            if hasattr(level, "downsample"):
+                h = level.downsample(h)
+        h = self.mid.res(h)
+        for i in reversed(range(len(self.up))):
+            if hasattr(self.up[i], "upsample"):
+                h = self.up[i].upsample(F.interpolate(h, scale_factor=2, mode="nearest"))
+            h = self.up[i].res(torch.cat([h, skips[i]], 1))
+        prediction = self.conv_out(F.silu(self.norm_out(h)))
+        return {"prediction": prediction}, F.mse_loss(prediction, target)
