@@ -14,7 +14,7 @@ import torch_reference as ref
 from conftest import rel_l2
 
 import vkml
-from vkml.models import resnet, smollm2, unet
+from vkml.models import resnet, smollm2, unet, whisper_encoder
 
 FORWARD_TOL = 1e-4
 GRAD_TOL = 1e-3
@@ -120,3 +120,10 @@ def test_resnet_inference_form(device, rng):
 def test_unet(device, rng):
     cfg = unet.tiny()
     check(unet.build(cfg), ref.UNet(cfg), device, rng)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["composed", "flash"])
+def test_whisper_encoder(device, rng, fused):
+    cfg = whisper_encoder.tiny()
+    cfg = type(cfg)(**{**cfg.__dict__, "fused_attention": fused})
+    check(whisper_encoder.build(cfg), ref.WhisperForAudioClassification(cfg), device, rng)

@@ -238,3 +238,81 @@ class UNet(nn.Module):
             h = self.up[i].res(torch.cat([h, skips[i]], 1))
         prediction = self.conv_out(F.silu(self.norm_out(h)))
         return {"prediction": prediction}, F.mse_loss(prediction, target)
+
+
+# ---- Whisper encoder (Hugging Face WhisperForAudioClassification) -----------------------------
+def whisper_sinusoids(length, channels, max_timescale=10000):
+    increment = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-increment * torch.arange(channels // 2, dtype=torch.float64))
+    scaled = torch.arange(length, dtype=torch.float64).view(-1, 1) * inv_timescales.view(1, -1)
+    return torch.cat([scaled.sin(), scaled.cos()], dim=1)
+
+
+class WhisperAttention(nn.Module):
+    def __init__(self, d, n_heads):
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, d // n_heads
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+
+        def split(t):
+            return t.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+
+        q = split(self.q_proj(x) * self.head_dim ** -0.5)
+        k, v = split(self.k_proj(x)), split(self.v_proj(x))
+        out = (q @ k.transpose(-1, -2)).softmax(-1) @ v
+        return self.out_proj(out.transpose(1, 2).reshape(b, s, d))
+
+
+class WhisperEncoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = WhisperAttention(d, cfg.encoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.self_attn_layer_norm(x))
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class WhisperEncoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.d_model
+        self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, 3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, 3, stride=2, padding=1)
+        self.register_buffer("positions", whisper_sinusoids(cfg.max_source_positions, d),
+                             persistent=False)
+        self.layers = nn.ModuleList(WhisperEncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.layer_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+
+    def forward(self, features):
+        h = F.gelu(self.conv2(F.gelu(self.conv1(features)))).permute(0, 2, 1)
+        h = h + self.positions[:h.shape[1]]
+        for layer in self.layers:
+            h = layer(h)
+        return self.layer_norm(h)
+
+
+class WhisperForAudioClassification(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        assert cfg.prefix == "encoder."
+        self.encoder = WhisperEncoder(cfg)
+        self.projector = nn.Linear(cfg.d_model, cfg.classifier_proj_size)
+        self.classifier = nn.Linear(cfg.classifier_proj_size, cfg.num_labels)
+
+    def forward(self, input_features, labels):
+        hidden = self.encoder(input_features)
+        logits = self.classifier(self.projector(hidden).mean(1))
+        return ({"last_hidden_state": hidden, "logits": logits},
+                F.cross_entropy(logits, labels.long()))
