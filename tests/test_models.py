@@ -14,7 +14,7 @@ import torch_reference as ref
 from conftest import rel_l2
 
 import vkml
-from vkml.models import resnet, smollm2, unet, whisper_encoder
+from vkml.models import resnet, smollm2, smolvla_expert, unet, whisper_encoder
 
 FORWARD_TOL = 1e-4
 GRAD_TOL = 1e-3
@@ -127,3 +127,10 @@ def test_whisper_encoder(device, rng, fused):
     cfg = whisper_encoder.tiny()
     cfg = type(cfg)(**{**cfg.__dict__, "fused_attention": fused})
     check(whisper_encoder.build(cfg), ref.WhisperForAudioClassification(cfg), device, rng)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["composed", "flash"])
+def test_smolvla_expert(device, rng, fused):
+    cfg = smolvla_expert.tiny()
+    cfg = type(cfg)(**{**cfg.__dict__, "fused_attention": fused})
+    check(smolvla_expert.build(cfg), ref.SmolVLAExpert(cfg), device, rng)

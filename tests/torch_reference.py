@@ -316,3 +316,43 @@ class WhisperForAudioClassification(nn.Module):
         logits = self.classifier(self.projector(hidden).mean(1))
         return ({"last_hidden_state": hidden, "logits": logits},
                 F.cross_entropy(logits, labels.long()))
+
+
+# ---- SmolVLA action expert ---------------------------------------------------------------------
+class LMExpert(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            LlamaLayer(cfg, theta=cfg.rope_theta) if i % cfg.self_attn_every_n_layers == 0
+            else LlamaLayer(cfg, kv_in=cfg.vlm_kv_dim) for i in range(cfg.num_hidden_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class VLAFlowMatching(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.vlm_with_expert = nn.Module()
+        self.vlm_with_expert.lm_expert = LMExpert(cfg)
+        self.action_in_proj = nn.Linear(cfg.action_dim, d)
+        self.action_out_proj = nn.Linear(d, cfg.action_dim)
+        self.action_time_mlp_in = nn.Linear(2 * d, d)
+        self.action_time_mlp_out = nn.Linear(d, d)
+
+
+class SmolVLAExpert(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        assert cfg.prefix == "model."
+        self.model = VLAFlowMatching(cfg)
+
+    def forward(self, noisy_actions, time_emb, vlm_kv, target):
+        m, cfg = self.model, self.model.cfg
+        x = m.action_in_proj(noisy_actions)
+        t = time_emb[:, None, :].expand_as(x)
+        x = m.action_time_mlp_out(F.silu(m.action_time_mlp_in(torch.cat([x, t], -1))))
+        for i, layer in enumerate(m.vlm_with_expert.lm_expert.layers):
+            x = layer(x, None if i % cfg.self_attn_every_n_layers == 0 else vlm_kv)
+        velocity = m.action_out_proj(m.vlm_with_expert.lm_expert.norm(x))
+        return {"velocity": velocity}, F.mse_loss(velocity, target)
