@@ -124,6 +124,26 @@ def test_one_buffer_bound_read_only_and_writable_in_one_dispatch(backend):
     backend.free_buffer(arena)
 
 
+def test_timestamps_time_each_dispatch(backend):
+    if backend.caps.timestamp_period_ns == 0:
+        pytest.skip("this adapter has no timestamp queries")
+    pipe = backend.create_pipeline("axpb", AXPB, b"", 3, [False, False, True])
+    arena = backend.create_buffer(3 * 4096, "device", "arena")
+    bindings = (Binding(arena, 0, NBYTES, False), Binding(arena, 4096, NBYTES, False),
+                Binding(arena, 8192, NBYTES, True))
+    dispatch = Dispatch(pipe, bindings, (-(-N // 64), 1, 1))
+    program = backend.record([dispatch, Barrier(), dispatch, dispatch], "timed", timestamps=True)
+    backend.submit(program)
+    ms = backend.program_timings(program)
+    assert len(ms) == 3 and all(0 <= t < 60_000 for t in ms), ms
+    untimed = backend.record([dispatch], "untimed")
+    with pytest.raises(DeviceError, match="not recorded with timestamps"):
+        backend.program_timings(untimed)
+    backend.free_program(program)
+    backend.free_program(untimed)
+    backend.free_buffer(arena)
+
+
 def test_partial_words_and_readback_buffers(backend):
     buf = backend.create_buffer(10, "device", "odd")
     backend.write_buffer(buf, 0, bytes(range(10)))

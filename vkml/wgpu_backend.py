@@ -46,7 +46,7 @@ _RAISED_LIMITS = (
     "max-compute-workgroup-size-z",
     "max-compute-workgroups-per-dimension",
 )
-_OPTIONAL_FEATURES = ("shader-f16", "subgroup")
+_OPTIONAL_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
 _DEVICE_TYPES = {"DiscreteGPU": "discrete", "IntegratedGPU": "integrated",
                  "VirtualGPU": "virtual", "CPU": "cpu"}
 _READ_ONLY_STORAGE = re.compile(r"var\s*<\s*storage\s*,\s*read\s*>")
@@ -97,13 +97,19 @@ class Program:
     bind group or None, x, y, z)) and copies ((src handle, src offset, dst handle, dst offset,
     size)); the bind groups and any scratch buffer live as long as the program."""
 
-    __slots__ = ("label", "num_dispatches", "scratch", "segments")
+    __slots__ = ("label", "num_dispatches", "scratch", "segments", "queries", "resolved",
+                 "timings")
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.segments: list[list[tuple[Any, ...]] | tuple[Any, ...]] | None = []
         self.num_dispatches = 0
         self.scratch: Any = None
+        # With timestamps: a query set (a begin and an end per dispatch), the buffer it resolves
+        # into and the readable copy of it.
+        self.queries: Any = None
+        self.resolved: Any = None
+        self.timings: Any = None
 
     def __repr__(self) -> str:
         return f"<wgpu.Program {self.label!r} {self.num_dispatches} dispatches>"
@@ -210,7 +216,7 @@ class WgpuBackend:
             # WebGPU reports only a range; the smallest size is the one a kernel may rely on.
             # (wgpu-py 0.32 spells the key "stackgroup_min_size".)
             subgroup_size=int(info.get("subgroup_min_size", info.get("stackgroup_min_size", 4))),
-            timestamp_period_ns=0.0,
+            timestamp_period_ns=1.0 if "timestamp-query" in features else 0.0,  # WebGPU: ns
             cooperative_matrix=False,
             shader_f16="shader-f16" in features,
             extensions=frozenset(str(f) for f in self._device.features),
@@ -302,11 +308,24 @@ class WgpuBackend:
 
     # -- programs -----------------------------------------------------------------------------
 
-    def record(self, commands: Sequence[Command], label: str) -> Program:
-        """Check `commands` and build their bind groups once; submit() re-encodes from these."""
+    def record(self, commands: Sequence[Command], label: str,
+               timestamps: bool = False) -> Program:
+        """Check `commands` and build their bind groups once; submit() re-encodes from these.
+        With `timestamps` (where the adapter has timestamp queries) each dispatch runs in a
+        compute pass of its own that writes a timestamp at its start and end."""
         self._alive()
         self._validate(commands, label)
         prog = Program(label)
+        count = 2 * sum(isinstance(c, Dispatch) for c in commands)
+        if timestamps and self.caps.timestamp_period_ns > 0 and count:
+            usage = self._wgpu.BufferUsage
+            prog.queries = self._device.create_query_set(label=f"{label} timestamps",
+                                                         type="timestamp", count=count)
+            prog.resolved = self._device.create_buffer(
+                label=f"{label} timestamps", size=8 * count,
+                usage=usage.QUERY_RESOLVE | usage.COPY_SRC)
+            prog.timings = self._device.create_buffer(
+                label=f"{label} timings", size=8 * count, usage=usage.MAP_READ | usage.COPY_DST)
         segments: list[list[tuple[Any, ...]] | tuple[Any, ...]] = []
         scratch_bytes = max((c.nbytes for c in commands
                              if isinstance(c, Copy) and c.src is c.dst), default=0)
@@ -346,20 +365,30 @@ class WgpuBackend:
         if segments is None:
             raise DeviceError(f"{program!r} was freed or belongs to a closed backend")
         encoder = self._device.create_command_encoder(label=program.label)
+        timed = program.queries is not None
+        query = 0
         for seg in segments:
             if isinstance(seg, list):
-                compute = encoder.begin_compute_pass()
-                current = None
-                for pipeline, group, x, y, z in seg:
-                    if pipeline is not current:
-                        compute.set_pipeline(pipeline)
-                        current = pipeline
-                    if group is not None:
-                        compute.set_bind_group(0, group)
-                    compute.dispatch_workgroups(x, y, z)
-                compute.end()
+                # Timed: a pass per dispatch, since timestamps are written at pass boundaries.
+                for run in ([[d] for d in seg] if timed else [seg]):
+                    writes = ({"query_set": program.queries, "beginning_of_pass_write_index":
+                               query, "end_of_pass_write_index": query + 1} if timed else None)
+                    query += 2
+                    compute = encoder.begin_compute_pass(timestamp_writes=writes)
+                    current = None
+                    for pipeline, group, x, y, z in run:
+                        if pipeline is not current:
+                            compute.set_pipeline(pipeline)
+                            current = pipeline
+                        if group is not None:
+                            compute.set_bind_group(0, group)
+                        compute.dispatch_workgroups(x, y, z)
+                    compute.end()
             else:
                 encoder.copy_buffer_to_buffer(*seg)
+        if timed:
+            encoder.resolve_query_set(program.queries, 0, query, program.resolved, 0)
+            encoder.copy_buffer_to_buffer(program.resolved, 0, program.timings, 0, 8 * query)
         self._queue.submit([encoder.finish()])
         self._pending = True
 
@@ -383,12 +412,30 @@ class WgpuBackend:
         finally:
             self.free_program(prog)
 
+    def program_timings(self, program: Program) -> list[float]:
+        """Milliseconds per dispatch of the latest run of a program recorded with timestamps."""
+        if program.timings is None:
+            raise DeviceError(f"{program!r} was not recorded with timestamps (or the adapter "
+                              "has no timestamp queries)")
+        self.wait()
+        buffer = program.timings
+        buffer.map_sync(self._wgpu.MapMode.READ)
+        try:
+            stamps = memoryview(buffer.read_mapped()).cast("Q").tolist()
+        finally:
+            buffer.unmap()
+        return [(end - begin) * 1e-6 for begin, end in zip(stamps[::2], stamps[1::2])]
+
     def free_program(self, program: Program) -> None:
         """Drop a program's bind groups and scratch; work already submitted is unaffected."""
         if program.scratch is not None:
             self.wait()
             program.scratch.destroy()
             program.scratch = None
+        for resource in (program.queries, program.resolved, program.timings):
+            if resource is not None:
+                resource.destroy()
+        program.queries = program.resolved = program.timings = None
         program.segments = None
 
     # -- teardown -----------------------------------------------------------------------------
