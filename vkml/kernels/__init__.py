@@ -30,19 +30,11 @@ def lower(node: Tensor, caps: Capabilities) -> Kernel:
     """The kernel computing `node` from its inputs (bindings: inputs in order, then output)."""
     from . import attention, conv, gather, matmul, pointwise, reduce
 
+    generators = {"pointwise": pointwise.generate, "reduce": reduce.generate_sum,
+                  "softmax": reduce.generate_softmax, "matmul": matmul.generate,
+                  "gather": gather.generate, "conv": conv.generate,
+                  "attention": attention.generate}
     archetype = OPS[node.op].archetype
-    if archetype == "pointwise":
-        return pointwise.generate(node, caps)
-    if archetype == "reduce":
-        return reduce.generate_sum(node, caps)
-    if archetype == "softmax":
-        return reduce.generate_softmax(node, caps)
-    if archetype == "matmul":
-        return matmul.generate(node, caps)
-    if archetype == "gather":
-        return gather.generate(node, caps)
-    if archetype == "conv":
-        return conv.generate(node, caps)
-    if archetype == "attention":
-        return attention.generate(node, caps)
+    if archetype in generators:
+        return generators[archetype](node, caps)
     raise ValueError(f"{node.label}: archetype '{archetype}' produces no kernel")
