@@ -521,3 +521,21 @@ def test_cotenancy_tool_writes_json_and_png(device, tmp_path):
         assert m["frame_ms_p50"] > 0 and m["frame_ms_p99"] >= m["frame_ms_p50"]
     assert result["validation_messages"] == 0
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_falls_back_to_host_timing_when_timestamps_are_implausible(device,
+                                                                          monkeypatch):
+    vulkan_only(device)
+    import vkml.session
+
+    monkeypatch.setattr(vkml.session, "timestamps_plausible",
+                        lambda ms, host_ms: (False, "0.01 ms in a 95 ms step (simulated)"))
+    with mlp(device) as s:
+        profile = s.profile(steps=3)  # the first step's timestamps are dropped, 2 host-timed
+        assert profile.source == "host timing" and profile.steps == 2
+        assert "implausible" in str(profile) and "simulated" in profile.note
+        assert_same(state(s), reference(device, 3))
+        once = s.profile(steps=1)  # nothing left to time from the host: one more step
+        assert once.steps == 1 and "one extra step" in once.note
+        assert_same(state(s), reference(device, 5))
+        assert "host timing" in s.timing_note
