@@ -1,5 +1,13 @@
-"""Reference models, each a builder of graph nodes whose parameter names match PyTorch's."""
+"""Reference models, each a builder of graph nodes whose parameter names match PyTorch's.
 
+`mlp` builds an MLP's logits; the workloads of PROTOCOL.md each have a module with a config
+dataclass (the full published config by default), `tiny()` (the same code at test size) and
+`build(cfg)` -> `Built` (graph, inputs, outputs, loss, `sample_inputs(rng)`): `smollm2`,
+`resnet`, `unet`, `whisper_encoder`, `smolvla_expert`.
+"""
+
+from . import resnet, smollm2, smolvla_expert, unet, whisper_encoder
+from .common import Built
 from .mlp import mlp
 
-__all__ = ["mlp"]
+__all__ = ["Built", "mlp", "resnet", "smollm2", "smolvla_expert", "unet", "whisper_encoder"]
