@@ -134,3 +134,19 @@ def test_smolvla_expert(device, rng, fused):
     cfg = smolvla_expert.tiny()
     cfg = type(cfg)(**{**cfg.__dict__, "fused_attention": fused})
     check(smolvla_expert.build(cfg), ref.SmolVLAExpert(cfg), device, rng)
+
+
+@pytest.mark.parametrize("model,count", [
+    ("smollm2", 134_515_008),  # HuggingFaceTB/SmolLM2-135M (tied embeddings)
+    ("resnet50", 25_557_032),  # torchvision.models.resnet50 (parameters; BN buffers aside)
+    ("resnet18", 11_689_512),  # torchvision.models.resnet18
+    # whisper-tiny's encoder without embed_positions (a constant here) and the 384->256->10 head
+    ("whisper_encoder", 7_632_384 + 384 * 256 + 256 + 256 * 10 + 10),
+])
+def test_full_config_parameter_counts(model, count):
+    """The full configs (graphs only, no device) have the published models' parameter counts."""
+    build = {"smollm2": lambda: smollm2.build(), "resnet50": lambda: resnet.build(),
+             "resnet18": lambda: resnet.build(resnet.resnet18()),
+             "whisper_encoder": lambda: whisper_encoder.build()}[model]
+    graph = build().graph
+    assert sum(p.size for p in graph.params.values()) == count
