@@ -65,8 +65,14 @@ class Host:
                            if f.queueFlags & vk.VK_QUEUE_GRAPHICS_BIT
                            and f.queueFlags & vk.VK_QUEUE_COMPUTE_BIT)
         # Enable the wanted features the device has (and say which: vkml cannot ask).
+        device_exts = {e.extensionName for e in
+                       vk.vkEnumerateDeviceExtensionProperties(self.physical, None)}
+        coop_stype = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
+        q_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {"sType": coop_stype})
         q12 = ffi.new("VkPhysicalDeviceVulkan12Features*",
-                      {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES})
+                      {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
+                       "pNext": q_coop if "VK_KHR_cooperative_matrix" in device_exts
+                       else ffi.NULL})
         q11 = ffi.new("VkPhysicalDeviceVulkan11Features*",
                       {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES,
                        "pNext": q12})
@@ -75,9 +81,19 @@ class Host:
         vk.lib.vkGetPhysicalDeviceFeatures2(self.physical, q2)
         self.features = [f for f in features
                          if getattr(q12 if hasattr(q12, f) else q11, f)]
+        # A GPU with cooperative matrices (the H200): enabled as vkml would, so caps match.
+        coop = bool(features and "VK_KHR_cooperative_matrix" in device_exts
+                    and q_coop.cooperativeMatrix and q12.vulkanMemoryModelDeviceScope)
+        self.extensions = ["VK_KHR_cooperative_matrix"] if coop else []
+        if coop:
+            self.features += ["cooperativeMatrix", "vulkanMemoryModelDeviceScope"]
+        e_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*",
+                         {"sType": coop_stype, "cooperativeMatrix": 1})
         e12 = ffi.new("VkPhysicalDeviceVulkan12Features*", {
             "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
-            **{f: 1 for f in self.features if f != "storageBuffer16BitAccess"}})
+            "pNext": e_coop if coop else ffi.NULL,
+            **{f: 1 for f in self.features
+               if f not in ("storageBuffer16BitAccess", "cooperativeMatrix")}})
         e11 = ffi.new("VkPhysicalDeviceVulkan11Features*", {
             "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, "pNext": e12,
             "storageBuffer16BitAccess": int("storageBuffer16BitAccess" in self.features)})
@@ -85,7 +101,9 @@ class Host:
                                               queueFamilyIndex=self.family, queueCount=1,
                                               pQueuePriorities=[1.0])
         dci = vk.VkDeviceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=e11,
-                                    queueCreateInfoCount=1, pQueueCreateInfos=[self.qci])
+                                    queueCreateInfoCount=1, pQueueCreateInfos=[self.qci],
+                                    enabledExtensionCount=len(self.extensions),
+                                    ppEnabledExtensionNames=self.extensions or None)
         self.device = vk.vkCreateDevice(self.physical, dci, None)
         self.queue = vk.vkGetDeviceQueue(self.device, self.family, 0)
         self.pool = vk.vkCreateCommandPool(self.device, vk.VkCommandPoolCreateInfo(
@@ -124,7 +142,9 @@ class Host:
         return vkml.Device.from_vulkan(self.instance, self.physical, self.device, self.family,
                                        self.queue, kw.pop("queue_lock", self.lock),
                                        enabled_features=kw.pop("enabled_features",
-                                                               self.features), **kw)
+                                                               self.features),
+                                       enabled_extensions=kw.pop("enabled_extensions",
+                                                                 self.extensions), **kw)
 
     def command_buffer(self):
         return vk.vkAllocateCommandBuffers(self.device, vk.VkCommandBufferAllocateInfo(
@@ -285,7 +305,8 @@ def test_integer_handles_as_pyopenxr_gives_them(device, host):
 
     dev = vkml.Device.from_vulkan(as_int(host.instance), as_int(host.physical),
                                   as_int(host.device), host.family, as_int(host.queue),
-                                  enabled_features=host.features)
+                                  enabled_features=host.features,
+                                  enabled_extensions=host.extensions)
     assert isinstance(dev.queue_lock, type(threading.Lock()))  # vkml made one
     with mlp(dev) as s:
         s.step()

@@ -117,8 +117,14 @@ class HostContext:
         if not universal:
             raise DeviceError(f"{self.device_name!r} has no graphics+compute queue family")
         self.family = universal[0]
+        device_exts = {e.extensionName for e in
+                       vk.vkEnumerateDeviceExtensionProperties(self.physical, None)}
+        coop_stype = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
+        q_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {"sType": coop_stype})
         q13 = ffi.new("VkPhysicalDeviceVulkan13Features*",
-                      {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES})
+                      {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES,
+                       "pNext": q_coop if "VK_KHR_cooperative_matrix" in device_exts
+                       else ffi.NULL})
         q12 = ffi.new("VkPhysicalDeviceVulkan12Features*",
                       {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
                        "pNext": q13})
@@ -135,12 +141,21 @@ class HostContext:
             self.features.append("storageBuffer16BitAccess")
         else:
             self.features = [f for f in self.features if f != "shaderFloat16"]
+        # Cooperative matrices where the GPU has them, as vkml's own device would enable them.
+        coop = bool("VK_KHR_cooperative_matrix" in device_exts and q_coop.cooperativeMatrix
+                    and "shaderFloat16" in self.features and q12.vulkanMemoryModelDeviceScope)
+        self.extensions = ["VK_KHR_cooperative_matrix"] if coop else []
+        if coop:
+            self.features += ["cooperativeMatrix", "vulkanMemoryModelDeviceScope"]
+        e_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*",
+                         {"sType": coop_stype, "cooperativeMatrix": 1})
         e13 = ffi.new("VkPhysicalDeviceVulkan13Features*", {
             "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES,
-            "dynamicRendering": 1})
+            "pNext": e_coop if coop else ffi.NULL, "dynamicRendering": 1})
         e12 = ffi.new("VkPhysicalDeviceVulkan12Features*", {
             "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, "pNext": e13,
-            **{f: 1 for f in self.features if f in SHARED_FEATURES}})
+            **{f: 1 for f in self.features
+               if f in (*SHARED_FEATURES, "vulkanMemoryModelDeviceScope")}})
         e11 = ffi.new("VkPhysicalDeviceVulkan11Features*", {
             "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, "pNext": e12,
             "storageBuffer16BitAccess": int("storageBuffer16BitAccess" in self.features)})
@@ -148,7 +163,9 @@ class HostContext:
                                          queueFamilyIndex=self.family, queueCount=1,
                                          pQueuePriorities=[1.0])
         dci = vk.VkDeviceCreateInfo(sType=vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, pNext=e11,
-                                    queueCreateInfoCount=1, pQueueCreateInfos=[qci])
+                                    queueCreateInfoCount=1, pQueueCreateInfos=[qci],
+                                    enabledExtensionCount=len(self.extensions),
+                                    ppEnabledExtensionNames=self.extensions or None)
         self.device = vk.vkCreateDevice(self.physical, dci, None)
         self.queue = vk.vkGetDeviceQueue(self.device, self.family, 0)
         self.queue_lock = threading.Lock()
@@ -162,7 +179,8 @@ class HostContext:
         from vkml.device import Device
 
         return Device.from_vulkan(self.instance, self.physical, self.device, self.family,
-                                  self.queue, self.queue_lock, enabled_features=self.features)
+                                  self.queue, self.queue_lock, enabled_features=self.features,
+                                  enabled_extensions=self.extensions)
 
     def memory_type(self, bits: int, flags: int) -> int:
         for i in range(self.memory.memoryTypeCount):
