@@ -139,7 +139,8 @@ class Session:
 
         `chunks=N`: the step goes to the queue as N submissions (pieces cut at barrier
         boundaries, balanced by measured GPU time per dispatch when a profile() or budget step
-        measured it, else by an estimate), so a host's submits can run between them.
+        measured it, else by an estimate), so a host's submits can run between them. A level
+        is never split: N above the number of levels gives one piece per level.
         `budget_ms=b`: as many pieces as needed for each to fit b ms of measured GPU time (a
         level longer than b is a piece of its own); when nothing was measured yet this step
         runs whole with timestamps, blocks until done, and later steps are cut by what it
