@@ -364,11 +364,28 @@ def test_chunks_follow_the_timeline_and_budget_mode(device, host):
             pass
         semaphore, last = s.done()
         assert last == value + 2
-        # the host waits for the model's step on the timeline, as in its own submit
+        # the host's own submit waits for the model's step on the timeline
+        cb = host.command_buffer()
+        host.begin(cb)
+        host.fill_then_copy_before(cb, 42)
+        host.copy_after(cb)
+        vk.vkEndCommandBuffer(cb)
+        timeline = vk.VkTimelineSemaphoreSubmitInfo(
+            sType=vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO,
+            waitSemaphoreValueCount=1, pWaitSemaphoreValues=[last])
+        submit = vk.VkSubmitInfo(sType=vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, pNext=timeline,
+                                 waitSemaphoreCount=1, pWaitSemaphores=[semaphore],
+                                 pWaitDstStageMask=[vk.VK_PIPELINE_STAGE_TRANSFER_BIT],
+                                 commandBufferCount=1, pCommandBuffers=[cb])
+        with host.lock:
+            vk.vkQueueSubmit(host.queue, 1, [submit], host.fence)
+        vk.vkWaitForFences(host.device, 1, [host.fence], vk.VK_TRUE, 60 * 10**9)
+        vk.vkResetFences(host.device, 1, [host.fence])
+        assert vk.vkGetSemaphoreCounterValue(host.device, semaphore) >= last
+        assert (host.read(1) == 42).all()
         info = vk.VkSemaphoreWaitInfo(sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO,
                                       semaphoreCount=1, pSemaphores=[semaphore], pValues=[last])
-        vk.vkWaitSemaphores(host.device, info, 60 * 10**9)
-        assert vk.vkGetSemaphoreCounterValue(host.device, semaphore) >= last
+        vk.vkWaitSemaphores(host.device, info, 60 * 10**9)  # or on the host thread
         s.step(budget_ms=1e-6)  # nothing measured yet: runs whole, timed
         assert s._dispatch_ms is not None
         s.step(budget_ms=1e-6)  # every level its own piece now
