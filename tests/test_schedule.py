@@ -118,6 +118,10 @@ for optimizer in (vkml.SGD(lr=0.1, momentum=0.9), vkml.AdamW()):
         for _ in range(3):
             s.step()
         s.forward()
+        for chunks in (2, 3, 7):  # a step cut into pieces, each its own submission
+            s.step(chunks=chunks)
+        while s.step_chunk(chunks=3):  # one piece per call, as in a render loop
+            pass
         s.wait()
 print("MESSAGES", len(device.backend.validation_messages))
 """
