@@ -10,6 +10,10 @@ Models: smollm2 (SmolLM2-135M, 1 x 128 tokens), smolvla_expert (1 x 50 actions),
 32 x 32), resnet50 (4 x 3 x 224 x 224, batch norm in training form), resnet18, whisper_encoder
 (whisper-tiny's encoder, 1 x 80 x 3000). `--tiny` runs the tests' tiny configs instead (a smoke
 test of this script). `--fused` uses the flash-style attention kernel where a model has one.
+`--check` also applies PROTOCOL.md's gates at the full config: the first step's outputs, loss
+and every gradient against the plain-PyTorch model of tests/torch_reference.py (float64, CPU)
+on the same weights and inputs (the session then keeps its gradients, which changes its memory
+plan: the memory figures of a --check run are not the plain training step's).
 """
 
 from __future__ import annotations
@@ -42,7 +46,56 @@ MODELS = {
 }
 
 
-def run(name: str, device: vkml.Device, steps: int, tiny: bool, fused: bool) -> dict:
+def reference(name: str, cfg):
+    sys.path.insert(0, str(REPO / "tests"))
+    import torch_reference as ref
+
+    return {"smollm2": ref.SmolLM2, "smolvla_expert": ref.SmolVLAExpert, "unet": ref.UNet,
+            "resnet50": ref.ResNet, "resnet18": ref.ResNet,
+            "whisper_encoder": ref.WhisperForAudioClassification}[name](cfg)
+
+
+def gates(name, cfg, session, params, inputs) -> dict:
+    """PROTOCOL.md's forward and backward gates for the step just run, against float64 torch."""
+    import torch
+
+    t0 = time.perf_counter()
+    module = reference(name, cfg).double()
+    module.load_state_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in params.items()},
+                           strict=False)
+    outputs, loss = module(**{k: torch.tensor(v if v.dtype == np.int32 else v.astype(np.float64))
+                              for k, v in inputs.items()})
+    loss.backward()
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    forward = {"loss": rel(session.read("loss"), loss.item())}
+    forward |= {k: rel(session.read(k), v.detach().numpy()) for k, v in outputs.items()}
+    torch_params = dict(module.named_parameters())
+    total = ref_total = 0.0
+    worst = ("", 0.0)
+    min_cosine = 1.0
+    for n in params:
+        got, want = session.grad(n).astype(np.float64).ravel(), torch_params[n].grad.numpy().ravel()
+        gn, wn = np.linalg.norm(got), np.linalg.norm(want)
+        total, ref_total = total + gn * gn, ref_total + wn * wn
+        err = abs(gn - wn) / wn if wn > 0 else gn
+        if err > worst[1]:
+            worst = (n, float(err))
+        if wn > 0 and gn > 0:
+            min_cosine = min(min_cosine, float(got @ want / (gn * wn)))
+    grad_total = abs(np.sqrt(total) - np.sqrt(ref_total)) / np.sqrt(ref_total)
+    result = {"forward_rel_l2": forward, "grad_total_norm_error": float(grad_total),
+              "grad_worst_param_norm_error": worst, "grad_min_cosine": min_cosine,
+              "reference_s": time.perf_counter() - t0}
+    result["pass"] = bool(max(forward.values()) < 1e-2 and grad_total < 5e-2 and worst[1] < 5e-2
+                          and min_cosine > 0.99)
+    return result
+
+
+def run(name: str, device: vkml.Device, steps: int, tiny: bool, fused: bool,
+        check: bool = False) -> dict:
     build, full, small = MODELS[name]
     cfg = small() if tiny else full()
     if fused and hasattr(cfg, "fused_attention"):
@@ -56,7 +109,7 @@ def run(name: str, device: vkml.Device, steps: int, tiny: bool, fused: bool) -> 
           f"built in {row['build_s']:.1f} s", flush=True)
     t0 = time.perf_counter()
     session = vkml.compile(built.graph, loss=built.loss, optimizer=vkml.Adam(lr=1e-4),
-                           device=device)
+                           outputs=built.outputs, device=device, keep_grads=check or None)
     row["compile_s"] = time.perf_counter() - t0
     plan = session.plan
     memory = plan.memory_report()
@@ -68,7 +121,8 @@ def run(name: str, device: vkml.Device, steps: int, tiny: bool, fused: bool) -> 
           f"{memory['logical'] / 2**20:.0f} MiB of tensors", flush=True)
     inputs = built.sample_inputs(np.random.default_rng(0))
     row["step_s"], row["loss"] = [], []
-    for _ in range(steps):
+    initial = session.params() if check else None
+    for step in range(max(steps, 1 if check else 0)):
         for k, v in inputs.items():
             session.set_input(k, v)
         t0 = time.perf_counter()
@@ -78,6 +132,10 @@ def run(name: str, device: vkml.Device, steps: int, tiny: bool, fused: bool) -> 
         row["loss"].append(float(session.read("loss")))
         print(f"  training step in {row['step_s'][-1]:.1f} s, loss {row['loss'][-1]:.4f}",
               flush=True)
+        if check and step == 0:
+            row["gates"] = gates(name, cfg, session, initial, inputs)
+            print(f"  gates against float64 PyTorch: {row['gates']}", flush=True)
+            del initial
     row["finite"] = bool(np.all(np.isfinite(row["loss"])))
     session.close()
     return row
@@ -90,6 +148,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--fused", action="store_true")
+    parser.add_argument("--check", action="store_true")
     parser.add_argument("--out", type=Path, default=REPO / "out" / "full_configs.json")
     opts = parser.parse_args()
     device = vkml.Device()
@@ -98,7 +157,8 @@ def main() -> int:
               "host": platform.node(), "mode": "strict f32", "optimizer": "Adam(lr=1e-4)",
               "rows": []}
     for name in opts.models.split(","):
-        result["rows"].append(run(name, device, opts.steps, opts.tiny, opts.fused))
+        result["rows"].append(run(name, device, opts.steps, opts.tiny, opts.fused,
+                                  opts.check))
         opts.out.parent.mkdir(parents=True, exist_ok=True)
         opts.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {opts.out}")
