@@ -184,3 +184,22 @@ def test_full_config_parameter_counts(model, count):
              "whisper_encoder": lambda: whisper_encoder.build()}[model]
     graph = build().graph
     assert sum(p.size for p in graph.params.values()) == count
+
+
+def test_smollm2_full_vocabulary_loss(device, rng):
+    """The loss at the full config's size (128 positions x 49152 tokens = 6.3M log-probabilities,
+    more than one reduction dispatch covers: see smollm2.next_token_loss)."""
+    g = vkml.Graph()
+    logits = g.input("logits", (128, 49152))
+    targets = g.input("targets", (128,), "i32")
+    session = vkml.compile(g, outputs={"loss": smollm2.next_token_loss(g, logits, targets)},
+                           device=device)
+    x = (rng.standard_normal((128, 49152)) * 3).astype(np.float32)
+    t = rng.integers(0, 49152, 128).astype(np.int32)
+    session.set_input("logits", x)
+    session.set_input("targets", t)
+    session.step()
+    want = torch.nn.functional.cross_entropy(torch.tensor(x, dtype=torch.float64),
+                                             torch.tensor(t).long())
+    assert rel_l2(session.read("loss"), want.numpy()) < FORWARD_TOL
+    session.close()
