@@ -188,7 +188,8 @@ def test_full_config_parameter_counts(model, count):
 
 def test_smollm2_full_vocabulary_loss(device, rng):
     """The loss at the full config's size (128 positions x 49152 tokens = 6.3M log-probabilities,
-    more than one reduction dispatch covers: see smollm2.next_token_loss)."""
+    more than lavapipe's 65535 loop iterations x 64 invocations of a one-workgroup reduction:
+    see smollm2.next_token_loss)."""
     g = vkml.Graph()
     logits = g.input("logits", (128, 49152))
     targets = g.input("targets", (128,), "i32")
