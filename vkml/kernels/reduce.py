@@ -22,6 +22,21 @@ from .common import (
 )
 
 WORKGROUP = 64
+# lavapipe (llvmpipe) silently stops a shader invocation's loops after 65535 iterations in all;
+# longer reductions get more threads per workgroup, so each thread loops fewer times.
+LOOP_LIMIT = 65535
+
+
+def workgroup_for(iterations: int, caps: Capabilities, what: str) -> int:
+    """The smallest power-of-two workgroup (from WORKGROUP up) whose threads each run at most
+    LOOP_LIMIT of `iterations` loop trips."""
+    size = WORKGROUP
+    while -(-iterations // size) > LOOP_LIMIT:
+        size *= 2
+        if size > caps.max_workgroup_invocations:
+            raise ValueError(f"{what}: {iterations} loop trips exceed what "
+                             f"{caps.max_workgroup_invocations} threads may run on this device")
+    return size
 
 
 def _input_offset(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[list[str], str]:
@@ -56,6 +71,7 @@ def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
     reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     outputs = node.size
     setup, at = _input_offset(in_shape, axes)
+    wg = workgroup_for(reduced, caps, node.label)
     out_index = [f"i{a}" for a in range(len(node.shape))]
     epilogue_reads = {0: "partial[0]"} | {
         k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
@@ -63,21 +79,21 @@ def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
     lines = [*helper_functions(prologue, epilogue),
              *[storage(k, f"in{k}") for k in range(len(node.inputs))],
              storage(len(node.inputs), "out", writable=True),
-             f"var<workgroup> partial: array<f32, {WORKGROUP}>;",
-             f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
+             f"var<workgroup> partial: array<f32, {wg}>;",
+             f"@compute @workgroup_size({wg})", f"fn main({ENTRY_ARGS}) {{",
              f"  let o = {LINEAR_WORKGROUP};",
              "  var acc = 0.0;",
              # Surplus workgroups of the 2-D grid skip the loads but join the barriers.
              f"  if (o < {outputs}u) {{",
              *[line for line in setup if line.lstrip().startswith("let k")],
-             f"    for (var r = lid; r < {reduced}u; r += {WORKGROUP}u) {{",
+             f"    for (var r = lid; r < {reduced}u; r += {wg}u) {{",
              *["  " + line for line in setup if line.lstrip().startswith("let j")],
              f"      let at = {at};",
              *body_lines(prologue, {k: f"in{k}[at]" for k in range(n_prologue)}, "      ",
                          "acc +="),
              "    }", "  }",
              "  partial[lid] = acc;",
-             *tree_reduce("partial", WORKGROUP, "{a} + {b}"),
+             *tree_reduce("partial", wg, "{a} + {b}"),
              f"  if (lid == 0u && o < {outputs}u) {{",
              *unflatten("o", node.shape, "i"),
              *body_lines(epilogue, epilogue_reads, "    ", "out[o] ="), "  }", "}"]
@@ -90,31 +106,32 @@ def generate_softmax(node: Tensor, caps: Capabilities) -> Kernel:
     (x,) = node.inputs
     length = x.shape[-1]
     rows = x.size // length
+    wg = workgroup_for(3 * length, caps, node.label)  # three passes over the row
     if node.op == "softmax":
         result = "exp(inp[base + c] - row_max) / row_sum"
     else:
         result = "inp[base + c] - row_max - log(row_sum)"
     lines = [storage(0, "inp"), storage(1, "out", writable=True),
-             f"var<workgroup> partial: array<f32, {WORKGROUP}>;",
-             f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
+             f"var<workgroup> partial: array<f32, {wg}>;",
+             f"@compute @workgroup_size({wg})", f"fn main({ENTRY_ARGS}) {{",
              f"  let row = {LINEAR_WORKGROUP};",
              f"  let valid = row < {rows}u;",
              f"  let base = min(row, {rows - 1}u) * {length}u;",
              "  var m = -3.4028235e38;",
-             f"  for (var c = lid; c < {length}u; c += {WORKGROUP}u) {{",
+             f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
              "    m = max(m, inp[base + c]);", "  }",
              "  partial[lid] = m;",
-             *tree_reduce("partial", WORKGROUP, "max({a}, {b})"),
+             *tree_reduce("partial", wg, "max({a}, {b})"),
              "  let row_max = partial[0];",
              "  workgroupBarrier();",
              "  var s = 0.0;",
-             f"  for (var c = lid; c < {length}u; c += {WORKGROUP}u) {{",
+             f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
              "    s += exp(inp[base + c] - row_max);", "  }",
              "  partial[lid] = s;",
-             *tree_reduce("partial", WORKGROUP, "{a} + {b}"),
+             *tree_reduce("partial", wg, "{a} + {b}"),
              "  let row_sum = partial[0];",
              "  if (!valid) { return; }",
-             f"  for (var c = lid; c < {length}u; c += {WORKGROUP}u) {{",
+             f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
              f"    out[base + c] = {result};", "  }", "}"]
     return Kernel(name=f"{node.op}_{rows}x{length}", wgsl="\n".join(lines) + "\n",
                   writable=(False, True), groups=grid(rows, caps))
