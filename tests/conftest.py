@@ -47,6 +47,14 @@ def pytest_report_header(config):
     return f"vkml: VK_INSTANCE_LAYERS={layers or '(none: validation off)'}"
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python that must import vkml from this checkout
+    (keeping any PYTHONPATH the packages themselves came from), plus `extra`."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def rel_l2(actual, expected) -> float:
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)

@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 import vkml
 from vkml import chunks as chunking
@@ -543,7 +544,6 @@ def test_host_renderer_frames_with_the_model_between_them(device):
 
 def test_cotenancy_tool_writes_json_and_png(device, tmp_path):
     vulkan_only(device)
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -553,8 +553,7 @@ def test_cotenancy_tool_writes_json_and_png(device, tmp_path):
     run = subprocess.run([sys.executable, str(repo / "tools" / "cotenancy.py"), "--frames", "8",
                           "--size", "32", "--iterations", "4", "--width", "16",
                           "--out", str(out)], cwd=repo, capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                             [str(repo), *filter(None, [os.environ.get("PYTHONPATH")])])})
+                         timeout=600, env=subprocess_env())
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     assert set(result["modes"]) == {"none", "chunks=1", "chunks=2", "chunks=4", "budget"}

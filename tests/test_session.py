@@ -4,19 +4,16 @@ that leave the session usable."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 from safetensors.numpy import load_file, save_file
 
 import vkml
 from vkml.ops import OPS
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def mlp_session(device, optimizer=None, seed=0):
@@ -200,9 +197,8 @@ def test_kernel_rejected_by_naga_reports_it_and_leaves_device_usable(device, mon
 
 def test_no_vulkan_device_gives_an_actionable_error():
     # Pinned to Vulkan: "auto" would fall back to wgpu (see test_wgpu_backend.py).
-    env = dict(os.environ, VK_DRIVER_FILES="/nonexistent/icd.json",
-               VK_ICD_FILENAMES="/nonexistent/icd.json", PYTHONPATH=str(REPO),
-               VKML_BACKEND="vulkan")
+    env = subprocess_env(VK_DRIVER_FILES="/nonexistent/icd.json",
+                         VK_ICD_FILENAMES="/nonexistent/icd.json", VKML_BACKEND="vulkan")
     code = ("import vkml\n"
             "g = vkml.Graph(); x = g.input('x', (2,)); g.output('y', x.exp())\n"
             "try:\n    vkml.compile(g)\n"

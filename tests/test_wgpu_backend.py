@@ -5,14 +5,12 @@ Here wgpu runs over its own Vulkan backend on lavapipe; nothing in this file ran
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import rel_l2
+from conftest import rel_l2, subprocess_env
 from test_ops import CASES, Case, build_session
 
 import vkml
@@ -23,7 +21,6 @@ pytest.importorskip("wgpu", reason="the wgpu backend needs `pip install vkml[wgp
 
 from vkml.wgpu_backend import WgpuBackend  # noqa: E402  (only once wgpu is known to exist)
 
-REPO = Path(__file__).resolve().parent.parent
 AGREE = 1e-5
 
 # x and b are read-only, y writable: bound as ranges of ONE buffer this is the usage conflict
@@ -186,8 +183,8 @@ def test_device_picks_the_backend_by_argument_or_env(pair, monkeypatch):
 
 
 def test_auto_falls_back_to_wgpu_without_a_vulkan_driver():
-    env = dict(os.environ, VK_DRIVER_FILES="/nonexistent/icd.json",
-               VK_ICD_FILENAMES="/nonexistent/icd.json", PYTHONPATH=str(REPO))
+    env = subprocess_env(VK_DRIVER_FILES="/nonexistent/icd.json",
+                         VK_ICD_FILENAMES="/nonexistent/icd.json")
     env.pop("VKML_BACKEND", None)
     env.pop("VK_INSTANCE_LAYERS", None)  # the layer would report the missing driver
     code = "import vkml\nd = vkml.Device()\nprint(d.backend_name, repr(d))\nd.close()\n"

@@ -108,7 +108,8 @@ def child_steady(step_reps: int, mlp_reps: int) -> dict:
 
 # ---- parent -----------------------------------------------------------------------------------
 def run_child(args: list[str], env_extra: dict[str, str]) -> dict:
-    env = {**os.environ, **env_extra, "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, **env_extra, "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, __file__, "--child", *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
