@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import rel_l2, subprocess_env
 from test_ops import CASES, Case, build_session
+from test_vk_backend import AXPB, NBYTES, N
 
 import vkml
 from vkml.backend import Barrier, Binding, Copy, Dispatch
@@ -23,20 +24,8 @@ from vkml.wgpu_backend import WgpuBackend  # noqa: E402  (only once wgpu is know
 
 AGREE = 1e-5
 
-# x and b are read-only, y writable: bound as ranges of ONE buffer this is the usage conflict
-# WebGPU rejects unless the backend rewrites the kernel.
-AXPB = """@group(0) @binding(0) var<storage, read> x: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<f32>;
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) g: vec3<u32>) {
-    if (g.x < arrayLength(&y)) {
-        y[g.x] = 2.0 * x[g.x] + b[g.x];
-    }
-}
-"""
-N = 1000
-NBYTES = N * 4
+# AXPB's x and b are read-only, y writable: bound as ranges of ONE buffer this is the usage
+# conflict WebGPU rejects unless the backend rewrites the kernel.
 
 
 @pytest.fixture(scope="module")
