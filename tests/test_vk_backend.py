@@ -112,9 +112,12 @@ def test_buffer_round_trip(backend, kind, staged):
     assert backend.read_buffer(buf, 0, 12) == np.float32([0.5, 7.0, 2.5]).tobytes()
     assert backend.read_buffer(buf, 5, 3) == np.float32([7.0]).tobytes()[1:]
     assert backend.read_buffer(buf, 8, 0) == b""
+    backend.write_buffer(buf, 0, np.float32([9.0]).tobytes())  # a read recorded before re-reads
+    assert backend.read_buffer(buf, 0, 12) == np.float32([9.0, 7.0, 2.5]).tobytes()
     with pytest.raises(DeviceError, match="does not fit"):
         backend.write_buffer(buf, 8, b"12345")
     backend.free_buffer(buf)
+    assert not any(key[0] == id(buf) for key in backend._readers)  # its read-backs went too
     assert backend.validation_messages == []
 
 

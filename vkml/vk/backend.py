@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
 
 
+MAX_READERS = 256
+
+
 class VulkanBackend:
     """One Vulkan device and queue; buffers, pipelines and pre-recorded programs on it.
 
@@ -53,6 +56,9 @@ class VulkanBackend:
         # Every vkQueueSubmit of this backend holds it; a host sharing the queue passes its own.
         self.queue_lock = queue_lock if queue_lock is not None else threading.Lock()
         self._buffers: set[Buffer] = set()
+        # Read-backs from memory the host cannot map, recorded once per (buffer, offset, size):
+        # reading a step's loss every frame then costs a submit, not a record and an allocation.
+        self._readers: dict[tuple[int, int, int], tuple[Buffer, Program]] = {}
         self._pipelines: list[Pipeline] = []
         self._programs: set[Program] = set()
         self._in_flight: set[Program] = set()  # fence mode only
@@ -124,6 +130,8 @@ class VulkanBackend:
     def free_buffer(self, buffer: Buffer) -> None:
         """Release `buffer`; the caller guarantees no pending or recorded program still uses it."""
         if buffer in self._buffers:
+            for key in [k for k in self._readers if k[0] == id(buffer)]:
+                self._drop_reader(key)
             self._buffers.discard(buffer)
             free_buffer(self._dev, buffer)
 
@@ -153,12 +161,22 @@ class VulkanBackend:
             return self._ffi.buffer(buffer.pointer + offset, nbytes)[:]
         if nbytes == 0:
             return b""
-        staging = self.create_buffer(nbytes, "readback", "staging-read")
-        try:
-            self.run_now([Copy(buffer, offset, staging, 0, nbytes)])
-            return self._ffi.buffer(staging.pointer, nbytes)[:]
-        finally:
-            self.free_buffer(staging)
+        key = (id(buffer), offset, nbytes)
+        if key not in self._readers:
+            if len(self._readers) >= MAX_READERS:
+                self._drop_reader(next(iter(self._readers)))
+            staging = self.create_buffer(nbytes, "readback", "staging-read")
+            self._readers[key] = staging, self.record(
+                [Copy(buffer, offset, staging, 0, nbytes)], "read-back")
+        staging, program = self._readers[key]
+        self.submit(program)
+        self.wait()
+        return self._ffi.buffer(staging.pointer, nbytes)[:]
+
+    def _drop_reader(self, key: tuple[int, int, int]) -> None:
+        staging, program = self._readers.pop(key)
+        self.free_program(program)
+        self.free_buffer(staging)
 
     # -- pipelines ----------------------------------------------------------------------------
 
