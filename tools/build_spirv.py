@@ -34,9 +34,7 @@ def expected_kernels() -> dict[str, dict]:
     caps = default_device().caps
     kernels: dict[str, dict] = {}
     for label, target, argv in SHIPPED:
-        args, kwargs = dump.capture(target, argv)
-        graph, *rest = args
-        options = dict(zip(("loss", "optimizer", "device", "outputs"), rest)) | kwargs
+        graph, options = dump.capture(target, argv)
         options.pop("device", None)
         for device_type in DEVICE_TYPES:
             stages = lower(graph, dataclasses.replace(caps, device_type=device_type), **options)

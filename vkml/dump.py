@@ -19,6 +19,7 @@ from typing import Any
 from . import session as session_module
 from .device import Device, default_device
 from .errors import VkmlError
+from .graph import Graph
 from .pipeline import STAGES, Stages, lower
 
 
@@ -27,9 +28,12 @@ class _Captured(Exception):
         self.args_, self.kwargs = args, kwargs
 
 
-def capture(target: str, argv: list[str]) -> tuple[tuple, dict[str, Any]]:
+COMPILE_PARAMETERS = ("loss", "optimizer", "device", "outputs", "rewrite", "keep_grads")
+
+
+def capture(target: str, argv: list[str]) -> tuple[Graph, dict[str, Any]]:
     """Run `target` (a .py path or a module name) until it calls vkml.compile; return the
-    call's arguments."""
+    call's graph and its other arguments by name (as vkml.compile names them)."""
     import vkml
 
     def intercept(*args: Any, **kwargs: Any) -> None:
@@ -46,17 +50,15 @@ def capture(target: str, argv: list[str]) -> tuple[tuple, dict[str, Any]]:
                 warnings.simplefilter("ignore", RuntimeWarning)
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
     except _Captured as call:
-        return call.args_, call.kwargs
+        graph, *rest = call.args_
+        return graph, dict(zip(COMPILE_PARAMETERS, rest)) | call.kwargs
     finally:
         vkml.compile, session_module.compile, sys.argv = saved
     raise VkmlError(f"{target} finished without calling vkml.compile: nothing to dump")
 
 
 def stages_of(target: str, argv: list[str], device: Device | None = None) -> Stages:
-    args, kwargs = capture(target, argv)
-    graph, *rest = args
-    names = ("loss", "optimizer", "device", "outputs", "rewrite", "keep_grads")
-    options = dict(zip(names, rest)) | kwargs
+    graph, options = capture(target, argv)
     device = options.pop("device", None) or device or default_device()
     return lower(graph, device.caps, **options)
 
