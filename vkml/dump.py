@@ -28,7 +28,8 @@ class _Captured(Exception):
         self.args_, self.kwargs = args, kwargs
 
 
-COMPILE_PARAMETERS = ("loss", "optimizer", "device", "outputs", "rewrite", "keep_grads")
+COMPILE_PARAMETERS = ("loss", "optimizer", "device", "outputs", "rewrite", "keep_grads",
+                      "trainable")
 
 
 def capture(target: str, argv: list[str]) -> tuple[Graph, dict[str, Any]]:

@@ -156,11 +156,14 @@ class Graph:
         return t
 
     def param(self, name: str, shape: Sequence[int], init: str | float | np.ndarray = "zeros",
-              scale: float = 1.0) -> Tensor:
-        """A trainable f32 tensor. `init`: an array, a number, "zeros", "normal" (std `scale`)
-        or "uniform" (in [-scale, scale])."""
+              scale: float = 1.0, trainable: bool = True) -> Tensor:
+        """An f32 parameter. `init`: an array, a number, "zeros", "normal" (std `scale`) or
+        "uniform" (in [-scale, scale]). `trainable=False` freezes it: no gradient and no
+        optimizer state, but it is read, saved and loaded like any other parameter
+        (`vkml.compile(..., trainable=...)` can override the choice per compilation)."""
         self._claim(name, "parameter")
-        t = self.apply("param", [], name=name, shape=tuple(shape), dtype="f32")
+        t = self.apply("param", [], name=name, shape=tuple(shape), dtype="f32",
+                       trainable=bool(trainable))
         self.initial_values[t.id] = self._initial_value(name, t.shape, init, scale)
         self.params[name] = t
         return t
@@ -452,7 +455,8 @@ class Graph:
         for t in nodes:
             args = ", ".join(f"%{i.id}" for i in t.inputs)
             attrs = " ".join(f"{k}={v}" for k, v in t.attrs.items()
-                             if k not in ("shape", "dtype") or t.op in ("reshape", "broadcast_to"))
+                             if (k not in ("shape", "dtype") or t.op in ("reshape", "broadcast_to"))
+                             and (k, v) != ("trainable", True))
             tag = f"  # {t.name}" if t.name else f"  # {t.where}"
             if t.id in names:
                 tag += f"  -> output '{names[t.id]}'"

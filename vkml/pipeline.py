@@ -8,7 +8,7 @@ made) and keeps every intermediate, so `python -m vkml dump` and tests can print
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from . import autodiff, naga
@@ -18,6 +18,27 @@ from .graph import Graph, Tensor
 from .optim import Optimizer
 from .plan import Plan, make_plan
 from .rewrite import fuse
+
+# Which parameters a compilation trains: None keeps each parameter's own `trainable` flag; a
+# collection of names or a predicate on the name overrides it.
+Trainable = Collection[str] | Callable[[str], bool] | None
+
+
+def trainable_params(graph: Graph, trainable: Trainable) -> dict[str, Tensor]:
+    """The parameters that get gradients (and optimizer updates)."""
+    if trainable is None:
+        return {n: t for n, t in graph.params.items() if t.attrs.get("trainable", True)}
+    if callable(trainable):
+        return {n: t for n, t in graph.params.items() if trainable(n)}
+    if isinstance(trainable, str):
+        raise GraphError(f"trainable={trainable!r}: give a collection of parameter names or a "
+                         "predicate, e.g. trainable=lambda name: name.startswith('decoder.')")
+    unknown = sorted(set(trainable) - set(graph.params))
+    if unknown:
+        raise GraphError(f"trainable names unknown parameters {unknown}; parameters: "
+                         f"{sorted(graph.params)}")
+    return {n: t for n, t in graph.params.items() if n in trainable}
+
 
 STAGES = ("graph", "rewritten", "plan", "memory", "wgsl", "spirv")
 REWRITES = ("greedy", "none")
@@ -58,7 +79,8 @@ class Stages:
 
 def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
           optimizer: Optimizer | None = None, outputs: Mapping[str, Tensor] | None = None,
-          rewrite: str = "greedy", keep_grads: bool | None = None) -> Stages:
+          rewrite: str = "greedy", keep_grads: bool | None = None,
+          trainable: Trainable = None) -> Stages:
     """Graph -> Plan, keeping each stage. Arguments as for `vkml.compile`."""
     if rewrite not in REWRITES:
         raise GraphError(f"unknown rewrite {rewrite!r}; use one of {REWRITES}")
@@ -74,7 +96,8 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
     if not named:
         raise GraphError("nothing to compute: pass loss=..., or mark tensors with "
                          "graph.output(name, tensor)")
-    grads = autodiff.gradients(work, loss) if loss is not None else {}
+    grads = (autodiff.gradients(work, loss, trainable_params(graph, trainable))
+             if loss is not None else {})
     roots = [*named.values(), *grads.values()]
     fused, fused_named, fused_grads = work, named, grads
     if rewrite == "greedy":
@@ -82,5 +105,6 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
         fused_named = {n: new_of[t.id] for n, t in named.items()}
         fused_grads = {n: new_of[t.id] for n, t in grads.items()}
     keep = optimizer is None if keep_grads is None else keep_grads
-    plan = make_plan(fused, fused_named, fused_grads, optimizer, caps, keep_grads=keep)
+    plan = make_plan(fused, fused_named, fused_grads, optimizer, caps, keep_grads=keep,
+                     has_loss=loss is not None)
     return Stages(work, roots, fused, [*fused_named.values(), *fused_grads.values()], plan)

@@ -91,6 +91,8 @@ class Plan:
     initial_values: dict[int, np.ndarray] = field(default_factory=dict)
     lifetimes: dict[int, Lifetime] = field(default_factory=dict)
     aliases: dict[int, int] = field(default_factory=dict)  # slot written in place -> its input
+    # Parameters that get gradients (None: no loss, nothing is differentiated)
+    trainable: tuple[str, ...] | None = None
 
     @property
     def barrier_count(self) -> int:
@@ -150,9 +152,11 @@ class Plan:
 
 
 def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor],
-              optimizer: Optimizer | None, caps: Capabilities, keep_grads: bool = True) -> Plan:
+              optimizer: Optimizer | None, caps: Capabilities, keep_grads: bool = True,
+              has_loss: bool = False) -> Plan:
     """`keep_grads`: gradients stay readable after the step (else an optimizer consumes them
-    and their memory is reused)."""
+    and their memory is reused). `has_loss`: `grads` holds the gradients of a loss (possibly
+    none, when every parameter is frozen)."""
     for name, t in outputs.items():
         if not graph._owns(t):
             raise GraphError(f"output '{name}' ({t.label}) is not a node of this graph")
@@ -193,7 +197,7 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
                 inputs={n: slot_of[t.id] for n, t in graph.inputs.items() if t.id in slot_of},
                 outputs={n: View(slot_of[t.id], t.shape) for n, t in outputs.items()},
                 params=params, grads=grad_views if keep_grads else {},
-                initial_values=initial)
+                initial_values=initial, trainable=tuple(grads) if has_loss else None)
     if optimizer is not None:
         _add_optimizer(plan, optimizer, {n: v.slot for n, v in grad_views.items()}, new_slot,
                        caps)
@@ -217,7 +221,8 @@ def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_
     plan.optimizer, plan.hyperparams_slot = optimizer, hp
     counter = optimizer_kernels.step_counter(optimizer)
     plan.dispatches.append(PlannedDispatch(counter, (hp,), 0, "update", "step count"))
-    for name, param in plan.params.items():
+    for name in grads:  # frozen parameters have no gradient, no state and no update
+        param = plan.params[name]
         shape = plan.slots[param].shape
         state = {s: new_slot(f"{name} {s}", shape, "f32", "optimizer_state")
                  for s in optimizer.state_names}

@@ -22,7 +22,7 @@ from .errors import DeviceError, InputError
 from .graph import Graph, Tensor
 from .kernels import optimizer as optimizer_kernels
 from .optim import Optimizer
-from .pipeline import lower
+from .pipeline import Trainable, lower
 from .plan import Plan, Slot
 from .profile import KernelRow, Profile, timestamps_plausible
 
@@ -32,7 +32,8 @@ STATE_PREFIX = "optimizer/"
 
 def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | None = None,
             device: Device | None = None, outputs: Mapping[str, Tensor] | None = None,
-            rewrite: str = "greedy", keep_grads: bool | None = None) -> Session:
+            rewrite: str = "greedy", keep_grads: bool | None = None,
+            trainable: Trainable = None) -> Session:
     """Compile `graph` into a runnable session.
 
     - no `loss`: an inference session; `step()` computes the graph's outputs.
@@ -44,10 +45,13 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     `rewrite`: "greedy" fuses kernels (vkml/rewrite.py); "none" runs one kernel per op.
     `keep_grads`: keep gradients readable after a training step (by default only sessions
     without an optimizer keep them; otherwise their memory is reused).
+    `trainable`: which parameters get gradients and updates: by default those built with
+    `trainable=True` (the default of `graph.param`); or a collection of names, or a predicate
+    on the name (e.g. `lambda n: n.startswith("decoder.")`). The others are frozen.
     """
     device = device or default_device()
     stages = lower(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
-                   rewrite=rewrite, keep_grads=keep_grads)
+                   rewrite=rewrite, keep_grads=keep_grads, trainable=trainable)
     return Session(stages.plan, device)
 
 
@@ -348,6 +352,10 @@ class Session:
     def grad(self, param: str) -> np.ndarray:
         """The gradient of the loss for parameter `param`, as computed by the last step."""
         if param not in self.plan.grads:
+            if param in self.plan.params and self.plan.trainable is not None and (
+                    param not in self.plan.trainable):
+                raise InputError(f"'{param}' is frozen (not trainable in this compilation): "
+                                 "it has no gradient")
             if param in self.plan.params and self.plan.optimizer is not None:
                 raise InputError(f"the gradient of '{param}' is not kept by this training "
                                  "session: compile with keep_grads=True to read it")
