@@ -10,7 +10,7 @@ import pytest
 from conftest import rel_l2
 
 import vkml
-from vkml.pipeline import lower
+from vkml.compiler.stages import lower
 from vkml.session import Session
 
 CASES = {  # name: (a shape, b shape, transpose_a, transpose_b)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import vkml.device
+import vkml.runtime.device
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -17,5 +17,5 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(code, str(README), "exec"), {})
     out = capsys.readouterr().out
     assert "loss" in out
-    device = vkml.device.default_device()
+    device = vkml.runtime.device.default_device()
     assert device.backend.validation_messages == []

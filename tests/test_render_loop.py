@@ -15,8 +15,8 @@ import pytest
 from conftest import subprocess_env
 
 import vkml
-from vkml import chunks as chunking
-from vkml.profile import timestamps_plausible
+from vkml.runtime import chunking
+from vkml.runtime.profiling import timestamps_plausible
 
 vk = pytest.importorskip("vulkan", reason="these tests create a host device with `vulkan`")
 

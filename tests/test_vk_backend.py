@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vkml.backend import Barrier, Binding, Copy, Dispatch
 from vkml.errors import DeviceError
+from vkml.hal import Barrier, Binding, Copy, Dispatch
 from vkml.naga import compile_wgsl
 from vkml.vk import VulkanBackend, memory_candidates, rank_devices, select_device
-from vkml.vk.memory import DEVICE_LOCAL, HOST_CACHED, HOST_COHERENT, HOST_VISIBLE
+from vkml.vk.buffers import DEVICE_LOCAL, HOST_CACHED, HOST_COHERENT, HOST_VISIBLE
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,12 +15,12 @@ from test_ops import CASES, Case, build_session
 from test_vk_backend import AXPB, NBYTES, N
 
 import vkml
-from vkml.backend import Barrier, Binding, Copy, Dispatch
 from vkml.errors import DeviceError, NagaError
+from vkml.hal import Barrier, Binding, Copy, Dispatch
 
 pytest.importorskip("wgpu", reason="the wgpu backend needs `pip install vkml[wgpu]`")
 
-from vkml.wgpu_backend import WgpuBackend  # noqa: E402  (only once wgpu is known to exist)
+from vkml.webgpu.backend import WgpuBackend  # noqa: E402  (only once wgpu is known to exist)
 
 AGREE = 1e-5
 

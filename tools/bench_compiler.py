@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 import vkml  # noqa: E402
 from vkml import nn  # noqa: E402
-from vkml.pipeline import lower  # noqa: E402
+from vkml.compiler.stages import lower  # noqa: E402
 
 
 def mlp(g: vkml.Graph):

@@ -5,12 +5,12 @@
     model.set_input("x", xb); model.step(); model.read("loss")
 """
 
-from . import nn
-from .device import Device
-from .errors import DeviceError, GraphError, InputError, NagaError, VkmlError
-from .graph import Graph, Tensor
-from .optim import SGD, Adam, AdamW, Optimizer
-from .session import Session, compile
+from vkml import nn
+from vkml.errors import DeviceError, GraphError, InputError, NagaError, VkmlError
+from vkml.graph import Graph, Tensor
+from vkml.optim import SGD, Adam, AdamW, Optimizer
+from vkml.runtime.device import Device
+from vkml.session import Session, compile
 
 __all__ = ["Graph", "Tensor", "compile", "Session", "Device", "SGD", "Adam", "AdamW",
            "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NagaError",

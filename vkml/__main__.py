@@ -17,12 +17,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import Adam, Device, Graph, Session, compile
-from . import dump as dump_command
-from .datasets import SHAPE_CLASSES, make_shapes
-from .errors import DeviceError
-from .models import mlp
-from .png import Canvas, text_width, write_png
+from vkml import Adam, Device, Graph, Session, compile
+from vkml.compiler import dump as dump_command
+from vkml.datasets import SHAPE_CLASSES, make_shapes
+from vkml.errors import DeviceError
+from vkml.models import mlp
+from vkml.png import Canvas, text_width, write_png
 
 GREEN, RED, GREY, INK = (30, 150, 60), (210, 40, 40), (110, 110, 110), (20, 20, 20)
 LIGHT_BLUE, BLUE, FAINT = (170, 200, 235), (25, 80, 170), (225, 225, 225)

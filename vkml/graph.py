@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import GraphError
-from .ops import OPS, DType, Shape
-from .ops import attention as _attention
-from .ops import norm as _norm
+from vkml.errors import GraphError
+from vkml.ops import OPS, DType, Shape
+from vkml.ops import attention as _attention
+from vkml.ops import norm as _norm
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 

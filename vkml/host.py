@@ -16,14 +16,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .vk.renderer import HostContext, OffscreenRenderer
+    from vkml.vk.renderer import HostContext, OffscreenRenderer
 
 __all__ = ["HostContext", "OffscreenRenderer"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("HostContext", "OffscreenRenderer"):
-        from .vk import renderer
+        from vkml.vk import renderer
 
         return getattr(renderer, name)
     raise AttributeError(f"module 'vkml.host' has no attribute {name!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from .graph import Graph, Tensor
+from vkml.graph import Graph, Tensor
 
 
 class Linear:

@@ -14,17 +14,17 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import chunks as chunking
-from . import naga
-from .backend import Barrier, Binding, Command, Copy, Dispatch
-from .device import Device, default_device
-from .errors import DeviceError, InputError
-from .graph import Graph, Tensor
-from .kernels import optimizer as optimizer_kernels
-from .optim import Optimizer
-from .pipeline import Trainable, lower
-from .plan import Plan, Slot
-from .profile import KernelRow, Profile, timestamps_plausible
+from vkml import naga
+from vkml.compiler.schedule import Plan, Slot
+from vkml.compiler.stages import Trainable, lower
+from vkml.errors import DeviceError, InputError
+from vkml.graph import Graph, Tensor
+from vkml.hal import Barrier, Binding, Command, Copy, Dispatch
+from vkml.kernels import optimizer as optimizer_kernels
+from vkml.optim import Optimizer
+from vkml.runtime import chunking
+from vkml.runtime.device import Device, default_device
+from vkml.runtime.profiling import KernelRow, Profile, timestamps_plausible
 
 NUMPY_DTYPE = {"f32": np.float32, "i32": np.int32}
 STATE_PREFIX = "optimizer/"
@@ -200,7 +200,7 @@ class Session:
                               f"{type(backend).__name__}")
         semaphore = backend.timeline_semaphore
         if semaphore is None:
-            from .vk.device import how_to_enable
+            from vkml.vk.context import how_to_enable
 
             raise DeviceError("session.done() needs the Vulkan feature 'timelineSemaphore', "
                               "which this device runs without (vkml tracks its work with "

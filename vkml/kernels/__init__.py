@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backend import Capabilities
-from ..graph import Tensor
-from ..ops import OPS
+from vkml.graph import Tensor
+from vkml.hal import Capabilities
+from vkml.ops import OPS
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Kernel:
 
 def lower(node: Tensor, caps: Capabilities) -> Kernel:
     """The kernel computing `node` from its inputs (bindings: inputs in order, then output)."""
-    from . import attention, conv, gather, matmul, pointwise, reduce
+    from vkml.kernels import attention, conv, gather, matmul, pointwise, reduce
 
     generators = {"pointwise": pointwise.generate, "reduce": reduce.generate_sum,
                   "softmax": reduce.generate_softmax, "matmul": matmul.generate,

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import Capabilities
-from ..graph import Tensor
-from . import Kernel
-from .common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, storage
+from vkml.graph import Tensor
+from vkml.hal import Capabilities
+from vkml.kernels import Kernel
+from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, storage
 
 WORKGROUP = 64
 

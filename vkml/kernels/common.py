@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..backend import Capabilities
-from ..ops import Body
+from vkml.hal import Capabilities
+from vkml.ops import Body
 
 
 def storage(binding: int, name: str, dtype: str = "f32", writable: bool = False) -> str:

@@ -14,10 +14,10 @@ tile); not yet staged through workgroup memory or cooperative matrices."""
 
 from __future__ import annotations
 
-from ..backend import Capabilities
-from ..graph import Tensor
-from . import Kernel
-from .common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, storage, tree_reduce, unflatten
+from vkml.graph import Tensor
+from vkml.hal import Capabilities
+from vkml.kernels import Kernel
+from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, storage, tree_reduce, unflatten
 
 WORKGROUP = 64
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import Capabilities
-from ..graph import Tensor
-from ..ops import contiguous_strides
-from . import Kernel
-from .common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, offset, storage, unflatten
+from vkml.graph import Tensor
+from vkml.hal import Capabilities
+from vkml.kernels import Kernel
+from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, offset, storage, unflatten
+from vkml.ops import contiguous_strides
 
 WORKGROUP = 64
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import Capabilities
-from ..graph import Tensor
-from ..ops import Body, broadcast_strides
-from . import Kernel
-from .common import body_lines, helper_functions, offset, storage, unflatten
+from vkml.graph import Tensor
+from vkml.hal import Capabilities
+from vkml.kernels import Kernel
+from vkml.kernels.common import body_lines, helper_functions, offset, storage, unflatten
+from vkml.ops import Body, broadcast_strides
 
 THREADS = 16  # per side of the workgroup
 BK = 16  # depth of a staged tile

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..backend import Capabilities
-from ..optim import Optimizer
-from . import Kernel
-from .common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, storage
+from vkml.hal import Capabilities
+from vkml.kernels import Kernel
+from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, storage
+from vkml.optim import Optimizer
 
 WORKGROUP = 256
 

@@ -4,11 +4,10 @@ single generator."""
 
 from __future__ import annotations
 
-from ..backend import Capabilities
-from ..graph import Tensor
-from ..ops import body_of, contiguous_strides
-from . import Kernel
-from .common import (
+from vkml.graph import Tensor
+from vkml.hal import Capabilities
+from vkml.kernels import Kernel
+from vkml.kernels.common import (
     ENTRY_ARGS,
     LINEAR_WORKGROUP,
     body_lines,
@@ -18,6 +17,7 @@ from .common import (
     storage,
     unflatten,
 )
+from vkml.ops import body_of, contiguous_strides
 
 WORKGROUP = 256
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import Capabilities
-from ..graph import Tensor
-from ..ops import Body, contiguous_strides
-from . import Kernel
-from .common import (
+from vkml.graph import Tensor
+from vkml.hal import Capabilities
+from vkml.kernels import Kernel
+from vkml.kernels.common import (
     ENTRY_ARGS,
     LINEAR_WORKGROUP,
     body_lines,
@@ -20,6 +19,7 @@ from .common import (
     tree_reduce,
     unflatten,
 )
+from vkml.ops import Body, contiguous_strides
 
 WORKGROUP = 64
 # lavapipe (llvmpipe) silently stops a shader invocation's loops after 65535 iterations in all;

@@ -6,8 +6,8 @@ dataclass (the full published config by default), `tiny()` (the same code at tes
 `resnet`, `unet`, `whisper_encoder`, `smolvla_expert`.
 """
 
-from . import resnet, smollm2, smolvla_expert, unet, whisper_encoder
-from .common import Built
-from .mlp import mlp
+from vkml.models import resnet, smollm2, smolvla_expert, unet, whisper_encoder
+from vkml.models.common import Built
+from vkml.models.mlp import mlp
 
 __all__ = ["Built", "mlp", "resnet", "smollm2", "smolvla_expert", "unet", "whisper_encoder"]

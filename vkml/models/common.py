@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..graph import Graph, Tensor
+from vkml.graph import Graph, Tensor
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..errors import GraphError
-from ..graph import Graph, Tensor
-from ..nn import Linear
+from vkml.errors import GraphError
+from vkml.graph import Graph, Tensor
+from vkml.nn import Linear
 
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": Tensor.relu, "gelu": Tensor.gelu, "silu": Tensor.silu,

@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..errors import GraphError
-from ..graph import Graph, Tensor
-from .common import Built, linear
+from vkml.errors import GraphError
+from vkml.graph import Graph, Tensor
+from vkml.models.common import Built, linear
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..graph import Graph, Tensor
-from .common import Built, heads, linear, merge_heads
+from vkml.graph import Graph, Tensor
+from vkml.models.common import Built, heads, linear, merge_heads
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..graph import Graph, Tensor
-from .common import Built
+from vkml.graph import Graph, Tensor
+from vkml.models.common import Built
 
 
 @dataclass(frozen=True)

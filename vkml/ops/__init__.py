@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 if TYPE_CHECKING:
-    from ..graph import Graph, Tensor
+    from vkml.graph import Graph, Tensor
 
 DType = Literal["f32", "i32"]
 Shape = tuple[int, ...]
@@ -92,4 +92,4 @@ def body_of(node: Tensor) -> Body:
 
 
 # The families register their ops on import.
-from . import attention, conv, fused, indexing, layout, linalg, pointwise, reduce, source  # noqa: E402,F401,E501
+from vkml.ops import attention, conv, fused, indexing, layout, linalg, pointwise, reduce, source  # noqa: E402,F401,E501

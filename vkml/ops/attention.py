@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import GraphError
-from . import OpDef, register
+from vkml.errors import GraphError
+from vkml.ops import OpDef, register
 
 if TYPE_CHECKING:
-    from ..graph import Graph, Tensor
+    from vkml.graph import Graph, Tensor
 
 MASKED = -1e30  # exp(MASKED - max) is exactly 0 in f32, with no infinities in the arithmetic
 

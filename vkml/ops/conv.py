@@ -7,8 +7,8 @@ average and global-average pooling are compositions (graph.py)."""
 
 from __future__ import annotations
 
-from ..errors import GraphError
-from . import OpDef, register
+from vkml.errors import GraphError
+from vkml.ops import OpDef, register
 
 
 def out_extent(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:

@@ -11,7 +11,7 @@ The result's shape and dtype are stored in attrs, as the rewrite already knows t
 
 from __future__ import annotations
 
-from . import OpDef, register
+from vkml.ops import OpDef, register
 
 
 def _stored(inputs, attrs):

@@ -7,8 +7,8 @@ offsets and no choice of input). Split is slices; nearest upsampling is a broadc
 
 from __future__ import annotations
 
-from ..errors import GraphError
-from . import OpDef, register
+from vkml.errors import GraphError
+from vkml.ops import OpDef, register
 
 
 def _axis_of(x, axis: int) -> int:

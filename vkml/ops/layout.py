@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import GraphError
-from . import OpDef, contiguous_strides, register
+from vkml.errors import GraphError
+from vkml.ops import OpDef, contiguous_strides, register
 
 
 def _reshape(inputs, attrs):

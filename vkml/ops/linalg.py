@@ -4,9 +4,9 @@ dimensions (the kernel carries the batch in the z dimension of its dispatch grid
 
 from __future__ import annotations
 
-from ..errors import GraphError
-from . import OpDef, register
-from .pointwise import broadcast_shapes, sum_to
+from vkml.errors import GraphError
+from vkml.ops import OpDef, register
+from vkml.ops.pointwise import broadcast_shapes, sum_to
 
 
 def _matmul(inputs, attrs):

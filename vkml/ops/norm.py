@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import GraphError
+from vkml.errors import GraphError
 
 if TYPE_CHECKING:
-    from ..graph import Graph, Tensor
+    from vkml.graph import Graph, Tensor
 
 
 def _normalize(g: Graph, x: Tensor, axes: tuple[int, ...], eps: float) -> Tensor:

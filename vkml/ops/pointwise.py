@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..errors import GraphError
-from . import OpDef, Shape, contiguous_strides, register
+from vkml.errors import GraphError
+from vkml.ops import OpDef, Shape, contiguous_strides, register
 
 if TYPE_CHECKING:
-    from ..graph import Graph, Tensor
+    from vkml.graph import Graph, Tensor
 
 
 def _same(inputs, attrs):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..errors import GraphError
-from . import OpDef, register
+from vkml.errors import GraphError
+from vkml.ops import OpDef, register
 
 
 def _source(inputs, attrs):

@@ -6,9 +6,12 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vkml.backend import BufferKind, Capabilities, Command, Copy
 from vkml.errors import DeviceError
-from vkml.vk.commands import (
+from vkml.hal import BufferKind, Capabilities, Command, Copy
+from vkml.vk.buffers import Buffer, allocate_buffer, free_buffer
+from vkml.vk.context import WAIT_TIMEOUT_NS, Adopted, Device, as_handle
+from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
+from vkml.vk.programs import (
     Program,
     destroy_program,
     emit_external,
@@ -16,9 +19,6 @@ from vkml.vk.commands import (
     read_timings,
     record_program,
 )
-from vkml.vk.device import WAIT_TIMEOUT_NS, Adopted, Device, as_handle
-from vkml.vk.memory import Buffer, allocate_buffer, free_buffer
-from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10

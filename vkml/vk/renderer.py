@@ -15,7 +15,7 @@ from typing import Any
 
 from vkml import naga
 from vkml.errors import DeviceError
-from vkml.vk.device import load_vulkan
+from vkml.vk.context import load_vulkan
 from vkml.vk.select import DEVICE_TYPE_NAMES, select_device
 
 # Features the host enables when the device has them, and declares to vkml.
@@ -176,7 +176,7 @@ class HostContext:
 
     def vkml_device(self) -> Any:
         """A vkml.Device on this context's device and queue, sharing `queue_lock`."""
-        from vkml.device import Device
+        from vkml.runtime.device import Device
 
         return Device.from_vulkan(self.instance, self.physical, self.device, self.family,
                                   self.queue, self.queue_lock, enabled_features=self.features,

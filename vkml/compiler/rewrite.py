@@ -18,8 +18,8 @@ from collections import Counter
 
 import numpy as np
 
-from .graph import Graph, Tensor
-from .ops import OPS, Body, Shape, body_of, contiguous_strides
+from vkml.graph import Graph, Tensor
+from vkml.ops import OPS, Body, Shape, body_of, contiguous_strides
 
 _NAME = re.compile(r"\b[xv]\d+\b")
 _LET = re.compile(r"\blet (v\d+)\b")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vkml.backend import Capabilities
 from vkml.errors import DeviceError
+from vkml.hal import Capabilities
 from vkml.vk.select import DEVICE_TYPE_NAMES, no_device_message, select_device
 
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"

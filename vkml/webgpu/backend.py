@@ -21,8 +21,8 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from vkml.backend import Barrier, BufferKind, Capabilities, Command, Copy, Dispatch
 from vkml.errors import DeviceError, NagaError
+from vkml.hal import Barrier, BufferKind, Capabilities, Command, Copy, Dispatch
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vkml.backend import Barrier, Command, Copy, Dispatch
 from vkml.errors import DeviceError
-from vkml.vk.memory import Buffer
+from vkml.hal import Barrier, Command, Copy, Dispatch
+from vkml.vk.buffers import Buffer
 from vkml.vk.pipelines import Pipeline
 
 

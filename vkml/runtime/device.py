@@ -6,8 +6,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from .backend import Backend, Capabilities
-from .errors import DeviceError
+from vkml.errors import DeviceError
+from vkml.hal import Backend, Capabilities
 
 BACKENDS = ("auto", "vulkan", "wgpu")
 
@@ -69,7 +69,7 @@ class Device:
         vkQueueSubmit vkml makes; the host must hold the same lock around its own submits and
         presents on this queue. Without one, vkml makes a lock: `device.queue_lock`.
         """
-        from .vk import VulkanBackend
+        from vkml.vk import VulkanBackend
 
         self = cls.__new__(cls)
         self.backend_name = "vulkan"
@@ -108,13 +108,13 @@ class Device:
 
 # The imports stay inside these helpers so `import vkml` needs neither `vulkan` nor `wgpu`.
 def _vulkan(selector: str | None) -> Backend:
-    from .vk import VulkanBackend
+    from vkml.vk import VulkanBackend
 
     return VulkanBackend(selector)
 
 
 def _wgpu(selector: str | None) -> Backend:
-    from .wgpu_backend import WgpuBackend
+    from vkml.webgpu.backend import WgpuBackend
 
     return WgpuBackend(selector)
 

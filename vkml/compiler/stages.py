@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
-from . import autodiff, naga
-from .backend import Capabilities
-from .errors import GraphError
-from .graph import Graph, Tensor
-from .optim import Optimizer
-from .plan import Plan, make_plan
-from .rewrite import fuse
+from vkml import naga
+from vkml.compiler import autodiff
+from vkml.compiler.rewrite import fuse
+from vkml.compiler.schedule import Plan, make_plan
+from vkml.errors import GraphError
+from vkml.graph import Graph, Tensor
+from vkml.hal import Capabilities
+from vkml.optim import Optimizer
 
 # Which parameters a compilation trains: None keeps each parameter's own `trainable` flag; a
 # collection of names or a predicate on the name overrides it.

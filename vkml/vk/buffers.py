@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vkml.backend import BufferKind
 from vkml.errors import DeviceError
+from vkml.hal import BufferKind
 
 # VkMemoryPropertyFlagBits from the Vulkan spec; spelled out so the choice is testable without
 # the `vulkan` package.

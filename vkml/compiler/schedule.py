@@ -18,16 +18,16 @@ from typing import Literal
 
 import numpy as np
 
-from . import kernels
-from .backend import Capabilities
-from .errors import GraphError
-from .graph import Graph, Tensor
-from .kernels import Kernel
-from .kernels import optimizer as optimizer_kernels
-from .kernels import pointwise as pointwise_kernels
-from .memory import FOREVER, Lifetime, MemoryPlan, plan_memory
-from .ops import OPS, body_of, contiguous_strides
-from .optim import Optimizer
+from vkml import kernels
+from vkml.compiler.memory_plan import FOREVER, Lifetime, MemoryPlan, plan_memory
+from vkml.errors import GraphError
+from vkml.graph import Graph, Tensor
+from vkml.hal import Capabilities
+from vkml.kernels import Kernel
+from vkml.kernels import optimizer as optimizer_kernels
+from vkml.kernels import pointwise as pointwise_kernels
+from vkml.ops import OPS, body_of, contiguous_strides
+from vkml.optim import Optimizer
 
 Role = Literal["input", "param", "constant", "activation", "gradient", "optimizer_state",
                "hyperparams"]

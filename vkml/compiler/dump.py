@@ -16,11 +16,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from . import session as session_module
-from .device import Device, default_device
-from .errors import VkmlError
-from .graph import Graph
-from .pipeline import STAGES, Stages, lower
+from vkml import session as session_module
+from vkml.compiler.stages import STAGES, Stages, lower
+from vkml.errors import VkmlError
+from vkml.graph import Graph
+from vkml.runtime.device import Device, default_device
 
 
 class _Captured(Exception):

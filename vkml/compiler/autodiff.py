@@ -7,9 +7,9 @@ through the same rewrite, planning and codegen stages as the forward pass.
 
 from __future__ import annotations
 
-from .errors import GraphError
-from .graph import Graph, Tensor
-from .ops import OPS
+from vkml.errors import GraphError
+from vkml.graph import Graph, Tensor
+from vkml.ops import OPS
 
 
 def gradients(graph: Graph, loss: Tensor, params: dict[str, Tensor] | None = None

@@ -1,0 +1,1 @@
+"""The WebGPU backend (wgpu-py: Metal on macOS; Vulkan, D3D12 or OpenGL elsewhere)."""
