@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from vkml.expr import Body
 from vkml.hal import Capabilities
-from vkml.ops import Body
 
 
 def storage(binding: int, name: str, dtype: str = "f32", writable: bool = False) -> str:
@@ -59,15 +59,12 @@ def helper_functions(*bodies: Body | None) -> list[str]:
     """The WGSL helper functions the bodies use, each once."""
     seen: dict[str, None] = {}
     for body in bodies:
-        for h in body.helpers if body else ():
-            seen.setdefault(h.strip(), None)
+        for h in body.helpers() if body else ():
+            seen.setdefault(h, None)
     return list(seen)
 
 
 def body_lines(body: Body, reads: dict[int, str], indent: str, target: str) -> list[str]:
-    """Bind each input k of `body` to the WGSL expression `reads[k]`, run its statements and
-    assign its result to `target` (`acc +=` style targets work too)."""
-    lines = [f"{indent}let x{k} = {reads[k]};" for k in sorted(reads)]
-    lines += [f"{indent}{stmt}" for stmt in body.lets]
-    lines.append(f"{indent}{target} {body.result};")
-    return lines
+    """Bind each input k of `body` to the WGSL expression `reads[k]`, compute it and assign the
+    result to `target` (`acc +=` style targets work too)."""
+    return body.render(reads, indent, target)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkml.expr import Arg, Body
 from vkml.graph import Tensor
 from vkml.hal import Capabilities
 from vkml.kernels import Kernel
 from vkml.kernels.common import body_lines, helper_functions, offset, storage, unflatten
-from vkml.ops import Body, broadcast_strides
+from vkml.ops import broadcast_strides
 
 THREADS = 16  # per side of the workgroup
 BK = 16  # depth of a staged tile
@@ -27,7 +28,7 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
     """Bindings: A, B, the epilogue's extra inputs, C. In the epilogue x0 is the accumulator."""
     a, b, *extras = node.inputs
     ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
-    epilogue: Body = node.attrs.get("epilogue", Body((), "x0", ((),)))
+    epilogue: Body = node.attrs.get("epilogue", Body(Arg(0), ((),)))
     *leading, m, n = node.shape
     k = a.shape[-2] if ta else a.shape[-1]
     # Batched: workgroup z is the flat batch index; each operand's batch offset follows numpy

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkml.expr import Arg, Body
 from vkml.graph import Tensor
 from vkml.hal import Capabilities
 from vkml.kernels import Kernel
@@ -19,7 +20,7 @@ from vkml.kernels.common import (
     tree_reduce,
     unflatten,
 )
-from vkml.ops import Body, contiguous_strides
+from vkml.ops import contiguous_strides
 
 WORKGROUP = 64
 # lavapipe (llvmpipe) silently stops a shader invocation's loops after 65535 iterations in all;
@@ -62,8 +63,8 @@ def sum_parts(node: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], Body, Bod
         a = node.attrs
         return a["in_shape"], a["axes"], a["prologue"], a["epilogue"], a["n_prologue"]
     (x,) = node.inputs
-    identity = Body((), "x0", (contiguous_strides(x.shape),))
-    return x.shape, node.attrs["axes"], identity, Body((), "x0", ((),)), 1
+    identity = Body(Arg(0), (contiguous_strides(x.shape),))
+    return x.shape, node.attrs["axes"], identity, Body(Arg(0), ((),)), 1
 
 
 def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
+from vkml.expr import Body, Expr
+
 if TYPE_CHECKING:
     from vkml.graph import Graph, Tensor
 
@@ -30,10 +32,9 @@ class OpDef:
     infer: InferRule
     archetype: Archetype
     grad: GradRule | None = None  # None: not differentiable (sources, integer ops)
-    # Pointwise archetype only: the WGSL expression of the result in terms of x0, x1, ... (the
-    # inputs' elements) and i0, i1, ... (the output's multi-index), plus WGSL helper functions.
-    expr: Callable[[Tensor], str] | None = None
-    helpers: str = ""
+    # Pointwise archetype only: the result as an expression of the inputs' elements
+    # (vkml/expr.py: Arg(k)) and the output's multi-index (Axis(a)).
+    expr: Callable[[Tensor], Expr] | None = None
     # Pointwise only: per input, the element stride of each output axis (0 = broadcast).
     # Default: numpy broadcasting of the input's shape against the output's.
     strides: Callable[[Tensor], list[Shape]] | None = None
@@ -65,21 +66,6 @@ def broadcast_strides(shape: Shape, out_shape: Shape) -> Shape:
                  for i in range(len(out_shape)))
 
 
-@dataclass(frozen=True)
-class Body:
-    """A pointwise computation as WGSL: `lets` (statements), then `result` (an expression), over
-    the inputs' elements x0, x1, ... and the output's multi-index i0, i1, ...; input k is read at
-    `strides[k]` (element stride per output axis, 0 = broadcast). Fusion composes bodies."""
-
-    lets: tuple[str, ...]
-    result: str
-    strides: tuple[Shape, ...]
-    helpers: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        return "{" + " ".join(self.lets) + f" -> {self.result}}}"
-
-
 def body_of(node: Tensor) -> Body:
     """The pointwise body of a pointwise node: stored on fused nodes, built from the OpDef else."""
     if "body" in node.attrs:
@@ -88,7 +74,7 @@ def body_of(node: Tensor) -> Body:
     assert opdef.expr is not None, f"{node.label} is not pointwise"
     strides = (opdef.strides(node) if opdef.strides is not None
                else [broadcast_strides(x.shape, node.shape) for x in node.inputs])
-    return Body((), opdef.expr(node), tuple(strides), (opdef.helpers,) if opdef.helpers else ())
+    return Body(opdef.expr(node), tuple(strides))
 
 
 # The families register their ops on import.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from vkml.errors import GraphError
+from vkml.expr import Arg
 from vkml.ops import OpDef, contiguous_strides, register
 
 
@@ -36,4 +37,4 @@ def _transpose_strides(node):
 
 register(OpDef("transpose", _transpose, "pointwise",
                grad=lambda g, node, d: [g.transpose(d, tuple(np.argsort(node.attrs["axes"])))],
-               expr=lambda node: "x0", strides=_transpose_strides))
+               expr=lambda node: Arg(0), strides=_transpose_strides))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vkml.errors import GraphError
+from vkml.expr import Arg, Axis, call
 from vkml.ops import OpDef, Shape, contiguous_strides, register
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ def sum_to(g: Graph, x: Tensor, shape: Shape) -> Tensor:
     return g.reshape(g.sum(x, axes), shape) if axes else g.reshape(x, shape)
 
 
-# ---- unary ops: name -> (expression of x0, gradient(g, x, y, gout)) -----------------------------
+# ---- unary ops: name -> (WGSL template of the input {0}, helper functions, gradient(g, x, y,
+# gout)) ------------------------------------------------------------------------------------------
 ERF_HELPER = """
 fn vkml_erf(x: f32) -> f32 {
   // Abramowitz & Stegun 7.1.26 is too coarse for 1e-5 agreement; this is the erfc-based
@@ -72,25 +74,27 @@ fn vkml_tanh(x: f32) -> f32 {
 """
 UnaryGrad = Callable[["Graph", "Tensor", "Tensor", "Tensor"], "Tensor"]
 UNARY: dict[str, tuple[str, str, UnaryGrad | None]] = {
-    "relu": ("max(x0, 0.0)", "", lambda g, x, y, d: g.mul(d, g.apply("step", [x]))),
-    "step": ("select(0.0, 1.0, x0 > 0.0)", "", None),
-    "sigmoid": ("1.0 / (1.0 + exp(-x0))", "", lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y)))),
-    "tanh": ("vkml_tanh(x0)", TANH_HELPER, lambda g, x, y, d: g.mul(d, g.sub(1.0, g.mul(y, y)))),
-    "gelu": ("0.5 * x0 * (1.0 + vkml_erf(x0 * 0.70710678118654752))", ERF_HELPER,
+    "relu": ("max({0}, 0.0)", "", lambda g, x, y, d: g.mul(d, g.apply("step", [x]))),
+    "step": ("select(0.0, 1.0, {0} > 0.0)", "", None),
+    "sigmoid": ("1.0 / (1.0 + exp(-{0}))", "",
+                lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y)))),
+    "tanh": ("vkml_tanh({0})", TANH_HELPER, lambda g, x, y, d: g.mul(d, g.sub(1.0, g.mul(y, y)))),
+    "gelu": ("0.5 * {0} * (1.0 + vkml_erf({0} * 0.70710678118654752))", ERF_HELPER,
              lambda g, x, y, d: g.mul(d, g.apply("gelu_deriv", [x]))),
-    "gelu_deriv": ("0.5 * (1.0 + vkml_erf(x0 * 0.70710678118654752))"
-                   " + x0 * exp(-0.5 * x0 * x0) * 0.39894228040143268", ERF_HELPER, None),
-    "silu": ("x0 / (1.0 + exp(-x0))", "", lambda g, x, y, d: g.mul(d, g.apply("silu_deriv", [x]))),
-    "silu_deriv": ("(1.0 / (1.0 + exp(-x0))) * (1.0 + x0 * (1.0 - 1.0 / (1.0 + exp(-x0))))", "",
+    "gelu_deriv": ("0.5 * (1.0 + vkml_erf({0} * 0.70710678118654752))"
+                   " + {0} * exp(-0.5 * {0} * {0}) * 0.39894228040143268", ERF_HELPER, None),
+    "silu": ("{0} / (1.0 + exp(-{0}))", "",
+             lambda g, x, y, d: g.mul(d, g.apply("silu_deriv", [x]))),
+    "silu_deriv": ("(1.0 / (1.0 + exp(-{0}))) * (1.0 + {0} * (1.0 - 1.0 / (1.0 + exp(-{0}))))", "",
                    None),
-    "exp": ("exp(x0)", "", lambda g, x, y, d: g.mul(d, y)),
-    "log": ("log(x0)", "", lambda g, x, y, d: g.div(d, x)),
-    "neg": ("-x0", "", lambda g, x, y, d: g.neg(d)),
-    "sqrt": ("sqrt(x0)", "", lambda g, x, y, d: g.div(g.mul(d, 0.5), y)),
+    "exp": ("exp({0})", "", lambda g, x, y, d: g.mul(d, y)),
+    "log": ("log({0})", "", lambda g, x, y, d: g.div(d, x)),
+    "neg": ("-{0}", "", lambda g, x, y, d: g.neg(d)),
+    "sqrt": ("sqrt({0})", "", lambda g, x, y, d: g.div(g.mul(d, 0.5), y)),
     # WGSL's inverseSqrt may be a fast approximation on some drivers; 1/sqrt is exact to an ulp.
-    "rsqrt": ("1.0 / sqrt(x0)", "",
+    "rsqrt": ("1.0 / sqrt({0})", "",
               lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5))),
-    "square": ("x0 * x0", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0))),
+    "square": ("{0} * {0}", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0))),
 }
 
 
@@ -98,9 +102,9 @@ def _unary_grad(rule: UnaryGrad) -> Callable:
     return lambda g, node, d: [rule(g, node.inputs[0], node, d)]
 
 
-for _name, (_expr, _helpers, _grad) in UNARY.items():
+for _name, (_template, _helper, _grad) in UNARY.items():
     register(OpDef(_name, _same, "pointwise", grad=_unary_grad(_grad) if _grad else None,
-                   expr=lambda node, e=_expr: e, helpers=_helpers))
+                   expr=lambda node, t=_template, h=_helper: call(t, Arg(0), helper=h)))
 
 
 # ---- binary ops with numpy broadcasting -------------------------------------------------------
@@ -125,11 +129,13 @@ def _div_grad(g, node, d):
     return [sum_to(g, da, a.shape), sum_to(g, g.neg(g.mul(da, node)), b.shape)]
 
 
-register(OpDef("equal", _binary, "pointwise", expr=lambda n: "select(0.0, 1.0, x0 == x1)"))
+register(OpDef("equal", _binary, "pointwise",
+               expr=lambda n: call("select(0.0, 1.0, {0} == {1})", Arg(0), Arg(1))))
 
 for _name, _op, _grad in (("add", "+", _add_grad), ("sub", "-", _sub_grad),
                           ("mul", "*", _mul_grad), ("div", "/", _div_grad)):
-    register(OpDef(_name, _binary, "pointwise", grad=_grad, expr=lambda n, o=_op: f"x0 {o} x1"))
+    register(OpDef(_name, _binary, "pointwise", grad=_grad,
+                   expr=lambda n, o=_op: call(f"{{0}} {o} {{1}}", Arg(0), Arg(1))))
 
 
 # ---- explicit broadcasting and one-hot encoding -------------------------------------------------
@@ -143,7 +149,7 @@ def _broadcast_to(inputs, attrs):
 
 register(OpDef("broadcast_to", _broadcast_to, "pointwise",
                grad=lambda g, node, d: [sum_to(g, d, node.inputs[0].shape)],
-               expr=lambda node: "x0"))
+               expr=lambda node: Arg(0)))
 
 
 def _one_hot(inputs, attrs):
@@ -155,7 +161,8 @@ def _one_hot(inputs, attrs):
 
 register(OpDef(
     "one_hot", _one_hot, "pointwise",
-    expr=lambda node: f"select(0.0, 1.0, x0 == i32(i{len(node.shape) - 1}))",
+    expr=lambda node: call("select(0.0, 1.0, {0} == i32({1}))", Arg(0),
+                           Axis(len(node.shape) - 1)),
     strides=lambda node: [(*contiguous_strides(node.inputs[0].shape), 0)],
 ))
 
