@@ -15,9 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from vkml.graph import Tensor
-from vkml.hal import Capabilities
-from vkml.kernels import Kernel
-from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, storage
+from vkml.hal import Capabilities, Kernel
+from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, Buf, assemble, grid
 
 WORKGROUP = 64
 
@@ -42,9 +41,7 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
              "flash_attention_dq": ["q", "k", "v", "dout", "lse", "dsum"],
              "flash_attention_dk": ["q", "k", "v", "dout", "lse", "dsum"],
              "flash_attention_dv": ["q", "k", "dout", "lse"]}[node.op]
-    lines = [*[storage(n, name) for n, name in enumerate(names)],
-             storage(len(names), "out", writable=True),
-             f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
+    lines = [f"fn main({ENTRY_ARGS}) {{",
              f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
              f"  if (idx >= {threads}u) {{ return; }}"]
     if per_query:
@@ -105,7 +102,8 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
             lines += [*[f"    a{e} = fma(p, dout[gr + {e}u], a{e});" for e in range(dv)], "  }",
                       *[f"  out[idx * {dv}u + {e}u] = a{e};" for e in range(dv)]]
     lines.append("}")
-    return Kernel(name=f"{node.op}_{'x'.join(map(str, q.shape))}_{s}",
-                  wgsl="\n".join(lines) + "\n",
-                  writable=(False,) * len(node.inputs) + (True,),
-                  groups=grid(-(-threads // WORKGROUP), caps))
+    return assemble(f"{node.op}_{'x'.join(map(str, q.shape))}_{s}", caps,
+                    [*map(Buf, names), Buf("out", writable=True)], (WORKGROUP,), lines,
+                    grid(-(-threads // WORKGROUP), caps),
+                    flops=4 * batch * h * length * s * max(dim, dv),
+                    nbytes=4 * (sum(x.size for x in node.inputs) + node.size))

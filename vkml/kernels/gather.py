@@ -7,9 +7,16 @@ from __future__ import annotations
 import numpy as np
 
 from vkml.graph import Tensor
-from vkml.hal import Capabilities
-from vkml.kernels import Kernel
-from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, offset, storage, unflatten
+from vkml.hal import Capabilities, Kernel
+from vkml.kernels.common import (
+    ENTRY_ARGS,
+    LINEAR_WORKGROUP,
+    Buf,
+    assemble,
+    grid,
+    offset,
+    unflatten,
+)
 from vkml.ops import contiguous_strides
 
 WORKGROUP = 64
@@ -74,13 +81,12 @@ def _body(node: Tensor) -> list[str]:
 
 
 def generate(node: Tensor, caps: Capabilities) -> Kernel:
-    lines = [storage(k, f"in{k}", x.dtype) for k, x in enumerate(node.inputs)]
-    lines += [storage(len(node.inputs), "out", node.dtype, writable=True),
-              f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
-              f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
-              f"  if (idx >= {node.size}u) {{ return; }}",
-              *unflatten("idx", node.shape, "i"), *_body(node), "}"]
-    return Kernel(name=f"{node.op}_{'x'.join(map(str, node.shape))}",
-                  wgsl="\n".join(lines) + "\n",
-                  writable=(False,) * len(node.inputs) + (True,),
-                  groups=grid(-(-node.size // WORKGROUP), caps))
+    buffers = [*[Buf(f"in{k}", x.dtype) for k, x in enumerate(node.inputs)],
+               Buf("out", node.dtype, writable=True)]
+    entry = [f"fn main({ENTRY_ARGS}) {{",
+             f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
+             f"  if (idx >= {node.size}u) {{ return; }}",
+             *unflatten("idx", node.shape, "i"), *_body(node), "}"]
+    return assemble(f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers, (WORKGROUP,),
+                    entry, grid(-(-node.size // WORKGROUP), caps), flops=node.size,
+                    nbytes=4 * (node.size + sum(x.size for x in node.inputs)))

@@ -7,16 +7,16 @@ import numpy as np
 
 from vkml.expr import Arg, Body
 from vkml.graph import Tensor
-from vkml.hal import Capabilities
-from vkml.kernels import Kernel
+from vkml.hal import Capabilities, Kernel
 from vkml.kernels.common import (
     ENTRY_ARGS,
     LINEAR_WORKGROUP,
+    Buf,
+    assemble,
     body_lines,
     grid,
     helper_functions,
     offset,
-    storage,
     tree_reduce,
     unflatten,
 )
@@ -77,11 +77,8 @@ def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
     epilogue_reads = {0: "partial[0]"} | {
         k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
         for k in range(1, len(epilogue.strides))}
-    lines = [*helper_functions(prologue, epilogue),
-             *[storage(k, f"in{k}") for k in range(len(node.inputs))],
-             storage(len(node.inputs), "out", writable=True),
-             f"var<workgroup> partial: array<f32, {wg}>;",
-             f"@compute @workgroup_size({wg})", f"fn main({ENTRY_ARGS}) {{",
+    buffers = [*[Buf(f"in{k}") for k in range(len(node.inputs))], Buf("out", writable=True)]
+    entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let o = {LINEAR_WORKGROUP};",
              "  var acc = 0.0;",
              # Surplus workgroups of the 2-D grid skip the loads but join the barriers.
@@ -98,9 +95,12 @@ def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
              f"  if (lid == 0u && o < {outputs}u) {{",
              *unflatten("o", node.shape, "i"),
              *body_lines(epilogue, epilogue_reads, "    ", "out[o] ="), "  }", "}"]
-    return Kernel(name=f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
-                  wgsl="\n".join(lines) + "\n", writable=(False,) * len(node.inputs) + (True,),
-                  groups=grid(outputs, caps))
+    total = outputs * reduced
+    return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
+                    caps, buffers, (wg,), entry, grid(outputs, caps),
+                    prelude=[*helper_functions(prologue, epilogue),
+                             f"var<workgroup> partial: array<f32, {wg}>;"],
+                    flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
 
 
 def generate_softmax(node: Tensor, caps: Capabilities) -> Kernel:
@@ -112,9 +112,7 @@ def generate_softmax(node: Tensor, caps: Capabilities) -> Kernel:
         result = "exp(inp[base + c] - row_max) / row_sum"
     else:
         result = "inp[base + c] - row_max - log(row_sum)"
-    lines = [storage(0, "inp"), storage(1, "out", writable=True),
-             f"var<workgroup> partial: array<f32, {wg}>;",
-             f"@compute @workgroup_size({wg})", f"fn main({ENTRY_ARGS}) {{",
+    entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let row = {LINEAR_WORKGROUP};",
              f"  let valid = row < {rows}u;",
              f"  let base = min(row, {rows - 1}u) * {length}u;",
@@ -134,5 +132,7 @@ def generate_softmax(node: Tensor, caps: Capabilities) -> Kernel:
              "  if (!valid) { return; }",
              f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
              f"    out[base + c] = {result};", "  }", "}"]
-    return Kernel(name=f"{node.op}_{rows}x{length}", wgsl="\n".join(lines) + "\n",
-                  writable=(False, True), groups=grid(rows, caps))
+    return assemble(f"{node.op}_{rows}x{length}", caps, [Buf("inp"), Buf("out", writable=True)],
+                    (wg,), entry, grid(rows, caps),
+                    prelude=[f"var<workgroup> partial: array<f32, {wg}>;"],
+                    flops=5 * x.size, nbytes=12 * x.size)
