@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 import vkml
 from vkml.expr import Arg, call
-from vkml.ops import OPS
+from vkml.graph import OPS
 
 
 def mlp_session(device, optimizer=None, seed=0):

@@ -16,6 +16,23 @@ from dataclasses import dataclass
 Shape = tuple[int, ...]
 
 
+def contiguous_strides(shape: Shape) -> Shape:
+    """Element strides of a row-major array of `shape`."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+def broadcast_strides(shape: Shape, out_shape: Shape) -> Shape:
+    """Strides that read `shape` (numpy-broadcast to `out_shape`) at each output index."""
+    own = contiguous_strides(shape)
+    pad = len(out_shape) - len(shape)
+    return tuple(0 if i < pad or shape[i - pad] == 1 else own[i - pad]
+                 for i in range(len(out_shape)))
+
+
 # eq=False: expressions are compared and shared by identity, so a fused body of thousands of
 # nodes hashes in constant time and shared subtrees stay shared.
 @dataclass(frozen=True, eq=False)

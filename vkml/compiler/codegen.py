@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 from vkml.compiler.schedule import Plan, PlannedDispatch
-from vkml.graph import Tensor
+from vkml.graph import OPS, Tensor
 from vkml.hal import Capabilities, Kernel
-from vkml.kernels import attention, conv, gather, matmul, optimizer, pointwise, reduce
-from vkml.ops import OPS
+from vkml.kernels import optimizer, pointwise
 
 
 def generate(plan: Plan, caps: Capabilities) -> Plan:
@@ -40,12 +39,11 @@ def lower_dispatch(d: PlannedDispatch, plan: Plan, caps: Capabilities) -> Kernel
 
 
 def lower_node(node: Tensor, caps: Capabilities) -> Kernel:
-    """The kernel computing `node` from its inputs (bindings: inputs in order, then output)."""
-    generators = {"pointwise": pointwise.generate, "reduce": reduce.generate_sum,
-                  "softmax": reduce.generate_softmax, "matmul": matmul.generate,
-                  "gather": gather.generate, "conv": conv.generate,
-                  "attention": attention.generate}
-    archetype = OPS[node.op].archetype
-    if archetype in generators:
-        return generators[archetype](node, caps)
-    raise ValueError(f"{node.label}: archetype '{archetype}' produces no kernel")
+    """The kernel computing `node` from its inputs (bindings: inputs in order, then output):
+    the pointwise generator for pointwise ops, else the op's own lowering."""
+    opdef = OPS[node.op]
+    if opdef.kind == "pointwise":
+        return pointwise.generate(node, caps)
+    if opdef.lower is None:
+        raise ValueError(f"{node.label}: a {opdef.kind} op has no kernel")
+    return opdef.lower(node, caps)

@@ -17,9 +17,8 @@ from collections import Counter
 
 import numpy as np
 
-from vkml.expr import Arg, Body, Expr, Lit, Shape, substitute
-from vkml.graph import Graph, Tensor
-from vkml.ops import OPS, body_of, contiguous_strides
+from vkml.expr import Arg, Body, Expr, Lit, Shape, contiguous_strides, substitute
+from vkml.graph import OPS, Graph, Tensor, body_of
 
 IDENTITY_EPILOGUE = Body(Arg(0), ((),))
 
@@ -92,7 +91,7 @@ def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor
     for node in order:
         inputs = [new_of[i.id] for i in node.inputs]
         fused = None
-        if OPS[node.op].archetype == "pointwise":
+        if OPS[node.op].kind == "pointwise":
             fused = _fuse_pointwise(node, inputs, absorbable, new.initial_values, emit)
         elif node.op == "sum":
             fused = _fuse_sum_prologue(node, inputs, absorbable, emit)
@@ -120,7 +119,7 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
         if literal is not None:
             args.append(literal)
             changed = True
-        elif (OPS[t.op].archetype == "pointwise" and strides == identity
+        elif (OPS[t.op].kind == "pointwise" and strides == identity
               and t.shape == node.shape and absorbable(t)):
             producer = body_of(t)
             args.append(builder.inline(producer, [builder.input(x, s) for x, s in
@@ -182,7 +181,7 @@ def _as_fused_sum(t: Tensor) -> dict:
 def _fuse_sum_prologue(node, inputs, absorbable, emit) -> Tensor | None:
     """sum(pointwise(...)) -> one reduction whose summand is computed as it is read."""
     (summand,) = inputs
-    if OPS[summand.op].archetype != "pointwise" or not absorbable(summand):
+    if OPS[summand.op].kind != "pointwise" or not absorbable(summand):
         return None
     body = body_of(summand)
     # The prologue reads every input at the summand's own flat index.

@@ -21,9 +21,9 @@ import numpy as np
 
 from vkml.compiler.memory_plan import FOREVER, Lifetime, MemoryPlan, plan_memory
 from vkml.errors import GraphError
-from vkml.graph import Graph, Tensor
+from vkml.expr import contiguous_strides
+from vkml.graph import OPS, Graph, Tensor, body_of
 from vkml.hal import Access, Capabilities, Kernel
-from vkml.ops import OPS, body_of, contiguous_strides
 from vkml.optim import Optimizer
 
 Role = Literal["input", "param", "constant", "activation", "gradient", "optimizer_state",
@@ -190,14 +190,14 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
     initial: dict[int, np.ndarray] = {}
     dispatches: list[PlannedDispatch] = []
     for node in nodes:
-        archetype = OPS[node.op].archetype
-        if archetype == "view":
+        kind = OPS[node.op].kind
+        if kind == "view":
             slot_of[node.id] = slot_of[node.inputs[0].id]
             continue
         role: Role = {"input": "input", "param": "param", "constant": "constant"}.get(
             node.op, "gradient" if node.id in grad_ids else "activation")
         slot_of[node.id] = new_slot(node.name or node.label, node.shape, node.dtype, role)
-        if archetype == "source":
+        if kind == "source":
             if node.id in graph.initial_values:
                 initial[slot_of[node.id]] = graph.initial_values[node.id]
             continue
@@ -280,7 +280,7 @@ def _write_in_place(plan: Plan) -> dict[int, int]:
             last_read[s] = max(last_read.get(s, -1), d.level)
     aliases: dict[int, int] = {}
     for i, d in enumerate(plan.dispatches):
-        if d.node is None or OPS[d.node.op].archetype != "pointwise":
+        if d.node is None or OPS[d.node.op].kind != "pointwise":
             continue
         out = plan.slots[d.slots[-1]]
         same_index = contiguous_strides(d.node.shape)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
+from vkml.kernels import gather
 from vkml.kernels.common import (
     ENTRY_ARGS,
     LINEAR_WORKGROUP,
@@ -27,17 +28,6 @@ from vkml.kernels.common import (
 )
 
 WORKGROUP = 64
-
-
-def _elementwise(node: Tensor, caps: Capabilities, body: list[str], helpers: list[str],
-                 flops: int) -> Kernel:
-    entry = [f"fn main({ENTRY_ARGS}) {{",
-             f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
-             f"  if (idx >= {node.size}u) {{ return; }}",
-             *unflatten("idx", node.shape, "i"), *body, "}"]
-    return assemble(f"{node.op}_{'x'.join(map(str, node.shape))}", caps, _buffers(node),
-                    (WORKGROUP,), entry, grid(-(-node.size // WORKGROUP), caps),
-                    prelude=helpers, flops=flops, nbytes=4 * node.size * 2)
 
 
 def _buffers(node: Tensor) -> list[Buf]:
@@ -116,7 +106,7 @@ def _implicit_gemm(node: Tensor, caps: Capabilities, m: int, ncols: int, groups:
                     nbytes=4 * (sum(x.size for x in node.inputs) + node.size))
 
 
-def _conv2d(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_conv2d(node: Tensor, caps: Capabilities) -> Kernel:
     """Rows: output pixels (n, oy, ox); columns: output channels of the group; k: input channels
     of the group (a loop) x kernel taps (unrolled)."""
     x, w = node.inputs
@@ -144,7 +134,7 @@ def _conv2d(node: Tensor, caps: Capabilities) -> Kernel:
                           ("ci", cpg, k_head), taps, "wb{j} + wc + {tap}u", store)
 
 
-def _conv2d_input_grad(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_conv2d_input_grad(node: Tensor, caps: Capabilities) -> Kernel:
     """The transposed convolution. Rows: input pixels (n, y, x); columns: input channels of the
     group; k: output channels of the group (a loop) x kernel taps (unrolled), a tap counting
     where the stride divides the distance from the output position."""
@@ -181,7 +171,7 @@ def _tap(coord: str, offset: int, stride: int, extent: int, name: str) -> tuple[
             f"{name}n >= 0 && {name}n % {stride} == 0 && {name} < {extent}")
 
 
-def _conv2d_weight_grad(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities) -> Kernel:
     x, d = node.inputs
     n, c, h, wd = x.shape
     _, o, oh, ow = d.shape
@@ -231,7 +221,7 @@ def _window_max(x: Tensor, a: dict) -> str:
     return "\n".join([*lines, "  return at;", "}"])
 
 
-def _max_pool2d(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_max_pool2d(node: Tensor, caps: Capabilities) -> Kernel:
     (x,) = node.inputs
     _, c, h, wd = x.shape
     (_, kw), (sh, sw), (ph, pw) = node.attrs["kernel"], node.attrs["stride"], node.attrs["padding"]
@@ -240,11 +230,11 @@ def _max_pool2d(node: Tensor, caps: Capabilities) -> Kernel:
             f"  let y = i32(i2) * {sh} - {ph} + at / {kw};",
             f"  let x = i32(i3) * {sw} - {pw} + at % {kw};",
             f"  out[idx] = in0[base + u32(y * {wd} + x)];"]
-    return _elementwise(node, caps, body, [_window_max(x, node.attrs)],
-                        flops=node.size * node.attrs["kernel"][0] * node.attrs["kernel"][1])
+    return gather.generate(node, caps, body, [_window_max(x, node.attrs)],
+                           flops=node.size * node.attrs["kernel"][0] * node.attrs["kernel"][1])
 
 
-def _max_pool2d_backward(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_max_pool2d_backward(node: Tensor, caps: Capabilities) -> Kernel:
     x, d = node.inputs
     _, c, h, wd = x.shape
     _, _, oh, ow = d.shape
@@ -258,14 +248,5 @@ def _max_pool2d_backward(node: Tensor, caps: Capabilities) -> Kernel:
             body.append(f"  {{ {ly} {lx} if ({cy} && {cx}) {{ "
                         f"if (window_argmax(base, y, x) == {ki * kw + kj}) {{ "
                         f"acc += in1[db + u32(y * {ow} + x)]; }} }} }}")
-    return _elementwise(node, caps, [*body, "  out[idx] = acc;"], [_window_max(x, node.attrs)],
-                        flops=node.size * (kh * kw) ** 2)
-
-
-GENERATORS = {"conv2d": _conv2d, "conv2d_input_grad": _conv2d_input_grad,
-              "conv2d_weight_grad": _conv2d_weight_grad, "max_pool2d": _max_pool2d,
-              "max_pool2d_backward": _max_pool2d_backward}
-
-
-def generate(node: Tensor, caps: Capabilities) -> Kernel:
-    return GENERATORS[node.op](node, caps)
+    return gather.generate(node, caps, [*body, "  out[idx] = acc;"],
+                           [_window_max(x, node.attrs)], flops=node.size * (kh * kw) ** 2)

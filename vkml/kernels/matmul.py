@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkml.expr import Arg, Body
+from vkml.expr import Arg, Body, broadcast_strides
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels.common import Buf, assemble, body_lines, helper_functions, offset, unflatten
-from vkml.ops import broadcast_strides
 
 THREADS = 16  # per side of the workgroup
 BK = 16  # depth of a staged tile

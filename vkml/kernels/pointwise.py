@@ -4,7 +4,8 @@ single generator."""
 
 from __future__ import annotations
 
-from vkml.graph import Tensor
+from vkml.expr import contiguous_strides
+from vkml.graph import Tensor, body_of
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels.common import (
     ENTRY_ARGS,
@@ -17,7 +18,6 @@ from vkml.kernels.common import (
     offset,
     unflatten,
 )
-from vkml.ops import body_of, contiguous_strides
 
 WORKGROUP = 256
 

@@ -1,20 +1,17 @@
 """Elementwise ops: one output element from the inputs' elements at the same (broadcast) index.
 
-Each is one WGSL expression; the pointwise kernel archetype wraps it with the indexing. Unary ops
-come from one table so that the forward expression and the derivative sit side by side.
+Each is one expression (vkml/expr.py); the pointwise generator wraps it with the indexing, and the
+rewrite stage fuses chains of them. Unary ops come from one table, so an op's forward template,
+its helper functions and its derivative sit on one line or two.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from vkml.errors import GraphError
-from vkml.expr import Arg, Axis, call
-from vkml.ops import OpDef, Shape, contiguous_strides, register
-
-if TYPE_CHECKING:
-    from vkml.graph import Graph, Tensor
+from vkml.expr import Arg, Axis, call, contiguous_strides
+from vkml.graph import Graph, OpDef, Operand, Shape, Tensor, builder, register
 
 
 def _same(inputs, attrs):
@@ -51,8 +48,7 @@ def sum_to(g: Graph, x: Tensor, shape: Shape) -> Tensor:
     return g.reshape(g.sum(x, axes), shape) if axes else g.reshape(x, shape)
 
 
-# ---- unary ops: name -> (WGSL template of the input {0}, helper functions, gradient(g, x, y,
-# gout)) ------------------------------------------------------------------------------------------
+# ---- unary ops ----------------------------------------------------------------------------------
 ERF_HELPER = """
 fn vkml_erf(x: f32) -> f32 {
   // Abramowitz & Stegun 7.1.26 is too coarse for 1e-5 agreement; this is the erfc-based
@@ -72,39 +68,49 @@ fn vkml_tanh(x: f32) -> f32 {
   return sign(x) * (1.0 - t) / (1.0 + t);
 }
 """
-UnaryGrad = Callable[["Graph", "Tensor", "Tensor", "Tensor"], "Tensor"]
-UNARY: dict[str, tuple[str, str, UnaryGrad | None]] = {
-    "relu": ("max({0}, 0.0)", "", lambda g, x, y, d: g.mul(d, g.apply("step", [x]))),
-    "step": ("select(0.0, 1.0, {0} > 0.0)", "", None),
+UnaryGrad = Callable[[Graph, Tensor, Tensor, Tensor], Tensor]  # (g, x, y, d y) -> d x
+# name -> (WGSL template of the input {0}, helper functions, gradient, public: a Graph method
+# (and "tensor": a Tensor method too), or internal: made only by other ops' gradients)
+UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
+    "relu": ("max({0}, 0.0)", "", lambda g, x, y, d: g.mul(d, g.apply("step", [x])), "tensor"),
+    "step": ("select(0.0, 1.0, {0} > 0.0)", "", None, "internal"),
     "sigmoid": ("1.0 / (1.0 + exp(-{0}))", "",
-                lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y)))),
-    "tanh": ("vkml_tanh({0})", TANH_HELPER, lambda g, x, y, d: g.mul(d, g.sub(1.0, g.mul(y, y)))),
+                lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y))), "tensor"),
+    "tanh": ("vkml_tanh({0})", TANH_HELPER,
+             lambda g, x, y, d: g.mul(d, g.sub(1.0, g.mul(y, y))), "tensor"),
     "gelu": ("0.5 * {0} * (1.0 + vkml_erf({0} * 0.70710678118654752))", ERF_HELPER,
-             lambda g, x, y, d: g.mul(d, g.apply("gelu_deriv", [x]))),
+             lambda g, x, y, d: g.mul(d, g.apply("gelu_deriv", [x])), "tensor"),
     "gelu_deriv": ("0.5 * (1.0 + vkml_erf({0} * 0.70710678118654752))"
-                   " + {0} * exp(-0.5 * {0} * {0}) * 0.39894228040143268", ERF_HELPER, None),
+                   " + {0} * exp(-0.5 * {0} * {0}) * 0.39894228040143268", ERF_HELPER, None,
+                   "internal"),
     "silu": ("{0} / (1.0 + exp(-{0}))", "",
-             lambda g, x, y, d: g.mul(d, g.apply("silu_deriv", [x]))),
-    "silu_deriv": ("(1.0 / (1.0 + exp(-{0}))) * (1.0 + {0} * (1.0 - 1.0 / (1.0 + exp(-{0}))))", "",
-                   None),
-    "exp": ("exp({0})", "", lambda g, x, y, d: g.mul(d, y)),
-    "log": ("log({0})", "", lambda g, x, y, d: g.div(d, x)),
-    "neg": ("-{0}", "", lambda g, x, y, d: g.neg(d)),
-    "sqrt": ("sqrt({0})", "", lambda g, x, y, d: g.div(g.mul(d, 0.5), y)),
+             lambda g, x, y, d: g.mul(d, g.apply("silu_deriv", [x])), "tensor"),
+    "silu_deriv": ("(1.0 / (1.0 + exp(-{0}))) * (1.0 + {0} * (1.0 - 1.0 / (1.0 + exp(-{0}))))",
+                   "", None, "internal"),
+    "exp": ("exp({0})", "", lambda g, x, y, d: g.mul(d, y), "tensor"),
+    "log": ("log({0})", "", lambda g, x, y, d: g.div(d, x), "tensor"),
+    "neg": ("-{0}", "", lambda g, x, y, d: g.neg(d), "graph"),
+    "sqrt": ("sqrt({0})", "", lambda g, x, y, d: g.div(g.mul(d, 0.5), y), "graph"),
     # WGSL's inverseSqrt may be a fast approximation on some drivers; 1/sqrt is exact to an ulp.
     "rsqrt": ("1.0 / sqrt({0})", "",
-              lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5))),
-    "square": ("{0} * {0}", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0))),
+              lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5)), "graph"),
+    "square": ("{0} * {0}", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0)), "graph"),
 }
 
 
-def _unary_grad(rule: UnaryGrad) -> Callable:
-    return lambda g, node, d: [rule(g, node.inputs[0], node, d)]
+def _unary(name: str, template: str, helper: str, grad: UnaryGrad | None, public: str) -> None:
+    register(OpDef(name, _same, "pointwise",
+                   grad=(lambda g, node, d: [grad(g, node.inputs[0], node, d)]) if grad else None,
+                   expr=lambda node: call(template, Arg(0), helper=helper)))
+    if public != "internal":
+        def method(g: Graph, x: Tensor) -> Tensor:
+            return g.apply(name, [x])
+        method.__name__, method.__doc__ = name, f"Elementwise {name}: WGSL {template}"
+        builder(method, tensor=public == "tensor")
 
 
-for _name, (_template, _helper, _grad) in UNARY.items():
-    register(OpDef(_name, _same, "pointwise", grad=_unary_grad(_grad) if _grad else None,
-                   expr=lambda node, t=_template, h=_helper: call(t, Arg(0), helper=h)))
+for _name, _rule in UNARY.items():
+    _unary(_name, *_rule)
 
 
 # ---- binary ops with numpy broadcasting -------------------------------------------------------
@@ -132,10 +138,30 @@ def _div_grad(g, node, d):
 register(OpDef("equal", _binary, "pointwise",
                expr=lambda n: call("select(0.0, 1.0, {0} == {1})", Arg(0), Arg(1))))
 
-for _name, _op, _grad in (("add", "+", _add_grad), ("sub", "-", _sub_grad),
-                          ("mul", "*", _mul_grad), ("div", "/", _div_grad)):
-    register(OpDef(_name, _binary, "pointwise", grad=_grad,
-                   expr=lambda n, o=_op: call(f"{{0}} {o} {{1}}", Arg(0), Arg(1))))
+
+def _binary_op(name: str, symbol: str, grad: Callable) -> None:
+    register(OpDef(name, _binary, "pointwise", grad=grad,
+                   expr=lambda n: call(f"{{0}} {symbol} {{1}}", Arg(0), Arg(1))))
+
+    def method(g: Graph, a: Operand, b: Operand) -> Tensor:
+        return g.apply(name, [g.lift(a), g.lift(b)])
+    method.__name__ = name
+    method.__doc__ = f"a {symbol} b elementwise, numpy broadcasting; numbers become constants"
+    builder(method)
+
+
+for _name, _symbol, _grad in (("add", "+", _add_grad), ("sub", "-", _sub_grad),
+                              ("mul", "*", _mul_grad), ("div", "/", _div_grad)):
+    _binary_op(_name, _symbol, _grad)
+
+
+@builder
+def bias_add(g: Graph, x: Tensor, bias: Tensor) -> Tensor:
+    """x + bias over the last axis; bias must have shape (x.shape[-1],)."""
+    if bias.shape != x.shape[-1:]:
+        raise GraphError(f"bias_add: bias {bias.label} must have shape ({x.shape[-1]},) "
+                         f"to match the last axis of {x.label}")
+    return g.add(x, bias)
 
 
 # ---- explicit broadcasting and one-hot encoding -------------------------------------------------
@@ -152,6 +178,12 @@ register(OpDef("broadcast_to", _broadcast_to, "pointwise",
                expr=lambda node: Arg(0)))
 
 
+@builder
+def broadcast_to(g: Graph, x: Tensor, shape: Shape) -> Tensor:
+    """x repeated (numpy broadcasting) to `shape`."""
+    return g.apply("broadcast_to", [x], shape=tuple(shape))
+
+
 def _one_hot(inputs, attrs):
     (labels,) = inputs
     if labels.dtype != "i32":
@@ -166,3 +198,8 @@ register(OpDef(
     strides=lambda node: [(*contiguous_strides(node.inputs[0].shape), 0)],
 ))
 
+
+@builder
+def one_hot(g: Graph, labels: Tensor, num_classes: int) -> Tensor:
+    """i32 class indices (...) -> f32 rows (..., num_classes) of 0 and 1."""
+    return g.apply("one_hot", [labels], num_classes=int(num_classes))
