@@ -1,4 +1,4 @@
-"""Living in the host's render loop (issue 5): a device the host created (Device.from_vulkan),
+"""Living in the host's render loop: a device the host created (Device.from_vulkan),
 record() into the host's command buffer, chunked steps, the shared queue lock, profile().
 
 The host here is a few lines of the `vulkan` package, like a game engine's own Vulkan code. Its
