@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vkml.errors import GraphError
-from vkml.expr import Arg, Axis, call, contiguous_strides
+from vkml.expr import Arg, Axis, Expr, Lit, call, contiguous_strides
 from vkml.graph import Graph, OpDef, Operand, Shape, Tensor, builder, register
 
 
@@ -95,6 +95,8 @@ UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
     "rsqrt": ("1.0 / sqrt({0})", "",
               lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5)), "graph"),
     "square": ("{0} * {0}", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0)), "graph"),
+    "abs": ("abs({0})", "", lambda g, x, y, d: g.mul(d, g.apply("sign", [x])), "tensor"),
+    "sign": ("sign({0})", "", None, "internal"),
 }
 
 
@@ -111,6 +113,46 @@ def _unary(name: str, template: str, helper: str, grad: UnaryGrad | None, public
 
 for _name, _rule in UNARY.items():
     _unary(_name, *_rule)
+
+
+# ---- clamp: scalar bounds as attributes, so no constant tensors are made -----------------------
+def _clamped(node: Tensor) -> Expr:
+    # select() rather than min/max: a NaN element stays NaN, as in torch (WGSL leaves min and
+    # max of a NaN to the implementation).
+    e: Expr = Arg(0)
+    if node.attrs["min"] is not None:
+        e = call("select({0}, {1}, {0} < {1})", e, Lit(node.attrs["min"]))
+    if node.attrs["max"] is not None:
+        e = call("select({0}, {1}, {0} > {1})", e, Lit(node.attrs["max"]))
+    return e
+
+
+def _within(node: Tensor) -> Expr:
+    """1 where min <= x <= max (where the gradient passes), else 0."""
+    tests, args = [], [Arg(0)]
+    for bound, op in (("min", ">="), ("max", "<=")):
+        if node.attrs[bound] is not None:
+            args.append(Lit(node.attrs[bound]))
+            tests.append(f"{{0}} {op} {{{len(args) - 1}}}")
+    return call(f"select(0.0, 1.0, {' && '.join(tests)})", *args)
+
+
+register(OpDef("clamp_mask", _same, "pointwise", expr=_within))
+register(OpDef("clamp", _same, "pointwise",
+               grad=lambda g, node, d: [g.mul(d, g.apply("clamp_mask", [node.inputs[0]],
+                                                         **node.attrs))],
+               expr=_clamped))
+
+
+@builder(tensor=True)
+def clamp(g: Graph, x: Tensor, min: float | None = None,  # noqa: A002  (torch's names)
+          max: float | None = None) -> Tensor:  # noqa: A002
+    """torch.clamp: each element limited to [min, max] (either bound may be None); the
+    gradient passes where min <= x <= max, as torch's."""
+    if min is None and max is None:
+        raise GraphError("clamp needs min, max or both")
+    return g.apply("clamp", [x], min=None if min is None else float(min),
+                   max=None if max is None else float(max))
 
 
 # ---- binary ops with numpy broadcasting -------------------------------------------------------

@@ -199,6 +199,8 @@ class WgpuBackend(BackendBase):
             shader_f16="shader-f16" in features,
             extensions=frozenset(str(f) for f in self._device.features),
             read_only_storage=False,
+            # wgpu over Mesa's llvmpipe inherits its loop limit (see vkml/vk/context.py)
+            max_loop_iterations=65535 if "llvmpipe" in info["device"].lower() else None,
         )
         if "timestamp-query" in features:
             self.timestamps = _Timestamps(self)
