@@ -114,6 +114,8 @@ CASES = [
          lambda a, b: a.transpose(-1, -2) @ b),
     Case("bmm_epilogue", [(2, 5, 4), (2, 4, 6), (6,)], lambda g, a, b, c: (a @ b + c).relu(),
          lambda a, b, c: (a @ b + c).relu()),
+    Case("cumsum_last", [(5, 7)], lambda g, a: g.cumsum(a), lambda a: a.cumsum(-1)),
+    Case("cumsum_middle", [(3, 4, 5)], lambda g, a: g.cumsum(a, 1), lambda a: a.cumsum(1)),
     Case("amax_last", [(5, 7)], lambda g, a: g.amax(a, -1), lambda a: a.amax(-1)),
     Case("amax_middle_outer", [(3, 4, 5)], lambda g, a: g.amax(a, (0, 2), keepdims=True),
          lambda a: a.amax((0, 2), keepdim=True)),

@@ -1,12 +1,15 @@
-"""Reductions: sums and maxima over any axes, and the row-wise softmax / log-softmax over the last
-axis (vkml/kernels/reduce.py generates them)."""
+"""Reductions: sums and maxima over any axes, the row-wise softmax / log-softmax over the last
+axis (vkml/kernels/reduce.py generates them), and the cumulative sum along an axis."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from vkml.errors import GraphError
+from vkml.expr import contiguous_strides
 from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
+from vkml.hal import Capabilities, Kernel
+from vkml.kernels import gather
 from vkml.kernels import reduce as kernels
 
 
@@ -93,3 +96,37 @@ def softmax(g: Graph, x: Tensor) -> Tensor:
 def log_softmax(g: Graph, x: Tensor) -> Tensor:
     """Log-softmax over the last axis."""
     return g.apply("log_softmax", [x])
+
+
+def _same_shape(inputs, attrs):
+    (x,) = inputs
+    if x.dtype != "f32":
+        raise GraphError(f"expects f32, got {x.dtype}")
+    return x.shape, "f32"
+
+
+def _cumsum_kernel(node: Tensor, caps: Capabilities) -> Kernel:
+    """One thread per output element summing its prefix (or suffix) in order, as torch's
+    sequential cumsum adds: O(n^2) work over an axis of n, meant for short axes."""
+    axis, reverse = node.attrs["axis"], node.attrs["reverse"]
+    n, stride = node.shape[axis], contiguous_strides(node.shape)[axis]
+    if caps.max_loop_iterations is not None and n > caps.max_loop_iterations:
+        raise GraphError(f"cumsum over an axis of {n} needs loops longer than this device runs "
+                         f"({caps.max_loop_iterations} iterations, {caps.device_name})")
+    span = f"j = i{axis}; j < {n}u" if reverse else f"j = 0u; j <= i{axis}"
+    return gather.generate(node, caps, [
+        f"  let base = idx - i{axis} * {stride}u;", "  var acc = 0.0;",
+        f"  for (var {span}; j++) {{ acc += in0[base + j * {stride}u]; }}",
+        "  out[idx] = acc;"], flops=node.size * n)
+
+
+register(OpDef("cumsum", _same_shape, "kernel", lower=_cumsum_kernel,
+               grad=lambda g, node, d: [g.apply("cumsum", [d], axis=node.attrs["axis"],
+                                                reverse=not node.attrs["reverse"])]))
+
+
+@builder
+def cumsum(g: Graph, x: Tensor, axis: int = -1, reverse: bool = False) -> Tensor:
+    """torch.cumsum along `axis`; `reverse`: sums from the end (the gradient of cumsum)."""
+    (a,) = normalize_axes(x, axis)
+    return g.apply("cumsum", [x], axis=a, reverse=bool(reverse))
