@@ -1,4 +1,5 @@
-"""Fused ops, made only by the rewrite stage (vkml/compiler/rewrite.py) after autodiff (so they need no gradient rule).
+"""Fused ops, made only by the rewrite stage (vkml/compiler/rewrite.py) after autodiff (so they
+need no gradient rule).
 
 - fused_pointwise: a DAG of pointwise ops as one `Body` (attrs "body").
 - fused_matmul: matmul whose result passes through an epilogue `Body` before it is stored;
