@@ -56,7 +56,7 @@ def reference(name: str, cfg):
 
 
 def gates(name, cfg, session, params, inputs) -> dict:
-    """tools/PROTOCOL.md's forward and backward gates for the step just run, against float64 torch."""
+    """tools/PROTOCOL.md's forward and backward gates for the step just run, vs float64 torch."""
     import torch
 
     t0 = time.perf_counter()
