@@ -2,12 +2,12 @@
 device can do (capabilities), and the contract every backend implements. Like IREE's HAL, one
 concern a file; the Vulkan backend lives in vkml/vk/, the WebGPU one in vkml/webgpu/."""
 
-from vkml.hal.base import BackendBase
+from vkml.hal.base import BackendBase, BackendTimestamps
 from vkml.hal.capabilities import Capabilities
 from vkml.hal.commands import Barrier, Binding, BufferKind, Command, Copy, Dispatch, check_commands
 from vkml.hal.interface import Backend, HostRecording, TimelineSync, Timestamps
 from vkml.hal.kernel import Access, Kernel
 
-__all__ = ["Access", "Backend", "BackendBase", "Barrier", "Binding", "BufferKind", "Capabilities",
-           "Command", "Copy", "Dispatch", "HostRecording", "Kernel", "TimelineSync", "Timestamps",
-           "check_commands"]
+__all__ = ["Access", "Backend", "BackendBase", "BackendTimestamps", "Barrier", "Binding",
+           "BufferKind", "Capabilities", "Command", "Copy", "Dispatch", "HostRecording", "Kernel",
+           "TimelineSync", "Timestamps", "check_commands"]

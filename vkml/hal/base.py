@@ -16,6 +16,20 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
 
 
+class BackendTimestamps:
+    """The `timestamps` capability of a backend that records a program with timestamps by
+    `_record(commands, label, timestamps=True)` and reads them back with `_timings(program)`."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def record(self, commands: Sequence[Command], label: str) -> Any:
+        return self._backend._record(commands, label, timestamps=True)
+
+    def timings(self, program: Any) -> list[float]:
+        return self._backend._timings(program)
+
+
 class BackendBase:
     caps: Capabilities
     owned = True

@@ -14,7 +14,8 @@ from vkml.expr import Arg, Axis, Expr, Lit, call, contiguous_strides
 from vkml.graph import Graph, OpDef, Operand, Shape, Tensor, builder, register
 
 
-def _same(inputs, attrs):
+def same_f32(inputs, attrs):
+    """Shape rule of an op whose one f32 input and result have the same shape."""
     (x,) = inputs
     if x.dtype != "f32":
         raise GraphError(f"expects f32, got {x.dtype}")
@@ -101,7 +102,7 @@ UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
 
 
 def _unary(name: str, template: str, helper: str, grad: UnaryGrad | None, public: str) -> None:
-    register(OpDef(name, _same, "pointwise",
+    register(OpDef(name, same_f32, "pointwise",
                    grad=(lambda g, node, d: [grad(g, node.inputs[0], node, d)]) if grad else None,
                    expr=lambda node: call(template, Arg(0), helper=helper)))
     if public != "internal":
@@ -137,8 +138,8 @@ def _within(node: Tensor) -> Expr:
     return call(f"select(0.0, 1.0, {' && '.join(tests)})", *args)
 
 
-register(OpDef("clamp_mask", _same, "pointwise", expr=_within))
-register(OpDef("clamp", _same, "pointwise",
+register(OpDef("clamp_mask", same_f32, "pointwise", expr=_within))
+register(OpDef("clamp", same_f32, "pointwise",
                grad=lambda g, node, d: [g.mul(d, g.apply("clamp_mask", [node.inputs[0]],
                                                          **node.attrs))],
                expr=_clamped))

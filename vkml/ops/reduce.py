@@ -11,6 +11,7 @@ from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather
 from vkml.kernels import reduce as kernels
+from vkml.ops.pointwise import same_f32
 
 
 def _reduced(inputs, attrs):
@@ -98,13 +99,6 @@ def log_softmax(g: Graph, x: Tensor) -> Tensor:
     return g.apply("log_softmax", [x])
 
 
-def _same_shape(inputs, attrs):
-    (x,) = inputs
-    if x.dtype != "f32":
-        raise GraphError(f"expects f32, got {x.dtype}")
-    return x.shape, "f32"
-
-
 def _cumsum_kernel(node: Tensor, caps: Capabilities) -> Kernel:
     """One thread per output element summing its prefix (or suffix) in order, as torch's
     sequential cumsum adds: O(n^2) work over an axis of n, meant for short axes."""
@@ -120,7 +114,7 @@ def _cumsum_kernel(node: Tensor, caps: Capabilities) -> Kernel:
         "  out[idx] = acc;"], flops=node.size * n)
 
 
-register(OpDef("cumsum", _same_shape, "kernel", lower=_cumsum_kernel,
+register(OpDef("cumsum", same_f32, "kernel", lower=_cumsum_kernel,
                grad=lambda g, node, d: [g.apply("cumsum", [d], axis=node.attrs["axis"],
                                                 reverse=not node.attrs["reverse"])]))
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from vkml import naga
 from vkml.errors import DeviceError
-from vkml.hal import BackendBase, BufferKind, Command, Copy, Kernel
+from vkml.hal import BackendBase, BackendTimestamps, BufferKind, Command, Copy, Kernel
 from vkml.vk.buffers import Buffer, allocate_buffer, free_buffer
 from vkml.vk.context import WAIT_TIMEOUT_NS, Adopted, Device, as_handle
 from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
@@ -104,8 +104,14 @@ class VulkanBackend(BackendBase):
         return _HostRecording(self)
 
     @property
-    def timestamps(self) -> _Timestamps | None:  # type: ignore[override]
-        return _Timestamps(self) if self.caps.timestamp_period_ns > 0 else None
+    def timestamps(self) -> BackendTimestamps | None:  # type: ignore[override]
+        return BackendTimestamps(self) if self.caps.timestamp_period_ns > 0 else None
+
+    def _timings(self, program: Program) -> list[float]:
+        """Milliseconds per dispatch of the latest run of a program recorded with timestamps.
+        Each entry spans from the end of the previous dispatch (or the program's start) to the
+        end of this one, so dispatches without a Barrier between them may share time."""
+        return read_timings(self._dev, program)
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -394,19 +400,3 @@ class _HostRecording:
                               "this backend")
         cb = as_handle(b._ffi, "VkCommandBuffer", command_buffer, "command_buffer")
         emit_external(b._dev, cb, program)
-
-
-class _Timestamps:
-    """Programs with a timestamp after every dispatch (Session.profile)."""
-
-    def __init__(self, backend: VulkanBackend) -> None:
-        self._backend = backend
-
-    def record(self, commands: Sequence[Command], label: str) -> Program:
-        return self._backend._record(commands, label, timestamps=True)
-
-    def timings(self, program: Program) -> list[float]:
-        """Milliseconds per dispatch of the latest run of a program recorded here. Each entry
-        spans from the end of the previous dispatch (or the program's start) to the end of this
-        one, so dispatches without a Barrier between them may share time."""
-        return read_timings(self._backend._dev, program)

@@ -24,7 +24,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from vkml.errors import DeviceError, NagaError
-from vkml.hal import BackendBase, BufferKind, Capabilities, Command, Copy, Dispatch, Kernel
+from vkml.hal import (
+    BackendBase,
+    BackendTimestamps,
+    BufferKind,
+    Capabilities,
+    Command,
+    Copy,
+    Dispatch,
+    Kernel,
+)
 
 # WebGPU's default, and what a browser guarantees. Adapters may allow less (lavapipe says 32), but
 # a plan laid out for 256 is valid on every WebGPU implementation, so this is not lowered.
@@ -203,7 +212,7 @@ class WgpuBackend(BackendBase):
             max_loop_iterations=65535 if "llvmpipe" in info["device"].lower() else None,
         )
         if "timestamp-query" in features:
-            self.timestamps = _Timestamps(self)
+            self.timestamps = BackendTimestamps(self)
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -464,16 +473,3 @@ class WgpuBackend(BackendBase):
             if any(v % COPY_ALIGN for v in (cmd.src_offset, cmd.dst_offset, cmd.nbytes)):
                 raise DeviceError(f"{what}: offsets and size must be multiples of "
                                   f"{COPY_ALIGN} bytes in wgpu")
-
-
-class _Timestamps:
-    """Programs whose dispatches each run in a compute pass with begin/end timestamps."""
-
-    def __init__(self, backend: WgpuBackend) -> None:
-        self._backend = backend
-
-    def record(self, commands: Sequence[Command], label: str) -> Program:
-        return self._backend._record(commands, label, timestamps=True)
-
-    def timings(self, program: Program) -> list[float]:
-        return self._backend._timings(program)
