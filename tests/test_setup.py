@@ -26,6 +26,14 @@ needs_apt = pytest.mark.skipif(shutil.which("apt-get") is None, reason="no apt-g
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
 
 
+def hold_lock(path: Path) -> int:
+    """Take apt's kind of lock (fcntl) on `path` in this process; closing the fd releases it.
+    apt-get, a child process, cannot take it meanwhile."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o640)
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    return fd
+
+
 def private_apt(tmp_path: Path) -> list[str]:
     """apt-get options for an `update` that touches only tmp_path and fetches nothing."""
     (tmp_path / "lists" / "partial").mkdir(parents=True)
@@ -39,8 +47,7 @@ def private_apt(tmp_path: Path) -> list[str]:
 def test_plain_apt_get_update_fails_at_once_on_the_lock(tmp_path):
     # Why the wait script exists: apt's own DPkg::Lock::Timeout does not cover the lists lock.
     opts = private_apt(tmp_path)
-    fd = os.open(tmp_path / "lists" / "lock", os.O_RDWR | os.O_CREAT, 0o640)
-    fcntl.lockf(fd, fcntl.LOCK_EX)
+    fd = hold_lock(tmp_path / "lists" / "lock")
     try:
         proc = subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=60", *opts, "update"],
                               capture_output=True, text=True, timeout=30)
@@ -52,8 +59,7 @@ def test_plain_apt_get_update_fails_at_once_on_the_lock(tmp_path):
 @needs_apt
 def test_apt_get_wait_waits_for_the_lock(tmp_path):
     opts = private_apt(tmp_path)
-    fd = os.open(tmp_path / "lists" / "lock", os.O_RDWR | os.O_CREAT, 0o640)
-    fcntl.lockf(fd, fcntl.LOCK_EX)  # held by this process: apt-get, a child, cannot take it
+    fd = hold_lock(tmp_path / "lists" / "lock")
     threading.Timer(HOLD_S, os.close, [fd]).start()
     t0 = time.monotonic()
     proc = subprocess.run([APT_WAIT, *opts, "update"], capture_output=True, text=True,
@@ -67,8 +73,7 @@ def test_apt_get_wait_waits_for_the_lock(tmp_path):
 @needs_apt
 def test_apt_get_wait_gives_up_after_its_limit_and_passes_other_errors_at_once(tmp_path):
     opts = private_apt(tmp_path)
-    fd = os.open(tmp_path / "lists" / "lock", os.O_RDWR | os.O_CREAT, 0o640)
-    fcntl.lockf(fd, fcntl.LOCK_EX)
+    fd = hold_lock(tmp_path / "lists" / "lock")
     try:
         proc = subprocess.run([APT_WAIT, *opts, "update"], capture_output=True, text=True,
                               timeout=60, env={**os.environ, "APT_LOCK_WAIT": "2",
