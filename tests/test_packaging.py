@@ -26,6 +26,7 @@ import time
 import venv
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from packaging.requirements import Requirement
@@ -38,10 +39,10 @@ SDIST_WASM = "node_modules/naga-wasm/dist/wasm/naga_bg.wasm"
 SHIPPED = sorted(p.name for p in (REPO / "spirv").iterdir())
 
 
-def run(cmd: list[str | Path], timeout: float = 300, **kw: object) -> subprocess.CompletedProcess:
+def run(cmd: list[str | Path], timeout: float = 300, **kw: Any) -> subprocess.CompletedProcess:
     """Run `cmd`, failing the test with its output when it fails."""
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
-                          **kw)  # type: ignore[call-overload]
+                          **kw)
     assert proc.returncode == 0, (f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout}"
                                   f"\n--- stderr\n{proc.stderr}")
     return proc

@@ -54,5 +54,5 @@ def write_atomic(path: Path, data: bytes, root: Path) -> bool:
             warnings.warn(
                 f"vkml cannot write its cache directory {root} ({e.strerror or e}); caches stay "
                 "in memory for this process, so the next one compiles again. Set VKML_CACHE_DIR "
-                "to a writable directory to keep them.", CacheWarning, stacklevel=3)
+                "to a writable directory to keep them.", CacheWarning, stacklevel=2)
         return False
