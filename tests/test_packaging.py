@@ -152,10 +152,12 @@ def installed(built, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("venv")
     venv.EnvBuilder(with_pip=False).create(tmp / "venv")
     python = tmp / "venv" / "bin" / "python"
+    # Without PYTHONPATH: a checkout on it (its vkml.egg-info) would pass for an installed vkml.
+    env = child_env(tmp / "cache")
     run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
-         wheel])
+         "--ignore-installed", wheel], env=env)
     site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                    env=child_env(tmp / "cache")).stdout.strip())
+                    env=env).stdout.strip())
     link_distributions(distributions_needed("vkml"), tmp / "deps")
     (site / "vkml-test-deps.pth").write_text(f"{tmp / 'deps'}\n")
     work = tmp / "work"
