@@ -208,7 +208,8 @@ def test_demo_runs_on_the_wheels_shipped_spirv(installed):
     assert "test accuracy" in proc.stdout, proc.stdout
     assert (work / "out" / "mlp_shapes.safetensors").is_file()
     # Every demo kernel came from the wheel's spirv/: nothing was translated by naga.
-    assert not list(cache.glob("spirv/*.spv")), "demo kernels missing from the shipped SPIR-V"
+    assert not list(cache.glob("spirv/*.spv")), (
+        "demo kernels missing from the wheel's SPIR-V: is spirv/ current? (tests/test_spirv.py)")
 
 
 def test_missing_wasm_advice_fits_an_installed_vkml(installed, tmp_path):
