@@ -450,12 +450,14 @@ class TorchSide:
         module.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(grads):
             outputs, loss = self.forward(module, x)
-        fwd = {k: v.detach().double().cpu().numpy() for k, v in outputs.items()}
-        fwd["loss"] = loss.detach().double().cpu().numpy()
+        # to the host first, then float64: a float64 copy on the device would count in the
+        # eager row's peak memory
+        fwd = {k: v.detach().cpu().double().numpy() for k, v in outputs.items()}
+        fwd["loss"] = loss.detach().cpu().double().numpy()
         if not grads:
             return fwd, None
         loss.backward()
-        g = {n: p.grad.double().cpu().numpy() for n, p in module.named_parameters()}
+        g = {n: p.grad.cpu().double().numpy() for n, p in module.named_parameters()}
         module.zero_grad(set_to_none=True)
         return fwd, g
 
@@ -545,7 +547,7 @@ class TorchSide:
                reps: int) -> dict[str, Any]:
         if not self.cuda:
             raise Skipped(f"CUDA graphs need a CUDA device; PyTorch runs on the "
-                               f"{self.device.type} here")
+                          f"{self.device.type} here")
         torch = self.torch
         base = self.release()
         t0 = time.perf_counter()
@@ -726,8 +728,12 @@ class Report:
                  f"{m['precision']['accelerated']}", "", *self.table(), ""]
         if self.matmul:
             lines += ["## One n^3 matmul", "", *self.matmul_table(), ""]
-        notes = [f"- {r['workload']} {r['phase']} {r['mode']} {r['engine']}: {r['status']}: "
-                 f"{r.get('reason', '')}" for r in self.rows if r["status"] != "ok"]
+        by_reason: dict[str, list[str]] = {}  # one line per reason, naming its rows
+        for r in self.rows:
+            if r["status"] != "ok":
+                by_reason.setdefault(f"{r['status']}: {r.get('reason', '')}", []).append(
+                    f"{r['workload']} {r['phase']} {r['mode']} {r['engine']}")
+        notes = [f"- {reason} ({', '.join(rows)})" for reason, rows in by_reason.items()]
         notes += [f"- {r['workload']} {r['phase']} {r['mode']} vkml gates failed: "
                   + "; ".join(r["gates"]["failed"]) for r in self.rows
                   if r.get("gates") and not r["gates"]["pass"] and r["engine"].startswith("vkml")]
@@ -872,6 +878,24 @@ class Bench:
 
     # workloads ---------------------------------------------------------------------------------
     def workload(self, wl: Workload) -> None:
+        """Every row of one workload; if preparing it fails (graph, weights, PyTorch reference),
+        its rows say so and the run goes on with the next workload."""
+        try:
+            self.workload_rows(wl)
+        except Exception as e:  # noqa: BLE001 - one broken workload must not end the run
+            traceback.print_exc()
+            for mode in self.opts.modes:
+                for ph in self.opts.phases:
+                    for engine in (self.engine, "torch-eager", "torch-graphs"):
+                        if self.report.find(wl.name, ph, mode, engine) is None:
+                            self.report.add(self.row(wl.name, ph, mode, engine, status="failed",
+                                                     reason=error_text(e)))
+        finally:
+            (self.tmp / f"{wl.name}.safetensors").unlink(missing_ok=True)
+            self.torch.release()
+            self.report.write_markdown()
+
+    def workload_rows(self, wl: Workload) -> None:
         opts = self.opts
         print(f"{wl.name}: building", flush=True)
         built: dict[str, Any] = {}
@@ -898,10 +922,6 @@ class Bench:
                                                  reason=skip))
                     continue
                 self.phase(wl, ph, mode, built[ph], arrays, weights, templates[ph], refs[ph])
-        del templates, refs
-        t.release()
-        weights.unlink()
-        self.report.write_markdown()
 
     def write_weights(self, wl: Workload, built: dict[str, Any]) -> Path:
         """One safetensors file per workload: the seeded initial parameters of its graphs;
@@ -970,18 +990,17 @@ class Bench:
                 "dispatches": len(session.plan.dispatches),
                 "kernels": getattr(session, "kernel_count", None)}
             if phase == "infer":
-                names = list(ref[0])
-                out["gates"] = gates({n: session.read(n) for n in names}, ref[0])
-            else:
-                loss = float(np.asarray(session.read("loss")).ravel()[0])
-                out["loss_after_steps"] = loss
-                out["gates"] = self.grad_gates(built, mode, arrays, weights, ref)
-                if not math.isfinite(loss):
-                    out["gates"]["nonfinite"].append("training loss")
-                    out["gates"]["failed"].append("training loss not finite")
-                    out["gates"]["pass"] = False
+                out["gates"] = gates({n: session.read(n) for n in ref[0]}, ref[0])
+                return out
+            loss = float(np.asarray(session.read("loss")).ravel()[0])
         finally:
             session.close()
+        out["loss_after_steps"] = loss
+        out["gates"] = self.grad_gates(built, mode, arrays, weights, ref)
+        if not math.isfinite(loss):
+            out["gates"]["nonfinite"].append("training loss")
+            out["gates"]["failed"].append("training loss not finite")
+            out["gates"]["pass"] = False
         return out
 
     def vkml_timing(self, session: Any) -> dict[str, Any]:
