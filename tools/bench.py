@@ -836,6 +836,7 @@ class Bench:
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "torch_device": str(self.torch.device), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "compile_jobs": opts.compile_jobs,
+            "vkml_wait_timeout_s": os.environ.get("VKML_WAIT_TIMEOUT"),
             "numpy": np.__version__, "config": "tiny" if opts.tiny else "full",
             "reps": opts.reps, "warmup": opts.warmup, "optimizer": f"Adam(lr={LR})",
             "precision": precision,
@@ -1221,6 +1222,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child_compile(json.loads(opts.child))))
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="vkml-bench-"))
+    # A hung step would otherwise hold a lent GPU for vkml's default 300 s; a full-config step
+    # takes well under a second. Read when vkml loads, so set before; children inherit it.
+    os.environ.setdefault("VKML_WAIT_TIMEOUT", "60")
     # A time limit's SIGTERM unwinds through `finally`, so the markdown and chart still appear.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench = None
