@@ -15,12 +15,16 @@ Engines, per (workload, phase, mode):
 - torch-graphs: the same step captured whole in one CUDA graph (Adam capturable=True, warm-up on a
   side stream, zero_grad(set_to_none=True), then forward + backward + opt.step() captured;
   inference captured under no_grad). Skipped, with the reason, where PyTorch has no CUDA device.
-Strict: TF32 off for cuBLAS and cuDNN. Accelerated: TF32 on (plus autocast with `--torch-autocast`).
+Strict: TF32 off for cuBLAS and cuDNN. Accelerated: TF32 on (plus autocast of the forward with
+`--torch-autocast bf16|f16`; no loss scaling, so f16 training is a timing, not a recipe).
+Without CUDA (`--tiny` here: lavapipe), PyTorch runs eager on the CPU with one thread, and its
+graph and accelerated rows are recorded as skipped / not available, with the reason.
 
 Same weights and inputs on both sides: each workload's seeded parameters go into one safetensors
 file, written once and loaded by name by every vkml session and every PyTorch module. The
 training step runs Adam(lr=1e-4) on both. Inference computes the outputs AND the loss on both
-sides (PyTorch's reference forward returns both), so the work is the same.
+sides (PyTorch's reference forward returns both), so the work is the same. ResNet-50's inference
+uses batch norm's inference form (running statistics, seeded non-trivial values in the file).
 
 Figures per row:
 - median_ms / min_ms / n: wall clock of `step(); wait()` (vkml) or of the step followed by
@@ -40,6 +44,11 @@ Figures per row:
 - memory: vkml's planned physical (and logical) bytes; PyTorch's torch.cuda.max_memory_allocated
   over the row (weights, gradients, optimizer state, activations, graph pool), above what was
   allocated before it.
+- ratios (markdown, JSON "ratios"): vkml's median wall time over each PyTorch engine's.
+- --matmul: C = A @ B with A, B (n x n, random normal) as vkml parameters, so a step is the
+  product alone (inputs would be copied from staging memory every step); GPU time from
+  profile(); PyTorch torch.mm at fp32 (TF32 off), TF32 and f16, CUDA events; TFLOP/s at the
+  median (and best) time, relative error against float64.
 
 Order, for a run cut short by a time limit: each workload's rows (timings and gates), then the
 matmul, then the compile subprocesses; the JSON is rewritten after every row, the markdown after
