@@ -698,8 +698,7 @@ class Report:
                                                   else " (host)")) if gpu.get("median") else "-"
             comp = (v or {}).get("compile", {})
             cold, warm = comp.get("cold_s"), comp.get("warm_s")
-            comp_text = (f"{cold:.2f} / {warm:.2f}" if cold is not None and warm is not None
-                         else "-")
+            comp_text = " / ".join("-" if x is None else f"{x:.2f}" for x in (cold, warm))
             mem = f"{mib(v, 'physical_bytes')} / {mib(eager, 'torch_peak_bytes')} / " \
                   f"{mib(graphs, 'torch_peak_bytes')}"
             lines.append(f"| {wl} | {phase} | {mode} | {ms(v)} | {ms(eager)} | {ms(graphs)} | "
@@ -867,7 +866,7 @@ class Bench:
     def over_budget(self) -> str | None:
         budget = self.opts.budget_s
         if budget and self.elapsed() > budget:
-            return f"skipped: --budget-s {budget:.0f} s reached ({self.elapsed():.0f} s)"
+            return f"--budget-s {budget:g} s reached ({self.elapsed():.0f} s into the run)"
         return None
 
     def row(self, workload: str, phase: str, mode: str, engine: str,
@@ -891,19 +890,27 @@ class Bench:
         """Every row of one workload; if preparing it fails (graph, weights, PyTorch reference),
         its rows say so and the run goes on with the next workload."""
         try:
-            self.workload_rows(wl)
+            skip = self.over_budget()
+            if skip:
+                self.fill(wl, "skipped", skip)
+            else:
+                self.workload_rows(wl)
         except Exception as e:  # noqa: BLE001 - one broken workload must not end the run
             traceback.print_exc()
-            for mode in self.opts.modes:
-                for ph in self.opts.phases:
-                    for engine in (self.engine, "torch-eager", "torch-graphs"):
-                        if self.report.find(wl.name, ph, mode, engine) is None:
-                            self.report.add(self.row(wl.name, ph, mode, engine, status="failed",
-                                                     reason=error_text(e)))
+            self.fill(wl, "failed", error_text(e))
         finally:
             (self.tmp / f"{wl.name}.safetensors").unlink(missing_ok=True)
             self.torch.release()
             self.report.write_markdown()
+
+    def fill(self, wl: Workload, status: str, reason: str, mode: str | None = None) -> None:
+        """Rows of `wl` (in `mode`, or all modes) not recorded yet, with a status and reason."""
+        for md in [mode] if mode else self.opts.modes:
+            for ph in self.opts.phases:
+                for engine in (self.engine, "torch-eager", "torch-graphs"):
+                    if self.report.find(wl.name, ph, md, engine) is None:
+                        self.report.add(self.row(wl.name, ph, md, engine, status=status,
+                                                 reason=reason))
 
     def workload_rows(self, wl: Workload) -> None:
         opts = self.opts
@@ -925,12 +932,10 @@ class Bench:
                 refs[ph] = t.reference(templates[ph], arrays, grads=ph == "train")
         for mode in opts.modes:
             skip = self.over_budget()
+            if skip:
+                self.fill(wl, "skipped", skip, mode)
+                continue
             for ph in opts.phases:
-                if skip:
-                    for engine in (self.engine, "torch-eager", "torch-graphs"):
-                        self.report.add(self.row(wl.name, ph, mode, engine, status="skipped",
-                                                 reason=skip))
-                    continue
                 self.phase(wl, ph, mode, built[ph], arrays, weights, templates[ph], refs[ph])
 
     def write_weights(self, wl: Workload, built: dict[str, Any]) -> Path:
