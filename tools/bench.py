@@ -307,11 +307,13 @@ def load_weights(session: Any, path: Path) -> None:
 
 
 def profile_summary(profile: Any) -> dict[str, Any]:
+    """Step times from `session.profile()`, and every kernel that ran (PROTOCOL.md: a result
+    records which kernels ran) as [name, calls per step, ms per step], slowest first."""
     steps = max(getattr(profile, "steps", 1), 1)
     rows = sorted(getattr(profile, "rows", []), key=lambda r: -r.total_ms)
     return {**stats(list(profile.step_ms)), "source": profile.source,
             "note": getattr(profile, "note", ""),
-            "top_kernels": [[r.name, r.calls // steps, r.total_ms / steps] for r in rows[:10]]}
+            "per_kernel": [[r.name, r.calls // steps, r.total_ms / steps] for r in rows]}
 
 
 def child_compile(spec: dict[str, Any]) -> dict[str, Any]:
