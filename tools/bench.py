@@ -1201,8 +1201,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="the models' tiny() configs")
     p.add_argument("--only", type=names(WORKLOADS), default=list(WORKLOADS),
                    help=f"workloads, comma-separated: {','.join(WORKLOADS)}")
-    p.add_argument("--phases", type=names(PHASES), default=list(PHASES))
-    p.add_argument("--modes", type=names(MODES), default=list(MODES))
+    p.add_argument("--phases", type=names(PHASES), default=list(PHASES),
+                   help="train,infer (default both)")
+    p.add_argument("--modes", type=names(MODES), default=list(MODES),
+                   help="strict,accelerated (default both)")
     p.add_argument("--reps", type=int, default=10, help="timed steps per row (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--backend", choices=("vulkan", "wgpu"), default="vulkan",
