@@ -1,0 +1,202 @@
+"""The GEMM core every matrix-shaped kernel shares: C[i, j] = sum_k A[i, k] B[k, j] over a grid of
+output tiles, with the operands read through loaders, so one generator serves matmul (plain,
+transposed, batched) and convolution as implicit GEMM (forward, input gradient, weight gradient):
+the caller says how to read an element of A and of B and how to store an element of C.
+
+Two variants, chosen by the device:
+- staged (GPUs): a workgroup computes a BM x BN tile; each thread holds a TM x TN register tile
+  of scalar accumulators (generated unrolled: a dynamically indexed local array would live in
+  slow local memory). Every BK-deep slice of A and B goes through workgroup memory as vec4 rows,
+  so a thread reads its TM + TN operands in (TM + TN) / 4 wide loads per step; the next slice is
+  read from memory into registers while this one is multiplied. Thread (tx, ty) owns rows
+  4 * (i4 * WY + ty) + 0..3 and columns 4 * (j4 * WX + tx) + 0..3, which keeps the vec4 reads of
+  a warp conflict-free and its stores contiguous.
+- direct (CPU drivers, where staging gains nothing and barriers make the JIT slow): each thread
+  reads its operands straight from memory, rows ty + WY * i and columns tx + WX * j.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from vkml.hal import Capabilities, Kernel
+from vkml.kernels.common import Buf, assemble
+
+# A loader: (row variable, depth variable) -> WGSL lines assigning the element to `v` (a var
+# declared 0.0 by the caller), leaving it 0 where the element is padding. The caller guarantees
+# row < rows and depth < the operand's depth.
+Loader = Callable[[str, str], list[str]]
+# A store: (row variable, column variable, accumulator) -> WGSL lines storing one element of C;
+# called only inside the matrix.
+Store = Callable[[str, str, str], list[str]]
+
+PAD = 4  # floats added to each staged row: keeps the transposing stores off one bank
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A (rows x depth) or B (columns x depth), as the kernel reads it. `contiguous`: which
+    index runs along memory, so neighbouring threads read neighbouring addresses."""
+
+    load: Loader
+    contiguous: Literal["row", "depth"]
+
+
+@dataclass(frozen=True)
+class Tiling:
+    bm: int
+    bn: int
+    tm: int  # register tile rows per thread
+    tn: int
+    bk: int
+    staged: bool
+
+    @property
+    def wx(self) -> int:
+        return self.bn // self.tn
+
+    @property
+    def wy(self) -> int:
+        return self.bm // self.tm
+
+    @property
+    def threads(self) -> int:
+        return self.wx * self.wy
+
+    def __str__(self) -> str:
+        return f"{'s' if self.staged else 'd'}{self.bm}x{self.bn}k{self.bk}r{self.tm}x{self.tn}"
+
+
+# Staged tilings from the largest tile (most reuse per loaded value) to the smallest (most
+# workgroups for small matrices). Thread counts are 256 or 64.
+STAGED = (Tiling(128, 128, 8, 8, 8, True), Tiling(128, 64, 8, 4, 8, True),
+          Tiling(64, 128, 4, 8, 8, True), Tiling(64, 64, 4, 4, 16, True),
+          Tiling(64, 32, 8, 4, 16, True), Tiling(32, 64, 4, 8, 16, True),
+          Tiling(32, 32, 4, 4, 16, True))
+# Workgroups it takes to fill a large GPU (an H200 has 132 multiprocessors, two resident
+# workgroups each at these sizes); below this a smaller tile wins by keeping more of it busy.
+FILL = 264
+
+
+def direct_tiling(m: int, n: int) -> Tiling:
+    """16 x 16 threads, each with up to 4 x 4 outputs (fewer for small matrices)."""
+    def pick(extent: int) -> int:
+        return 4 if extent >= 64 else 2 if extent >= 32 else 1
+    tm, tn = pick(m), pick(n)
+    return Tiling(16 * tm, 16 * tn, tm, tn, 1, False)
+
+
+def choose(m: int, n: int, k: int, z: int, caps: Capabilities) -> Tiling:
+    """The tiling for an (m x n x k) product over `z` grid layers on this device."""
+    if caps.device_type == "cpu":
+        return direct_tiling(m, n)
+    usable = [t for t in STAGED if _fits(t, caps)]
+    for t in usable:
+        if -(-m // t.bm) * -(-n // t.bn) * z >= FILL:
+            return t
+    return usable[-1]
+
+
+def _fits(t: Tiling, caps: Capabilities) -> bool:
+    shared = 4 * t.bk * ((t.bm + PAD) + (t.bn + PAD))
+    return (t.threads <= caps.max_workgroup_invocations and shared <= caps.max_shared_memory_bytes
+            and t.wx <= caps.max_workgroup_size[0] and t.wy <= caps.max_workgroup_size[1])
+
+
+def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: int, k: int,
+             z: int, a: Operand, b: Operand, store: Store, tiling: Tiling, *,
+             setup: Sequence[str] = (), k_range: tuple[str, str] | None = None,
+             prelude: Sequence[str] = (), flops: int = 0, nbytes: int = 0) -> Kernel:
+    """A kernel over the grid (ceil(n / BN), ceil(m / BM), z). `setup`: WGSL lines run first,
+    which may use `z` (the grid layer: a batch index, a group, a split of k) and define what
+    the loaders and the store use; `k_range`: WGSL expressions of the first and end depth this
+    layer sums over (default 0 and k)."""
+    begin, end = k_range or ("0u", f"{k}u")
+    body = (_staged if tiling.staged else _direct)(m, n, a, b, store, tiling, begin, end)
+    head = ["fn main(@builtin(local_invocation_id) lid: vec3<u32>, "
+            "@builtin(workgroup_id) wid: vec3<u32>) {",
+            f"  let tx = lid.x; let ty = lid.y; let tid = ty * {tiling.wx}u + tx;",
+            f"  let row0 = wid.y * {tiling.bm}u; let col0 = wid.x * {tiling.bn}u; let z = wid.z;",
+            *setup]
+    shared = ([f"var<workgroup> As: array<vec4<f32>, {tiling.bk * (tiling.bm + PAD) // 4}>;",
+               f"var<workgroup> Bs: array<vec4<f32>, {tiling.bk * (tiling.bn + PAD) // 4}>;"]
+              if tiling.staged else [])
+    return assemble(f"{name}_{tiling}", caps, buffers, (tiling.wx, tiling.wy),
+                    [*head, *body, "}"], (-(-n // tiling.bn), -(-m // tiling.bm), z),
+                    prelude=[*prelude, *shared], flops=flops, nbytes=nbytes)
+
+
+def _element(load: Loader, row: str, depth: str, guard: str, target: str) -> str:
+    """One operand element into `target`, 0 where `guard` fails or the loader says padding."""
+    inner = " ".join(load(row, depth))
+    return (f"{{ var v = 0.0; if ({guard}) {{ {inner} }} {target} = v; }}" if guard
+            else f"{{ var v = 0.0; {inner} {target} = v; }}")
+
+
+def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, begin: str,
+            end: str) -> list[str]:
+    lines = [*[f"  var c{i}_{j} = 0.0;" for i in range(t.tm) for j in range(t.tn)]]
+    loads: dict[str, list[str]] = {}
+    fill: list[str] = []
+    for tile, op, extent, origin, bound in (("a", a, t.bm, "row0", m), ("b", b, t.bn, "col0", n)):
+        count = extent * t.bk // t.threads
+        stride = extent + PAD
+        for step in range(count):
+            e = f"(tid + {step * t.threads}u)"
+            if op.contiguous == "depth":
+                ii, kk = f"{e} / {t.bk}u", f"{e} % {t.bk}u"
+            else:
+                ii, kk = f"{e} % {extent}u", f"{e} / {extent}u"
+            lines += [f"  let {tile}i{step} = {origin} + {ii}; let {tile}k{step} = {kk};",
+                      f"  let {tile}s{step} = {kk} * {stride}u + {ii};",
+                      f"  var {tile}p{step} = 0.0;"]
+            loads.setdefault(tile, []).append(
+                "    " + _element(op.load, f"{tile}i{step}", f"(kn + {tile}k{step})",
+                                  f"{tile}i{step} < {bound}u && kn + {tile}k{step} < kend",
+                                  f"{tile}p{step}"))
+            fill.append(f"    {'As' if tile == 'a' else 'Bs'}[{tile}s{step} / 4u]"
+                        f"[{tile}s{step} % 4u] = {tile}p{step};")
+    lines += [f"  let kend = {end};", f"  var kn = {begin};", *loads["a"], *loads["b"],
+              f"  for (var k0 = {begin}; k0 < kend; k0 += {t.bk}u) {{", *fill,
+              "    workgroupBarrier();", f"    kn = k0 + {t.bk}u;", *loads["a"], *loads["b"]]
+    comp = "xyzw"
+    for kk in range(t.bk):
+        lines.append("    {")
+        lines += [f"      let a{i4} = As[{kk * (t.bm + PAD) // 4}u + {i4 * t.wy}u + ty];"
+                  for i4 in range(t.tm // 4)]
+        lines += [f"      let b{j4} = Bs[{kk * (t.bn + PAD) // 4}u + {j4 * t.wx}u + tx];"
+                  for j4 in range(t.tn // 4)]
+        lines += [f"      c{i}_{j} = fma(a{i // 4}.{comp[i % 4]}, b{j // 4}.{comp[j % 4]}, "
+                  f"c{i}_{j});" for i in range(t.tm) for j in range(t.tn)]
+        lines.append("    }")
+    lines += ["    workgroupBarrier();", "  }"]
+    for i in range(t.tm):
+        for j in range(t.tn):
+            row = f"row0 + {4 * (i // 4) * t.wy + i % 4}u + 4u * ty"
+            col = f"col0 + {4 * (j // 4) * t.wx + j % 4}u + 4u * tx"
+            lines += [f"  {{ let r = {row}; let c = {col};",
+                      f"    if (r < {m}u && c < {n}u) {{", *store("r", "c", f"c{i}_{j}"), "  } }"]
+    return lines
+
+
+def _direct(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, begin: str,
+            end: str) -> list[str]:
+    # Rows and columns past the edge compute on a clamped (valid) index; their sums are dropped.
+    lines = [*[f"  let r{i} = min(row0 + ty + {t.wy * i}u, {m - 1}u);" for i in range(t.tm)],
+             *[f"  let q{j} = min(col0 + tx + {t.wx * j}u, {n - 1}u);" for j in range(t.tn)],
+             *[f"  var c{i}_{j} = 0.0;" for i in range(t.tm) for j in range(t.tn)],
+             *[f"  var a{i} = 0.0;" for i in range(t.tm)],
+             *[f"  var b{j} = 0.0;" for j in range(t.tn)],
+             f"  for (var kd = {begin}; kd < {end}; kd++) {{",
+             *["    " + _element(a.load, f"r{i}", "kd", "", f"a{i}") for i in range(t.tm)],
+             *["    " + _element(b.load, f"q{j}", "kd", "", f"b{j}") for j in range(t.tn)],
+             *[f"    c{i}_{j} = fma(a{i}, b{j}, c{i}_{j});"
+               for i in range(t.tm) for j in range(t.tn)],
+             "  }"]
+    for i in range(t.tm):
+        for j in range(t.tn):
+            lines += [f"  {{ let r = row0 + ty + {t.wy * i}u; let c = col0 + tx + {t.wx * j}u;",
+                      f"    if (r < {m}u && c < {n}u) {{", *store("r", "c", f"c{i}_{j}"), "  } }"]
+    return lines
