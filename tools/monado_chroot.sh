@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A real OpenXR runtime for the XR test: Monado (null compositor + simulated HMD) from Debian 13
+# packages, in a Debian 13 chroot (Debian 12 has no Monado package). Cached OUTSIDE the repo, so
+# only the first run pays for debootstrap (about 4 minutes, under 1 GB); later runs find it ready.
+#
+#   tools/monado_chroot.sh provision   # make the chroot if missing (needs root and the mirror)
+#   tools/monado_chroot.sh root        # print the chroot's path
+#
+# On success the chroot holds $ROOT/.vkml-ready; on failure $ROOT.status says why, and the XR
+# test prints that reason when it skips. The mirror is the one apt already uses (read from the
+# apt sources), never a fixed host.
+set -uo pipefail
+
+ROOT=${VKML_MONADO_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/vkml/monado-trixie}
+STATUS="$ROOT.status"
+PACKAGES="monado-service libopenxr1-monado libopenxr-loader1 mesa-vulkan-drivers libvulkan1
+  vulkan-validationlayers python3 python3-cffi python3-numpy"
+
+fail() { mkdir -p "$(dirname "$ROOT")"; echo "$*" > "$STATUS"; echo "monado_chroot: $*" >&2; exit 1; }
+
+mirror() {
+  # The first Debian archive (not -security) in apt's sources, deb822 or one-line format.
+  local m
+  m=$(grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}' | grep -v security | head -1)
+  [ -n "$m" ] || m=$(grep -hs '^deb ' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
+      | awk '{print $2}' | grep -v security | head -1)
+  echo "$m"
+}
+
+mounts() {  # what a Vulkan + Monado client needs inside: proc, sys, dev (shm for Monado's IPC)
+  mountpoint -q "$ROOT/proc" || mount -t proc proc "$ROOT/proc" || return 1
+  mountpoint -q "$ROOT/sys" || mount --rbind /sys "$ROOT/sys" || return 1
+  mountpoint -q "$ROOT/dev" || mount --rbind /dev "$ROOT/dev" || return 1
+  mount --make-rslave "$ROOT/sys" "$ROOT/dev" 2>/dev/null || true
+}
+
+unmounts() {
+  for m in dev sys proc; do mountpoint -q "$ROOT/$m" && umount -R "$ROOT/$m"; done
+  return 0
+}
+
+provision() {
+  if [ -f "$ROOT/.vkml-ready" ]; then echo "monado chroot ready at $ROOT"; return 0; fi
+  [ "$(id -u)" = 0 ] || fail "needs root (debootstrap, chroot, mount)"
+  command -v debootstrap >/dev/null || apt-get install -y -q debootstrap >/dev/null \
+    || fail "cannot install debootstrap"
+  local m; m=$(mirror)
+  [ -n "$m" ] || fail "no Debian mirror found in apt's sources"
+  mkdir -p "$(dirname "$ROOT")"
+  if [ ! -x "$ROOT/bin/sh" ]; then
+    rm -rf "$ROOT"
+    echo "debootstrap trixie into $ROOT (a few minutes, once)"
+    debootstrap --variant=minbase --include=ca-certificates trixie "$ROOT" "$m" \
+      > "$ROOT.debootstrap.log" 2>&1 || fail "debootstrap failed (see $ROOT.debootstrap.log)"
+  fi
+  mounts || fail "cannot mount proc/sys/dev in $ROOT"
+  trap unmounts EXIT
+  # shellcheck disable=SC2086
+  chroot "$ROOT" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+    --no-install-recommends $PACKAGES > "$ROOT.apt.log" 2>&1 \
+    || { chroot "$ROOT" apt-get update -q >> "$ROOT.apt.log" 2>&1 \
+         && chroot "$ROOT" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+              --no-install-recommends $PACKAGES >> "$ROOT.apt.log" 2>&1; } \
+    || fail "apt-get install in the chroot failed (see $ROOT.apt.log)"
+  chroot "$ROOT" sh -c 'command -v monado-service && python3 -c "import cffi, numpy"' \
+    > /dev/null || fail "monado-service or python3 modules missing after install"
+  chroot "$ROOT" dpkg-query -W monado-service mesa-vulkan-drivers python3 > "$ROOT/.vkml-ready"
+  rm -f "$STATUS"
+  echo "monado chroot ready at $ROOT"
+}
+
+case "${1:-provision}" in
+  provision) provision ;;
+  root) echo "$ROOT" ;;
+  mount) mounts ;;
+  unmount) unmounts ;;
+  *) echo "usage: $0 provision|root|mount|unmount" >&2; exit 2 ;;
+esac
