@@ -57,6 +57,8 @@ def parse(argv: list[str] | None = None) -> Options:
                     help="XR swapchain images' size per eye (capped by the runtime's maximum)")
     ap.add_argument("--window-scale", type=int, default=d.window_scale,
                     help="window: pixels per model pixel")
+    ap.add_argument("--screenshot", help="window: save a screenshot of the X screen (PNG) "
+                    "after the last frame")
     a = ap.parse_args(argv)
     schedule = a.schedule
     if a.chunks is not None:
@@ -69,7 +71,8 @@ def parse(argv: list[str] | None = None) -> Options:
                    fresh_decoder=a.fresh_decoder, save=a.save, seed=a.seed, out=a.out,
                    max_pending=a.max_pending, camera=a.camera, margin_ms=a.margin_ms,
                    compare=a.compare, compare_frames=a.compare_frames, evaluate=a.evaluate,
-                   xr_size=a.xr_size, window_scale=a.window_scale)
+                   xr_size=a.xr_size, window_scale=a.window_scale,
+                   screenshot=a.screenshot)
 
 
 def main(argv: list[str] | None = None) -> int:

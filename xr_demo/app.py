@@ -50,7 +50,7 @@ class Options:
     frames: int = 300
     hz: float = 72.0  # the frame rate the loop is paced at (0: as fast as it goes)
     train_every: int = 1  # a training sample every N frames (0: no training)
-    infer_every: int = 2  # an inference on the latest frame every k frames (0: none)
+    infer_every: int = 4  # an inference on the latest frame every k frames (0: none)
     schedule: str = "slack"  # slack[:fraction] | chunks:N | budget:MS
     live: str = "decoder"  # what learns live: the decoder (encoder frozen) or all
     lr: float = 2e-3
@@ -67,6 +67,7 @@ class Options:
     evaluate: bool = True  # held-out depth error at the start and the end
     xr_size: int = 256  # XR: swapchain image size per eye
     window_scale: int = 4  # window: screen pixels per model pixel
+    screenshot: str | None = None  # window: grab the X screen into this PNG before closing
 
 
 @dataclass
@@ -173,7 +174,7 @@ class ModelTimer:
         """The last pair's difference in ms, if its fence has signalled (non-blocking)."""
         if not self._pending:
             return None
-        if vk.vkGetFenceStatus(self.host.device, self.fence) != vk.VK_SUCCESS:
+        if vk.lib.vkGetFenceStatus(self.host.device, self.fence) != vk.VK_SUCCESS:
             return None
         self._pending = False
         result = vk.lib.vkGetQueryPoolResults(self.host.device, self.pool, 0, 2, 16,

@@ -75,12 +75,20 @@ def calibrate(host: VulkanHost, renderer: SceneRenderer, frames: int = 16
 
 
 def frame_loop(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts: Options,
-               frames: int, first: int = 0) -> None:
+               frames: int, first: int = 0, log: Callable[[str], None] | None = None) -> None:
     cb = host.command_buffers(1)[0]
     fence = host.fence()
     pacer = Pacer(opts.hz)
+    last_report = time.perf_counter()
     try:
         for n in range(first, first + frames):
+            if log is not None and time.perf_counter() - last_report > 10:
+                last_report = time.perf_counter()
+                run = demo.run
+                loss = f", loss {run.losses[-1][2]:.5f}" if run.losses else ""
+                err = (f", live AbsRel {run.predictions[-1].abs_rel:.3f}"
+                       if run.predictions else "")
+                log(f"  frame {n - first}/{frames}: {len(run.losses)} training steps{loss}{err}")
             skipped = pacer.wait()
             demo.begin_frame(n)
             c = camera_frame(opts, n)
@@ -172,7 +180,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                 log(f"{name}: step {i['step_gpu_ms']} ms GPU ({i['timing']}), "
                     f"{i['dispatches']} dispatches, {i['pieces']} pieces under {i['policy']}")
         t_loop = time.perf_counter()
-        frame_loop(host, renderer, demo, opts, opts.frames)
+        frame_loop(host, renderer, demo, opts, opts.frames, log=log)
         loop_s = time.perf_counter() - t_loop
         demo.finish()
         metrics: dict[str, Any] = {

@@ -48,7 +48,9 @@ class Buffer:
 
 
 def create_image(host: VulkanHost, width: int, height: int, fmt: int, usage: int,
-                 aspect: int = vk.VK_IMAGE_ASPECT_COLOR_BIT) -> Image:
+                 aspect: int = vk.VK_IMAGE_ASPECT_COLOR_BIT, view: bool = True) -> Image:
+    """A device-local 2-D image; with a view unless `view` is False (an image used only by
+    copies and blits may not have one)."""
     d = host.device
     image = vk.vkCreateImage(d, vk.VkImageCreateInfo(
         sType=vk.VK_STRUCTURE_TYPE_IMAGE_CREATE_INFO, imageType=vk.VK_IMAGE_TYPE_2D,
@@ -62,15 +64,16 @@ def create_image(host: VulkanHost, width: int, height: int, fmt: int, usage: int
         memoryTypeIndex=host.memory_type(req.memoryTypeBits,
                                          vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT)), None)
     vk.vkBindImageMemory(d, image, memory, 0)
-    view = vk.vkCreateImageView(d, vk.VkImageViewCreateInfo(
+    handle = vk.vkCreateImageView(d, vk.VkImageViewCreateInfo(
         sType=vk.VK_STRUCTURE_TYPE_IMAGE_VIEW_CREATE_INFO, image=image,
         viewType=vk.VK_IMAGE_VIEW_TYPE_2D, format=fmt,
-        subresourceRange=vk.VkImageSubresourceRange(aspect, 0, 1, 0, 1)), None)
-    return Image(image, memory, view, width, height, fmt)
+        subresourceRange=vk.VkImageSubresourceRange(aspect, 0, 1, 0, 1)), None) if view else None
+    return Image(image, memory, handle, width, height, fmt)
 
 
 def destroy_image(host: VulkanHost, img: Image) -> None:
-    vk.vkDestroyImageView(host.device, img.view, None)
+    if img.view is not None:
+        vk.vkDestroyImageView(host.device, img.view, None)
     vk.vkDestroyImage(host.device, img.image, None)
     vk.vkFreeMemory(host.device, img.memory, None)
 
@@ -337,7 +340,7 @@ class Compositor:
         self.host = host
         self.panel = create_image(host, panel_width, panel_height, COLOR_FORMAT,
                                   vk.VK_IMAGE_USAGE_TRANSFER_DST_BIT
-                                  | vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT)
+                                  | vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT, view=False)
         self.staging = create_buffer(host, 4 * panel_width * panel_height,
                                      vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT)
         # The panel starts undefined: its first use uploads black pixels unless set_panel came
