@@ -5,6 +5,10 @@
 #
 #   tools/monado_chroot.sh provision   # make the chroot if missing (needs root and the mirror)
 #   tools/monado_chroot.sh root        # print the chroot's path
+#   tools/monado_chroot.sh run-xr OUT [xr_demo options...]
+#       stage this checkout's vkml and xr_demo (and the venv's pure-Python packages) into the
+#       chroot, start monado-service there, run `python3 -m xr_demo --xr ...` inside, copy its
+#       output folder to OUT, stop the service and unmount
 #
 # On success the chroot holds $ROOT/.vkml-ready; on failure $ROOT.status says why, and the XR
 # test prints that reason when it skips. The mirror is the one apt already uses (read from the
@@ -69,10 +73,57 @@ provision() {
   echo "monado chroot ready at $ROOT"
 }
 
+run_xr() {
+  local out=${1:?usage: run-xr OUT [options]}; shift
+  [ -f "$ROOT/.vkml-ready" ] || { echo "no Monado chroot at $ROOT: run '$0 provision'" >&2; return 3; }
+  local repo; repo=$(cd "$(dirname "$0")/.." && pwd)
+  local py=${VKML_VENV_PYTHON:-$repo/.venv/bin/python}
+  local site; site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  mounts || { echo "cannot mount proc/sys/dev in $ROOT" >&2; return 1; }
+  local svc=""
+  cleanup() {
+    [ -n "$svc" ] && kill -- "-$svc" 2>/dev/null
+    sleep 0.3
+    unmounts
+  }
+  trap cleanup RETURN
+  # The app inside: this checkout's packages, the naga wasm, and the pure-Python dependencies
+  # (numpy and cffi come from the chroot's own Debian packages, built for its Python).
+  rm -rf "$ROOT/opt/vkml" "$ROOT/opt/pylibs" "$ROOT/tmp/xr-out"
+  mkdir -p "$ROOT/opt/vkml/node_modules/naga-wasm" "$ROOT/opt/pylibs" "$ROOT/tmp/xdg"
+  chmod 700 "$ROOT/tmp/xdg"
+  cp -r "$repo/vkml" "$repo/xr_demo" "$repo/spirv" "$ROOT/opt/vkml/"
+  cp -r "$repo/node_modules/naga-wasm/dist" "$repo/node_modules/naga-wasm/package.json" \
+    "$ROOT/opt/vkml/node_modules/naga-wasm/"
+  # (with their dist-info: vkml keys its caches by package versions)
+  for p in vulkan xr OpenGL wasmtime safetensors tqdm typing_extensions.py \
+      vulkan-*.dist-info pyopenxr-*.dist-info wasmtime-*.dist-info safetensors-*.dist-info; do
+    for f in "$site"/$p; do [ -e "$f" ] && cp -r "$f" "$ROOT/opt/pylibs/"; done
+  done
+  find "$ROOT/opt" -name __pycache__ -prune -exec rm -rf {} +
+  rm -f "$ROOT/tmp/xdg/monado_comp_ipc"
+  # monado-service needs a pipe on stdin (epoll on /dev/null fails); its own process group,
+  # so that cleanup ends exactly it and its `sleep`.
+  setsid chroot "$ROOT" sh -c 'sleep 600 | XDG_RUNTIME_DIR=/tmp/xdg XRT_COMPOSITOR_NULL=1 \
+    SIMULATED_ENABLE=1 monado-service' > "$out.monado.log" 2>&1 &
+  svc=$!
+  local i
+  for i in $(seq 100); do [ -S "$ROOT/tmp/xdg/monado_comp_ipc" ] && break; sleep 0.1; done
+  [ -S "$ROOT/tmp/xdg/monado_comp_ipc" ] || { echo "monado-service did not start" >&2; cat "$out.monado.log" >&2; return 4; }
+  local rc=0
+  chroot "$ROOT" env XDG_RUNTIME_DIR=/tmp/xdg PYTHONPATH=/opt/vkml:/opt/pylibs \
+    VKML_CACHE_DIR=/tmp/vkml-cache HOME=/root ${VK_INSTANCE_LAYERS:+VK_INSTANCE_LAYERS=$VK_INSTANCE_LAYERS} \
+    python3 -m xr_demo --xr --out /tmp/xr-out "$@" || rc=$?
+  mkdir -p "$out"
+  cp -r "$ROOT/tmp/xr-out/." "$out/" 2>/dev/null
+  return $rc
+}
+
 case "${1:-provision}" in
   provision) provision ;;
   root) echo "$ROOT" ;;
   mount) mounts ;;
   unmount) unmounts ;;
-  *) echo "usage: $0 provision|root|mount|unmount" >&2; exit 2 ;;
+  run-xr) shift; run_xr "$@" ;;
+  *) echo "usage: $0 provision|root|mount|unmount|run-xr OUT [options]" >&2; exit 2 ;;
 esac

@@ -365,13 +365,15 @@ class Compositor:
         if not props.optimalTilingFeatures & vk.VK_FORMAT_FEATURE_BLIT_DST_BIT:
             raise HostError(f"the screen's format {fmt} cannot be a blit destination here")
 
-    def record(self, cb: Any, scene: SceneRenderer, dst: Any, width: int, height: int,
-               old_layout: int, new_layout: int, dst_stage: int, dst_access: int) -> None:
-        """Blit the scene into the left third of `dst` (width x height) and the panel into
-        the rest; `dst` goes from `old_layout` to `new_layout` for the stage that uses it next
-        (present: BOTTOM_OF_PIPE / 0; an OpenXR compositor: as its runtime expects)."""
+    def record(self, cb: Any, placements: list[tuple[Image, tuple[int, int, int, int]]],
+               dst: Any, old_layout: int, new_layout: int, dst_stage: int,
+               dst_access: int) -> None:
+        """Blit each (source, (x0, y0, x1, y1)) of `placements` into `dst`, scaled; sources
+        are the scene's colour target (TRANSFER_SRC_OPTIMAL after SceneRenderer.record) or
+        `self.panel`. `dst` goes from `old_layout` to `new_layout`, ready for `dst_stage`
+        (present: BOTTOM_OF_PIPE and no access; an OpenXR swapchain: colour attachment)."""
         transfer = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
-        if self._dirty:
+        if self._dirty and any(src is self.panel for src, _ in placements):
             old = (vk.VK_IMAGE_LAYOUT_TRANSFER_SRC_OPTIMAL if self._initialised
                    else vk.VK_IMAGE_LAYOUT_UNDEFINED)
             image_barrier(cb, self.panel.image, old, vk.VK_IMAGE_LAYOUT_TRANSFER_DST_OPTIMAL,
@@ -391,15 +393,13 @@ class Compositor:
         image_barrier(cb, dst, old_layout, vk.VK_IMAGE_LAYOUT_TRANSFER_DST_OPTIMAL,
                       vk.VK_PIPELINE_STAGE_COLOR_ATTACHMENT_OUTPUT_BIT | transfer, transfer, 0,
                       vk.VK_ACCESS_TRANSFER_WRITE_BIT)
-        split = width // 3
-        for src, x0, x1 in ((scene.color, 0, split), (self.panel, split, width)):
+        layers = vk.VkImageSubresourceLayers(vk.VK_IMAGE_ASPECT_COLOR_BIT, 0, 0, 1)
+        for src, (x0, y0, x1, y1) in placements:
             blit = vk.VkImageBlit(
-                srcSubresource=vk.VkImageSubresourceLayers(vk.VK_IMAGE_ASPECT_COLOR_BIT, 0, 0,
-                                                           1),
+                srcSubresource=layers,
                 srcOffsets=[vk.VkOffset3D(0, 0, 0), vk.VkOffset3D(src.width, src.height, 1)],
-                dstSubresource=vk.VkImageSubresourceLayers(vk.VK_IMAGE_ASPECT_COLOR_BIT, 0, 0,
-                                                           1),
-                dstOffsets=[vk.VkOffset3D(x0, 0, 0), vk.VkOffset3D(x1, height, 1)])
+                dstSubresource=layers,
+                dstOffsets=[vk.VkOffset3D(x0, y0, 0), vk.VkOffset3D(x1, y1, 1)])
             vk.vkCmdBlitImage(cb, src.image, vk.VK_IMAGE_LAYOUT_TRANSFER_SRC_OPTIMAL, dst,
                               vk.VK_IMAGE_LAYOUT_TRANSFER_DST_OPTIMAL, 1, [blit],
                               vk.VK_FILTER_NEAREST)

@@ -100,11 +100,18 @@ def universal_family(physical: Any) -> int | None:
     return None
 
 
-def device_create_info(physical: Any, family: int,
-                       extensions: Sequence[str] = ()) -> CreateInfo:
+def device_create_info(physical: Any, family: int, extensions: Sequence[str] = (),
+                       for_openxr: bool = False) -> CreateInfo:
     """The host's VkDeviceCreateInfo: one queue of `family`; dynamic rendering (the renderer);
     timeline semaphores, f16 and the memory model where present (declared to vkml);
-    cooperative matrices where the GPU has them, as a vkml-owned device would enable them."""
+    cooperative matrices where the GPU has them, as a vkml-owned device would enable them.
+
+    `for_openxr`: the create info goes through xrCreateVulkanDeviceKHR. Monado 25 puts its own
+    VkPhysicalDeviceTimelineSemaphoreFeatures at the head of the pNext chain (enabled when the
+    device has it and VK_KHR_timeline_semaphore is in the extension list), so the chain must not
+    hold VkPhysicalDeviceVulkan12Features (VUID-VkDeviceCreateInfo-pNext-02830) nor a timeline
+    struct of its own: the same features then go in their per-feature structs, and the
+    extension is named so that the runtime enables timeline semaphores."""
     have = {e.extensionName for e in vk.vkEnumerateDeviceExtensionProperties(physical, None)}
     missing = [e for e in extensions if e not in have]
     if missing:
@@ -139,9 +146,26 @@ def device_create_info(physical: Any, family: int,
     e13 = ffi.new("VkPhysicalDeviceVulkan13Features*", {
         "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES,
         "pNext": e_coop if coop else ffi.NULL, "dynamicRendering": 1})
-    e12 = ffi.new("VkPhysicalDeviceVulkan12Features*", {
-        "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, "pNext": e13,
-        **{f: 1 for f in features if f in (*SHARED_FEATURES, "vulkanMemoryModelDeviceScope")}})
+    if not for_openxr:
+        e12 = ffi.new("VkPhysicalDeviceVulkan12Features*", {
+            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES, "pNext": e13,
+            **{f: 1 for f in features
+               if f in (*SHARED_FEATURES, "vulkanMemoryModelDeviceScope")}})
+        chain12 = [e12]
+    else:
+        f16 = ffi.new("VkPhysicalDeviceShaderFloat16Int8Features*", {
+            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_FLOAT16_INT8_FEATURES,
+            "pNext": e13, "shaderFloat16": int("shaderFloat16" in features)})
+        model = ffi.new("VkPhysicalDeviceVulkanMemoryModelFeatures*", {
+            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_MEMORY_MODEL_FEATURES,
+            "pNext": f16, "vulkanMemoryModel": int("vulkanMemoryModel" in features),
+            "vulkanMemoryModelDeviceScope": int("vulkanMemoryModelDeviceScope" in features)})
+        chain12 = [f16, model]
+        e12 = model
+        if "timelineSemaphore" in features and "VK_KHR_timeline_semaphore" in have:
+            exts.append("VK_KHR_timeline_semaphore")
+        else:
+            features = [f for f in features if f != "timelineSemaphore"]
     e11 = ffi.new("VkPhysicalDeviceVulkan11Features*", {
         "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, "pNext": e12,
         "storageBuffer16BitAccess": int("storageBuffer16BitAccess" in features)})
@@ -155,7 +179,7 @@ def device_create_info(physical: Any, family: int,
         "sType": vk.VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO, "pNext": e11,
         "queueCreateInfoCount": 1, "pQueueCreateInfos": qci,
         "enabledExtensionCount": len(exts), "ppEnabledExtensionNames": name_array})
-    return CreateInfo(info, [e_coop, e13, e12, e11, priorities, qci, names, name_array],
+    return CreateInfo(info, [e_coop, e13, *chain12, e11, priorities, qci, names, name_array],
                       features, exts)
 
 

@@ -159,8 +159,11 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                 vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
                     sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
                 renderer.record(cb, desktop_camera(c), c / 72.0)
-                compositor.record(cb, renderer, swapchain.images[index], swapchain.width,
-                                  swapchain.height, vk.VK_IMAGE_LAYOUT_UNDEFINED,
+                w, h = swapchain.width, swapchain.height
+                placements = [(renderer.color, (0, 0, w // 3, h)),
+                              (compositor.panel, (w // 3, 0, w, h))]
+                compositor.record(cb, placements, swapchain.images[index],
+                                  vk.VK_IMAGE_LAYOUT_UNDEFINED,
                                   vk.VK_IMAGE_LAYOUT_PRESENT_SRC_KHR,
                                   vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, 0)
                 vk.vkEndCommandBuffer(cb)
