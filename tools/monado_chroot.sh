@@ -101,6 +101,11 @@ run_xr() {
     for f in "$site"/$p; do [ -e "$f" ] && cp -r "$f" "$ROOT/opt/pylibs/"; done
   done
   find "$ROOT/opt" -name __pycache__ -prune -exec rm -rf {} +
+  # naga's SPIR-V is the same inside: reuse the host's cache rather than translate again
+  local cache=${VKML_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vkml}
+  if [ -d "$cache/spirv" ]; then
+    mkdir -p "$ROOT/tmp/vkml-cache/spirv" && cp -ru "$cache/spirv/." "$ROOT/tmp/vkml-cache/spirv/"
+  fi
   rm -f "$ROOT/tmp/xdg/monado_comp_ipc"
   # monado-service needs a pipe on stdin (epoll on /dev/null fails); its own process group,
   # so that cleanup ends exactly it and its `sleep`.

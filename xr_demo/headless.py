@@ -212,6 +212,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         if opts.save:
             demo.save(opts.save)
         metrics["validation_messages"] = list(host.messages)
+        metrics["validating"] = host.messenger is not None
         metrics["total_seconds"] = round(time.perf_counter() - t_start, 2)
         title = (f"{host.device_name.split(' (')[0]}: {opts.resolution}x{opts.resolution}, "
                  f"live {opts.live}, schedule {opts.schedule}, {opts.hz:g} Hz")

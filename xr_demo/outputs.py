@@ -98,7 +98,8 @@ def write_plot(path: str, run: RunLog, hz: float, title: str) -> None:
                   [loss for _, _, loss in run.losses], lw=0.8, color="tab:blue", alpha=0.6)
         twin.set_ylabel("training loss (MSE)", color="tab:blue")
         twin.set_yscale("log")
-    top.legend(loc="upper right", fontsize=8)
+    if top.get_legend_handles_labels()[0]:
+        top.legend(loc="upper right", fontsize=8)
     top.set_title(title, fontsize=10)
     frames = run.frames
     t = [f.t for f in frames]

@@ -190,7 +190,8 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         metrics = {"device": host.device_name, "mode": "window", "presented": presented,
                    "window": [swapchain.width, swapchain.height], "setup": info,
                    "run": demo.metrics(period_ms),
-                   "validation_messages": list(host.messages)}
+                   "validation_messages": list(host.messages),
+                   "validating": host.messenger is not None}
         os.makedirs(opts.out, exist_ok=True)
         path = os.path.join(opts.out, "metrics_window.json")
         outputs.write_json(path, metrics)

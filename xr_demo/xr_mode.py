@@ -291,6 +291,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
             "train_steps_done": len(demo.run.losses),
             "predictions": len(demo.run.predictions),
             "validation_messages": list(host.messages),
+            "validating": host.messenger is not None,
         }
         os.makedirs(opts.out, exist_ok=True)
         path = os.path.join(opts.out, "metrics_xr.json")
