@@ -38,7 +38,8 @@ def parse(argv: list[str] | None = None) -> Options:
     ap.add_argument("--live", choices=LIVE_MODES, default=d.live,
                     help="what learns live: the decoder (encoder frozen) or the whole network")
     ap.add_argument("--lr", type=float, default=d.lr)
-    ap.add_argument("--checkpoint", help="safetensors to start from (e.g. assets/depthnet64.safetensors)")
+    ap.add_argument("--checkpoint",
+                    help="safetensors to start from (e.g. assets/depthnet64.safetensors)")
     ap.add_argument("--fresh-decoder", action="store_true",
                     help="with --checkpoint: load only its encoder; the decoder starts fresh")
     ap.add_argument("--save", help="write a safetensors checkpoint at the end")

@@ -2,9 +2,10 @@
 a few materials, a sun, fog, and a camera path. Pure numpy, no GPU: the renderer uploads
 `Scene.vertices` / `Scene.indices` once and pushes a `Camera`'s matrices every frame.
 
-Conventions: right-handed world, y up, metres. Matrices are numpy (4, 4) acting on column vectors;
-`Camera.view_proj` maps to WebGPU clip space (y up, depth 0..1; naga flips y for Vulkan). The camera path is a function
-of the frame number, not of wall time, so a run is reproducible frame for frame.
+Conventions: right-handed world, y up, metres. Matrices are numpy (4, 4) acting on column
+vectors; `Camera.view_proj` maps to WebGPU clip space (y up, depth 0..1; naga flips y for
+Vulkan). The camera path is a function of the frame number, not of wall time, so a run is
+reproducible frame for frame.
 """
 
 from __future__ import annotations
