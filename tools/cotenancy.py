@@ -106,13 +106,16 @@ def run_mode(host: VulkanHost, renderer: FullscreenLoad, job: Job | None, hz: fl
             slot += skip
             start = base + slot * period
         time.sleep(max(0.0, start - time.perf_counter()))
+        scheduler.new_frame()
+        if job is not None:  # slack mode: a step begun last frame continues before the render
+            scheduler.fill(n, slack_ms, "before")
         # GPU timestamps only without the model: reading them waits for the whole queue on
         # lavapipe 22.3, which would charge the model's work to the host's frame loop.
         t0 = renderer.render(timed=job is None)
         if job is not None:
             if not job.busy:  # a new step only once the last one has finished
                 job.begin(n)
-            scheduler.fill(n, slack_ms)
+            scheduler.fill(n, slack_ms, "after")
         cpu, gpu = renderer.wait(t0)
         frame_ms.append(cpu)
         if gpu == gpu:  # not NaN

@@ -47,10 +47,10 @@ EVAL_FRAMES = (101, 917, 1733, 2549)  # fixed views for the held-out depth error
 class Options:
     mode: str = "headless"
     resolution: int = 64
-    frames: int = 300
+    frames: int = 900
     hz: float = 72.0  # the frame rate the loop is paced at (0: as fast as it goes)
     train_every: int = 1  # a training sample every N frames (0: no training)
-    infer_every: int = 4  # an inference on the latest frame every k frames (0: none)
+    infer_every: int = 6  # an inference on the latest frame every k frames (0: none)
     schedule: str = "slack"  # slack[:fraction] | chunks:N | budget:MS
     live: str = "decoder"  # what learns live: the decoder (encoder frozen) or all
     lr: float = 2e-3
@@ -132,62 +132,74 @@ def pct(values: list[float], p: float) -> float | None:
 
 
 class ModelTimer:
-    """GPU time of the model's work in a frame from two timestamps the host submits around its
-    pieces (a tiny command buffer each, recorded once). Read a frame later, when the fence
-    after the second says both are written; None when not available or implausible."""
+    """GPU time of the model's work in a frame, from timestamps the host submits around its
+    pieces: a window before the frame's render (continuing steps) and one after it (new
+    steps), two stamps each (a tiny command buffer per stamp, recorded once; a BOTTOM_OF_PIPE
+    stamp is written once everything submitted before it has finished). Read a frame or more
+    later, when the fence after the frame's last stamp has signalled; None when not available
+    or implausible."""
+
+    WINDOWS = 2
 
     def __init__(self, host: VulkanHost) -> None:
         self.host = host
         d = host.device
+        n = 2 * self.WINDOWS
         self.pool = vk.vkCreateQueryPool(d, vk.VkQueryPoolCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
-            queryType=vk.VK_QUERY_TYPE_TIMESTAMP, queryCount=2), None)
-        self.cbs = host.command_buffers(2)
+            queryType=vk.VK_QUERY_TYPE_TIMESTAMP, queryCount=n), None)
+        self.cbs = host.command_buffers(n)
         for i, cb in enumerate(self.cbs):
             vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
                 sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
             vk.vkCmdResetQueryPool(cb, self.pool, i, 1)
-            # BOTTOM_OF_PIPE: written once everything submitted before it has finished
             vk.vkCmdWriteTimestamp(cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self.pool, i)
             vk.vkEndCommandBuffer(cb)
         self.fence = host.fence(signaled=True)
-        self._pending = False
-        self._stamps = vk.ffi.new("uint64_t[2]")
+        self._pending = False  # a frame's stamps are in flight
+        self._used: list[int] = []  # windows stamped this frame
+        self._stamps = vk.ffi.new(f"uint64_t[{n}]")
 
     @property
     def usable(self) -> bool:
         return bool(self.host.timestamp_bits) and self.host.timestamp_period > 0
 
-    def before(self) -> bool:
-        """Submit the first stamp if the last pair is done; False if still in flight."""
+    def new_frame(self) -> bool:
+        """Whether this frame can be timed (the previous frame's stamps were read)."""
         if not self.usable or self._pending:
             return False
+        self._used = []
         vk.vkResetFences(self.host.device, 1, [self.fence])
-        self.host.submit(self.cbs[0])
         return True
 
-    def after(self) -> None:
-        self.host.submit(self.cbs[1], self.fence)
-        self._pending = True
+    def open(self, window: int) -> None:
+        self.host.submit(self.cbs[2 * window])
+
+    def close_window(self, window: int, last: bool) -> None:
+        self.host.submit(self.cbs[2 * window + 1], self.fence if last else None)
+        self._used.append(window)
+        self._pending = self._pending or last
 
     def read(self) -> float | None:
-        """The last pair's difference in ms, if its fence has signalled (non-blocking)."""
+        """The timed frame's model GPU ms, if its fence has signalled (non-blocking)."""
         if not self._pending:
             return None
         if vk.lib.vkGetFenceStatus(self.host.device, self.fence) != vk.VK_SUCCESS:
             return None
         self._pending = False
-        result = vk.lib.vkGetQueryPoolResults(self.host.device, self.pool, 0, 2, 16,
+        n = 2 * self.WINDOWS
+        result = vk.lib.vkGetQueryPoolResults(self.host.device, self.pool, 0, n, 8 * n,
                                               self._stamps, 8, vk.VK_QUERY_RESULT_64_BIT)
         if result != vk.VK_SUCCESS:
             return None
-        ms = (self._stamps[1] - self._stamps[0]) * self.host.timestamp_period / 1e6
+        ticks = sum(self._stamps[2 * w + 1] - self._stamps[2 * w] for w in self._used)
+        ms = ticks * self.host.timestamp_period / 1e6
         return ms if 0 <= ms < 10_000 else None
 
     def close(self) -> None:
         vk.vkWaitForFences(self.host.device, 1, [self.fence], vk.VK_TRUE, 60 * 10**9)
         vk.vkDestroyFence(self.host.device, self.fence, None)
-        vk.vkFreeCommandBuffers(self.host.device, self.host.pool, 2, self.cbs)
+        vk.vkFreeCommandBuffers(self.host.device, self.host.pool, len(self.cbs), self.cbs)
         vk.vkDestroyQueryPool(self.host.device, self.pool, None)
 
 
@@ -232,6 +244,9 @@ class Demo:
         self.render_ms = 0.0
         self._t0 = time.perf_counter()
         self._frame_use: Any = None
+        self._timed = False
+        self._query_reads_wait_for_queue = host.device_name.startswith("llvmpipe")
+        self.period_ms = 0.0
         self._last_slot = 0
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -324,6 +339,7 @@ class Demo:
                           "step_gpu_ms": round(sum(prof.dispatch_ms), 3),
                           "timing": prof.source + (f" ({prof.note})" if prof.note else "")}
         self.render_ms = render_ms
+        self.period_ms = period_ms
         self.slack_ms = max(0.0, period_ms - render_ms - self.opts.margin_ms) if period_ms else \
             float("inf")
         policy = Policy.parse(self.opts.schedule)
@@ -350,6 +366,14 @@ class Demo:
         return next((j for j in self.jobs if j.name == name), None)
 
     # ---- the frame loop -----------------------------------------------------------------------
+    def queries_readable(self) -> bool:
+        """Whether reading timestamp queries now would not stall the frame loop. Mesa's
+        lavapipe (22.3) waits in vkGetQueryPoolResults for its whole queue to go idle
+        (measured: 100-150 ms behind a training step), so there they are read only when
+        vkml's work has drained; other drivers return at once."""
+        return not self._query_reads_wait_for_queue or self._drained()
+
+
     def _drained(self) -> bool:
         """All of vkml's submitted work has finished (reads would not block)."""
         semaphore, last = self.infer.done()
@@ -398,13 +422,33 @@ class Demo:
             abs_rel(pred, depth)))
         self._infer_harvested = True
 
+    def fill_before_render(self, n: int) -> None:
+        """Before the frame's render is submitted: pieces of steps begun in an earlier frame,
+        so that they run right after that frame's pieces, contiguous on the GPU (a step split
+        across the frame boundary finishes as soon as it would have whole)."""
+        self._timed = self.timer.new_frame()
+        self._frame_use = self.scheduler.new_frame()
+        if self._timed and self.scheduler.wants("before"):
+            self.timer.open(0)
+            self.scheduler.fill(n, self.slack_ms, "before")
+            self.timer.close_window(0, last=False)
+
     def fill(self, n: int) -> None:
-        """After the frame's render is submitted: the model's pieces that fit the slack."""
-        pending = any(j.pieces_left for j in self.jobs)
-        timed = self.timer.before() if pending else False
-        self._frame_use = self.scheduler.fill(n, self.slack_ms)
-        if timed:
-            self.timer.after()
+        """After the frame's render is submitted: new steps' pieces, in what is left of the
+        frame's slack."""
+        if self._frame_use is None:
+            self._frame_use = self.scheduler.new_frame()
+            self._timed = self.timer.new_frame()
+        if not self._timed:
+            self.scheduler.fill(n, self.slack_ms, "after")
+            return
+        if self.scheduler.wants("after"):
+            self.timer.open(1)
+            self.scheduler.fill(n, self.slack_ms, "after")
+            self.timer.close_window(1, last=True)
+        elif self.timer._used:  # only the window before the render: an empty pair after it
+            self.timer.open(1)  # (about 0 ms) carries the frame's fence
+            self.timer.close_window(1, last=True)
 
     def end_frame(self, n: int, rgb: np.ndarray, depth: np.ndarray, frame_ms: float,
                   render_gpu_ms: float | None, skipped: int = 0) -> None:
@@ -416,9 +460,11 @@ class Demo:
                 self.samples.popleft()
                 self.run.dropped_samples += 1
         use = self._frame_use
+        model_ms = self.timer.read() if self.queries_readable() else None
+        self.scheduler.observe(frame_ms, self.period_ms, self.opts.margin_ms)
         self.run.frames.append(FrameStat(
             n, time.perf_counter() - self._t0, frame_ms, render_gpu_ms,
-            use.pieces if use else 0, use.cost_ms if use else 0.0, self.timer.read(), skipped))
+            use.pieces if use else 0, use.cost_ms if use else 0.0, model_ms, skipped))
         self._frame_use = None
 
     def finish(self) -> None:
@@ -442,6 +488,8 @@ class Demo:
             "frame_ms_p50": pct(ft, 50), "frame_ms_p99": pct(ft, 99),
             "missed_frames_72hz": sum(f > 1000 / 72 for f in ft),
             "missed_frames_90hz": sum(f > 1000 / 90 for f in ft),
+            # frame slots the paced loop fell behind by (its host work or a blocking call was
+            # late): a missed frame too, which the frame time above does not see
             "skipped_slots": sum(f.skipped for f in frames),
             "render_gpu_ms_p50": pct([f.render_gpu_ms for f in frames], 50),
             "model_pieces_per_frame_mean": round(statistics.mean(
@@ -452,6 +500,8 @@ class Demo:
                                                if f.model_gpu_ms is not None], 50),
             "model_gpu_ms_frames_timed": sum(f.model_gpu_ms is not None for f in frames),
             "dropped_samples": self.run.dropped_samples,
+            "cost_scale_final": round(self.scheduler.scale, 3),
+            "cost_scale_max": round(self.scheduler.scale_max, 3),
         }
         for job in self.jobs:
             lat = job.latencies()

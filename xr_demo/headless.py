@@ -28,9 +28,11 @@ class Pacer:
         self.base = time.perf_counter()
         self.slot = 1
 
-    def wait(self) -> int:
+    def wait(self) -> tuple[int, float]:
+        """Block until the next slot: (slots skipped, the frame's start time). A frame is
+        on time if its render is done within one period of its start."""
         if not self.period:
-            return 0
+            return 0, time.perf_counter()
         start = self.base + self.slot * self.period
         now = time.perf_counter()
         skipped = 0
@@ -40,7 +42,7 @@ class Pacer:
             start = self.base + self.slot * self.period
         time.sleep(max(0.0, start - time.perf_counter()))
         self.slot += 1
-        return skipped
+        return skipped, start
 
 
 def calibrate(host: VulkanHost, renderer: SceneRenderer, frames: int = 16
@@ -89,7 +91,7 @@ def frame_loop(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts: Opti
                 err = (f", live AbsRel {run.predictions[-1].abs_rel:.3f}"
                        if run.predictions else "")
                 log(f"  frame {n - first}/{frames}: {len(run.losses)} training steps{loss}{err}")
-            skipped = pacer.wait()
+            skipped, frame_start = pacer.wait()
             demo.begin_frame(n)
             c = camera_frame(opts, n)
             vk.vkResetCommandBuffer(cb, 0)
@@ -97,13 +99,16 @@ def frame_loop(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts: Opti
                 sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
             renderer.record(cb, desktop_camera(c), c / 72.0)
             vk.vkEndCommandBuffer(cb)
-            t0 = time.perf_counter()
+            demo.fill_before_render(n)  # continuing steps' pieces, then the render
             host.submit(cb, fence)
-            demo.fill(n)  # the model's pieces go in after the render, on the same queue
+            demo.fill(n)  # new steps' pieces go in after the render, on the same queue
             host.wait_fence(fence)
-            frame_ms = (time.perf_counter() - t0) * 1e3
+            # frame time: from the frame's slot (host work, the pieces before the render and
+            # the render itself) to the render's fence
+            frame_ms = (time.perf_counter() - frame_start) * 1e3
             rgb, depth = renderer.read()
-            demo.end_frame(n, rgb, depth, frame_ms, renderer.gpu_ms(), skipped)
+            gpu = renderer.gpu_ms() if demo.queries_readable() else None
+            demo.end_frame(n, rgb, depth, frame_ms, gpu, skipped)
     finally:
         host.idle()
         vk.vkDestroyFence(host.device, fence, None)
@@ -142,7 +147,8 @@ def compare_policies(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts
             m["piece_ms_max"] = round(max(job.costs), 3)
             results[str(policy)] = m
             log(f"  {str(policy):>14}: frame p50 {m['frame_ms_p50']} p99 {m['frame_ms_p99']} "
-                f"ms, missed@72 {m['missed_frames_72hz']}, latency p50 "
+                f"ms, missed@72 {m['missed_frames_72hz']}, skipped slots "
+                f"{m['skipped_slots']}, latency p50 "
                 f"{m['train_latency_ms_p50']} ms over {m['train_frames_per_step_p50']} "
                 f"frames ({m['train_steps']} steps, {len(job.costs)} pieces)")
     finally:
@@ -222,8 +228,9 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         r = metrics["run"]
         log(f"frames {r['frames']}: frame time p50 {r['frame_ms_p50']} ms, p99 "
             f"{r['frame_ms_p99']} ms; missed {r['missed_frames_72hz']} at 72 Hz, "
-            f"{r['missed_frames_90hz']} at 90 Hz; model {r['model_gpu_ms_per_frame_p50']} ms "
-            f"GPU per frame (timestamps), train latency p50 {r.get('train_latency_ms_p50')} ms")
+            f"{r['missed_frames_90hz']} at 90 Hz, {r['skipped_slots']} slots skipped; model "
+            f"{r['model_gpu_ms_per_frame_p50']} ms GPU per frame (timestamps), train latency "
+            f"p50 {r.get('train_latency_ms_p50')} ms")
         for k, v in metrics["outputs"].items():
             log(f"  {k:>8}: {v}")
         return metrics

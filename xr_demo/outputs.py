@@ -104,7 +104,7 @@ def write_plot(path: str, run: RunLog, hz: float, title: str) -> None:
     frames = run.frames
     t = [f.t for f in frames]
     bottom.plot(t, [f.frame_ms for f in frames], lw=0.8, color="tab:purple",
-                label="frame time (render submit to fence)")
+                label="frame time (frame start to render fence)")
     bottom.plot(t, [f.model_cost_ms for f in frames], lw=0.8, color="tab:orange", alpha=0.8,
                 label="model GPU ms submitted (profiled)")
     for rate, style in ((72, "--"), (90, ":")):

@@ -228,20 +228,62 @@ class FrameUse:
 
 
 class Scheduler:
-    """Fills each frame's slack with the jobs' pieces, in priority order."""
+    """Fills each frame's slack with the jobs' pieces, in priority order, in two windows.
+
+    "before" (submitted before the frame's render): the pieces of steps that began in an
+    earlier frame. They run right after that frame's last pieces, so a step cut at the frame
+    boundary runs contiguously on the GPU, and the render that follows them still ends within
+    the frame (the slack is the period minus the render, both windows together).
+    "after" (after the render): new steps start here, in what the frame has left.
+    One-per-frame policies (chunks=N, budget) use only the "after" window, one piece a frame.
+    """
 
     def __init__(self, jobs: Sequence[Job]) -> None:
         self.jobs = list(jobs)
+        self.use = FrameUse()
+        # Measured costs are scaled by this before planning: it grows when a frame misses its
+        # period and relaxes back towards 1 while frames are on time (the profile's costs were
+        # measured alone; under co-tenancy, and on a CPU driver sharing cores with the host,
+        # pieces run slower).
+        self.scale = 1.0
+        self.scale_max = 1.0
 
-    def fill(self, frame: int, slack_ms: float) -> FrameUse:
-        use = FrameUse()
+    def observe(self, frame_ms: float, period_ms: float, margin_ms: float) -> None:
+        """Feedback from a finished frame (its time from start to the render's fence)."""
+        if not period_ms:
+            return
+        if frame_ms > period_ms:
+            self.scale = min(8.0, self.scale * 1.25)
+        elif frame_ms < period_ms - 2 * margin_ms:
+            self.scale = max(1.0, self.scale * 0.99)
+        self.scale_max = max(self.scale_max, self.scale)
+
+    def new_frame(self) -> FrameUse:
+        self.use = FrameUse()
+        return self.use
+
+    def _eligible(self, job: Job, phase: str) -> bool:
+        if not job._in_step:
+            return False
+        if phase == "before":  # only steps already running, and only the slack policy
+            return not job.policy.one_per_frame and job._start is not None
+        return True
+
+    def wants(self, phase: str) -> bool:
+        return any(self._eligible(j, phase) for j in self.jobs)
+
+    def fill(self, frame: int, slack_ms: float, phase: str = "after") -> FrameUse:
+        use = self.use
         for job in self.jobs:
-            if not job._in_step:
+            if not self._eligible(job, phase):
                 continue
-            n = plan_pieces(job.costs[job._next:], slack_ms, use.cost_ms, job.policy.one_per_frame,
-                            use.pieces > 0)
+            if job.policy.one_per_frame and job.name in use.by_job:
+                continue
+            costs = [c * self.scale for c in job.costs[job._next:]]
+            n = plan_pieces(costs, slack_ms, use.cost_ms * self.scale,
+                            job.policy.one_per_frame, use.pieces > 0)
             if n:
                 use.cost_ms += job.submit(frame, n)
                 use.pieces += n
-                use.by_job[job.name] = n
+                use.by_job[job.name] = use.by_job.get(job.name, 0) + n
         return use

@@ -150,7 +150,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                 glfw.poll_events()
                 if glfw.window_should_close(window):
                     break
-                skipped = pacer.wait()
+                skipped, frame_start = pacer.wait()
                 demo.begin_frame(n)
                 compositor.set_panel(panel_pixels(demo, r))
                 index, available = swapchain.acquire()
@@ -167,16 +167,17 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                                   vk.VK_IMAGE_LAYOUT_PRESENT_SRC_KHR,
                                   vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, 0)
                 vk.vkEndCommandBuffer(cb)
-                t0 = time.perf_counter()
+                demo.fill_before_render(n)  # continuing steps' pieces, then the frame
                 host.submit(cb, fence, wait=[(available, transfer)],
                             signal=[swapchain.rendered[index]])
                 swapchain.present(index)
                 presented += 1
                 demo.fill(n)  # the model's pieces after the frame, on the same queue
                 host.wait_fence(fence)
-                frame_ms = (time.perf_counter() - t0) * 1e3
+                frame_ms = (time.perf_counter() - frame_start) * 1e3  # slot to fence
                 rgb, depth = renderer.read()
-                demo.end_frame(n, rgb, depth, frame_ms, renderer.gpu_ms(), skipped)
+                gpu = renderer.gpu_ms() if demo.queries_readable() else None
+                demo.end_frame(n, rgb, depth, frame_ms, gpu, skipped)
             if opts.screenshot:
                 host.idle()
                 time.sleep(0.2)  # let the X server show the last present

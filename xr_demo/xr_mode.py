@@ -258,6 +258,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                             sub_image=xr.SwapchainSubImage(swapchain=chain, image_rect=xr.Rect2Di(
                                 offset=xr.Offset2Di(0, 0), extent=xr.Extent2Di(w, h)))))
                     vk.vkEndCommandBuffer(cb)
+                    demo.fill_before_render(n)  # continuing steps' pieces, then the eyes
                     t0 = time.perf_counter()
                     host.submit(cb, fence)
                     for chain, *_ in xs.eyes:
@@ -267,7 +268,8 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                     host.wait_fence(fence)
                     frame_ms = (time.perf_counter() - t0) * 1e3
                     rgb, depth = renderers[0].read()
-                    demo.end_frame(n, rgb, depth, frame_ms, renderers[0].gpu_ms())
+                    gpu = renderers[0].gpu_ms() if demo.queries_readable() else None
+                    demo.end_frame(n, rgb, depth, frame_ms, gpu)
                     layer = xr.CompositionLayerProjection(space=xs.space,
                                                           views=projection_views)
                     layers = [ctypes.byref(layer)]
