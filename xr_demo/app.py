@@ -169,10 +169,11 @@ class ModelTimer:
         if not self.usable or self._pending:
             return False
         self._used = []
-        vk.vkResetFences(self.host.device, 1, [self.fence])
         return True
 
     def open(self, window: int) -> None:
+        if not self._used:  # the frame's first stamp: the fence will go with its last
+            vk.vkResetFences(self.host.device, 1, [self.fence])
         self.host.submit(self.cbs[2 * window])
 
     def close_window(self, window: int, last: bool) -> None:
@@ -187,17 +188,19 @@ class ModelTimer:
         if vk.lib.vkGetFenceStatus(self.host.device, self.fence) != vk.VK_SUCCESS:
             return None
         self._pending = False
-        n = 2 * self.WINDOWS
-        result = vk.lib.vkGetQueryPoolResults(self.host.device, self.pool, 0, n, 8 * n,
-                                              self._stamps, 8, vk.VK_QUERY_RESULT_64_BIT)
-        if result != vk.VK_SUCCESS:
-            return None
-        ticks = sum(self._stamps[2 * w + 1] - self._stamps[2 * w] for w in self._used)
+        ticks = 0
+        for w in self._used:  # only the windows stamped (the others were never reset)
+            result = vk.lib.vkGetQueryPoolResults(self.host.device, self.pool, 2 * w, 2, 16,
+                                                  self._stamps, 8, vk.VK_QUERY_RESULT_64_BIT)
+            if result != vk.VK_SUCCESS:
+                return None
+            ticks += self._stamps[1] - self._stamps[0]
         ms = ticks * self.host.timestamp_period / 1e6
         return ms if 0 <= ms < 10_000 else None
 
     def close(self) -> None:
-        vk.vkWaitForFences(self.host.device, 1, [self.fence], vk.VK_TRUE, 60 * 10**9)
+        if self._pending:
+            vk.vkWaitForFences(self.host.device, 1, [self.fence], vk.VK_TRUE, 60 * 10**9)
         vk.vkDestroyFence(self.host.device, self.fence, None)
         vk.vkFreeCommandBuffers(self.host.device, self.host.pool, len(self.cbs), self.cbs)
         vk.vkDestroyQueryPool(self.host.device, self.pool, None)
