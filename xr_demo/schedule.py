@@ -225,6 +225,7 @@ class FrameUse:
     pieces: int = 0
     cost_ms: float = 0.0
     by_job: dict[str, int] = field(default_factory=dict)
+    oversized: bool = False  # a piece longer than the whole slack went (alone) this frame
 
 
 class Scheduler:
@@ -247,20 +248,26 @@ class Scheduler:
         # pieces run slower).
         self.scale = 1.0
         self.scale_max = 1.0
+        self._previous = FrameUse()
+
+    def new_frame(self) -> FrameUse:
+        self._previous = self.use
+        self.use = FrameUse()
+        return self.use
 
     def observe(self, frame_ms: float, period_ms: float, margin_ms: float) -> None:
-        """Feedback from a finished frame (its time from start to the render's fence)."""
+        """Feedback from a finished frame (its time from start to the render's fence, which
+        the previous frame's pieces after its render and this frame's before it delay). A
+        miss with no piece that was known to be too long for the slack means the prices were
+        low: raise them; on-time frames bring them back."""
         if not period_ms:
             return
         if frame_ms > period_ms:
-            self.scale = min(8.0, self.scale * 1.25)
+            if not (self.use.oversized or self._previous.oversized):
+                self.scale = min(4.0, self.scale * 1.25)
         elif frame_ms < period_ms - 2 * margin_ms:
-            self.scale = max(1.0, self.scale * 0.99)
+            self.scale = max(1.0, self.scale * 0.97)
         self.scale_max = max(self.scale_max, self.scale)
-
-    def new_frame(self) -> FrameUse:
-        self.use = FrameUse()
-        return self.use
 
     def _eligible(self, job: Job, phase: str) -> bool:
         if not job._in_step:
@@ -282,6 +289,8 @@ class Scheduler:
             costs = [c * self.scale for c in job.costs[job._next:]]
             n = plan_pieces(costs, slack_ms, use.cost_ms * self.scale,
                             job.policy.one_per_frame, use.pieces > 0)
+            if n == 1 and costs and costs[0] > slack_ms:
+                use.oversized = True
             if n:
                 use.cost_ms += job.submit(frame, n)
                 use.pieces += n
