@@ -7,8 +7,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := libvulkan1 mesa-vulkan-drivers vulkan-validationlayers xvfb
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# apt-get that waits (up to 10 minutes) for another apt or dpkg instead of failing at once.
+APT_GET := $(SUDO) tools/apt_get_wait.sh
 # Tests run under the Khronos validation layer: any message it reports fails the test.
 TEST_ENV := VK_INSTANCE_LAYERS=VK_LAYER_KHRONOS_validation
+# PyTorch is only the tests' reference. On Linux x86_64, PyPI's build of the pinned torch is the
+# CUDA one (about 2.7 GB with its nvidia-* wheels). TORCH_INDEX_URL takes torch (and its own
+# dependencies) from another index first, e.g. the CPU-only build (about 0.2 GB):
+#   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# It takes effect when .venv/ is set up: `make clean` first where one exists.
+TORCH_INDEX_URL ?=
+TORCH_PIN := $(shell sed -n 's/.*"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
 
 .PHONY: setup system-packages demo demo-mlp monado test lint clean
 
@@ -19,7 +28,7 @@ system-packages:
 	  command -v npm >/dev/null || echo npm); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing $$missing"; \
-	  $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q $$missing; \
+	  $(APT_GET) update -q && $(APT_GET) install -y -q $$missing; \
 	fi
 
 node_modules/.installed: package.json package-lock.json
@@ -29,6 +38,7 @@ node_modules/.installed: package.json package-lock.json
 $(VENV)/.installed: pyproject.toml
 	[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_INDEX_URL),$(PY) -m pip install -q --index-url '$(TORCH_INDEX_URL)' '$(TORCH_PIN)')
 	$(PY) -m pip install -q -e '.[test,demo]'
 	touch $@
 

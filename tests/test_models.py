@@ -1,7 +1,7 @@
 """The reference models of vkml/models/ at their tiny configs against plain-PyTorch
 implementations (tests/torch_reference.py) on the same weights, read from the vkml session by
 name into the torch module with load_state_dict(strict=True), so the names are checked too.
-PROTOCOL.md's gates: forward relative L2 < 1% (we ask 1e-4 in f32), total and per-parameter
+tools/PROTOCOL.md's gates: forward relative L2 < 1% (we ask 1e-4 in f32), total and per-parameter
 gradient-norm errors < 5% (we ask 1e-3) and cosine > 0.99, and the loss decreasing over 10 Adam
 steps, ending in the parameters torch.optim.Adam reaches (relative L2 < 1%). The torch side
 runs in float64."""
@@ -108,7 +108,7 @@ def check(built, module, device, rng, lr=1e-2, forward_tol=FORWARD_TOL, grad_tol
         assert cosine > 0.999, (n, cosine)
     assert np.all(np.isfinite(losses)), losses
     assert losses[-1] < losses[0], losses
-    for n, err in param_errors.items():  # PROTOCOL.md: parameters after N steps within 1%
+    for n, err in param_errors.items():  # tools/PROTOCOL.md: parameters after N steps within 1%
         assert err < 1e-2, (n, trajectory, err)
     assert sum(b < a for a, b in zip(losses, losses[1:])) >= (STEPS - 1) * 2 // 3, losses
 

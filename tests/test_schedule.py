@@ -102,11 +102,11 @@ sys.path.insert(0, {tests!r})
 from test_schedule import training_graph
 drop_barriers = {drop}
 if drop_barriers:  # the control: the same work recorded without barriers must be caught
-    import vkml.session
-    vkml.session.Barrier = lambda: None
+    import vkml.runtime.bound
+    vkml.runtime.bound.Barrier = lambda: None
     import vkml.vk
-    record = vkml.vk.VulkanBackend.record
-    vkml.vk.VulkanBackend.record = lambda self, cmds, label, timestamps=False: record(
+    record = vkml.vk.VulkanBackend._record
+    vkml.vk.VulkanBackend._record = lambda self, cmds, label, timestamps: record(
         self, [c for c in cmds if c is not None], label, timestamps)
 device = vkml.Device(backend="vulkan")
 for optimizer in (vkml.SGD(lr=0.1, momentum=0.9), vkml.AdamW()):

@@ -13,7 +13,8 @@ from conftest import subprocess_env
 from safetensors.numpy import load_file, save_file
 
 import vkml
-from vkml.ops import OPS
+from vkml.expr import Arg, call
+from vkml.graph import OPS
 
 
 def mlp_session(device, optimizer=None, seed=0):
@@ -178,7 +179,7 @@ def test_graph_shape_mismatch_names_both_operands():
 
 
 def test_kernel_rejected_by_naga_reports_it_and_leaves_device_usable(device, monkeypatch):
-    broken = dataclasses.replace(OPS["exp"], expr=lambda node: "exp(x0, 2.0)")
+    broken = dataclasses.replace(OPS["exp"], expr=lambda node: call("exp({0}, 2.0)", Arg(0)))
     monkeypatch.setitem(OPS, "exp", broken)
     g = vkml.Graph()
     x = g.input("x", (3,))

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from conftest import rel_l2, subprocess_env
 from test_ops import CASES, Case, build_session
-from test_vk_backend import AXPB, NBYTES, N
+from test_vk_backend import NBYTES, N, axpb_kernel
 
 import vkml
 from vkml.errors import DeviceError, NagaError
-from vkml.hal import Barrier, Binding, Copy, Dispatch
+from vkml.hal import Barrier, Binding, Copy, Dispatch, Kernel
 
 pytest.importorskip("wgpu", reason="the wgpu backend needs `pip install vkml[wgpu]`")
 
@@ -24,8 +24,9 @@ from vkml.webgpu.backend import WgpuBackend  # noqa: E402  (only once wgpu is kn
 
 AGREE = 1e-5
 
-# AXPB's x and b are read-only, y writable: bound as ranges of ONE buffer this is the usage
-# conflict WebGPU rejects unless the backend rewrites the kernel.
+# axpb's x and b are read, y written: bound as ranges of ONE buffer this is the usage conflict
+# WebGPU rejects unless every binding is declared read_write, as codegen does where the
+# capabilities say read_only_storage=False.
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def test_training_ends_in_the_same_parameters_as_vulkan(pair):
 
 
 def test_one_buffer_bound_read_only_and_writable_in_one_dispatch(backend):
-    pipe = backend.create_pipeline("axpb", AXPB, b"", 3, [False, False, True])
+    assert not backend.caps.read_only_storage
+    pipe = backend.create_pipeline(axpb_kernel(backend.caps))
     align = backend.caps.min_storage_offset_alignment
     assert align >= 256  # WebGPU's default, what the planner must honour
     stride = -(-NBYTES // align) * align
@@ -111,20 +113,20 @@ def test_one_buffer_bound_read_only_and_writable_in_one_dispatch(backend):
 
 
 def test_timestamps_time_each_dispatch(backend):
-    if backend.caps.timestamp_period_ns == 0:
+    if backend.timestamps is None:
         pytest.skip("this adapter has no timestamp queries")
-    pipe = backend.create_pipeline("axpb", AXPB, b"", 3, [False, False, True])
+    pipe = backend.create_pipeline(axpb_kernel(backend.caps))
     arena = backend.create_buffer(3 * 4096, "device", "arena")
     bindings = (Binding(arena, 0, NBYTES, False), Binding(arena, 4096, NBYTES, False),
                 Binding(arena, 8192, NBYTES, True))
     dispatch = Dispatch(pipe, bindings, (-(-N // 64), 1, 1))
-    program = backend.record([dispatch, Barrier(), dispatch, dispatch], "timed", timestamps=True)
+    program = backend.timestamps.record([dispatch, Barrier(), dispatch, dispatch], "timed")
     backend.submit(program)
-    ms = backend.program_timings(program)
+    ms = backend.timestamps.timings(program)
     assert len(ms) == 3 and all(0 <= t < 60_000 for t in ms), ms
     untimed = backend.record([dispatch], "untimed")
     with pytest.raises(DeviceError, match="not recorded with timestamps"):
-        backend.program_timings(untimed)
+        backend.timestamps.timings(untimed)
     backend.free_program(program)
     backend.free_program(untimed)
     backend.free_buffer(arena)
@@ -143,18 +145,19 @@ def test_partial_words_and_readback_buffers(backend):
 
 
 def test_bad_commands_raise_device_error_naming_the_problem(backend):
-    pipe = backend.create_pipeline("axpb", AXPB, b"", 3, [False, False, True])
+    pipe = backend.create_pipeline(axpb_kernel(backend.caps))
     buf = backend.create_buffer(4096, "device", "arena")
     misaligned = (Binding(buf, 0, 64, False), Binding(buf, 128, 64, False),
                   Binding(buf, 256, 64, True))
-    with pytest.raises(DeviceError, match="offset 128 must be a multiple of 256"):
+    with pytest.raises(DeviceError, match="offset 128 is not a multiple of the storage offset "
+                                          "alignment 256"):
         backend.record([Dispatch(pipe, misaligned, (1, 1, 1))], "bad")
     with pytest.raises(DeviceError, match="overlap"):
         backend.record([Copy(buf, 0, buf, 8, 16)], "bad")
     with pytest.raises(DeviceError, match="does not fit"):
         backend.write_buffer(buf, 4090, b"12345678")
     with pytest.raises(NagaError, match="(?s)naga rejected kernel 'broken'.*1 \\| fn main"):
-        backend.create_pipeline("broken", "fn main( {", b"", 0, [])
+        backend.create_pipeline(Kernel("broken", "fn main( {", (), (1, 1, 1), (1, 1, 1)))
     backend.free_buffer(buf)
 
 

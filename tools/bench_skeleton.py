@@ -12,7 +12,7 @@ nothing is shared in memory between measurements:
 importing vkml and opening the device are reported apart. Drivers that compile lazily (lavapipe
 JITs a kernel at its first dispatch) do that work in the first step, which is reported apart from
 the steady state and runs on the user's own driver cache.
-Steady state follows shared/PROTOCOL.md: warm-up, then timed repetitions, median and min.
+Steady state follows tools/PROTOCOL.md: warm-up, then timed repetitions, median and min.
 Results go to a table on stdout and to out/bench_skeleton.json.
 """
 

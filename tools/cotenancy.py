@@ -1,4 +1,4 @@
-"""Co-tenancy: a host renderer and a vkml training step on ONE Vulkan queue (PROTOCOL.md).
+"""Co-tenancy: a host renderer and a vkml training step on ONE Vulkan queue (tools/PROTOCOL.md).
 
     python tools/cotenancy.py [--hz 72] [--frames 150] [--size 256] [--iterations 32]
         [--width 256] [--budget-ms auto] [--margin-ms 1] [--out out/cotenancy]

@@ -1,4 +1,4 @@
-"""Each reference model (vkml/models/) at its FULL config (PROTOCOL.md's workloads): build the
+"""Each reference model (vkml/models/) at its FULL config (tools/PROTOCOL.md's workloads): build the
 graph, compile a training session (loss + Adam), run training steps on the default device, and
 report build, compile and step times, dispatch counts and memory. Results go to
 out/full_configs.json (rewritten after every model, so a run stopped part-way keeps what it
@@ -10,7 +10,7 @@ Models: smollm2 (SmolLM2-135M, 1 x 128 tokens), smolvla_expert (1 x 50 actions),
 32 x 32), resnet50 (4 x 3 x 224 x 224, batch norm in training form), resnet18, whisper_encoder
 (whisper-tiny's encoder, 1 x 80 x 3000). `--tiny` runs the tests' tiny configs instead (a smoke
 test of this script). `--fused` uses the flash-style attention kernel where a model has one.
-`--check` also applies PROTOCOL.md's gates at the full config: the first step's outputs, loss
+`--check` also applies tools/PROTOCOL.md's gates at the full config: the first step's outputs, loss
 and every gradient against the plain-PyTorch model of tests/torch_reference.py (float64, CPU)
 on the same weights and inputs (the session then keeps its gradients, which changes its memory
 plan: the memory figures of a --check run are not the plain training step's).
@@ -56,7 +56,7 @@ def reference(name: str, cfg):
 
 
 def gates(name, cfg, session, params, inputs) -> dict:
-    """PROTOCOL.md's forward and backward gates for the step just run, against float64 torch."""
+    """tools/PROTOCOL.md's forward and backward gates for the step just run, vs float64 torch."""
     import torch
 
     t0 = time.perf_counter()

@@ -46,7 +46,7 @@ unmounts() {
 provision() {
   if [ -f "$ROOT/.vkml-ready" ]; then echo "monado chroot ready at $ROOT"; return 0; fi
   [ "$(id -u)" = 0 ] || fail "needs root (debootstrap, chroot, mount)"
-  command -v debootstrap >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q debootstrap >/dev/null; } \
+  command -v debootstrap >/dev/null || { "$(dirname "$0")/apt_get_wait.sh" update -q >/dev/null && "$(dirname "$0")/apt_get_wait.sh" install -y -q debootstrap >/dev/null; } \
     || fail "cannot install debootstrap"
   local m; m=$(mirror)
   [ -n "$m" ] || fail "no Debian mirror found in apt's sources"

@@ -5,7 +5,7 @@
     model.set_input("x", xb); model.step(); model.read("loss")
 """
 
-from vkml import nn
+from vkml import nn, ops  # noqa: F401  (ops: every op registers itself and its Graph method)
 from vkml.errors import DeviceError, GraphError, InputError, NagaError, VkmlError
 from vkml.graph import Graph, Tensor
 from vkml.optim import SGD, Adam, AdamW, Optimizer

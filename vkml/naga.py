@@ -11,7 +11,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -19,14 +18,34 @@ from typing import Any
 
 import wasmtime
 
+from vkml.cachedir import cache_dir as default_cache_dir
+from vkml.cachedir import write_atomic
 from vkml.errors import NagaError
 
 SPIRV_MAGIC = 0x07230203
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_WASM = REPO_ROOT / "node_modules" / "naga-wasm" / "dist" / "wasm" / "naga_bg.wasm"
+PACKAGE_DIR = Path(__file__).resolve().parent
+# What an installed wheel carries (setup.py copies it in at build time): the naga-wasm npm
+# package's files, in npm's layout, and the shipped SPIR-V.
+PACKAGED = PACKAGE_DIR / "_shipped"
+# A checkout (editable install, PYTHONPATH): the same files where npm and tools/build_spirv.py
+# put them. An installed vkml has no package.json beside it, so site-packages never counts.
+SOURCE_TREE = PACKAGE_DIR.parent if (PACKAGE_DIR.parent / "package.json").is_file() else None
+WASM_IN_NPM_PACKAGE = Path("dist") / "wasm" / "naga_bg.wasm"
+
+
+def _first_present(*candidates: Path) -> Path:
+    """The first candidate that exists, else the last: the checkout's path where there is one,
+    which is where the missing-wasm error should point."""
+    return next((c for c in candidates if c.exists()), candidates[-1])
+
+
+_checkout = [SOURCE_TREE] if SOURCE_TREE else []
+DEFAULT_WASM = _first_present(PACKAGED / "naga-wasm" / WASM_IN_NPM_PACKAGE,
+                              *(d / "node_modules" / "naga-wasm" / WASM_IN_NPM_PACKAGE
+                                for d in _checkout))
 # SPIR-V shipped with the project (tools/build_spirv.py), named by the WGSL's sha256: with it, a
 # deployed app runs its kernels without naga's wasm at all.
-SHIPPED_SPIRV = REPO_ROOT / "spirv"
+SHIPPED_SPIRV = _first_present(PACKAGED / "spirv", *(d / "spirv" for d in _checkout))
 
 
 def wgsl_hash(wgsl: str) -> str:
@@ -37,13 +56,6 @@ def wasm_package_version() -> str:
     """The naga-wasm npm package's version, from its package.json."""
     package = DEFAULT_WASM.parent.parent.parent / "package.json"
     return json.loads(package.read_text())["version"]
-
-
-def default_cache_dir() -> Path:
-    if os.environ.get("VKML_CACHE_DIR"):
-        return Path(os.environ["VKML_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "vkml"
 
 
 class _Rejected(Exception):
@@ -147,17 +159,15 @@ def _read_spirv(path: Path) -> bytes | None:
     return spirv if ok else None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    # Temp file in the same directory + os.replace: concurrent writers never expose a torn file.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def missing_wasm_advice() -> str:
+    """How to get naga's wasm, for where this vkml lives: a checkout or an installed wheel."""
+    if SOURCE_TREE is not None:
+        return (f"Run `npm ci` in {SOURCE_TREE} (it fetches the naga-wasm package pinned in "
+                "package.json), or set VKML_NAGA_WASM to the path of naga_bg.wasm.")
+    return (f"This vkml ({PACKAGE_DIR}) was installed from a build without it: vkml's wheels "
+            f"carry it as {PACKAGED.name}/naga-wasm/{WASM_IN_NPM_PACKAGE.as_posix()}. Reinstall "
+            "vkml from a wheel or sdist that has it (`pip install --force-reinstall --no-deps "
+            "<wheel>`), or set VKML_NAGA_WASM to a naga_bg.wasm from the npm package naga-wasm.")
 
 
 class Compiler:
@@ -174,6 +184,7 @@ class Compiler:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         env = os.environ.get("VKML_NAGA_WASM")
         self.wasm_path = Path(wasm_path or env or DEFAULT_WASM)
+        self._wasm_origin = " (given)" if wasm_path else " (VKML_NAGA_WASM)" if env else ""
         self.shipped_dir = Path(shipped_dir or os.environ.get("VKML_SPIRV_DIR") or SHIPPED_SPIRV)
         self.stats = {"memory_hits": 0, "shipped_hits": 0, "disk_hits": 0, "compiles": 0,
                       "module_compiles": 0, "module_deserializes": 0}
@@ -187,9 +198,8 @@ class Compiler:
         if self._wasm_hash is None:
             if not self.wasm_path.is_file():
                 raise NagaError(
-                    f"naga's wasm file is missing: {self.wasm_path}. Run `npm ci` in {REPO_ROOT} "
-                    "(it fetches the naga-wasm package pinned in package.json), or set "
-                    "VKML_NAGA_WASM to the path of naga_bg.wasm.")
+                    f"naga's wasm file is missing: {self.wasm_path}{self._wasm_origin}. "
+                    + missing_wasm_advice())
             self._wasm_hash = hashlib.sha256(self.wasm_path.read_bytes()).hexdigest()
         return self._wasm_hash
 
@@ -208,7 +218,7 @@ class Compiler:
             except (wasmtime.WasmtimeError, OSError):  # absent, stale or foreign: recompile
                 module = wasmtime.Module.from_file(engine, str(self.wasm_path))
                 self.stats["module_compiles"] += 1
-                _write_atomic(path, module.serialize())
+                write_atomic(path, module.serialize(), self.cache_dir)
             self._engine_module = engine, module
         return self._engine_module
 
@@ -252,7 +262,7 @@ class Compiler:
                     self.stats["disk_hits"] += 1
                 else:
                     spirv = self._translate(wgsl, name)
-                    _write_atomic(path, spirv)
+                    write_atomic(path, spirv, self.cache_dir)
             self._memo[shipped_key] = spirv
             return spirv
 

@@ -1,5 +1,5 @@
-"""Layers: small helpers that create named parameters and apply ops, named as PyTorch names
-them so that checkpoints load by name."""
+"""Layers: small helpers that create named parameters and apply ops, named as PyTorch names them
+so that checkpoints load by name."""
 
 from __future__ import annotations
 
@@ -9,15 +9,36 @@ from vkml.graph import Graph, Tensor
 
 
 class Linear:
-    """y = x @ W^T + b with W of shape (out, in), initialised like torch.nn.Linear."""
+    """y = x @ W^T + b with W `name.weight` of shape (out, in) as torch.nn.Linear; x may have
+    any number of leading axes (flattened into one matrix product and restored). Initialised
+    like torch.nn.Linear, or with `std`: a normal weight and zero bias (Hugging Face's
+    initializer_range)."""
 
     def __init__(self, graph: Graph, name: str, in_features: int, out_features: int,
-                 bias: bool = True) -> None:
-        self.graph = graph
-        bound = 1.0 / math.sqrt(in_features)
-        self.weight = graph.param(f"{name}.weight", (out_features, in_features), "uniform", bound)
-        self.bias = graph.param(f"{name}.bias", (out_features,), "uniform", bound) if bias else None
+                 bias: bool = True, std: float | None = None) -> None:
+        self.graph, self.in_features, self.out_features = graph, in_features, out_features
+        if std is None:
+            bound = 1.0 / math.sqrt(in_features)
+            self.weight = graph.param(f"{name}.weight", (out_features, in_features), "uniform",
+                                      bound)
+            self.bias = (graph.param(f"{name}.bias", (out_features,), "uniform", bound)
+                         if bias else None)
+        else:
+            self.weight = graph.param(f"{name}.weight", (out_features, in_features), "normal",
+                                      std)
+            self.bias = graph.param(f"{name}.bias", (out_features,)) if bias else None
 
     def __call__(self, x: Tensor) -> Tensor:
-        y = self.graph.matmul(x, self.weight, transpose_b=True)
-        return self.graph.bias_add(y, self.bias) if self.bias is not None else y
+        g = self.graph
+        lead = x.shape[:-1]
+        flat = g.reshape(x, (-1, self.in_features)) if len(lead) != 1 else x
+        y = g.matmul(flat, self.weight, transpose_b=True)
+        if self.bias is not None:
+            y = g.bias_add(y, self.bias)
+        return g.reshape(y, (*lead, self.out_features)) if len(lead) != 1 else y
+
+
+def linear(g: Graph, name: str, x: Tensor, in_features: int, out_features: int,
+           bias: bool = True, std: float | None = None) -> Tensor:
+    """Linear(g, name, in_features, out_features, bias, std)(x) in one call."""
+    return Linear(g, name, in_features, out_features, bias, std)(x)

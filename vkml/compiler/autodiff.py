@@ -8,8 +8,7 @@ through the same rewrite, planning and codegen stages as the forward pass.
 from __future__ import annotations
 
 from vkml.errors import GraphError
-from vkml.graph import Graph, Tensor
-from vkml.ops import OPS
+from vkml.graph import OPS, Graph, Tensor
 
 
 def gradients(graph: Graph, loss: Tensor, params: dict[str, Tensor] | None = None

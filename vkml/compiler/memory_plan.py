@@ -1,7 +1,7 @@
 """Memory planning: where each tensor of the plan lives, as (arena, byte offset).
 
 Tensors whose lifetimes do not overlap share memory. A lifetime is an interval of schedule
-levels (see plan.py: dispatches of one level run between the same two barriers), so two tensors
+levels (see schedule.py: dispatches of one level run between the same two barriers), so two tensors
 sharing bytes are always separated by a barrier and never race. Tensors live forever when they
 are pinned: parameters, optimizer state, constants written once at start-up. Placement is the
 greedy-by-size heuristic: biggest tensors first, each at the lowest offset that is free for its

@@ -13,67 +13,48 @@ Runs after autodiff, so forward and backward kernels are fused alike; fused ops 
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import numpy as np
 
-from vkml.graph import Graph, Tensor
-from vkml.ops import OPS, Body, Shape, body_of, contiguous_strides
+from vkml.expr import Arg, Body, Expr, Lit, Shape, contiguous_strides, substitute
+from vkml.graph import OPS, Graph, Tensor, body_of
 
-_NAME = re.compile(r"\b[xv]\d+\b")
-_LET = re.compile(r"\blet (v\d+)\b")
-IDENTITY_EPILOGUE = Body((), "x0", ((),))
+IDENTITY_EPILOGUE = Body(Arg(0), ((),))
 
 
 class _BodyBuilder:
-    """Accumulates one fused body: its external inputs (deduplicated) and its statements."""
+    """Accumulates one fused body: its external inputs (deduplicated) and its expression."""
 
     def __init__(self, reserved: int = 0) -> None:
         self.inputs: list[Tensor | None] = [None] * reserved  # None: not a buffer (accumulator)
         self.strides: list[Shape] = [()] * reserved
-        self.lets: list[str] = []
-        self.helpers: dict[str, None] = {}
-        self.fresh = 0
+        self.args: list[Arg] = [Arg(k) for k in range(reserved)]
 
-    def input(self, tensor: Tensor, strides: Shape) -> str:
+    def input(self, tensor: Tensor, strides: Shape) -> Arg:
         for k, (t, s) in enumerate(zip(self.inputs, self.strides)):
             if t is tensor and s == strides:
-                return f"x{k}"
+                return self.args[k]
         self.inputs.append(tensor)
         self.strides.append(strides)
-        return f"x{len(self.inputs) - 1}"
+        self.args.append(Arg(len(self.args)))
+        return self.args[-1]
 
-    def inline(self, body: Body, args: list[str]) -> str:
-        """Append `body` with its inputs bound to `args`; returns the variable of its result."""
-        mapping = {f"x{k}": a for k, a in enumerate(args)}
-        for stmt in body.lets:
-            for name in _LET.findall(stmt):
-                mapping[name] = self._new_var()
+    @staticmethod
+    def inline(body: Body, args: list[Expr]) -> Expr:
+        """`body`'s result with its inputs bound to `args`."""
+        return substitute(body.result, dict(enumerate(args)))
 
-        def rename(text: str) -> str:
-            return _NAME.sub(lambda m: mapping.get(m.group(0), m.group(0)), text)
-
-        self.lets += [rename(stmt) for stmt in body.lets]
-        result = self._new_var()
-        self.lets.append(f"let {result} = {rename(body.result)};")
-        self.helpers.update(dict.fromkeys(body.helpers))
-        return result
-
-    def _new_var(self) -> str:
-        self.fresh += 1
-        return f"v{self.fresh}"
-
-    def body(self, result: str) -> Body:
-        return Body(tuple(self.lets), result, tuple(self.strides), tuple(self.helpers))
+    def body(self, result: Expr) -> Body:
+        return Body(result, tuple(self.strides))
 
 
-def _literal(t: Tensor, values: dict[int, np.ndarray]) -> str | None:
-    """A WGSL literal for a scalar constant, so it needs no buffer and no binding."""
+def _literal(t: Tensor, values: dict[int, np.ndarray]) -> Lit | None:
+    """A literal for a scalar constant, so it needs no buffer and no binding."""
     if t.op != "constant" or t.size != 1:
         return None
     value = float(values[t.id].reshape(()))
-    return f"({value:.9e})" if np.isfinite(value) else None
+    return Lit(value) if np.isfinite(value) else None
 
 
 def fuse(graph: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor]]:
@@ -110,7 +91,7 @@ def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor
     for node in order:
         inputs = [new_of[i.id] for i in node.inputs]
         fused = None
-        if OPS[node.op].archetype == "pointwise":
+        if OPS[node.op].kind == "pointwise":
             fused = _fuse_pointwise(node, inputs, absorbable, new.initial_values, emit)
         elif node.op == "sum":
             fused = _fuse_sum_prologue(node, inputs, absorbable, emit)
@@ -138,7 +119,7 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
         if literal is not None:
             args.append(literal)
             changed = True
-        elif (OPS[t.op].archetype == "pointwise" and strides == identity
+        elif (OPS[t.op].kind == "pointwise" and strides == identity
               and t.shape == node.shape and absorbable(t)):
             producer = body_of(t)
             args.append(builder.inline(producer, [builder.input(x, s) for x, s in
@@ -173,8 +154,8 @@ def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
         old_epilogue = attrs["epilogue"]
         extras = list(producer.inputs[attrs["n_prologue"]:])
     builder = _BodyBuilder(reserved=1)
-    previous = builder.inline(old_epilogue, ["x0"] + [builder.input(x, s) for x, s in
-                                                      zip(extras, old_epilogue.strides[1:])])
+    previous = builder.inline(old_epilogue, [builder.args[0]] + [
+        builder.input(x, s) for x, s in zip(extras, old_epilogue.strides[1:])])
     args = [previous if k == slot else builder.input(t, s)
             for k, (t, s) in enumerate(zip(body_inputs, body.strides))]
     epilogue = builder.body(builder.inline(body, args))
@@ -193,14 +174,14 @@ def _as_fused_sum(t: Tensor) -> dict:
         return dict(t.attrs)
     (x,) = t.inputs
     return {"axes": t.attrs["axes"], "in_shape": x.shape, "n_prologue": 1,
-            "prologue": Body((), "x0", (contiguous_strides(x.shape),)),
+            "prologue": Body(Arg(0), (contiguous_strides(x.shape),)),
             "epilogue": IDENTITY_EPILOGUE, "shape": t.shape, "dtype": t.dtype}
 
 
 def _fuse_sum_prologue(node, inputs, absorbable, emit) -> Tensor | None:
     """sum(pointwise(...)) -> one reduction whose summand is computed as it is read."""
     (summand,) = inputs
-    if OPS[summand.op].archetype != "pointwise" or not absorbable(summand):
+    if OPS[summand.op].kind != "pointwise" or not absorbable(summand):
         return None
     body = body_of(summand)
     # The prologue reads every input at the summand's own flat index.

@@ -1,8 +1,9 @@
 """Planning: Graph (+ gradients, optimizer) -> Plan, the fixed sequence of dispatches a session
-records once.
+records once, with each tensor's place in memory. No kernel is generated here: what a dispatch
+reads and writes follows from the graph, and codegen (compiler/codegen.py) runs last.
 
-Every node that computes something becomes one dispatch of its lowered kernel; views (reshape)
-share their input's storage. The schedule groups dispatches into levels: a dispatch's level is one
+Every node that computes something becomes one dispatch; views (reshape) share their input's
+storage. The schedule groups dispatches into levels: a dispatch's level is one
 more than that of the latest earlier dispatch it depends on (reading what it wrote, or writing
 what it read or wrote). Dispatches of one level are independent, so one barrier between levels
 keeps every read-after-write, write-after-read and write-after-write ordered, and no more are
@@ -18,15 +19,11 @@ from typing import Literal
 
 import numpy as np
 
-from vkml import kernels
 from vkml.compiler.memory_plan import FOREVER, Lifetime, MemoryPlan, plan_memory
 from vkml.errors import GraphError
-from vkml.graph import Graph, Tensor
-from vkml.hal import Capabilities
-from vkml.kernels import Kernel
-from vkml.kernels import optimizer as optimizer_kernels
-from vkml.kernels import pointwise as pointwise_kernels
-from vkml.ops import OPS, body_of, contiguous_strides
+from vkml.expr import contiguous_strides
+from vkml.graph import OPS, Graph, Tensor, body_of
+from vkml.hal import Access, Capabilities, Kernel
 from vkml.optim import Optimizer
 
 Role = Literal["input", "param", "constant", "activation", "gradient", "optimizer_state",
@@ -58,22 +55,39 @@ class View:
 
 
 @dataclass(frozen=True)
+class Update:
+    """An optimizer dispatch: one parameter's update (`size` elements), or the step count
+    (`size` 0) that runs once before the updates."""
+
+    optimizer: Optimizer
+    size: int
+
+
+@dataclass(frozen=True)
 class PlannedDispatch:
-    kernel: Kernel
-    slots: tuple[int, ...]  # one per kernel binding
+    slots: tuple[int, ...]  # one per kernel binding: the inputs in order, then the output
+    access: tuple[Access, ...]  # per binding
     level: int  # a barrier separates dispatches of different levels
     phase: Phase
     label: str  # the node (or update) it computes
-    node: Tensor | None = None  # None for optimizer kernels
+    node: Tensor | None = None  # None for optimizer dispatches
+    update: Update | None = None
+    in_place: int | None = None  # a pointwise result written over this input (no output slot)
+    kernel: Kernel | None = None  # made by codegen, the last stage
 
     @property
     def writes(self) -> set[int]:
-        return {s for s, w in zip(self.slots, self.kernel.writable) if w}
+        return {s for s, a in zip(self.slots, self.access) if a == "read_write"}
 
     @property
     def reads(self) -> set[int]:
         # a writable binding may be read too (an optimizer update reads its parameter)
         return set(self.slots)
+
+    @property
+    def name(self) -> str:
+        """The kernel's name once codegen ran, else what the dispatch computes."""
+        return self.kernel.name if self.kernel is not None else self.label
 
 
 @dataclass
@@ -93,6 +107,8 @@ class Plan:
     aliases: dict[int, int] = field(default_factory=dict)  # slot written in place -> its input
     # Parameters that get gradients (None: no loss, nothing is differentiated)
     trainable: tuple[str, ...] | None = None
+    # The optimizer hyperparameter buffer's layout: one f32 per name, the step count "t" last
+    hyperparams: tuple[str, ...] = ()
 
     @property
     def barrier_count(self) -> int:
@@ -108,7 +124,7 @@ class Plan:
         return report
 
     def summary(self) -> str:
-        kernels = Counter(d.kernel.name for d in self.dispatches)
+        kernels = Counter(d.name for d in self.dispatches)
         report = self.memory_report()
         by_role = ", ".join(f"{k[8:]} {v}" for k, v in report.items() if k.startswith("logical_"))
         lines = [f"{len(self.dispatches)} dispatches of {len(kernels)} kernels, "
@@ -144,8 +160,8 @@ class Plan:
             if previous is not None and previous.level != d.level:
                 lines.append("  -- barrier --")
             bindings = ", ".join(f"t{s}" for s in d.slots)
-            lines.append(f"  [{d.phase:8}] {d.kernel.name} groups={d.kernel.groups} "
-                         f"({bindings})  # {d.label}")
+            groups = f" groups={d.kernel.groups}" if d.kernel is not None else ""
+            lines.append(f"  [{d.phase:8}] {d.name}{groups} ({bindings})  # {d.label}")
         return "\n".join(lines)
 
     __str__ = dump
@@ -174,22 +190,22 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
     initial: dict[int, np.ndarray] = {}
     dispatches: list[PlannedDispatch] = []
     for node in nodes:
-        archetype = OPS[node.op].archetype
-        if archetype == "view":
+        kind = OPS[node.op].kind
+        if kind == "view":
             slot_of[node.id] = slot_of[node.inputs[0].id]
             continue
         role: Role = {"input": "input", "param": "param", "constant": "constant"}.get(
             node.op, "gradient" if node.id in grad_ids else "activation")
         slot_of[node.id] = new_slot(node.name or node.label, node.shape, node.dtype, role)
-        if archetype == "source":
+        if kind == "source":
             if node.id in graph.initial_values:
                 initial[slot_of[node.id]] = graph.initial_values[node.id]
             continue
-        kernel = kernels.lower(node, caps)
         bound = tuple(slot_of[t.id] for t in node.inputs) + (slot_of[node.id],)
+        access: tuple[Access, ...] = ("read",) * len(node.inputs) + ("read_write",)
         phase: Phase = "forward" if node.id in forward_ids else "backward"
-        dispatches.append(PlannedDispatch(kernel, bound, 0, phase, f"{node.label} "
-                                          f"at {node.where}", node))
+        dispatches.append(PlannedDispatch(bound, access, 0, phase,
+                                          f"{node.label} at {node.where}", node))
 
     params = {name: slot_of[t.id] for name, t in graph.params.items() if t.id in slot_of}
     grad_views = {n: View(slot_of[t.id], t.shape) for n, t in grads.items()}
@@ -199,10 +215,9 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
                 params=params, grads=grad_views if keep_grads else {},
                 initial_values=initial, trainable=tuple(grads) if has_loss else None)
     if optimizer is not None:
-        _add_optimizer(plan, optimizer, {n: v.slot for n, v in grad_views.items()}, new_slot,
-                       caps)
+        _add_optimizer(plan, optimizer, {n: v.slot for n, v in grad_views.items()}, new_slot)
     plan.dispatches = _schedule(plan.dispatches)
-    plan.aliases = _write_in_place(plan, caps)
+    plan.aliases = _write_in_place(plan)
     plan.lifetimes = _lifetimes(plan)
     try:
         plan.memory = plan_memory(plan.lifetimes, max(caps.min_storage_offset_alignment, 16),
@@ -212,24 +227,28 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
     return plan
 
 
-def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_slot,
-                   caps: Capabilities) -> None:
-    names = optimizer_kernels.hyperparam_names(optimizer)
+def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_slot) -> None:
+    """A hyperparameter buffer (the optimizer's values, then the step count t), the step
+    count's dispatch and one update per trained parameter (parameter and state rewritten in
+    place; gradient and hyperparameters read)."""
+    names = (*optimizer.hyperparams(), "t")
     hp = new_slot("optimizer hyperparameters", (len(names),), "f32", "hyperparams")
     values = optimizer.hyperparams()
     plan.initial_values[hp] = np.array([values.get(n, 0.0) for n in names], np.float32)
-    plan.optimizer, plan.hyperparams_slot = optimizer, hp
-    counter = optimizer_kernels.step_counter(optimizer)
-    plan.dispatches.append(PlannedDispatch(counter, (hp,), 0, "update", "step count"))
+    plan.optimizer, plan.hyperparams_slot, plan.hyperparams = optimizer, hp, names
+    plan.dispatches.append(PlannedDispatch((hp,), ("read_write",), 0, "update", "step count",
+                                           update=Update(optimizer, 0)))
     for name in grads:  # frozen parameters have no gradient, no state and no update
         param = plan.params[name]
         shape = plan.slots[param].shape
         state = {s: new_slot(f"{name} {s}", shape, "f32", "optimizer_state")
                  for s in optimizer.state_names}
         plan.optimizer_state[name] = state
-        kernel = optimizer_kernels.update(optimizer, plan.slots[param].nbytes // 4, caps)
         bound = (param, grads[name], hp, *state.values())
-        plan.dispatches.append(PlannedDispatch(kernel, bound, 0, "update", f"update {name}"))
+        access: tuple[Access, ...] = ("read_write", "read", "read") + ("read_write",) * len(state)
+        update = Update(optimizer, plan.slots[param].nbytes // 4)
+        plan.dispatches.append(PlannedDispatch(bound, access, 0, "update", f"update {name}",
+                                               update=update))
 
 
 def _schedule(dispatches: list[PlannedDispatch]) -> list[PlannedDispatch]:
@@ -248,7 +267,7 @@ def _schedule(dispatches: list[PlannedDispatch]) -> list[PlannedDispatch]:
     return sorted(leveled, key=lambda d: d.level)
 
 
-def _write_in_place(plan: Plan, caps: Capabilities) -> dict[int, int]:
+def _write_in_place(plan: Plan) -> dict[int, int]:
     """Let a pointwise dispatch overwrite an input instead of writing a new tensor where that is
     safe: the input is a temporary of the same size, read at the very index being written, and
     nothing else reads it at that level or later. Returns output slot -> overwritten slot."""
@@ -261,7 +280,7 @@ def _write_in_place(plan: Plan, caps: Capabilities) -> dict[int, int]:
             last_read[s] = max(last_read.get(s, -1), d.level)
     aliases: dict[int, int] = {}
     for i, d in enumerate(plan.dispatches):
-        if d.node is None or OPS[d.node.op].archetype != "pointwise":
+        if d.node is None or OPS[d.node.op].kind != "pointwise":
             continue
         out = plan.slots[d.slots[-1]]
         same_index = contiguous_strides(d.node.shape)
@@ -272,8 +291,9 @@ def _write_in_place(plan: Plan, caps: Capabilities) -> dict[int, int]:
                     and slot.nbytes == out.nbytes and slot.dtype == out.dtype
                     and all(t == same_index for j, t in enumerate(strides) if d.slots[j] == s)
                     and last_read[s] == d.level and readers[s, d.level] == 1):
-                kernel = pointwise_kernels.generate(d.node, caps, in_place=k)
-                plan.dispatches[i] = dataclasses.replace(d, kernel=kernel, slots=d.slots[:-1])
+                access = tuple("read_write" if j == k else "read" for j in range(len(d.slots) - 1))
+                plan.dispatches[i] = dataclasses.replace(d, slots=d.slots[:-1], access=access,
+                                                         in_place=k)
                 aliases[out.id] = s
                 break
     return aliases

@@ -1,9 +1,12 @@
 """The compiler's stages in order, each a function of the previous one's output:
 
-    Graph --autodiff--> Graph --rewrite--> Graph --plan--> Plan --codegen--> WGSL --naga--> SPIR-V
+    Graph --autodiff--> Graph --rewrite--> Graph --schedule--> Plan --codegen--> Plan + Kernels
+          (compiler/autodiff)  (compiler/rewrite)  (compiler/schedule,   (compiler/codegen,
+                                                    compiler/memory_plan)  vkml/kernels/)
 
-`lower()` runs them up to the plan (WGSL is generated during planning, SPIR-V when a session is
-made) and keeps every intermediate, so `python -m vkml dump` and tests can print any of them.
+`lower()` runs them all and keeps every intermediate, so `python -m vkml dump` and tests can print
+any of them. The backend turns each kernel's WGSL into what its driver takes (SPIR-V through
+naga on Vulkan) when a session binds the plan to a device.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from vkml import naga
-from vkml.compiler import autodiff
+from vkml.compiler import autodiff, codegen
 from vkml.compiler.rewrite import fuse
 from vkml.compiler.schedule import Plan, make_plan
 from vkml.errors import GraphError
@@ -108,4 +111,5 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
     keep = optimizer is None if keep_grads is None else keep_grads
     plan = make_plan(fused, fused_named, fused_grads, optimizer, caps, keep_grads=keep,
                      has_loss=loss is not None)
+    plan = codegen.generate(plan, caps)
     return Stages(work, roots, fused, [*fused_named.values(), *fused_grads.values()], plan)

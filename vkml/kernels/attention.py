@@ -12,12 +12,14 @@ tiled through workgroup memory (each thread streams K and V itself)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
 import numpy as np
 
 from vkml.graph import Tensor
-from vkml.hal import Capabilities
-from vkml.kernels import Kernel
-from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, storage
+from vkml.hal import Capabilities, Kernel
+from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, Buf, assemble, grid
 
 WORKGROUP = 64
 
@@ -27,24 +29,30 @@ def _dot(a: str, b: str, n: int) -> str:
     return " + ".join(f"{a}{e} * {b}{e}u]" for e in range(n))
 
 
-def generate(node: Tensor, caps: Capabilities) -> Kernel:
+# pass -> its input bindings: the forward output, the row log-sum-exp, and the gradients
+BINDINGS = {"forward": ["q", "k", "v"], "lse": ["q", "k"],
+            "dq": ["q", "k", "v", "dout", "lse", "dsum"],
+            "dk": ["q", "k", "v", "dout", "lse", "dsum"], "dv": ["q", "k", "dout", "lse"]}
+Pass = Literal["forward", "lse", "dq", "dk", "dv"]
+
+
+def lowering(pass_: Pass) -> Callable[[Tensor, Capabilities], Kernel]:
+    """The lowering of the op computing `pass_` (registered in vkml/ops/attention.py)."""
+    return lambda node, caps: generate(node, caps, pass_)
+
+
+def generate(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
     q, k = node.inputs[0], node.inputs[1]
     *lead, h, length, dim = q.shape
     hkv, s = k.shape[-3], k.shape[-2]
-    dv = node.inputs[2].shape[-1] if node.op in ("flash_attention", "flash_attention_dq",
-                                                 "flash_attention_dk") else node.shape[-1]
+    dv = node.inputs[2].shape[-1] if pass_ in ("forward", "dq", "dk") else node.shape[-1]
     rep = h // hkv
     batch = int(np.prod(lead, dtype=np.int64))
     causal, scale = node.attrs["causal"], node.attrs["scale"]
-    per_query = node.op in ("flash_attention", "flash_attention_lse", "flash_attention_dq")
+    per_query = pass_ in ("forward", "lse", "dq")
     threads = batch * h * length if per_query else batch * hkv * s
-    names = {"flash_attention": ["q", "k", "v"], "flash_attention_lse": ["q", "k"],
-             "flash_attention_dq": ["q", "k", "v", "dout", "lse", "dsum"],
-             "flash_attention_dk": ["q", "k", "v", "dout", "lse", "dsum"],
-             "flash_attention_dv": ["q", "k", "dout", "lse"]}[node.op]
-    lines = [*[storage(n, name) for n, name in enumerate(names)],
-             storage(len(names), "out", writable=True),
-             f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
+    names = BINDINGS[pass_]
+    lines = [f"fn main({ENTRY_ARGS}) {{",
              f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
              f"  if (idx >= {threads}u) {{ return; }}"]
     if per_query:
@@ -53,7 +61,7 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
                   *[f"  let q{e} = q[idx * {dim}u + {e}u] * {scale!r};" for e in range(dim)],
                   f"  let end = {f'min(i + 1u, {s}u)' if causal else f'{s}u'};"]
         score = f"let sc = {_dot('q', 'k[kr + ', dim)};"
-        if node.op == "flash_attention_dq":
+        if pass_ == "dq":
             lse_at, dsum_at = "lse[idx]", "dsum[idx]"
             lines += [*[f"  let g{e} = dout[idx * {dv}u + {e}u];" for e in range(dv)],
                       f"  let lse_i = {lse_at}; let d_i = {dsum_at};",
@@ -67,7 +75,7 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
                       "  }",
                       *[f"  out[idx * {dim}u + {e}u] = a{e} * {scale!r};" for e in range(dim)]]
         else:
-            acc = node.op == "flash_attention"
+            acc = pass_ == "forward"
             lines += ["  var m = -3.4028235e38; var l = 0.0;",
                       *([f"  var o{e} = 0.0;" for e in range(dv)] if acc else []),
                       "  for (var j = 0u; j < end; j++) {",
@@ -84,12 +92,12 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
             else:
                 lines.append("  out[idx] = m + log(l);")
     else:  # one thread per key row j of kv head `kv`, over the queries of its `rep` heads
-        width = dim if node.op == "flash_attention_dk" else dv
+        width = dim if pass_ == "dk" else dv
         lines += [f"  let j = idx % {s}u; let kv = idx / {s}u;",
                   f"  let b = kv / {hkv}u; let h0 = b * {h}u + (kv % {hkv}u) * {rep}u;",
                   *[f"  let k{e} = k[idx * {dim}u + {e}u];" for e in range(dim)],
                   *([f"  let v{e} = v[idx * {dv}u + {e}u];" for e in range(dv)]
-                    if node.op == "flash_attention_dk" else []),
+                    if pass_ == "dk" else []),
                   *[f"  var a{e} = 0.0;" for e in range(width)],
                   f"  for (var t = 0u; t < {rep * length}u; t++) {{",
                   f"    let i = t % {length}u; let row = (h0 + t / {length}u) * {length}u + i;",
@@ -97,7 +105,7 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
                   f"    let qr = row * {dim}u; let gr = row * {dv}u;",
                   f"    let sc = ({_dot('k', 'q[qr + ', dim)}) * {scale!r};",
                   "    let p = exp(sc - lse[row]);"]
-        if node.op == "flash_attention_dk":
+        if pass_ == "dk":
             lines += [f"    let ds = p * ({_dot('v', 'dout[gr + ', dv)} - dsum[row]);",
                       *[f"    a{e} = fma(ds, q[qr + {e}u], a{e});" for e in range(dim)], "  }",
                       *[f"  out[idx * {dim}u + {e}u] = a{e} * {scale!r};" for e in range(dim)]]
@@ -105,7 +113,8 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
             lines += [*[f"    a{e} = fma(p, dout[gr + {e}u], a{e});" for e in range(dv)], "  }",
                       *[f"  out[idx * {dv}u + {e}u] = a{e};" for e in range(dv)]]
     lines.append("}")
-    return Kernel(name=f"{node.op}_{'x'.join(map(str, q.shape))}_{s}",
-                  wgsl="\n".join(lines) + "\n",
-                  writable=(False,) * len(node.inputs) + (True,),
-                  groups=grid(-(-threads // WORKGROUP), caps))
+    return assemble(f"{node.op}_{'x'.join(map(str, q.shape))}_{s}", caps,
+                    [*map(Buf, names), Buf("out", writable=True)], (WORKGROUP,), lines,
+                    grid(-(-threads // WORKGROUP), caps),
+                    flops=4 * batch * h * length * s * max(dim, dv),
+                    nbytes=4 * (sum(x.size for x in node.inputs) + node.size))

@@ -1,14 +1,39 @@
-"""Pieces shared by the kernel generators: bindings, the dispatch grid, workgroup reductions."""
+"""Pieces shared by the kernel generators: assembling a kernel from its bindings and entry
+point, the dispatch grid, workgroup reductions, index arithmetic."""
 
 from __future__ import annotations
 
-from vkml.hal import Capabilities
-from vkml.ops import Body
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vkml.expr import Body
+from vkml.hal import Capabilities, Kernel
 
 
-def storage(binding: int, name: str, dtype: str = "f32", writable: bool = False) -> str:
-    access = "read_write" if writable else "read"
-    return f"@group(0) @binding({binding}) var<storage, {access}> {name}: array<{dtype}>;"
+@dataclass(frozen=True)
+class Buf:
+    """A storage binding as a generator names it; bindings are numbered in list order."""
+
+    name: str
+    dtype: str = "f32"
+    writable: bool = False
+
+
+def assemble(name: str, caps: Capabilities, buffers: Sequence[Buf],
+             workgroup: Sequence[int], entry: Sequence[str], groups: tuple[int, int, int], *,
+             prelude: Sequence[str] = (), flops: int = 0, nbytes: int = 0) -> Kernel:
+    """A Kernel from its parts: `prelude` (helper functions, workgroup variables), the storage
+    bindings (declared read-only only where the target allows it, see
+    Capabilities.read_only_storage), the entry point `entry` (from `fn main(...) {` to its
+    closing brace) with its workgroup size, the grid, and the work estimates."""
+    declared = [f"@group(0) @binding({i}) var<storage, "
+                f"{'read_write' if b.writable or not caps.read_only_storage else 'read'}> "
+                f"{b.name}: array<{b.dtype}>;" for i, b in enumerate(buffers)]
+    size = (*workgroup, 1, 1)[:3]
+    wgsl = "\n".join([*prelude, *declared,
+                      f"@compute @workgroup_size({', '.join(map(str, workgroup))})", *entry])
+    return Kernel(name, wgsl + "\n", tuple("read_write" if b.writable else "read" for b in buffers),
+                  (int(size[0]), int(size[1]), int(size[2])), groups, int(flops), int(nbytes))
 
 
 def grid(workgroups: int, caps: Capabilities) -> tuple[int, int, int]:
@@ -59,15 +84,12 @@ def helper_functions(*bodies: Body | None) -> list[str]:
     """The WGSL helper functions the bodies use, each once."""
     seen: dict[str, None] = {}
     for body in bodies:
-        for h in body.helpers if body else ():
-            seen.setdefault(h.strip(), None)
+        for h in body.helpers() if body else ():
+            seen.setdefault(h, None)
     return list(seen)
 
 
 def body_lines(body: Body, reads: dict[int, str], indent: str, target: str) -> list[str]:
-    """Bind each input k of `body` to the WGSL expression `reads[k]`, run its statements and
-    assign its result to `target` (`acc +=` style targets work too)."""
-    lines = [f"{indent}let x{k} = {reads[k]};" for k in sorted(reads)]
-    lines += [f"{indent}{stmt}" for stmt in body.lets]
-    lines.append(f"{indent}{target} {body.result};")
-    return lines
+    """Bind each input k of `body` to the WGSL expression `reads[k]`, compute it and assign the
+    result to `target` (`acc +=` style targets work too)."""
+    return body.render(reads, indent, target)

@@ -15,24 +15,24 @@ tile); not yet staged through workgroup memory or cooperative matrices."""
 from __future__ import annotations
 
 from vkml.graph import Tensor
-from vkml.hal import Capabilities
-from vkml.kernels import Kernel
-from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, grid, storage, tree_reduce, unflatten
+from vkml.hal import Capabilities, Kernel
+from vkml.kernels import gather
+from vkml.kernels.common import (
+    ENTRY_ARGS,
+    LINEAR_WORKGROUP,
+    Buf,
+    assemble,
+    grid,
+    tree_reduce,
+    unflatten,
+)
 
 WORKGROUP = 64
 
 
-def _elementwise(node: Tensor, caps: Capabilities, body: list[str], helpers: list[str] = ()
-                 ) -> Kernel:
-    lines = [*helpers, *[storage(k, f"in{k}") for k in range(len(node.inputs))],
-             storage(len(node.inputs), "out", writable=True),
-             f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
-             f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
-             f"  if (idx >= {node.size}u) {{ return; }}",
-             *unflatten("idx", node.shape, "i"), *body, "}"]
-    return Kernel(name=f"{node.op}_{'x'.join(map(str, node.shape))}",
-                  wgsl="\n".join(lines) + "\n", writable=(False,) * len(node.inputs) + (True,),
-                  groups=grid(-(-node.size // WORKGROUP), caps))
+def _buffers(node: Tensor) -> list[Buf]:
+    """The inputs in order, then the output."""
+    return [*[Buf(f"in{k}") for k in range(len(node.inputs))], Buf("out", writable=True)]
 
 
 def _params(node: Tensor):
@@ -70,10 +70,7 @@ def _implicit_gemm(node: Tensor, caps: Capabilities, m: int, ncols: int, groups:
     tm, tn = _tile(m, ty), _tile(ncols, tx)
     bm, bn = tm * ty, tn * tx
     var, trips, k_head = k_loop
-    lines = [*[storage(k, f"in{k}") for k in range(len(node.inputs))],
-             storage(len(node.inputs), "out", writable=True),
-             f"@compute @workgroup_size({tx}, {ty})",
-             "fn main(@builtin(local_invocation_id) lid: vec3<u32>, "
+    lines = ["fn main(@builtin(local_invocation_id) lid: vec3<u32>, "
              "@builtin(workgroup_id) wid: vec3<u32>) {",
              "  let g = wid.z;",
              f"  let row0 = wid.y * {bm}u; let col0 = wid.x * {bn}u;"]
@@ -103,12 +100,13 @@ def _implicit_gemm(node: Tensor, caps: Capabilities, m: int, ncols: int, groups:
                       f"{tx * j}u; let acc = c{i}_{j};",
                       f"    if (row < {m}u && col < {ncols}u) {{ {put} }} }}"]
     lines.append("}")
-    return Kernel(name=f"{node.op}_{'x'.join(map(str, node.shape))}",
-                  wgsl="\n".join(lines) + "\n", writable=(False,) * len(node.inputs) + (True,),
-                  groups=(-(-ncols // bn), -(-m // bm), groups))
+    return assemble(f"{node.op}_{'x'.join(map(str, node.shape))}", caps, _buffers(node),
+                    (tx, ty), lines, (-(-ncols // bn), -(-m // bm), groups),
+                    flops=2 * m * ncols * groups * trips * len(taps),
+                    nbytes=4 * (sum(x.size for x in node.inputs) + node.size))
 
 
-def _conv2d(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_conv2d(node: Tensor, caps: Capabilities) -> Kernel:
     """Rows: output pixels (n, oy, ox); columns: output channels of the group; k: input channels
     of the group (a loop) x kernel taps (unrolled)."""
     x, w = node.inputs
@@ -136,7 +134,7 @@ def _conv2d(node: Tensor, caps: Capabilities) -> Kernel:
                           ("ci", cpg, k_head), taps, "wb{j} + wc + {tap}u", store)
 
 
-def _conv2d_input_grad(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_conv2d_input_grad(node: Tensor, caps: Capabilities) -> Kernel:
     """The transposed convolution. Rows: input pixels (n, y, x); columns: input channels of the
     group; k: output channels of the group (a loop) x kernel taps (unrolled), a tap counting
     where the stride divides the distance from the output position."""
@@ -173,7 +171,7 @@ def _tap(coord: str, offset: int, stride: int, extent: int, name: str) -> tuple[
             f"{name}n >= 0 && {name}n % {stride} == 0 && {name} < {extent}")
 
 
-def _conv2d_weight_grad(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities) -> Kernel:
     x, d = node.inputs
     n, c, h, wd = x.shape
     _, o, oh, ow = d.shape
@@ -181,9 +179,7 @@ def _conv2d_weight_grad(node: Tensor, caps: Capabilities) -> Kernel:
     (sh, sw), (ph, pw), (dh, dw), groups = _params(node)
     opg = o // groups
     count = node.size
-    lines = [storage(0, "in0"), storage(1, "in1"), storage(2, "out", writable=True),
-             f"var<workgroup> partial: array<f32, {WORKGROUP}>;",
-             f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
+    lines = [f"fn main({ENTRY_ARGS}) {{",
              f"  let e = {LINEAR_WORKGROUP};",
              "  var acc = 0.0;",
              f"  if (e < {count}u) {{",  # surplus workgroups skip the loads but join the barriers
@@ -202,9 +198,11 @@ def _conv2d_weight_grad(node: Tensor, caps: Capabilities) -> Kernel:
              "  partial[lid] = acc;",
              *tree_reduce("partial", WORKGROUP, "{a} + {b}"),
              f"  if (lid == 0u && e < {count}u) {{ out[e] = partial[0]; }}", "}"]
-    return Kernel(name=f"conv2d_weight_grad_{'x'.join(map(str, node.shape))}",
-                  wgsl="\n".join(lines) + "\n", writable=(False, False, True),
-                  groups=grid(count, caps))
+    return assemble(f"conv2d_weight_grad_{'x'.join(map(str, node.shape))}", caps,
+                    _buffers(node), (WORKGROUP,), lines, grid(count, caps),
+                    prelude=[f"var<workgroup> partial: array<f32, {WORKGROUP}>;"],
+                    flops=2 * count * n * oh * ow,
+                    nbytes=4 * (x.size + d.size + count))
 
 
 def _window_max(x: Tensor, a: dict) -> str:
@@ -223,7 +221,7 @@ def _window_max(x: Tensor, a: dict) -> str:
     return "\n".join([*lines, "  return at;", "}"])
 
 
-def _max_pool2d(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_max_pool2d(node: Tensor, caps: Capabilities) -> Kernel:
     (x,) = node.inputs
     _, c, h, wd = x.shape
     (_, kw), (sh, sw), (ph, pw) = node.attrs["kernel"], node.attrs["stride"], node.attrs["padding"]
@@ -232,10 +230,11 @@ def _max_pool2d(node: Tensor, caps: Capabilities) -> Kernel:
             f"  let y = i32(i2) * {sh} - {ph} + at / {kw};",
             f"  let x = i32(i3) * {sw} - {pw} + at % {kw};",
             f"  out[idx] = in0[base + u32(y * {wd} + x)];"]
-    return _elementwise(node, caps, body, [_window_max(x, node.attrs)])
+    return gather.generate(node, caps, body, [_window_max(x, node.attrs)],
+                           flops=node.size * node.attrs["kernel"][0] * node.attrs["kernel"][1])
 
 
-def _max_pool2d_backward(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_max_pool2d_backward(node: Tensor, caps: Capabilities) -> Kernel:
     x, d = node.inputs
     _, c, h, wd = x.shape
     _, _, oh, ow = d.shape
@@ -249,13 +248,5 @@ def _max_pool2d_backward(node: Tensor, caps: Capabilities) -> Kernel:
             body.append(f"  {{ {ly} {lx} if ({cy} && {cx}) {{ "
                         f"if (window_argmax(base, y, x) == {ki * kw + kj}) {{ "
                         f"acc += in1[db + u32(y * {ow} + x)]; }} }} }}")
-    return _elementwise(node, caps, [*body, "  out[idx] = acc;"], [_window_max(x, node.attrs)])
-
-
-GENERATORS = {"conv2d": _conv2d, "conv2d_input_grad": _conv2d_input_grad,
-              "conv2d_weight_grad": _conv2d_weight_grad, "max_pool2d": _max_pool2d,
-              "max_pool2d_backward": _max_pool2d_backward}
-
-
-def generate(node: Tensor, caps: Capabilities) -> Kernel:
-    return GENERATORS[node.op](node, caps)
+    return gather.generate(node, caps, [*body, "  out[idx] = acc;"],
+                           [_window_max(x, node.attrs)], flops=node.size * (kh * kw) ** 2)

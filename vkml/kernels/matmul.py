@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkml.expr import Arg, Body, broadcast_strides
 from vkml.graph import Tensor
-from vkml.hal import Capabilities
-from vkml.kernels import Kernel
-from vkml.kernels.common import body_lines, helper_functions, offset, storage, unflatten
-from vkml.ops import Body, broadcast_strides
+from vkml.hal import Capabilities, Kernel
+from vkml.kernels.common import Buf, assemble, body_lines, helper_functions, offset, unflatten
 
 THREADS = 16  # per side of the workgroup
 BK = 16  # depth of a staged tile
@@ -27,7 +26,7 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
     """Bindings: A, B, the epilogue's extra inputs, C. In the epilogue x0 is the accumulator."""
     a, b, *extras = node.inputs
     ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
-    epilogue: Body = node.attrs.get("epilogue", Body((), "x0", ((),)))
+    epilogue: Body = node.attrs.get("epilogue", Body(Arg(0), ((),)))
     *leading, m, n = node.shape
     k = a.shape[-2] if ta else a.shape[-1]
     # Batched: workgroup z is the flat batch index; each operand's batch offset follows numpy
@@ -78,13 +77,12 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
     # A CPU driver (lavapipe) gains nothing from staging through workgroup memory, and its JIT
     # takes tens of seconds on the staged kernel's barriers: read operands directly there.
     staged = caps.device_type != "cpu"
-    lines = [*helper_functions(epilogue), storage(0, "mat_a"), storage(1, "mat_b"),
-             *[storage(2 + e, f"ep{e + 1}") for e in range(len(extras))],
-             storage(2 + len(extras), "mat_c", writable=True),
-             *([f"var<workgroup> As: array<f32, {BK * bm}>;",
-                f"var<workgroup> Bs: array<f32, {BK * bn}>;"] if staged else []),
-             f"@compute @workgroup_size({THREADS}, {THREADS})",
-             "fn main(@builtin(local_invocation_id) lid: vec3<u32>, "
+    buffers = [Buf("mat_a"), Buf("mat_b"), *[Buf(f"ep{e + 1}") for e in range(len(extras))],
+               Buf("mat_c", writable=True)]
+    prelude = [*helper_functions(epilogue),
+               *([f"var<workgroup> As: array<f32, {BK * bm}>;",
+                  f"var<workgroup> Bs: array<f32, {BK * bn}>;"] if staged else [])]
+    lines = ["fn main(@builtin(local_invocation_id) lid: vec3<u32>, "
              "@builtin(workgroup_id) wid: vec3<u32>) {",
              f"  let tx = lid.x; let ty = lid.y; let tid = ty * {THREADS}u + tx;",
              f"  let row0 = wid.y * {bm}u; let col0 = wid.x * {bn}u;",
@@ -126,5 +124,6 @@ def generate(node: Tensor, caps: Capabilities) -> Kernel:
     groups = (-(-n // bn), -(-m // bm), batch)
     tag = ("t" if ta else "n") + ("t" if tb else "n")
     prefix = f"b{'x'.join(map(str, leading))}_" if leading else ""
-    return Kernel(name=f"{node.op}_{tag}_{prefix}{m}x{n}x{k}", wgsl="\n".join(lines) + "\n",
-                  writable=(False,) * len(node.inputs) + (True,), groups=groups)
+    return assemble(f"{node.op}_{tag}_{prefix}{m}x{n}x{k}", caps, buffers, (THREADS, THREADS),
+                    lines, groups, prelude=prelude, flops=2 * batch * m * n * k,
+                    nbytes=4 * (a.size + b.size + batch * m * n))

@@ -4,20 +4,20 @@ single generator."""
 
 from __future__ import annotations
 
-from vkml.graph import Tensor
-from vkml.hal import Capabilities
-from vkml.kernels import Kernel
+from vkml.expr import contiguous_strides
+from vkml.graph import Tensor, body_of
+from vkml.hal import Capabilities, Kernel
 from vkml.kernels.common import (
     ENTRY_ARGS,
     LINEAR_WORKGROUP,
+    Buf,
+    assemble,
     body_lines,
     grid,
     helper_functions,
     offset,
-    storage,
     unflatten,
 )
-from vkml.ops import body_of, contiguous_strides
 
 WORKGROUP = 256
 
@@ -30,21 +30,18 @@ def generate(node: Tensor, caps: Capabilities, in_place: int | None = None) -> K
     index_names = [f"i{a}" for a in range(len(node.shape))]
     reads = {k: f"in{k}[{'idx' if s == own else offset(index_names, s)}]"
              for k, s in enumerate(body.strides)}
-    lines = helper_functions(body)
-    lines += [storage(k, f"in{k}", x.dtype, writable=k == in_place)
-              for k, x in enumerate(node.inputs)]
+    buffers = [Buf(f"in{k}", x.dtype, writable=k == in_place) for k, x in enumerate(node.inputs)]
     if in_place is None:
-        lines.append(storage(len(node.inputs), "out", node.dtype, writable=True))
+        buffers.append(Buf("out", node.dtype, writable=True))
     target = "out" if in_place is None else f"in{in_place}"
-    lines += [f"@compute @workgroup_size({WORKGROUP})", f"fn main({ENTRY_ARGS}) {{",
-              f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
-              f"  if (idx >= {node.size}u) {{ return; }}",
-              # Unused axis indices cost nothing: the driver's compiler drops them.
-              *unflatten("idx", node.shape, "i"),
-              *body_lines(body, reads, "  ", f"{target}[idx] ="), "}"]
+    entry = [f"fn main({ENTRY_ARGS}) {{",
+             f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
+             f"  if (idx >= {node.size}u) {{ return; }}",
+             # Unused axis indices cost nothing: the driver's compiler drops them.
+             *unflatten("idx", node.shape, "i"),
+             *body_lines(body, reads, "  ", f"{target}[idx] ="), "}"]
     suffix = "" if in_place is None else f"_inplace{in_place}"
-    return Kernel(name=f"{node.op}_{'x'.join(map(str, node.shape)) or 'scalar'}{suffix}",
-                  wgsl="\n".join(lines) + "\n",
-                  writable=(tuple(k == in_place for k in range(len(node.inputs)))
-                            + ((True,) if in_place is None else ())),
-                  groups=grid(-(-node.size // WORKGROUP), caps))
+    return assemble(f"{node.op}_{'x'.join(map(str, node.shape)) or 'scalar'}{suffix}", caps,
+                    buffers, (WORKGROUP,), entry, grid(-(-node.size // WORKGROUP), caps),
+                    prelude=helper_functions(body), flops=node.size * 4,
+                    nbytes=4 * node.size * len(buffers))

@@ -1,25 +1,26 @@
-"""Reduction archetypes: one workgroup per output element (sum over any axes), and one
-workgroup per row for softmax / log-softmax (max, sum of exponentials, write)."""
+"""Reduction archetypes: one workgroup per output element (sum or max over any axes, a sum with a
+fused prologue and epilogue), and one workgroup per row for softmax / log-softmax (max, sum of
+exponentials, write)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from vkml.expr import Arg, Body, contiguous_strides
 from vkml.graph import Tensor
-from vkml.hal import Capabilities
-from vkml.kernels import Kernel
+from vkml.hal import Capabilities, Kernel
 from vkml.kernels.common import (
     ENTRY_ARGS,
     LINEAR_WORKGROUP,
+    Buf,
+    assemble,
     body_lines,
     grid,
     helper_functions,
     offset,
-    storage,
     tree_reduce,
     unflatten,
 )
-from vkml.ops import Body, contiguous_strides
 
 WORKGROUP = 64
 # lavapipe (llvmpipe) silently stops a shader invocation's loops after 65535 iterations in all;
@@ -55,19 +56,37 @@ def _input_offset(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[list[s
     return lines, offset([indices[a] for a in range(len(shape))], strides)
 
 
-def sum_parts(node: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], Body, Body, int]:
-    """(summed tensor's shape, axes, prologue, epilogue, number of prologue inputs): a plain sum
-    is the fused form with identity bodies."""
-    if node.op == "fused_sum":
-        a = node.attrs
-        return a["in_shape"], a["axes"], a["prologue"], a["epilogue"], a["n_prologue"]
-    (x,) = node.inputs
-    identity = Body((), "x0", (contiguous_strides(x.shape),))
-    return x.shape, node.attrs["axes"], identity, Body((), "x0", ((),)), 1
-
-
 def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
-    in_shape, axes, prologue, epilogue, n_prologue = sum_parts(node)
+    (x,) = node.inputs
+    return _reduction(node, caps, x.shape, node.attrs["axes"],
+                      Body(Arg(0), (contiguous_strides(x.shape),)), Body(Arg(0), ((),)), 1, "sum")
+
+
+def generate_fused_sum(node: Tensor, caps: Capabilities) -> Kernel:
+    """A sum whose summand is a prologue body over the first `n_prologue` inputs and whose
+    result passes through an epilogue body (made by the rewrite stage)."""
+    a = node.attrs
+    return _reduction(node, caps, a["in_shape"], a["axes"], a["prologue"], a["epilogue"],
+                      a["n_prologue"], "sum")
+
+
+def generate_amax(node: Tensor, caps: Capabilities) -> Kernel:
+    (x,) = node.inputs
+    return _reduction(node, caps, x.shape, node.attrs["axes"],
+                      Body(Arg(0), (contiguous_strides(x.shape),)), Body(Arg(0), ((),)), 1, "max")
+
+
+# combine -> (the accumulator's start, folding one term in, folding two partial results)
+_COMBINE = {"sum": ("0.0", "acc +=", "{a} + {b}"),
+            "max": ("-3.4028235e38", "acc = max(acc, term);", "max({a}, {b})")}
+
+
+def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
+               axes: tuple[int, ...], prologue: Body, epilogue: Body, n_prologue: int,
+               combine: str) -> Kernel:
+    """One workgroup per output element: its threads stride over the reduced elements (the
+    prologue computing each term as it is read), then a tree reduction and the epilogue."""
+    start, fold, merge = _COMBINE[combine]
     reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     outputs = node.size
     setup, at = _input_offset(in_shape, axes)
@@ -76,44 +95,49 @@ def generate_sum(node: Tensor, caps: Capabilities) -> Kernel:
     epilogue_reads = {0: "partial[0]"} | {
         k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
         for k in range(1, len(epilogue.strides))}
-    lines = [*helper_functions(prologue, epilogue),
-             *[storage(k, f"in{k}") for k in range(len(node.inputs))],
-             storage(len(node.inputs), "out", writable=True),
-             f"var<workgroup> partial: array<f32, {wg}>;",
-             f"@compute @workgroup_size({wg})", f"fn main({ENTRY_ARGS}) {{",
+    reads = {k: f"in{k}[at]" for k in range(n_prologue)}
+    term = (body_lines(prologue, reads, "      ", fold) if fold.endswith("+=")
+            else [*body_lines(prologue, reads, "      ", "let term ="), f"      {fold}"])
+    buffers = [*[Buf(f"in{k}") for k in range(len(node.inputs))], Buf("out", writable=True)]
+    entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let o = {LINEAR_WORKGROUP};",
-             "  var acc = 0.0;",
+             f"  var acc = {start};",
              # Surplus workgroups of the 2-D grid skip the loads but join the barriers.
              f"  if (o < {outputs}u) {{",
              *[line for line in setup if line.lstrip().startswith("let k")],
              f"    for (var r = lid; r < {reduced}u; r += {wg}u) {{",
              *["  " + line for line in setup if line.lstrip().startswith("let j")],
-             f"      let at = {at};",
-             *body_lines(prologue, {k: f"in{k}[at]" for k in range(n_prologue)}, "      ",
-                         "acc +="),
+             f"      let at = {at};", *term,
              "    }", "  }",
              "  partial[lid] = acc;",
-             *tree_reduce("partial", wg, "{a} + {b}"),
+             *tree_reduce("partial", wg, merge),
              f"  if (lid == 0u && o < {outputs}u) {{",
              *unflatten("o", node.shape, "i"),
              *body_lines(epilogue, epilogue_reads, "    ", "out[o] ="), "  }", "}"]
-    return Kernel(name=f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
-                  wgsl="\n".join(lines) + "\n", writable=(False,) * len(node.inputs) + (True,),
-                  groups=grid(outputs, caps))
+    total = outputs * reduced
+    return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
+                    caps, buffers, (wg,), entry, grid(outputs, caps),
+                    prelude=[*helper_functions(prologue, epilogue),
+                             f"var<workgroup> partial: array<f32, {wg}>;"],
+                    flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
 
 
 def generate_softmax(node: Tensor, caps: Capabilities) -> Kernel:
+    return _rowwise(node, caps, "exp(inp[base + c] - row_max) / row_sum")
+
+
+def generate_log_softmax(node: Tensor, caps: Capabilities) -> Kernel:
+    return _rowwise(node, caps, "inp[base + c] - row_max - log(row_sum)")
+
+
+def _rowwise(node: Tensor, caps: Capabilities, result: str) -> Kernel:
+    """One workgroup per row of the last axis: the row's maximum, the sum of exponentials,
+    then `result` (of the element, row_max and row_sum) written for each element."""
     (x,) = node.inputs
     length = x.shape[-1]
     rows = x.size // length
     wg = workgroup_for(3 * length, caps, node.label)  # three passes over the row
-    if node.op == "softmax":
-        result = "exp(inp[base + c] - row_max) / row_sum"
-    else:
-        result = "inp[base + c] - row_max - log(row_sum)"
-    lines = [storage(0, "inp"), storage(1, "out", writable=True),
-             f"var<workgroup> partial: array<f32, {wg}>;",
-             f"@compute @workgroup_size({wg})", f"fn main({ENTRY_ARGS}) {{",
+    entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let row = {LINEAR_WORKGROUP};",
              f"  let valid = row < {rows}u;",
              f"  let base = min(row, {rows - 1}u) * {length}u;",
@@ -133,5 +157,7 @@ def generate_softmax(node: Tensor, caps: Capabilities) -> Kernel:
              "  if (!valid) { return; }",
              f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
              f"    out[base + c] = {result};", "  }", "}"]
-    return Kernel(name=f"{node.op}_{rows}x{length}", wgsl="\n".join(lines) + "\n",
-                  writable=(False, True), groups=grid(rows, caps))
+    return assemble(f"{node.op}_{rows}x{length}", caps, [Buf("inp"), Buf("out", writable=True)],
+                    (wg,), entry, grid(rows, caps),
+                    prelude=[f"var<workgroup> partial: array<f32, {wg}>;"],
+                    flops=5 * x.size, nbytes=12 * x.size)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,25 +21,6 @@ class Built:
     loss: Tensor
     sample_inputs: Callable[[np.random.Generator], dict[str, np.ndarray]]
     notes: dict[str, str] = field(default_factory=dict)
-
-
-def linear(g: Graph, name: str, x: Tensor, in_features: int, out_features: int,
-           bias: bool = True, std: float | None = None) -> Tensor:
-    """x (..., in) @ W^T (+ b), W `name.weight` of shape (out, in) as torch.nn.Linear; the
-    leading axes are flattened into one matrix product and restored. `std`: a normal init
-    (Hugging Face's initializer_range) instead of torch.nn.Linear's uniform one."""
-    if std is None:
-        bound = 1.0 / math.sqrt(in_features)
-        w = g.param(f"{name}.weight", (out_features, in_features), "uniform", bound)
-        b = g.param(f"{name}.bias", (out_features,), "uniform", bound) if bias else None
-    else:
-        w = g.param(f"{name}.weight", (out_features, in_features), "normal", std)
-        b = g.param(f"{name}.bias", (out_features,)) if bias else None
-    lead = x.shape[:-1]
-    y = g.matmul(g.reshape(x, (-1, in_features)) if len(lead) != 1 else x, w, transpose_b=True)
-    if b is not None:
-        y = g.bias_add(y, b)
-    return g.reshape(y, (*lead, out_features)) if len(lead) != 1 else y
 
 
 def heads(g: Graph, x: Tensor, n_heads: int, head_dim: int) -> Tensor:

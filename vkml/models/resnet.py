@@ -24,7 +24,8 @@ import numpy as np
 
 from vkml.errors import GraphError
 from vkml.graph import Graph, Tensor
-from vkml.models.common import Built, linear
+from vkml.models.common import Built
+from vkml.nn import linear
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The small diffusion U-Net of PROTOCOL.md: 4 input channels, base width 64, three levels of
+"""The small diffusion U-Net of tools/PROTOCOL.md: 4 input channels, base width 64, three levels of
 widths x1, x2, x4; ResBlocks of GroupNorm(16)-SiLU-Conv3x3 twice with a residual (a 1x1
 `conv_shortcut` where the width changes); a stride-2 3x3 conv down between levels; nearest x2 up
 followed by a 3x3 conv; the encoder's output at each level concatenated (channels) to the

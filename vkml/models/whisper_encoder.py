@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vkml.graph import Graph, Tensor
-from vkml.models.common import Built, heads, linear, merge_heads
+from vkml.models.common import Built, heads, merge_heads
+from vkml.nn import linear
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
 """2-D convolution and max pooling over NCHW tensors, with PyTorch's conventions (weight
-(out, in/groups, kh, kw); stride, padding, dilation, groups). All lower to the "conv" archetype
-(`vkml/kernels/conv.py`), reading the input through the im2col index map without materialising
-it: the forward and the input gradient as register-tiled implicit GEMMs, the weight gradient one
-workgroup per weight element reducing over batch x output pixels. 1-D convolution,
-average and global-average pooling are compositions (graph.py)."""
+(out, in/groups, kh, kw); stride, padding, dilation, groups). vkml/kernels/conv.py generates them,
+reading the input through the im2col index map without materialising it: the forward and the
+input gradient as register-tiled implicit GEMMs, the weight gradient one workgroup per weight
+element reducing over batch x output pixels. 1-D convolution, average and global-average pooling
+are compositions (ops/composite.py)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from vkml.errors import GraphError
-from vkml.ops import OpDef, register
+from vkml.graph import Graph, OpDef, Tensor, builder, register
+from vkml.kernels import conv as kernels
 
 
 def out_extent(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
@@ -47,7 +50,18 @@ def _conv2d_grad(g, node, d):
             g.apply("conv2d_weight_grad", [x, d], w_shape=w.shape, **a)]
 
 
-register(OpDef("conv2d", _conv2d, "conv", grad=_conv2d_grad))
+register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad, lower=kernels.generate_conv2d))
+
+
+@builder
+def conv2d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1,
+           padding=0, dilation=1, groups: int = 1) -> Tensor:
+    """F.conv2d: weight (out, in/groups, kh, kw); int or (h, w) stride/padding/dilation."""
+    y = g.apply("conv2d", [x, weight], stride=pair(stride), padding=pair(padding),
+                dilation=pair(dilation), groups=int(groups))
+    if bias is not None:
+        y = g.add(y, g.reshape(bias, (bias.size, 1, 1)))
+    return y
 
 
 def _input_grad(inputs, attrs):  # (d output, weight) -> d input: a transposed convolution
@@ -72,8 +86,10 @@ def _weight_grad_grad(g, node, d):
             g.apply("conv2d", [x, d], **a)]
 
 
-register(OpDef("conv2d_input_grad", _input_grad, "conv", grad=_input_grad_grad))
-register(OpDef("conv2d_weight_grad", _weight_grad, "conv", grad=_weight_grad_grad))
+register(OpDef("conv2d_input_grad", _input_grad, "kernel", grad=_input_grad_grad,
+               lower=kernels.generate_conv2d_input_grad))
+register(OpDef("conv2d_weight_grad", _weight_grad, "kernel", grad=_weight_grad_grad,
+               lower=kernels.generate_conv2d_weight_grad))
 
 
 def _max_pool2d(inputs, attrs):
@@ -93,5 +109,20 @@ def _max_pool2d_grad(g, node, d):
     return [g.apply("max_pool2d_backward", [x, d], **node.attrs)]
 
 
-register(OpDef("max_pool2d", _max_pool2d, "conv", grad=_max_pool2d_grad))
-register(OpDef("max_pool2d_backward", lambda inputs, attrs: (inputs[0].shape, "f32"), "conv"))
+register(OpDef("max_pool2d", _max_pool2d, "kernel", grad=_max_pool2d_grad,
+               lower=kernels.generate_max_pool2d))
+register(OpDef("max_pool2d_backward", lambda inputs, attrs: (inputs[0].shape, "f32"), "kernel",
+               lower=kernels.generate_max_pool2d_backward))
+
+
+@builder
+def max_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+    """F.max_pool2d (the first maximum of a window takes its gradient, as PyTorch's)."""
+    kernel = pair(kernel_size)
+    return g.apply("max_pool2d", [x], kernel=kernel,
+                   stride=kernel if stride is None else pair(stride), padding=pair(padding))
+
+
+def pair(v) -> tuple[int, int]:
+    """An int or an (h, w) pair as (h, w)."""
+    return (int(v), int(v)) if isinstance(v, (int, np.integer)) else (int(v[0]), int(v[1]))

@@ -1,4 +1,5 @@
-"""Fused ops, made only by `vkml/rewrite.py` after autodiff (so they need no gradient rule).
+"""Fused ops, made only by the rewrite stage (vkml/compiler/rewrite.py) after autodiff (so they
+need no gradient rule).
 
 - fused_pointwise: a DAG of pointwise ops as one `Body` (attrs "body").
 - fused_matmul: matmul whose result passes through an epilogue `Body` before it is stored;
@@ -11,7 +12,8 @@ The result's shape and dtype are stored in attrs, as the rewrite already knows t
 
 from __future__ import annotations
 
-from vkml.ops import OpDef, register
+from vkml.graph import OpDef, register
+from vkml.kernels import matmul, reduce
 
 
 def _stored(inputs, attrs):
@@ -20,5 +22,5 @@ def _stored(inputs, attrs):
 
 register(OpDef("fused_pointwise", _stored, "pointwise",
                expr=lambda node: node.attrs["body"].result))
-register(OpDef("fused_matmul", _stored, "matmul"))
-register(OpDef("fused_sum", _stored, "reduce"))
+register(OpDef("fused_matmul", _stored, "kernel", lower=matmul.generate))
+register(OpDef("fused_sum", _stored, "kernel", lower=reduce.generate_fused_sum))

@@ -1,14 +1,19 @@
 """Shape ops that move elements by index: slice, zero-pad, concat (along one axis), and the
-embedding gather with its deterministic scatter-add gradient. All lower to the "gather"
-archetype (`vkml/kernels/gather.py`): one thread per output element, reading its inputs at
-computed addresses (a pointwise body cannot: it reads every input at a strided offset, with no
-offsets and no choice of input). Split is slices; nearest upsampling is a broadcast (graph.py).
-"""
+embedding gather with its deterministic scatter-add gradient. Each lowers to the gather archetype
+(vkml/kernels/gather.py) with the WGSL body defined beside it: one thread per output element,
+reading its inputs at computed addresses (a pointwise body cannot: it reads every input at a
+strided offset, with no offsets and no choice of input). Split is slices and nearest upsampling
+a broadcast (ops/composite.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from vkml.errors import GraphError
-from vkml.ops import OpDef, register
+from vkml.expr import contiguous_strides
+from vkml.graph import Graph, OpDef, Tensor, builder, register
+from vkml.kernels import gather
+from vkml.kernels.common import offset
 
 
 def _axis_of(x, axis: int) -> int:
@@ -32,7 +37,21 @@ def _slice_grad(g, node, d):
     return [g.pad(d, axis, a["start"], x.shape[axis] - a["stop"])]
 
 
-register(OpDef("slice", _slice, "gather", grad=_slice_grad))
+def _slice_body(node: Tensor) -> list[str]:
+    (x,) = node.inputs
+    axis = node.attrs["axis"] % len(node.shape)
+    idx = [f"({n} + {node.attrs['start']}u)" if a == axis else n
+           for a, n in enumerate(_indices(node))]
+    return [f"  out[idx] = in0[{offset(idx, contiguous_strides(x.shape))}];"]
+
+
+register(OpDef("slice", _slice, "kernel", grad=_slice_grad, lower=gather.lowering(_slice_body)))
+
+
+@builder
+def slice(g: Graph, x: Tensor, axis: int, start: int, stop: int) -> Tensor:  # noqa: A001
+    """x[..., start:stop, ...] along `axis` (step 1, non-negative bounds)."""
+    return g.apply("slice", [x], axis=int(axis), start=int(start), stop=int(stop))
 
 
 def _pad(inputs, attrs):
@@ -50,7 +69,24 @@ def _pad_grad(g, node, d):
     return [g.slice(d, axis, before, before + x.shape[axis])]
 
 
-register(OpDef("pad", _pad, "gather", grad=_pad_grad))
+def _pad_body(node: Tensor) -> list[str]:
+    (x,) = node.inputs
+    axis = node.attrs["axis"] % len(node.shape)
+    before, extent = node.attrs["before"], x.shape[axis]
+    idx = [f"({n} - {before}u)" if a == axis else n for a, n in enumerate(_indices(node))]
+    return ["  var v = 0.0;",
+            f"  if (i{axis} >= {before}u && i{axis} < {before + extent}u) {{",
+            f"    v = in0[{offset(idx, contiguous_strides(x.shape))}];", "  }",
+            "  out[idx] = v;"]
+
+
+register(OpDef("pad", _pad, "kernel", grad=_pad_grad, lower=gather.lowering(_pad_body)))
+
+
+@builder
+def pad(g: Graph, x: Tensor, axis: int, before: int, after: int) -> Tensor:
+    """Zero padding along one axis."""
+    return g.apply("pad", [x], axis=int(axis), before=int(before), after=int(after))
 
 
 def _concat(inputs, attrs):
@@ -73,7 +109,30 @@ def _concat_grad(g, node, d):
     return out
 
 
-register(OpDef("concat", _concat, "gather", grad=_concat_grad))
+def _concat_body(node: Tensor) -> list[str]:
+    axis = node.attrs["axis"] % len(node.shape)
+    lines, start = [], 0
+    for k, x in enumerate(node.inputs):
+        stop = start + x.shape[axis]
+        idx = [f"({n} - {start}u)" if a == axis else n for a, n in enumerate(_indices(node))]
+        head = "if" if k == 0 else "} else if"
+        cond = f"i{axis} < {stop}u" if k < len(node.inputs) - 1 else "true"
+        lines += [f"  {head} ({cond}) {{",
+                  f"    out[idx] = in{k}[{offset(idx, contiguous_strides(x.shape))}];"]
+        start = stop
+    return [*lines, "  }"]
+
+
+register(OpDef("concat", _concat, "kernel", grad=_concat_grad,
+               lower=gather.lowering(_concat_body)))
+
+
+@builder
+def concat(g: Graph, xs: Sequence[Tensor], axis: int = 0) -> Tensor:
+    """torch.cat along `axis`."""
+    if len(xs) == 1:
+        return xs[0]
+    return g.apply("concat", list(xs), axis=int(axis))
 
 
 def _embedding(inputs, attrs):
@@ -90,7 +149,22 @@ def _embedding_grad(g, node, d):
     return [g.apply("embedding_backward", [d, ids], rows=weight.shape[0]), None]
 
 
-register(OpDef("embedding", _embedding, "gather", grad=_embedding_grad))
+def _embedding_body(node: Tensor) -> list[str]:
+    weight, _ = node.inputs
+    rows, dim = weight.shape
+    # An id outside [0, rows) reads the nearest row rather than outside the buffer.
+    return [f"  let row = u32(clamp(in1[idx / {dim}u], 0, {rows - 1}));",
+            f"  out[idx] = in0[row * {dim}u + idx % {dim}u];"]
+
+
+register(OpDef("embedding", _embedding, "kernel", grad=_embedding_grad,
+               lower=gather.lowering(_embedding_body)))
+
+
+@builder
+def embedding(g: Graph, ids: Tensor, weight: Tensor) -> Tensor:
+    """F.embedding(ids, weight): rows of `weight` (rows, dim) at i32 `ids` -> (*ids, dim)."""
+    return g.apply("embedding", [weight, ids])
 
 
 def _embedding_backward(inputs, attrs):
@@ -98,6 +172,22 @@ def _embedding_backward(inputs, attrs):
     return (attrs["rows"], d.shape[-1]), "f32"
 
 
-# d weight[v, j] = sum over positions p with ids[p] == v of d[p, j]: one thread per weight
-# element scanning the ids, so the sum is deterministic (no float atomics).
-register(OpDef("embedding_backward", _embedding_backward, "gather"))
+def _embedding_backward_body(node: Tensor) -> list[str]:
+    # d weight[v, j] = sum over positions p with ids[p] == v of d[p, j]: one thread per weight
+    # element scanning the ids, so the sum is deterministic (no float atomics).
+    d, ids = node.inputs
+    dim, positions = d.shape[-1], ids.size
+    return [f"  let row = i32(idx / {dim}u); let col = idx % {dim}u;",
+            "  var acc = 0.0;",
+            f"  for (var p = 0u; p < {positions}u; p++) {{",
+            f"    if (in1[p] == row) {{ acc += in0[p * {dim}u + col]; }}", "  }",
+            "  out[idx] = acc;"]
+
+
+register(OpDef("embedding_backward", _embedding_backward, "kernel",
+               lower=gather.lowering(_embedding_backward_body)))
+
+
+def _indices(node: Tensor) -> list[str]:
+    """The output's index variables in the gather kernel: i0, i1, ..."""
+    return [f"i{a}" for a in range(len(node.shape))]

@@ -1,11 +1,14 @@
-"""Layout ops: reshape (a view, no kernel) and transpose (a pointwise gather)."""
+"""Layout ops: reshape (a view, no kernel) and transpose / permute (a pointwise gather)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 from vkml.errors import GraphError
-from vkml.ops import OpDef, contiguous_strides, register
+from vkml.expr import Arg, contiguous_strides
+from vkml.graph import Graph, OpDef, Tensor, builder, register
 
 
 def _reshape(inputs, attrs):
@@ -18,6 +21,16 @@ def _reshape(inputs, attrs):
 
 register(OpDef("reshape", _reshape, "view",
                grad=lambda g, node, d: [g.reshape(d, node.inputs[0].shape)]))
+
+
+@builder(tensor=lambda x, *shape: x.graph.reshape(x, shape))
+def reshape(g: Graph, x: Tensor, shape: Sequence[int]) -> Tensor:
+    """The same elements in another shape; one axis may be -1 (inferred). No copy is made."""
+    shape = tuple(int(d) for d in shape)
+    if shape.count(-1) == 1:
+        known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+        shape = tuple(x.size // known if d == -1 and known else d for d in shape)
+    return g.apply("reshape", [x], shape=shape)
 
 
 def _transpose(inputs, attrs):
@@ -36,4 +49,20 @@ def _transpose_strides(node):
 
 register(OpDef("transpose", _transpose, "pointwise",
                grad=lambda g, node, d: [g.transpose(d, tuple(np.argsort(node.attrs["axes"])))],
-               expr=lambda node: "x0", strides=_transpose_strides))
+               expr=lambda node: Arg(0), strides=_transpose_strides))
+
+
+@builder(tensor=lambda x, *axes: x.graph.transpose(x, axes or None))
+def transpose(g: Graph, x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
+    """Permute axes; with no `axes`, swap the last two (the matrix transpose)."""
+    if axes is None:
+        if len(x.shape) < 2:
+            raise GraphError(f"transpose: {x.label} has fewer than 2 axes")
+        axes = (*range(len(x.shape) - 2), len(x.shape) - 1, len(x.shape) - 2)
+    return g.apply("transpose", [x], axes=tuple(int(a) for a in axes))
+
+
+@builder
+def permute(g: Graph, x: Tensor, axes: Sequence[int]) -> Tensor:
+    """torch.permute: transpose with explicit axes."""
+    return g.transpose(x, axes)

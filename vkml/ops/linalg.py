@@ -5,7 +5,8 @@ dimensions (the kernel carries the batch in the z dimension of its dispatch grid
 from __future__ import annotations
 
 from vkml.errors import GraphError
-from vkml.ops import OpDef, register
+from vkml.graph import Graph, OpDef, Tensor, builder, register
+from vkml.kernels import matmul as kernels
 from vkml.ops.pointwise import broadcast_shapes, sum_to
 
 
@@ -46,4 +47,13 @@ def _matmul_grad(g, node, d):
     return [sum_to(g, da, a.shape), sum_to(g, db, b.shape)]
 
 
-register(OpDef("matmul", _matmul, "matmul", grad=_matmul_grad))
+register(OpDef("matmul", _matmul, "kernel", grad=_matmul_grad, lower=kernels.generate))
+
+
+@builder
+def matmul(g: Graph, a: Tensor, b: Tensor, transpose_a: bool = False,
+           transpose_b: bool = False) -> Tensor:
+    """op(a) @ op(b), op transposing the last two axes when asked (no copy is made); operands
+    of rank > 2 are batches of matrices, their leading axes broadcast as numpy's."""
+    return g.apply("matmul", [a, b], transpose_a=bool(transpose_a),
+                   transpose_b=bool(transpose_b))

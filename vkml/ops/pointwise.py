@@ -1,22 +1,21 @@
 """Elementwise ops: one output element from the inputs' elements at the same (broadcast) index.
 
-Each is one WGSL expression; the pointwise kernel archetype wraps it with the indexing. Unary ops
-come from one table so that the forward expression and the derivative sit side by side.
+Each is one expression (vkml/expr.py); the pointwise generator wraps it with the indexing, and the
+rewrite stage fuses chains of them. Unary ops come from one table, so an op's forward template,
+its helper functions and its derivative sit on one line or two.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from vkml.errors import GraphError
-from vkml.ops import OpDef, Shape, contiguous_strides, register
-
-if TYPE_CHECKING:
-    from vkml.graph import Graph, Tensor
+from vkml.expr import Arg, Axis, Expr, Lit, call, contiguous_strides
+from vkml.graph import Graph, OpDef, Operand, Shape, Tensor, builder, register
 
 
-def _same(inputs, attrs):
+def same_f32(inputs, attrs):
+    """Shape rule of an op whose one f32 input and result have the same shape."""
     (x,) = inputs
     if x.dtype != "f32":
         raise GraphError(f"expects f32, got {x.dtype}")
@@ -50,7 +49,7 @@ def sum_to(g: Graph, x: Tensor, shape: Shape) -> Tensor:
     return g.reshape(g.sum(x, axes), shape) if axes else g.reshape(x, shape)
 
 
-# ---- unary ops: name -> (expression of x0, gradient(g, x, y, gout)) -----------------------------
+# ---- unary ops ----------------------------------------------------------------------------------
 ERF_HELPER = """
 fn vkml_erf(x: f32) -> f32 {
   // Abramowitz & Stegun 7.1.26 is too coarse for 1e-5 agreement; this is the erfc-based
@@ -70,37 +69,91 @@ fn vkml_tanh(x: f32) -> f32 {
   return sign(x) * (1.0 - t) / (1.0 + t);
 }
 """
-UnaryGrad = Callable[["Graph", "Tensor", "Tensor", "Tensor"], "Tensor"]
-UNARY: dict[str, tuple[str, str, UnaryGrad | None]] = {
-    "relu": ("max(x0, 0.0)", "", lambda g, x, y, d: g.mul(d, g.apply("step", [x]))),
-    "step": ("select(0.0, 1.0, x0 > 0.0)", "", None),
-    "sigmoid": ("1.0 / (1.0 + exp(-x0))", "", lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y)))),
-    "tanh": ("vkml_tanh(x0)", TANH_HELPER, lambda g, x, y, d: g.mul(d, g.sub(1.0, g.mul(y, y)))),
-    "gelu": ("0.5 * x0 * (1.0 + vkml_erf(x0 * 0.70710678118654752))", ERF_HELPER,
-             lambda g, x, y, d: g.mul(d, g.apply("gelu_deriv", [x]))),
-    "gelu_deriv": ("0.5 * (1.0 + vkml_erf(x0 * 0.70710678118654752))"
-                   " + x0 * exp(-0.5 * x0 * x0) * 0.39894228040143268", ERF_HELPER, None),
-    "silu": ("x0 / (1.0 + exp(-x0))", "", lambda g, x, y, d: g.mul(d, g.apply("silu_deriv", [x]))),
-    "silu_deriv": ("(1.0 / (1.0 + exp(-x0))) * (1.0 + x0 * (1.0 - 1.0 / (1.0 + exp(-x0))))", "",
-                   None),
-    "exp": ("exp(x0)", "", lambda g, x, y, d: g.mul(d, y)),
-    "log": ("log(x0)", "", lambda g, x, y, d: g.div(d, x)),
-    "neg": ("-x0", "", lambda g, x, y, d: g.neg(d)),
-    "sqrt": ("sqrt(x0)", "", lambda g, x, y, d: g.div(g.mul(d, 0.5), y)),
+UnaryGrad = Callable[[Graph, Tensor, Tensor, Tensor], Tensor]  # (g, x, y, d y) -> d x
+# name -> (WGSL template of the input {0}, helper functions, gradient, public: a Graph method
+# (and "tensor": a Tensor method too), or internal: made only by other ops' gradients)
+UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
+    "relu": ("max({0}, 0.0)", "", lambda g, x, y, d: g.mul(d, g.apply("step", [x])), "tensor"),
+    "step": ("select(0.0, 1.0, {0} > 0.0)", "", None, "internal"),
+    "sigmoid": ("1.0 / (1.0 + exp(-{0}))", "",
+                lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y))), "tensor"),
+    "tanh": ("vkml_tanh({0})", TANH_HELPER,
+             lambda g, x, y, d: g.mul(d, g.sub(1.0, g.mul(y, y))), "tensor"),
+    "gelu": ("0.5 * {0} * (1.0 + vkml_erf({0} * 0.70710678118654752))", ERF_HELPER,
+             lambda g, x, y, d: g.mul(d, g.apply("gelu_deriv", [x])), "tensor"),
+    "gelu_deriv": ("0.5 * (1.0 + vkml_erf({0} * 0.70710678118654752))"
+                   " + {0} * exp(-0.5 * {0} * {0}) * 0.39894228040143268", ERF_HELPER, None,
+                   "internal"),
+    "silu": ("{0} / (1.0 + exp(-{0}))", "",
+             lambda g, x, y, d: g.mul(d, g.apply("silu_deriv", [x])), "tensor"),
+    "silu_deriv": ("(1.0 / (1.0 + exp(-{0}))) * (1.0 + {0} * (1.0 - 1.0 / (1.0 + exp(-{0}))))",
+                   "", None, "internal"),
+    "exp": ("exp({0})", "", lambda g, x, y, d: g.mul(d, y), "tensor"),
+    "log": ("log({0})", "", lambda g, x, y, d: g.div(d, x), "tensor"),
+    "neg": ("-{0}", "", lambda g, x, y, d: g.neg(d), "graph"),
+    "sqrt": ("sqrt({0})", "", lambda g, x, y, d: g.div(g.mul(d, 0.5), y), "graph"),
     # WGSL's inverseSqrt may be a fast approximation on some drivers; 1/sqrt is exact to an ulp.
-    "rsqrt": ("1.0 / sqrt(x0)", "",
-              lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5))),
-    "square": ("x0 * x0", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0))),
+    "rsqrt": ("1.0 / sqrt({0})", "",
+              lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5)), "graph"),
+    "square": ("{0} * {0}", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0)), "graph"),
+    "abs": ("abs({0})", "", lambda g, x, y, d: g.mul(d, g.apply("sign", [x])), "tensor"),
+    "sign": ("sign({0})", "", None, "internal"),
 }
 
 
-def _unary_grad(rule: UnaryGrad) -> Callable:
-    return lambda g, node, d: [rule(g, node.inputs[0], node, d)]
+def _unary(name: str, template: str, helper: str, grad: UnaryGrad | None, public: str) -> None:
+    register(OpDef(name, same_f32, "pointwise",
+                   grad=(lambda g, node, d: [grad(g, node.inputs[0], node, d)]) if grad else None,
+                   expr=lambda node: call(template, Arg(0), helper=helper)))
+    if public != "internal":
+        def method(g: Graph, x: Tensor) -> Tensor:
+            return g.apply(name, [x])
+        method.__name__, method.__doc__ = name, f"Elementwise {name}: WGSL {template}"
+        builder(method, tensor=public == "tensor")
 
 
-for _name, (_expr, _helpers, _grad) in UNARY.items():
-    register(OpDef(_name, _same, "pointwise", grad=_unary_grad(_grad) if _grad else None,
-                   expr=lambda node, e=_expr: e, helpers=_helpers))
+for _name, _rule in UNARY.items():
+    _unary(_name, *_rule)
+
+
+# ---- clamp: scalar bounds as attributes, so no constant tensors are made -----------------------
+def _clamped(node: Tensor) -> Expr:
+    # select() rather than min/max: a NaN element stays NaN, as in torch (WGSL leaves min and
+    # max of a NaN to the implementation).
+    e: Expr = Arg(0)
+    if node.attrs["min"] is not None:
+        e = call("select({0}, {1}, {0} < {1})", e, Lit(node.attrs["min"]))
+    if node.attrs["max"] is not None:
+        e = call("select({0}, {1}, {0} > {1})", e, Lit(node.attrs["max"]))
+    return e
+
+
+def _within(node: Tensor) -> Expr:
+    """1 where min <= x <= max (where the gradient passes), else 0."""
+    tests, args = [], [Arg(0)]
+    for bound, op in (("min", ">="), ("max", "<=")):
+        if node.attrs[bound] is not None:
+            args.append(Lit(node.attrs[bound]))
+            tests.append(f"{{0}} {op} {{{len(args) - 1}}}")
+    return call(f"select(0.0, 1.0, {' && '.join(tests)})", *args)
+
+
+register(OpDef("clamp_mask", same_f32, "pointwise", expr=_within))
+register(OpDef("clamp", same_f32, "pointwise",
+               grad=lambda g, node, d: [g.mul(d, g.apply("clamp_mask", [node.inputs[0]],
+                                                         **node.attrs))],
+               expr=_clamped))
+
+
+@builder(tensor=True)
+def clamp(g: Graph, x: Tensor, min: float | None = None,  # noqa: A002  (torch's names)
+          max: float | None = None) -> Tensor:  # noqa: A002
+    """torch.clamp: each element limited to [min, max] (either bound may be None); the
+    gradient passes where min <= x <= max, as torch's."""
+    if min is None and max is None:
+        raise GraphError("clamp needs min, max or both")
+    return g.apply("clamp", [x], min=None if min is None else float(min),
+                   max=None if max is None else float(max))
 
 
 # ---- binary ops with numpy broadcasting -------------------------------------------------------
@@ -125,11 +178,33 @@ def _div_grad(g, node, d):
     return [sum_to(g, da, a.shape), sum_to(g, g.neg(g.mul(da, node)), b.shape)]
 
 
-register(OpDef("equal", _binary, "pointwise", expr=lambda n: "select(0.0, 1.0, x0 == x1)"))
+register(OpDef("equal", _binary, "pointwise",
+               expr=lambda n: call("select(0.0, 1.0, {0} == {1})", Arg(0), Arg(1))))
 
-for _name, _op, _grad in (("add", "+", _add_grad), ("sub", "-", _sub_grad),
-                          ("mul", "*", _mul_grad), ("div", "/", _div_grad)):
-    register(OpDef(_name, _binary, "pointwise", grad=_grad, expr=lambda n, o=_op: f"x0 {o} x1"))
+
+def _binary_op(name: str, symbol: str, grad: Callable) -> None:
+    register(OpDef(name, _binary, "pointwise", grad=grad,
+                   expr=lambda n: call(f"{{0}} {symbol} {{1}}", Arg(0), Arg(1))))
+
+    def method(g: Graph, a: Operand, b: Operand) -> Tensor:
+        return g.apply(name, [g.lift(a), g.lift(b)])
+    method.__name__ = name
+    method.__doc__ = f"a {symbol} b elementwise, numpy broadcasting; numbers become constants"
+    builder(method)
+
+
+for _name, _symbol, _grad in (("add", "+", _add_grad), ("sub", "-", _sub_grad),
+                              ("mul", "*", _mul_grad), ("div", "/", _div_grad)):
+    _binary_op(_name, _symbol, _grad)
+
+
+@builder
+def bias_add(g: Graph, x: Tensor, bias: Tensor) -> Tensor:
+    """x + bias over the last axis; bias must have shape (x.shape[-1],)."""
+    if bias.shape != x.shape[-1:]:
+        raise GraphError(f"bias_add: bias {bias.label} must have shape ({x.shape[-1]},) "
+                         f"to match the last axis of {x.label}")
+    return g.add(x, bias)
 
 
 # ---- explicit broadcasting and one-hot encoding -------------------------------------------------
@@ -143,7 +218,13 @@ def _broadcast_to(inputs, attrs):
 
 register(OpDef("broadcast_to", _broadcast_to, "pointwise",
                grad=lambda g, node, d: [sum_to(g, d, node.inputs[0].shape)],
-               expr=lambda node: "x0"))
+               expr=lambda node: Arg(0)))
+
+
+@builder
+def broadcast_to(g: Graph, x: Tensor, shape: Shape) -> Tensor:
+    """x repeated (numpy broadcasting) to `shape`."""
+    return g.apply("broadcast_to", [x], shape=tuple(shape))
 
 
 def _one_hot(inputs, attrs):
@@ -155,7 +236,13 @@ def _one_hot(inputs, attrs):
 
 register(OpDef(
     "one_hot", _one_hot, "pointwise",
-    expr=lambda node: f"select(0.0, 1.0, x0 == i32(i{len(node.shape) - 1}))",
+    expr=lambda node: call("select(0.0, 1.0, {0} == i32({1}))", Arg(0),
+                           Axis(len(node.shape) - 1)),
     strides=lambda node: [(*contiguous_strides(node.inputs[0].shape), 0)],
 ))
 
+
+@builder
+def one_hot(g: Graph, labels: Tensor, num_classes: int) -> Tensor:
+    """i32 class indices (...) -> f32 rows (..., num_classes) of 0 and 1."""
+    return g.apply("one_hot", [labels], num_classes=int(num_classes))

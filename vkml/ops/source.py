@@ -1,9 +1,10 @@
-"""Values that enter the graph from outside: inputs, parameters and constants."""
+"""Values that enter the graph from outside: inputs, parameters and constants (Graph.input,
+Graph.param and Graph.constant build them, as they also record names and initial values)."""
 
 from __future__ import annotations
 
 from vkml.errors import GraphError
-from vkml.ops import OpDef, register
+from vkml.graph import OpDef, register
 
 
 def _source(inputs, attrs):

@@ -1,33 +1,19 @@
-"""Splitting one step into pieces at level (barrier) boundaries: pure functions, no GPU.
+"""Splitting one step into pieces at level (barrier) boundaries, and submitting them one by one.
 
 A plan's dispatches are sorted by level and a barrier separates levels, so any cut between two
-levels yields pieces that, run in order, do exactly what the whole step does. These functions
+levels yields pieces that, run in order, do exactly what the whole step does. The pure functions
 choose the cuts: `balanced` for a given number of pieces, `within_budget` for a time budget.
 Costs are per level (the sum over its dispatches): measured GPU milliseconds when a profile or
-a budget step measured them, else `estimate`.
+a budget step measured them, else each kernel's own estimate (`Kernel.cost`). `Chunker` records
+each distinct cut's pieces once and steps through them.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
-_WORKGROUP = re.compile(r"@workgroup_size\(\s*([^)]*)\)")
-
-
-def estimate(wgsl: str, groups: Sequence[int]) -> float:
-    """A dispatch's relative cost when nothing was measured: threads launched times kernel
-    size (the WGSL text length stands for the work per thread: kernels are straight-line code
-    with shapes baked in), plus a fixed cost per dispatch."""
-    threads = 1
-    match = _WORKGROUP.search(wgsl)
-    if match:
-        for part in match.group(1).split(","):
-            part = part.strip()
-            if part.isdigit():
-                threads *= int(part)
-    launched = threads * max(1, groups[0]) * max(1, groups[1]) * max(1, groups[2])
-    return launched * len(wgsl) + 1e5
+from vkml.errors import InputError
+from vkml.runtime.bound import BoundPlan
 
 
 def level_ranges(levels: Sequence[int]) -> list[tuple[int, int]]:
@@ -88,3 +74,111 @@ def pieces_of(cuts: Sequence[int], n_levels: int) -> list[tuple[int, int]]:
     """[first, end) level ranges from cut points."""
     bounds = [0, *cuts, n_levels]
     return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+class Chunker:
+    """The pieces of a bound plan's step, recorded once per distinct cut, and the chunked step
+    in progress."""
+
+    def __init__(self, bound: BoundPlan) -> None:
+        self.bound = bound
+        self.dispatch_ms: list[float] | None = None  # measured per dispatch
+        self.note = ""  # how the costs were measured
+        self.chunking: tuple[str, float] = ("chunks", 1)  # what step_chunk() uses by default
+        self._version = 0  # bumped when measured costs change, so cuts are recomputed
+        self._cuts: dict[tuple[str, float, int], tuple[int, ...]] = {}
+        self._programs: dict[tuple[int, ...], list[object]] = {}
+        self._pieces: list[object] | None = None  # the chunked step in progress
+        self._next = 0
+
+    # ---- costs --------------------------------------------------------------------------------
+    def set_measured(self, dispatch_ms: Sequence[float], note: str) -> None:
+        self.dispatch_ms = list(dispatch_ms)
+        self.note = note
+        self._version += 1
+
+    def level_costs(self) -> list[float]:
+        dispatches = self.bound.plan.dispatches
+        costs = (self.dispatch_ms if self.dispatch_ms is not None
+                 else [d.kernel.cost for d in dispatches])
+        return [sum(costs[a:b]) for a, b in self._ranges()]
+
+    def _ranges(self) -> list[tuple[int, int]]:
+        return level_ranges([d.level for d in self.bound.plan.dispatches])
+
+    # ---- cuts ---------------------------------------------------------------------------------
+    def cuts(self, chunks: int | None, budget_ms: float | None) -> tuple[int, ...] | None:
+        """Where the pieces start (level indices); None when budget_ms needs a measurement."""
+        if chunks is not None and budget_ms is not None:
+            raise InputError("give chunks or budget_ms, not both")
+        if chunks is not None:
+            if int(chunks) != chunks or chunks < 1:
+                raise InputError(f"chunks must be a positive integer, got {chunks!r}")
+            key: tuple[str, float, int] = ("chunks", int(chunks), self._version)
+        else:
+            if budget_ms is None or not budget_ms > 0:
+                raise InputError(f"budget_ms must be a positive number, got {budget_ms!r}")
+            if self.dispatch_ms is None:
+                return None
+            key = ("budget", float(budget_ms), self._version)
+        cuts = self._cuts.get(key)
+        if cuts is None:
+            costs = self.level_costs()
+            cuts = tuple(balanced(costs, int(chunks)) if chunks is not None
+                         else within_budget(costs, float(budget_ms)))
+            self._cuts[key] = cuts
+        return cuts
+
+    def boundaries(self, chunks: int | None, budget_ms: float | None) -> list[tuple[int, int]]:
+        """The pieces as [first, end) ranges of dispatch indices (records nothing)."""
+        if chunks is None and (budget_ms is None or self.dispatch_ms is None):
+            raise InputError("give chunks, or budget_ms once times were measured (profile())")
+        cuts = self.cuts(chunks, budget_ms)
+        assert cuts is not None
+        ranges = self._ranges()
+        return [(ranges[a][0], ranges[b - 1][1]) for a, b in pieces_of(cuts, len(ranges))]
+
+    def programs(self, cuts: tuple[int, ...]) -> list[object]:
+        programs = self._programs.get(cuts)
+        if programs is None:
+            ranges = self._ranges()
+            if not ranges:
+                programs = [self.bound.step_program]
+            else:
+                pieces = pieces_of(list(cuts), len(ranges))
+                programs = [self.bound.record(range(ranges[a][0], ranges[b - 1][1]),
+                                              f"step piece {k + 1}/{len(pieces)}",
+                                              uploads=k == 0)
+                            for k, (a, b) in enumerate(pieces)]
+            self._programs[cuts] = programs
+        return programs
+
+    @property
+    def recorded_cuts(self) -> int:
+        """How many distinct cuts have pieces recorded."""
+        return len(self._programs)
+
+    # ---- stepping -----------------------------------------------------------------------------
+    def start(self, cuts: tuple[int, ...]) -> None:
+        self.bound.require_inputs()
+        self._pieces, self._next = self.programs(cuts), 0
+
+    def submit_next(self) -> None:
+        assert self._pieces is not None
+        self.bound.submit(self._pieces[self._next])
+        self._next += 1
+        if self._next == len(self._pieces):
+            self._pieces = None
+
+    def finish(self) -> None:
+        """Submit what is left of a chunked step in progress."""
+        while self._pieces is not None:
+            self.submit_next()
+
+    @property
+    def in_progress(self) -> bool:
+        return self._pieces is not None
+
+    @property
+    def pieces_left(self) -> int:
+        return len(self._pieces) - self._next if self._pieces is not None else 0

@@ -8,6 +8,7 @@ from typing import Any
 
 from vkml.errors import DeviceError
 from vkml.hal import Backend, Capabilities
+from vkml.runtime.pipeline_pool import PipelinePool
 
 BACKENDS = ("auto", "vulkan", "wgpu")
 
@@ -27,9 +28,10 @@ class Device:
             raise DeviceError(f"unknown backend {choice!r} (from the backend argument or "
                               f"VKML_BACKEND); choose one of {', '.join(BACKENDS)}")
         sel = None if selector is None else str(selector)
+        self.backend: Backend
         self.backend_name = "wgpu" if choice == "wgpu" else "vulkan"
         if choice == "wgpu":
-            self.backend: Backend = _wgpu(sel)
+            self.backend = _wgpu(sel)
         elif choice == "vulkan":
             self.backend = _vulkan(sel)
         else:
@@ -42,6 +44,7 @@ class Device:
                     raise DeviceError(f"no usable device. Vulkan: {vulkan_error}\nwgpu: "
                                       f"{wgpu_error}") from None
                 self.backend_name = "wgpu"
+        self.pipelines = PipelinePool(self.backend)
 
     @classmethod
     def from_vulkan(cls, instance: Any, physical_device: Any, device: Any,
@@ -77,17 +80,18 @@ class Device:
             instance, physical_device, device, queue_family_index, queue, queue_lock,
             enabled_features=enabled_features, enabled_extensions=enabled_extensions,
             require=require)
+        self.pipelines = PipelinePool(self.backend)
         return self
 
     @property
     def queue_lock(self) -> Any:
-        """The lock held around every queue submission (None on wgpu, which owns its queue)."""
-        return getattr(self.backend, "queue_lock", None)
+        """The lock held around every queue submission; a host sharing the queue holds it too."""
+        return self.backend.queue_lock
 
     @property
     def adopted(self) -> bool:
         """Whether the Vulkan handles belong to a host (Device.from_vulkan)."""
-        return not getattr(self.backend, "owned", True)
+        return not self.backend.owned
 
     @property
     def caps(self) -> Capabilities:

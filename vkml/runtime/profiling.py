@@ -1,6 +1,6 @@
-"""What session.profile() returns: a per-kernel table and a GPU timeline (Chrome/Perfetto trace).
-
-Pure data and formatting; the session does the measuring.
+"""Profiling a bound plan: GPU time per dispatch from device timestamps where the backend has them
+and they are plausible, else from the host, one submission per dispatch. `Profile` (what
+session.profile() returns) is a per-kernel table and a GPU timeline (Chrome/Perfetto trace).
 """
 
 from __future__ import annotations
@@ -8,8 +8,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from vkml.errors import InputError
+from vkml.runtime.bound import BoundPlan
 
 
 def timestamps_plausible(dispatch_ms: Sequence[float], host_ms: float) -> tuple[bool, str]:
@@ -106,3 +110,113 @@ class Profile:
         """Write the trace JSON (open it in ui.perfetto.dev or chrome://tracing)."""
         with open(os.fspath(path), "w") as f:
             json.dump(self.trace(), f)
+
+
+class Profiler:
+    """Times a bound plan's steps; its programs (timestamped, or one per dispatch) are recorded
+    on first use and kept."""
+
+    def __init__(self, bound: BoundPlan) -> None:
+        self.bound = bound
+        self._timed: object | None = None
+        self._per_dispatch: list[object] | None = None
+
+    def run(self, steps: int) -> Profile:
+        """Run `steps` whole steps, timed (see Session.profile). The caller has finished any
+        step in progress."""
+        if steps < 1:
+            raise InputError("profile(steps) needs at least one step")
+        bound = self.bound
+        bound.require_inputs()
+        bound.wait()
+        dispatches = bound.plan.dispatches
+        stamps = bound.backend.timestamps
+        timed = stamps is not None
+        note = "" if timed else "the device writes no timestamps"
+        gpu_runs: list[tuple[list[float], float]] = []
+        host_runs: list[tuple[list[float], list[float], float]] = []
+        remaining = steps
+        while remaining > 0:
+            if timed:
+                assert stamps is not None
+                if self._timed is None:
+                    self._timed = bound.keep(stamps.record(
+                        bound.commands(range(len(dispatches)), uploads=True), "step (timed)"))
+                t0 = time.perf_counter()
+                bound.submit(self._timed)
+                bound.wait()
+                host_ms = (time.perf_counter() - t0) * 1e3
+                ms = stamps.timings(self._timed)
+                remaining -= 1
+                ok, why = timestamps_plausible(ms, host_ms)
+                if ok:
+                    gpu_runs.append((ms, host_ms))
+                    continue
+                timed = False
+                note = (f"GPU timestamps implausible: {why}; timed from the host, one "
+                        "submission per dispatch, submit overhead included")
+                if gpu_runs:
+                    note += f"; {len(gpu_runs)} earlier timestamped step(s) dropped"
+                gpu_runs = []
+                if remaining == 0:
+                    note += "; one extra step was run for host timing"
+                    remaining = 1
+                continue
+            host_runs.append(self._host_timed_step())
+            remaining -= 1
+        return _summarise(dispatches, gpu_runs, host_runs, note)
+
+    def _host_timed_step(self) -> tuple[list[float], list[float], float]:
+        """One step as one submission per dispatch, each timed from the host: (ms per
+        dispatch, start ms of each relative to the step, the step's wall ms)."""
+        bound = self.bound
+        if self._per_dispatch is None:
+            self._per_dispatch = [bound.record([i], f"dispatch {i}", uploads=i == 0)
+                                  for i in range(len(bound.plan.dispatches))]
+        ms, starts = [], []
+        t_step = time.perf_counter()
+        for program in self._per_dispatch:
+            t0 = time.perf_counter()
+            bound.submit(program)
+            bound.wait()
+            t1 = time.perf_counter()
+            starts.append((t0 - t_step) * 1e3)
+            ms.append((t1 - t0) * 1e3)
+        return ms, starts, (time.perf_counter() - t_step) * 1e3
+
+
+def _summarise(dispatches: Sequence, gpu_runs: list[tuple[list[float], float]],
+               host_runs: list[tuple[list[float], list[float], float]], note: str) -> Profile:
+    events = []
+    clock = 0.0
+    per_dispatch: list[list[float]] = []
+    step_ms, host_step_ms = [], []
+    if gpu_runs:
+        source = "gpu timestamps"
+        for s, (ms, host_ms) in enumerate(gpu_runs):
+            t = clock
+            for d, m in zip(dispatches, ms):
+                events.append((d.kernel.name, d.label, s, t, m))
+                t += m
+            clock += max(host_ms, sum(ms))
+            per_dispatch.append(ms)
+            step_ms.append(sum(ms))
+            host_step_ms.append(host_ms)
+    else:
+        source = "host timing"
+        for s, (ms, starts, host_ms) in enumerate(host_runs):
+            for d, m, start in zip(dispatches, ms, starts):
+                events.append((d.kernel.name, d.label, s, clock + start, m))
+            clock += host_ms
+            per_dispatch.append(ms)
+            step_ms.append(sum(ms))
+            host_step_ms.append(host_ms)
+    runs = len(per_dispatch)
+    mean = [sum(run[i] for run in per_dispatch) / runs for i in range(len(dispatches))]
+    totals: dict[str, list[float]] = {}
+    for i, d in enumerate(dispatches):
+        entry = totals.setdefault(d.kernel.name, [0, 0.0])
+        entry[0] += runs
+        entry[1] += sum(run[i] for run in per_dispatch)
+    rows = [KernelRow(name, int(c), t) for name, (c, t) in totals.items()]
+    return Profile(rows, runs, source, note, step_ms, host_step_ms, events, mean)

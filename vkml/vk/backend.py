@@ -1,13 +1,15 @@
-"""VulkanBackend: the vkml.backend.Backend contract on top of the `vulkan` (cffi) package."""
+"""VulkanBackend: the vkml.hal.Backend contract on top of the `vulkan` (cffi) package. It turns
+each kernel's WGSL into SPIR-V itself (vkml.naga), and offers all three optional capabilities:
+a timeline semaphore, recording into the host's command buffers, and device timestamps."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vkml import naga
 from vkml.errors import DeviceError
-from vkml.hal import BufferKind, Capabilities, Command, Copy
+from vkml.hal import BackendBase, BackendTimestamps, BufferKind, Command, Copy, Kernel
 from vkml.vk.buffers import Buffer, allocate_buffer, free_buffer
 from vkml.vk.context import WAIT_TIMEOUT_NS, Adopted, Device, as_handle
 from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
@@ -20,14 +22,10 @@ from vkml.vk.programs import (
     record_program,
 )
 
-if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
-
-
 MAX_READERS = 256
 
 
-class VulkanBackend:
+class VulkanBackend(BackendBase):
     """One Vulkan device and queue; buffers, pipelines and pre-recorded programs on it.
 
     `selector` (or env VKML_DEVICE) picks the device: an index into the enumeration or part of
@@ -38,12 +36,9 @@ class VulkanBackend:
     meant for one thread.
     """
 
-    caps: Capabilities
-    consumes_spirv = True
-
     def __init__(self, selector: str | None = None, *, timeline_semaphores: bool = True,
                  adopt: Adopted | None = None, queue_lock: Any = None) -> None:
-        self._closed = False
+        super().__init__(queue_lock)
         self._pool: Any = None
         self._cache: PipelineCache | None = None
         self._semaphore: Any = None
@@ -52,14 +47,12 @@ class VulkanBackend:
         self._device, self._queue = dev.device, dev.queue
         self.caps = dev.caps
         self.owned = dev.owned
-        self.validation_messages: list[str] = dev.validation_messages
-        # Every vkQueueSubmit of this backend holds it; a host sharing the queue passes its own.
-        self.queue_lock = queue_lock if queue_lock is not None else threading.Lock()
+        self.validation_messages = dev.validation_messages
         self._buffers: set[Buffer] = set()
         # Read-backs from memory the host cannot map, recorded once per (buffer, offset, size):
         # reading a step's loss every frame then costs a submit, not a record and an allocation.
         self._readers: dict[tuple[int, int, int], tuple[Buffer, Program]] = {}
-        self._pipelines: list[Pipeline] = []
+        self._pipelines: set[Pipeline] = set()
         self._programs: set[Program] = set()
         self._in_flight: set[Program] = set()  # fence mode only
         self._timeline = dev.timeline
@@ -100,24 +93,25 @@ class VulkanBackend:
                         frozenset(require))
         return cls(adopt=adopt, queue_lock=queue_lock)
 
-    @property
-    def timeline_semaphore(self) -> Any:
-        """The timeline semaphore every submit signals (None in fence mode)."""
-        return self._semaphore if self._timeline else None
+    # -- optional capabilities ----------------------------------------------------------------
 
     @property
-    def last_value(self) -> int:
-        """The timeline value the latest submit signals."""
-        return self._value
+    def timeline(self) -> _Timeline | None:  # type: ignore[override]
+        return _Timeline(self) if self._timeline else None
 
-    def __enter__(self) -> Self:
-        return self
+    @property
+    def host_recording(self) -> _HostRecording:  # type: ignore[override]
+        return _HostRecording(self)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    @property
+    def timestamps(self) -> BackendTimestamps | None:  # type: ignore[override]
+        return BackendTimestamps(self) if self.caps.timestamp_period_ns > 0 else None
 
-    def __repr__(self) -> str:
-        return f"<VulkanBackend {self.caps.device_name!r} ({self.caps.device_type})>"
+    def _timings(self, program: Program) -> list[float]:
+        """Milliseconds per dispatch of the latest run of a program recorded with timestamps.
+        Each entry spans from the end of the previous dispatch (or the program's start) to the
+        end of this one, so dispatches without a Barrier between them may share time."""
+        return read_timings(self._dev, program)
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -180,23 +174,34 @@ class VulkanBackend:
 
     # -- pipelines ----------------------------------------------------------------------------
 
-    def create_pipeline(self, name: str, wgsl: str, spirv: bytes, num_bindings: int,
-                        writable: Sequence[bool]) -> Pipeline:
-        """A compute pipeline from SPIR-V (`wgsl` is the source it came from, kept for errors)."""
+    def create_pipeline(self, kernel: Kernel) -> Pipeline:
+        """A compute pipeline for `kernel`: its WGSL through naga to SPIR-V, then the driver."""
         self._alive()
+        spirv = naga.compile_wgsl(kernel.wgsl, kernel.name)
         try:
-            pipe = create_pipeline(self._dev, self._cache, name, spirv, num_bindings, writable)
+            pipe = create_pipeline(self._dev, self._cache, kernel.name, spirv,
+                                   kernel.num_bindings, kernel.writable)
         except DeviceError as exc:
-            raise DeviceError(f"{exc}\n--- WGSL of kernel {name!r} ---\n{wgsl}") from None
-        self._pipelines.append(pipe)
+            raise DeviceError(f"{exc}\n--- WGSL of kernel {kernel.name!r} ---\n{kernel.wgsl}"
+                              ) from None
+        self._pipelines.add(pipe)
         return pipe
+
+    def free_pipeline(self, pipeline: Pipeline) -> None:
+        """Destroy `pipeline`; the caller guarantees no live program still uses it."""
+        if pipeline in self._pipelines:
+            self._pipelines.discard(pipeline)
+            destroy_pipeline(self._dev, pipeline)
 
     # -- programs -----------------------------------------------------------------------------
 
-    def record(self, commands: Sequence[Command], label: str,
-               timestamps: bool = False) -> Program:
+    def record(self, commands: Sequence[Command], label: str) -> Program:
         """Record `commands` once into a Program that submit() can run any number of times."""
+        return self._record(commands, label, timestamps=False)
+
+    def _record(self, commands: Sequence[Command], label: str, timestamps: bool) -> Program:
         self._alive()
+        self.check(commands, label)
         prog = record_program(self._dev, self._pool, commands, label, timestamps)
         vk, ffi = self._vk, self._ffi
         buffers = ffi.new("VkCommandBuffer[1]", [prog.command_buffer])
@@ -225,24 +230,6 @@ class VulkanBackend:
         prog._keep = keep
         self._programs.add(prog)
         return prog
-
-    def prepare_external(self, commands: Sequence[Command], label: str) -> Program:
-        """Descriptor sets for `commands`, to be recorded into the host's command buffers by
-        record_into() (as often as the host likes; nothing is allocated per call)."""
-        self._alive()
-        prog = prepare_program(self._dev, commands, label)
-        self._programs.add(prog)
-        return prog
-
-    def record_into(self, command_buffer: Any, program: Program) -> None:
-        """Record `program` (from prepare_external) into a command buffer in the recording
-        state, from this device's queue family, between global memory barriers."""
-        self._alive()
-        if program not in self._programs or program.command_buffer is not None:
-            raise DeviceError(f"{program!r} is not a program from prepare_external() of this "
-                              "backend")
-        cb = as_handle(self._ffi, "VkCommandBuffer", command_buffer, "command_buffer")
-        emit_external(self._dev, cb, program)
 
     def submit(self, program: Program) -> None:
         """Queue `program` to run; returns at once. A still-running `program` is waited for."""
@@ -280,23 +267,6 @@ class VulkanBackend:
                 self._wait_value(target)
         elif self._in_flight:
             self._wait_fences(list(self._in_flight))
-
-    def run_now(self, commands: Sequence[Command]) -> None:
-        """Record, run and free a one-off program (uploads, downloads): slow, for rare use."""
-        prog = self.record(commands, "run_now")
-        try:
-            self.submit(prog)
-            self.wait()
-        finally:
-            self.free_program(prog)
-
-    def program_timings(self, program: Program) -> list[float]:
-        """Milliseconds per dispatch of the latest run of a program recorded with timestamps.
-
-        Each entry spans from the end of the previous dispatch (or the program's start) to the
-        end of this one, so dispatches without a Barrier between them may share time.
-        """
-        return read_timings(self._dev, program)
 
     def free_program(self, program: Program) -> None:
         """Release a program's command buffer and descriptor sets, after it has finished."""
@@ -348,9 +318,11 @@ class VulkanBackend:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _alive(self) -> None:
-        if self._closed:
-            raise DeviceError("this VulkanBackend is closed")
+    def _live_buffer(self, buffer: object) -> bool:
+        return isinstance(buffer, Buffer) and buffer.handle is not None and buffer in self._buffers
+
+    def _live_pipeline(self, pipeline: object) -> bool:
+        return isinstance(pipeline, Pipeline) and pipeline.handle is not None
 
     def _check(self, result: int, what: str) -> None:
         vk = self._vk
@@ -385,3 +357,46 @@ class VulkanBackend:
         for p in programs:
             p.in_flight = False
             self._in_flight.discard(p)
+
+
+class _Timeline:
+    """The backend's timeline semaphore, which every submission signals with the next value."""
+
+    def __init__(self, backend: VulkanBackend) -> None:
+        self._backend = backend
+
+    @property
+    def semaphore(self) -> Any:
+        return self._backend._semaphore
+
+    @property
+    def value(self) -> int:
+        return self._backend._value
+
+
+class _HostRecording:
+    """Programs recorded into the host's command buffers (Session.record)."""
+
+    def __init__(self, backend: VulkanBackend) -> None:
+        self._backend = backend
+
+    def prepare(self, commands: Sequence[Command], label: str) -> Program:
+        """Descriptor sets for `commands`, to be recorded into the host's command buffers by
+        record_into() (as often as the host likes; nothing is allocated per call)."""
+        b = self._backend
+        b._alive()
+        b.check(commands, label)
+        prog = prepare_program(b._dev, commands, label)
+        b._programs.add(prog)
+        return prog
+
+    def record_into(self, command_buffer: Any, program: Program) -> None:
+        """Record `program` (from prepare) into a command buffer in the recording state, from
+        this device's queue family, between global memory barriers."""
+        b = self._backend
+        b._alive()
+        if program not in b._programs or program.command_buffer is not None:
+            raise DeviceError(f"{program!r} is not a program from host_recording.prepare() of "
+                              "this backend")
+        cb = as_handle(b._ffi, "VkCommandBuffer", command_buffer, "command_buffer")
+        emit_external(b._dev, cb, program)

@@ -33,6 +33,15 @@ FEATURE_STRUCT = {**dict.fromkeys(FEATURES_11, "VkPhysicalDeviceVulkan11Features
 EXTENSIONS = ("VK_KHR_cooperative_matrix",)
 
 
+# Mesa's llvmpipe (lavapipe) ends a shader invocation's loops after this many iterations in all
+# and carries on with what it has (seen with Mesa 22.3): kernels must split longer work there.
+LLVMPIPE_LOOP_LIMIT = 65535
+
+
+def _is_llvmpipe(driver: str, device_name: str) -> bool:
+    return "llvmpipe" in device_name.lower() or "llvmpipe" in driver.lower()
+
+
 @dataclass(frozen=True)
 class Adopted:
     """Handles a host created (cffi handles of the `vulkan` package, or integers such as
@@ -428,6 +437,8 @@ class Device:
             max_bindings_per_stage=limits.maxPerStageDescriptorStorageBuffers,
             subgroup_size=subgroup_size,
             timestamp_period_ns=float(limits.timestampPeriod) if timestamps else 0.0,
+            max_loop_iterations=LLVMPIPE_LOOP_LIMIT if _is_llvmpipe(driver_text,
+                                                                   self.device_name) else None,
             cooperative_matrix=coop,
             shader_f16=f16,
             extensions=frozenset(extensions),

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from vkml.cachedir import cache_dir, write_atomic
 from vkml.errors import DeviceError
-
-
-def cache_dir() -> Path:
-    if os.environ.get("VKML_CACHE_DIR"):
-        return Path(os.environ["VKML_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vkml"
 
 
 class Pipeline:
@@ -42,7 +34,8 @@ class PipelineCache:
 
     def __init__(self, dev: Any) -> None:
         self.dev = dev
-        self.path = cache_dir() / f"pipelines-{dev.pipeline_cache_key}.bin"
+        self.root = cache_dir()
+        self.path = self.root / f"pipelines-{dev.pipeline_cache_key}.bin"
         self.dirty = False
         vk, ffi = dev.vk, dev.ffi
         try:
@@ -65,18 +58,9 @@ class PipelineCache:
             if dev.lib.vkGetPipelineCacheData(dev.device, self.handle, size, ffi.NULL) == 0:
                 data = ffi.new("char[]", size[0])
                 if dev.lib.vkGetPipelineCacheData(dev.device, self.handle, size, data) == 0:
-                    self._write(ffi.buffer(data, size[0])[:])
+                    # Only saves time: an unwritable cache directory warns once, never raises.
+                    write_atomic(self.path, ffi.buffer(data, size[0])[:], self.root)
         dev.lib.vkDestroyPipelineCache(dev.device, self.handle, ffi.NULL)
-
-    def _write(self, blob: bytes) -> None:
-        # The cache only saves time: an unwritable cache directory must not break close().
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(blob)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass
 
 
 def create_pipeline(dev: Any, cache: PipelineCache, name: str, spirv: bytes, num_bindings: int,

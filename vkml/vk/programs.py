@@ -6,9 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vkml.errors import DeviceError
-from vkml.hal import Barrier, Command, Copy, Dispatch
-from vkml.vk.buffers import Buffer
-from vkml.vk.pipelines import Pipeline
+from vkml.hal import Barrier, Command, Dispatch
 
 
 class Program:
@@ -62,46 +60,6 @@ def _memory_barrier(dev: Any, cb: Any, src_stage: int, src_access: int, dst_stag
                                            "srcAccessMask": src_access,
                                            "dstAccessMask": dst_access})
     dev.lib.vkCmdPipelineBarrier(cb, src_stage, dst_stage, 0, 1, barrier, 0, ffi.NULL, 0, ffi.NULL)
-
-
-def _check_range(buf: Any, offset: int, nbytes: int, what: str) -> None:
-    if not isinstance(buf, Buffer) or buf.handle is None:
-        raise DeviceError(f"{what}: {buf!r} is not a live buffer of this backend")
-    if nbytes <= 0 or offset < 0 or offset + nbytes > buf.nbytes:
-        raise DeviceError(f"{what}: bytes [{offset}, {offset + nbytes}) do not fit in "
-                          f"{buf!r}")
-
-
-def validate(dev: Any, commands: Sequence[Command], label: str) -> None:
-    align = dev.caps.min_storage_offset_alignment
-    for n, cmd in enumerate(commands):
-        if isinstance(cmd, Dispatch):
-            pipe = cmd.pipeline
-            what = f"program {label!r} command {n} (kernel {getattr(pipe, 'name', pipe)!r})"
-            if not isinstance(pipe, Pipeline) or pipe.handle is None:
-                raise DeviceError(f"{what}: not a live pipeline of this backend")
-            if len(cmd.bindings) != pipe.num_bindings:
-                raise DeviceError(f"{what}: {len(cmd.bindings)} bindings for a kernel with "
-                                  f"{pipe.num_bindings}")
-            for i, b in enumerate(cmd.bindings):
-                _check_range(b.buffer, b.offset, b.nbytes, f"{what} binding {i}")
-                if b.offset % align:
-                    raise DeviceError(f"{what} binding {i}: offset {b.offset} is not a multiple "
-                                      f"of minStorageBufferOffsetAlignment={align}")
-                if b.nbytes > dev.caps.max_storage_buffer_range:
-                    raise DeviceError(f"{what} binding {i}: {b.nbytes} bytes exceed "
-                                      f"maxStorageBufferRange={dev.caps.max_storage_buffer_range}")
-            if any(g > m for g, m in zip(cmd.groups, dev.caps.max_workgroup_count, strict=True)):
-                raise DeviceError(f"{what}: groups {cmd.groups} exceed maxComputeWorkGroupCount="
-                                  f"{dev.caps.max_workgroup_count}")
-        elif isinstance(cmd, Copy):
-            what = f"program {label!r} command {n} (copy)"
-            _check_range(cmd.src, cmd.src_offset, cmd.nbytes, f"{what} source")
-            _check_range(cmd.dst, cmd.dst_offset, cmd.nbytes, f"{what} destination")
-            if cmd.src is cmd.dst and abs(cmd.src_offset - cmd.dst_offset) < cmd.nbytes:
-                raise DeviceError(f"{what}: source and destination ranges overlap")
-        elif not isinstance(cmd, Barrier):
-            raise DeviceError(f"program {label!r} command {n}: unknown command {cmd!r}")
 
 
 def record_program(dev: Any, pool: Any, commands: Sequence[Command], label: str,
@@ -158,8 +116,8 @@ def _all_access(vk: Any) -> int:
 
 
 def prepare_program(dev: Any, commands: Sequence[Command], label: str) -> Program:
-    """A Program's descriptor sets for `commands`, with no command buffer yet."""
-    validate(dev, commands, label)
+    """A Program's descriptor sets for `commands` (checked by the backend), with no command
+    buffer yet."""
     prog = Program(label)
     prog.commands = tuple(commands)
     dispatches = [c for c in commands if isinstance(c, Dispatch)]

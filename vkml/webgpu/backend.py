@@ -1,8 +1,8 @@
-"""WgpuBackend: the vkml.backend.Backend contract on wgpu-py (wgpu-native), for Metal and others.
+"""WgpuBackend: the vkml.hal.Backend contract on wgpu-py (wgpu-native), for Metal and others.
 
-The same plan and the same WGSL run here as on `vkml/vk/`; wgpu compiles the WGSL itself, so the
-SPIR-V that naga made for Vulkan is not used. This is the only module that imports `wgpu`, and
-only when a backend is constructed, so `import vkml` never needs it.
+The same plan and the same WGSL run here as on `vkml/vk/`; wgpu compiles the WGSL itself. This
+is the only module that imports `wgpu`, and only when a backend is constructed, so `import vkml`
+never needs it.
 
 What WebGPU does not allow, and what this module does about it:
 - A command buffer runs once. `record` therefore builds everything that can be reused (bind
@@ -11,21 +11,29 @@ What WebGPU does not allow, and what this module does about it:
 - There are no explicit barriers: WebGPU makes each dispatch's writes visible to the next one
   by itself, so `Barrier` commands are dropped.
 - One buffer may not be copied to itself; such a copy goes through a scratch buffer.
-- One buffer may not be bound both read-only and writable in one dispatch; see `_writable_wgsl`.
+- One buffer may not be bound both read-only and writable in one dispatch: the capabilities say
+  `read_only_storage=False`, so codegen declares every storage binding read_write.
+Optional capabilities: device timestamps where the adapter has them; no timeline semaphore and
+no recording into a host's command buffers.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vkml.errors import DeviceError, NagaError
-from vkml.hal import Barrier, BufferKind, Capabilities, Command, Copy, Dispatch
-
-if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
+from vkml.hal import (
+    BackendBase,
+    BackendTimestamps,
+    BufferKind,
+    Capabilities,
+    Command,
+    Copy,
+    Dispatch,
+    Kernel,
+)
 
 # WebGPU's default, and what a browser guarantees. Adapters may allow less (lavapipe says 32), but
 # a plan laid out for 256 is valid on every WebGPU implementation, so this is not lowered.
@@ -49,23 +57,6 @@ _RAISED_LIMITS = (
 _OPTIONAL_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
 _DEVICE_TYPES = {"DiscreteGPU": "discrete", "IntegratedGPU": "integrated",
                  "VirtualGPU": "virtual", "CPU": "cpu"}
-_READ_ONLY_STORAGE = re.compile(r"var\s*<\s*storage\s*,\s*read\s*>")
-
-
-def _writable_wgsl(wgsl: str) -> str:
-    """Declare every storage buffer `read_write`.
-
-    vkml binds byte ranges of one arena buffer, so a dispatch often reads and writes the same
-    buffer. WebGPU tracks usage per buffer, not per range, and rejects a buffer that is both
-    read-only storage and writable storage in one dispatch ("conflicting usages ...
-    STORAGE_READ_ONLY and STORAGE_READ_WRITE"). wgpu also insists that a layout entry's access
-    equals the shader's (a "storage" entry for a `read` variable fails pipeline creation), so
-    the layout alone cannot fix it: the shader is rewritten too. Kernels never write their inputs,
-    so the only cost is that the driver cannot treat inputs as read-only.
-    """
-    return _READ_ONLY_STORAGE.sub("var<storage, read_write>", wgsl)
-
-
 def _aligned_range(offset: int, nbytes: int) -> tuple[int, int]:
     start = offset - offset % COPY_ALIGN
     end = -(-(offset + nbytes) // COPY_ALIGN) * COPY_ALIGN
@@ -170,16 +161,12 @@ def _choose_adapter(adapters: Sequence[Any], selector: str | None) -> Any:
                       f"VKML_DEVICE); give an index or part of a name. Adapters:\n{listing}")
 
 
-class WgpuBackend:
+class WgpuBackend(BackendBase):
     """One wgpu adapter and device (Metal on macOS; Vulkan, D3D12 or OpenGL elsewhere)."""
 
-    caps: Capabilities
-    consumes_spirv = False  # wgpu compiles the WGSL itself
-
     def __init__(self, selector: str | None = None) -> None:
+        super().__init__()
         self._wgpu = wgpu = _load_wgpu()
-        self._closed = False
-        self.validation_messages: list[str] = []
         self._log = _ErrorLog(self.validation_messages)
         self._buffers: set[Buffer] = set()
         self._pending = False
@@ -220,16 +207,12 @@ class WgpuBackend:
             cooperative_matrix=False,
             shader_f16="shader-f16" in features,
             extensions=frozenset(str(f) for f in self._device.features),
+            read_only_storage=False,
+            # wgpu over Mesa's llvmpipe inherits its loop limit (see vkml/vk/context.py)
+            max_loop_iterations=65535 if "llvmpipe" in info["device"].lower() else None,
         )
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<WgpuBackend {self.caps.device_name!r} ({self.caps.device_type})>"
+        if "timestamp-query" in features:
+            self.timestamps = BackendTimestamps(self)
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -282,39 +265,44 @@ class WgpuBackend:
 
     # -- pipelines ----------------------------------------------------------------------------
 
-    def create_pipeline(self, name: str, wgsl: str, spirv: bytes, num_bindings: int,
-                        writable: Sequence[bool]) -> Pipeline:
-        """A compute pipeline from the WGSL (`spirv` is Vulkan's and unused; `writable` too,
-        since every binding is made writable, see `_writable_wgsl`)."""
+    def create_pipeline(self, kernel: Kernel) -> Pipeline:
+        """A compute pipeline from the kernel's WGSL (every binding declared read_write: see the
+        module's docstring)."""
         self._alive()
-        wgpu, dev = self._wgpu, self._device
+        wgpu, dev, name = self._wgpu, self._device, kernel.name
         try:
-            module = dev.create_shader_module(label=name, code=_writable_wgsl(wgsl))
+            module = dev.create_shader_module(label=name, code=kernel.wgsl)
         except wgpu.GPUError as exc:  # wgpu's WGSL front end is naga too: same report
             raise NagaError.for_kernel(f"naga rejected kernel '{name}' (in wgpu):\n{exc}", name,
-                                       wgsl, str(exc)) from None
+                                       kernel.wgsl, str(exc)) from None
         try:
             layout = dev.create_bind_group_layout(label=name, entries=[
                 {"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
                  "buffer": {"type": wgpu.BufferBindingType.storage}}
-                for i in range(num_bindings)])
+                for i in range(kernel.num_bindings)])
             handle = dev.create_compute_pipeline(
                 label=name, layout=dev.create_pipeline_layout(bind_group_layouts=[layout]),
                 compute={"module": module, "entry_point": "main"})
         except wgpu.GPUError as exc:
-            raise DeviceError(f"wgpu rejected kernel {name!r}: {exc}\n--- WGSL ---\n{wgsl}"
-                              ) from None
-        return Pipeline(name, handle, layout, num_bindings)
+            raise DeviceError(f"wgpu rejected kernel {name!r}: {exc}\n--- WGSL ---\n"
+                              f"{kernel.wgsl}") from None
+        return Pipeline(name, handle, layout, kernel.num_bindings)
+
+    def free_pipeline(self, pipeline: Pipeline) -> None:
+        """wgpu releases a pipeline when nothing references it: drop vkml's references."""
+        pipeline.handle = pipeline.layout = None
 
     # -- programs -----------------------------------------------------------------------------
 
-    def record(self, commands: Sequence[Command], label: str,
-               timestamps: bool = False) -> Program:
-        """Check `commands` and build their bind groups once; submit() re-encodes from these.
-        With `timestamps` (where the adapter has timestamp queries) each dispatch runs in a
+    def record(self, commands: Sequence[Command], label: str) -> Program:
+        """Check `commands` and build their bind groups once; submit() re-encodes from these."""
+        return self._record(commands, label, timestamps=False)
+
+    def _record(self, commands: Sequence[Command], label: str, timestamps: bool) -> Program:
+        """With `timestamps` (where the adapter has timestamp queries) each dispatch runs in a
         compute pass of its own that writes a timestamp at its start and end."""
         self._alive()
-        self._validate(commands, label)
+        self.check(commands, label)
         prog = Program(label)
         count = 2 * sum(isinstance(c, Dispatch) for c in commands)
         if timestamps and self.caps.timestamp_period_ns > 0 and count:
@@ -404,15 +392,7 @@ class WgpuBackend:
             self._device._poll_wait()
             self._pending = False
 
-    def run_now(self, commands: Sequence[Command]) -> None:
-        prog = self.record(commands, "run_now")
-        try:
-            self.submit(prog)
-            self.wait()
-        finally:
-            self.free_program(prog)
-
-    def program_timings(self, program: Program) -> list[float]:
+    def _timings(self, program: Program) -> list[float]:
         """Milliseconds per dispatch of the latest run of a program recorded with timestamps."""
         if program.timings is None:
             raise DeviceError(f"{program!r} was not recorded with timestamps (or the adapter "
@@ -454,10 +434,6 @@ class WgpuBackend:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _alive(self) -> None:
-        if self._closed:
-            raise DeviceError("this WgpuBackend is closed")
-
     def _read(self, buffer: Buffer, offset: int, nbytes: int) -> bytes:
         """Bytes [offset, offset + nbytes) of `buffer`, which may reach into the padding that
         rounds every buffer up to whole words."""
@@ -476,50 +452,24 @@ class WgpuBackend:
             self._pending = False
         return bytes(memoryview(raw).cast("B")[offset - start:offset - start + nbytes])
 
-    def _check_range(self, buf: object, offset: int, nbytes: int, what: str) -> None:
-        if not isinstance(buf, Buffer) or buf not in self._buffers:
-            raise DeviceError(f"{what}: {buf!r} is not a live buffer of this backend")
-        if nbytes <= 0 or offset < 0 or offset + nbytes > buf.nbytes:
-            raise DeviceError(f"{what}: bytes [{offset}, {offset + nbytes}) do not fit in {buf!r}")
+    def _live_buffer(self, buffer: object) -> bool:
+        return isinstance(buffer, Buffer) and buffer in self._buffers
 
-    def _validate(self, commands: Sequence[Command], label: str) -> None:
-        """Raise DeviceError naming the command, rather than a wgpu error at submit time."""
-        caps = self.caps
-        for n, cmd in enumerate(commands):
-            if isinstance(cmd, Dispatch):
-                pipe = cmd.pipeline
-                what = f"program {label!r} command {n} (kernel {getattr(pipe, 'name', pipe)!r})"
-                if not isinstance(pipe, Pipeline):
-                    raise DeviceError(f"{what}: not a pipeline of this backend")
-                if len(cmd.bindings) != pipe.num_bindings:
-                    raise DeviceError(f"{what}: {len(cmd.bindings)} bindings for a kernel with "
-                                      f"{pipe.num_bindings}")
-                for i, b in enumerate(cmd.bindings):
-                    self._check_range(b.buffer, b.offset, b.nbytes, f"{what} binding {i}")
-                    if b.buffer.kind != "device":
-                        raise DeviceError(f"{what} binding {i}: {b.buffer!r} is not a device "
-                                          "buffer; only those can be bound as storage")
-                    if b.offset % caps.min_storage_offset_alignment or b.nbytes % COPY_ALIGN:
-                        raise DeviceError(
-                            f"{what} binding {i}: offset {b.offset} must be a multiple of "
-                            f"{caps.min_storage_offset_alignment} and size {b.nbytes} of "
-                            f"{COPY_ALIGN}")
-                    if b.nbytes > caps.max_storage_buffer_range:
-                        raise DeviceError(f"{what} binding {i}: {b.nbytes} bytes exceed "
-                                          f"max-storage-buffer-binding-size="
-                                          f"{caps.max_storage_buffer_range}")
-                if any(g > m for g, m in zip(cmd.groups, caps.max_workgroup_count, strict=True)):
-                    raise DeviceError(f"{what}: groups {cmd.groups} exceed "
-                                      f"max-compute-workgroups-per-dimension="
-                                      f"{caps.max_workgroup_count[0]}")
-            elif isinstance(cmd, Copy):
-                what = f"program {label!r} command {n} (copy)"
-                self._check_range(cmd.src, cmd.src_offset, cmd.nbytes, f"{what} source")
-                self._check_range(cmd.dst, cmd.dst_offset, cmd.nbytes, f"{what} destination")
-                if cmd.src is cmd.dst and abs(cmd.src_offset - cmd.dst_offset) < cmd.nbytes:
-                    raise DeviceError(f"{what}: source and destination ranges overlap")
-                if any(v % COPY_ALIGN for v in (cmd.src_offset, cmd.dst_offset, cmd.nbytes)):
-                    raise DeviceError(f"{what}: offsets and size must be multiples of "
-                                      f"{COPY_ALIGN} bytes in wgpu")
-            elif not isinstance(cmd, Barrier):
-                raise DeviceError(f"program {label!r} command {n}: unknown command {cmd!r}")
+    def _live_pipeline(self, pipeline: object) -> bool:
+        return isinstance(pipeline, Pipeline) and pipeline.handle is not None
+
+    def _check_command(self, n: int, cmd: Command, what: str) -> None:
+        """WebGPU's rules beyond the shared ones: storage only from device buffers, and copies,
+        offsets and sizes in whole 4-byte words."""
+        if isinstance(cmd, Dispatch):
+            for i, b in enumerate(cmd.bindings):
+                if b.buffer.kind != "device":  # type: ignore[attr-defined]
+                    raise DeviceError(f"{what} binding {i}: {b.buffer!r} is not a device "
+                                      "buffer; only those can be bound as storage")
+                if b.nbytes % COPY_ALIGN:
+                    raise DeviceError(f"{what} binding {i}: size {b.nbytes} must be a multiple "
+                                      f"of {COPY_ALIGN}")
+        elif isinstance(cmd, Copy):
+            if any(v % COPY_ALIGN for v in (cmd.src_offset, cmd.dst_offset, cmd.nbytes)):
+                raise DeviceError(f"{what}: offsets and size must be multiples of "
+                                  f"{COPY_ALIGN} bytes in wgpu")

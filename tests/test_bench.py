@@ -1,0 +1,56 @@
+"""Smoke test of tools/bench.py: one tiny workload through the whole tool, in a subprocess as a
+user runs it (on lavapipe here, PyTorch on the CPU): the JSON, markdown and chart are written,
+vkml's strict rows pass PROTOCOL.md's gates against float64 PyTorch, and rows that cannot run
+here (CUDA graphs, accelerated mode) say why instead of vanishing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import subprocess_env
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_tiny_smollm2(tmp_path):
+    cmd = [sys.executable, str(REPO / "tools" / "bench.py"), "--tiny", "--only", "smollm2",
+           "--reps", "2", "--warmup", "1", "--matmul", "--matmul-sizes", "32",
+           "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("bench-*-tiny-vulkan.json")
+    assert json_path.with_suffix(".md").read_text().count("| smollm2 |") == 4
+    assert json_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(json_path.read_text())
+    assert data["meta"]["config"] == "tiny" and data["meta"]["vkml_commit"]
+
+    rows = {(r["phase"], r["mode"], r["engine"]): r for r in data["rows"]}
+    assert len(rows) == 2 * 2 * 3  # phases x modes x (vkml, eager, graphs)
+    for phase in ("train", "infer"):
+        vk = rows[phase, "strict", "vkml"]
+        assert vk["status"] == "ok", vk
+        assert vk["gates"]["pass"], vk["gates"]
+        assert vk["gates"]["forward_rel_l2"]["loss"] < 1e-4  # f32 against float64
+        assert ("grad_total_norm_error" in vk["gates"]) == (phase == "train")
+        assert vk["n"] == 2 and 0 < vk["min_ms"] <= vk["median_ms"]
+        assert vk["gpu_ms"]["n"] == 2 and vk["gpu_ms"]["source"]
+        assert vk["memory"]["physical_bytes"] > 0
+        assert vk["compile"]["cold_s"] > 0 and vk["compile"]["warm_s"] > 0
+        eager = rows[phase, "strict", "torch-eager"]
+        assert eager["status"] == "ok" and eager["gates"]["pass"], eager
+        graphs = rows[phase, "strict", "torch-graphs"]
+        assert graphs["status"] == "skipped" and "CUDA" in graphs["reason"]
+        for engine in ("vkml", "torch-eager", "torch-graphs"):
+            row = rows[phase, "accelerated", engine]
+            assert row["status"] == "ok" or row["reason"], row
+
+    matmul = {(r["engine"], r["precision"]): r for r in data["matmul"]}
+    assert matmul["vkml", "f32"]["status"] == "ok"
+    assert matmul["vkml", "f32"]["rel_err"] < 1e-5
+    assert matmul["torch (CPU)", "tf32"]["reason"]
+    assert {r["workload"] for r in data["ratios"]} == {"smollm2"}
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| 32 |")  # summary printed last

@@ -1,0 +1,97 @@
+"""What every backend shares: the closed state, one-off programs, command checks and the
+Python protocol methods. Backends subclass it and implement the rest of `hal.Backend`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from vkml.errors import DeviceError
+from vkml.hal.capabilities import Capabilities
+from vkml.hal.commands import Command, check_commands
+from vkml.hal.interface import HostRecording, TimelineSync, Timestamps
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
+
+
+class BackendTimestamps:
+    """The `timestamps` capability of a backend that records a program with timestamps by
+    `_record(commands, label, timestamps=True)` and reads them back with `_timings(program)`."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def record(self, commands: Sequence[Command], label: str) -> Any:
+        return self._backend._record(commands, label, timestamps=True)
+
+    def timings(self, program: Any) -> list[float]:
+        return self._backend._timings(program)
+
+
+class BackendBase:
+    caps: Capabilities
+    owned = True
+    timeline: TimelineSync | None = None
+    host_recording: HostRecording | None = None
+    timestamps: Timestamps | None = None
+
+    def __init__(self, queue_lock: Any = None) -> None:
+        self._closed = False
+        self.validation_messages: list[str] = []
+        # Every submission holds it; a host sharing the queue passes its own.
+        self.queue_lock = queue_lock if queue_lock is not None else threading.Lock()
+
+    # Implemented by each backend.
+    def record(self, commands: Sequence[Command], label: str) -> Any:
+        raise NotImplementedError
+
+    def submit(self, program: Any) -> None:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+    def free_program(self, program: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _live_buffer(self, buffer: object) -> bool:
+        raise NotImplementedError
+
+    def _live_pipeline(self, pipeline: object) -> bool:
+        raise NotImplementedError
+
+    def _check_command(self, n: int, command: Command, what: str) -> None:
+        """A backend's own rules beyond the shared ones (none by default)."""
+
+    # Shared.
+    def run_now(self, commands: Sequence[Command]) -> None:
+        """Record, run and free a one-off program (uploads, downloads): slow, for rare use."""
+        program = self.record(commands, "run_now")
+        try:
+            self.submit(program)
+            self.wait()
+        finally:
+            self.free_program(program)
+
+    def check(self, commands: Sequence[Command], label: str) -> None:
+        """Raise DeviceError naming the first command this backend could not run."""
+        check_commands(commands, label, self.caps, self._live_buffer, self._live_pipeline,
+                       self._check_command)
+
+    def _alive(self) -> None:
+        if self._closed:
+            raise DeviceError(f"this {type(self).__name__} is closed")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.caps.device_name!r} ({self.caps.device_type})>"

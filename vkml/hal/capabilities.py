@@ -1,0 +1,32 @@
+"""What codegen and planning may assume about a device: an explicit input, never a global."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    device_name: str
+    device_type: str  # "discrete" | "integrated" | "virtual" | "cpu" | "other"
+    api_version: str  # e.g. "1.3.239"
+    driver: str
+    max_workgroup_invocations: int
+    max_workgroup_size: tuple[int, int, int]
+    max_workgroup_count: tuple[int, int, int]
+    max_shared_memory_bytes: int
+    min_storage_offset_alignment: int
+    max_storage_buffer_range: int
+    max_bindings_per_stage: int
+    subgroup_size: int
+    timestamp_period_ns: float  # 0.0 when the queue cannot write timestamps
+    cooperative_matrix: bool = False
+    shader_f16: bool = False
+    extensions: frozenset[str] = field(default_factory=frozenset)
+    # Whether a kernel may declare a storage binding read-only. WebGPU may not: vkml binds byte
+    # ranges of one arena buffer, WebGPU tracks usage per buffer, and a buffer bound read-only
+    # and writable in one dispatch is rejected, so there every binding is declared read_write.
+    read_only_storage: bool = True
+    # The most loop iterations one shader invocation may run (None: no limit). lavapipe stops
+    # an invocation's loops after 65535 in all and returns what it has; kernels split longer work.
+    max_loop_iterations: int | None = None

@@ -1,0 +1,98 @@
+"""What a backend records: storage-buffer dispatches, barriers between them, and buffer copies;
+and the checks every backend makes before recording them, so a bad command list fails with a
+message naming the command instead of a driver error or a crash."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from vkml.errors import DeviceError
+from vkml.hal.capabilities import Capabilities
+
+BufferKind = Literal["device", "upload", "readback"]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One storage-buffer binding of a dispatch: a byte range of a backend buffer."""
+
+    buffer: object  # a handle returned by Backend.create_buffer
+    offset: int  # bytes, a multiple of caps.min_storage_offset_alignment
+    nbytes: int
+    writable: bool
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    pipeline: object  # from Backend.create_pipeline
+    bindings: tuple[Binding, ...]  # in binding-index order, matching the kernel's @binding(i)
+    groups: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """All earlier compute and transfer writes become visible to all later compute/transfer work."""
+
+
+@dataclass(frozen=True)
+class Copy:
+    src: object
+    src_offset: int
+    dst: object
+    dst_offset: int
+    nbytes: int
+
+
+Command = Dispatch | Barrier | Copy
+
+
+def check_commands(commands: Sequence[Command], label: str, caps: Capabilities,
+                   live_buffer: Callable[[object], bool],
+                   live_pipeline: Callable[[object], bool],
+                   extra: Callable[[int, Command, str], None] | None = None) -> None:
+    """Raise DeviceError for the first command a backend could not run. `live_buffer` /
+    `live_pipeline` say whether a handle is one of the backend's own and not yet freed;
+    `extra(n, command, what)` adds the backend's own rules (e.g. WebGPU's copy alignment)."""
+    for n, cmd in enumerate(commands):
+        if isinstance(cmd, Dispatch):
+            pipe = cmd.pipeline
+            what = f"program {label!r} command {n} (kernel {getattr(pipe, 'name', pipe)!r})"
+            if not live_pipeline(pipe):
+                raise DeviceError(f"{what}: not a live pipeline of this backend")
+            if len(cmd.bindings) != pipe.num_bindings:
+                raise DeviceError(f"{what}: {len(cmd.bindings)} bindings for a kernel with "
+                                  f"{pipe.num_bindings}")
+            for i, b in enumerate(cmd.bindings):
+                _check_range(b.buffer, b.offset, b.nbytes, f"{what} binding {i}", live_buffer)
+                if b.offset % caps.min_storage_offset_alignment:
+                    raise DeviceError(f"{what} binding {i}: offset {b.offset} is not a multiple "
+                                      "of the storage offset alignment "
+                                      f"{caps.min_storage_offset_alignment}")
+                if b.nbytes > caps.max_storage_buffer_range:
+                    raise DeviceError(f"{what} binding {i}: {b.nbytes} bytes exceed the largest "
+                                      f"storage binding ({caps.max_storage_buffer_range})")
+            if any(g > m for g, m in zip(cmd.groups, caps.max_workgroup_count, strict=True)):
+                raise DeviceError(f"{what}: groups {cmd.groups} exceed the device's workgroup "
+                                  f"count limits {caps.max_workgroup_count}")
+        elif isinstance(cmd, Copy):
+            what = f"program {label!r} command {n} (copy)"
+            _check_range(cmd.src, cmd.src_offset, cmd.nbytes, f"{what} source", live_buffer)
+            _check_range(cmd.dst, cmd.dst_offset, cmd.nbytes, f"{what} destination", live_buffer)
+            if cmd.src is cmd.dst and abs(cmd.src_offset - cmd.dst_offset) < cmd.nbytes:
+                raise DeviceError(f"{what}: source and destination ranges overlap")
+        elif isinstance(cmd, Barrier):
+            continue
+        else:
+            raise DeviceError(f"program {label!r} command {n}: unknown command {cmd!r}")
+        if extra is not None:
+            extra(n, cmd, what)
+
+
+def _check_range(buf: object, offset: int, nbytes: int, what: str,
+                 live_buffer: Callable[[object], bool]) -> None:
+    if not live_buffer(buf):
+        raise DeviceError(f"{what}: {buf!r} is not a live buffer of this backend")
+    if nbytes <= 0 or offset < 0 or offset + nbytes > buf.nbytes:  # type: ignore[attr-defined]
+        raise DeviceError(f"{what}: bytes [{offset}, {offset + nbytes}) do not fit in {buf!r}")

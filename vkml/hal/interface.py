@@ -1,0 +1,69 @@
+"""The backend contract: a required core every backend implements, and named optional
+capabilities a backend offers or declares absent (None). The runtime uses nothing else, so a new
+backend knows exactly what it must provide and the runtime never probes with hasattr."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from vkml.hal.capabilities import Capabilities
+from vkml.hal.commands import BufferKind, Command
+from vkml.hal.kernel import Kernel
+
+
+class TimelineSync(Protocol):
+    """A timeline semaphore that every submission signals, for a host to wait on."""
+
+    @property
+    def semaphore(self) -> Any: ...
+    @property
+    def value(self) -> int:
+        """The value the latest submission signals."""
+        ...
+
+
+class HostRecording(Protocol):
+    """vkml's commands recorded into a command buffer the host records and submits itself."""
+
+    def prepare(self, commands: Sequence[Command], label: str) -> object:
+        """Everything the commands need (descriptor sets), made once."""
+        ...
+
+    def record_into(self, command_buffer: Any, program: object) -> None:
+        """Record a prepared program into the host's command buffer, between barriers."""
+        ...
+
+
+class Timestamps(Protocol):
+    """Device timestamps around every dispatch of a program."""
+
+    def record(self, commands: Sequence[Command], label: str) -> object: ...
+    def timings(self, program: object) -> list[float]:
+        """Milliseconds per dispatch of the program's latest run."""
+        ...
+
+
+class Backend(Protocol):
+    caps: Capabilities
+    owned: bool  # False: the device belongs to a host (Device.from_vulkan); nothing is destroyed
+    queue_lock: AbstractContextManager[Any]  # held around every submission to the queue
+    validation_messages: list[str]  # what the driver or validation layer reported
+    # Optional capabilities: None where the backend or device lacks them.
+    timeline: TimelineSync | None
+    host_recording: HostRecording | None
+    timestamps: Timestamps | None
+
+    def create_buffer(self, nbytes: int, kind: BufferKind, label: str) -> object: ...
+    def free_buffer(self, buffer: object) -> None: ...
+    def write_buffer(self, buffer: object, offset: int, data: bytes | memoryview) -> None: ...
+    def read_buffer(self, buffer: object, offset: int, nbytes: int) -> bytes: ...
+    def create_pipeline(self, kernel: Kernel) -> object: ...
+    def free_pipeline(self, pipeline: object) -> None: ...
+    def record(self, commands: Sequence[Command], label: str) -> object: ...
+    def free_program(self, program: object) -> None: ...
+    def submit(self, program: object) -> None: ...
+    def wait(self) -> None: ...
+    def run_now(self, commands: Sequence[Command]) -> None: ...
+    def close(self) -> None: ...

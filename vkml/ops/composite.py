@@ -1,0 +1,246 @@
+"""Ops built from other ops: losses, normalisations, attention, rotary embedding, SwiGLU, 1-D
+convolution, pooling, upsampling, split, mean. Autodiff differentiates them through their parts
+and the rewrite stage fuses their pointwise parts into the reductions and matmuls around them, so
+none needs a gradient rule or a kernel of its own. PyTorch's conventions throughout (biased
+variance, eps inside the square root, affine parameters per normalised element or per channel)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from vkml.errors import GraphError
+from vkml.graph import Graph, Tensor, builder, normalize_axes
+from vkml.ops.conv import pair
+
+
+@builder(tensor=True)
+def mean(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
+         keepdims: bool = False) -> Tensor:
+    """Mean over `axis` (all axes by default)."""
+    axes = normalize_axes(x, axis)
+    count = int(np.prod([x.shape[i] for i in axes], dtype=np.int64))
+    return g.mul(g.sum(x, axes, keepdims), 1.0 / count)
+
+
+# ---- losses -------------------------------------------------------------------------------------
+@builder
+def cross_entropy(g: Graph, logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross-entropy over the rows of 2-D `logits`. `labels`: class indices (i32, shape
+    (rows,)) or target probabilities / one-hot rows (f32, same shape as logits)."""
+    if len(logits.shape) != 2:
+        raise GraphError(f"cross_entropy: logits {logits.label} must be 2-D (rows, classes)")
+    rows, classes = logits.shape
+    if labels.dtype == "i32":
+        if labels.shape != (rows,):
+            raise GraphError(f"cross_entropy: class-index labels {labels.label} must have "
+                             f"shape ({rows},) to match logits {logits.label}")
+        labels = g.one_hot(labels, classes)
+    elif labels.shape != logits.shape:
+        raise GraphError(f"cross_entropy: labels {labels.label} must have shape "
+                         f"{logits.shape} like logits {logits.label}, or be i32 indices of "
+                         f"shape ({rows},)")
+    return g.mul(g.sum(g.mul(labels, g.log_softmax(logits))), -1.0 / rows)
+
+
+@builder
+def mse(g: Graph, prediction: Tensor, target: Tensor) -> Tensor:
+    """Mean squared error over all elements."""
+    if prediction.shape != target.shape:
+        raise GraphError(f"mse: prediction {prediction.label} and target {target.label} "
+                         "must have the same shape")
+    diff = g.sub(prediction, target)
+    return g.mean(g.mul(diff, diff))
+
+
+# ---- normalisations -----------------------------------------------------------------------------
+def _normalize(g: Graph, x: Tensor, axes: tuple[int, ...], eps: float) -> Tensor:
+    centred = g.sub(x, g.mean(x, axes, keepdims=True))
+    var = g.mean(g.square(centred), axes, keepdims=True)
+    return g.mul(centred, g.rsqrt(g.add(var, float(eps))))
+
+
+def _affine(g: Graph, y: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    if weight is not None:
+        y = g.mul(y, weight)
+    if bias is not None:
+        y = g.add(y, bias)
+    return y
+
+
+@builder
+def layer_norm(g: Graph, x: Tensor, normalized_shape, weight=None, bias=None,
+               eps: float = 1e-5) -> Tensor:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if tuple(x.shape[len(x.shape) - len(shape):]) != shape:
+        raise GraphError(f"layer_norm: {x.label} does not end in {shape}")
+    axes = tuple(range(len(x.shape) - len(shape), len(x.shape)))
+    return _affine(g, _normalize(g, x, axes, eps), weight, bias)
+
+
+@builder
+def rms_norm(g: Graph, x: Tensor, weight=None, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(mean(x^2, last axis) + eps) * weight (LLaMA's RMSNorm, F.rms_norm)."""
+    ms = g.mean(g.square(x), -1, keepdims=True)
+    return _affine(g, g.mul(x, g.rsqrt(g.add(ms, float(eps)))), weight, None)
+
+
+def _per_channel(g: Graph, p: Tensor | None, x: Tensor) -> Tensor | None:
+    """A (C,) parameter shaped to broadcast over an (N, C, ...) tensor."""
+    if p is None:
+        return None
+    if p.shape != (x.shape[1],):
+        raise GraphError(f"{p.label} must have shape ({x.shape[1]},) (one per channel of "
+                         f"{x.label})")
+    return g.reshape(p, (x.shape[1],) + (1,) * (len(x.shape) - 2))
+
+
+@builder
+def group_norm(g: Graph, x: Tensor, num_groups: int, weight=None, bias=None,
+               eps: float = 1e-5) -> Tensor:
+    n, c = x.shape[:2]
+    if c % num_groups:
+        raise GraphError(f"group_norm: {c} channels do not split into {num_groups} groups")
+    grouped = g.reshape(x, (n, num_groups, -1))
+    y = g.reshape(_normalize(g, grouped, (2,), eps), x.shape)
+    return _affine(g, y, _per_channel(g, weight, x), _per_channel(g, bias, x))
+
+
+@builder
+def batch_norm(g: Graph, x: Tensor, running_mean=None, running_var=None, weight=None, bias=None,
+               training: bool = False, eps: float = 1e-5) -> Tensor:
+    """Training form: statistics of this batch over (N, H, W) (biased variance, as F.batch_norm
+    normalises with); the running statistics are not updated (the graph has no state writes).
+    Inference form: the given running_mean / running_var (inputs or parameters, shape (C,))."""
+    if training:
+        axes = (0, *range(2, len(x.shape)))
+        y = _normalize(g, x, axes, eps)
+    else:
+        if running_mean is None or running_var is None:
+            raise GraphError("batch_norm in inference form needs running_mean and running_var")
+        mean, var = _per_channel(g, running_mean, x), _per_channel(g, running_var, x)
+        y = g.mul(g.sub(x, mean), g.rsqrt(g.add(var, float(eps))))
+    return _affine(g, y, _per_channel(g, weight, x), _per_channel(g, bias, x))
+
+
+# ---- attention ----------------------------------------------------------------------------------
+MASKED = -1e30  # exp(MASKED - max) is exactly 0 in f32, with no infinities in the arithmetic
+
+
+@builder
+def scaled_dot_product_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask=None,
+                                 causal: bool = False, scale: float | None = None,
+                                 fused: bool = False) -> Tensor:
+    """q (..., H, L, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, L, Dv); H a multiple
+    of Hkv (query head h uses key/value head h // (H / Hkv), as torch's enable_gqa). `mask`: an
+    additive f32 tensor broadcastable to (..., H, L, S); `causal`: query i sees keys j <= i.
+    `fused`: one flash-style kernel (`flash_attention`) instead of the composition."""
+    if len(q.shape) < 3 or len(k.shape) != len(q.shape) or len(v.shape) != len(q.shape):
+        raise GraphError(f"attention takes q, k, v of one rank >= 3 (..., heads, seq, dim), got "
+                         f"{q.type}, {k.type}, {v.type}")
+    *lead, h, length, dim = q.shape
+    hkv, s = k.shape[-3], k.shape[-2]
+    if h % hkv or v.shape[-3] != hkv or v.shape[-2] != s or k.shape[-1] != dim:
+        raise GraphError(f"attention: q {q.type}, k {k.type}, v {v.type} do not agree")
+    rep = h // hkv
+    dv = v.shape[-1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    if fused:
+        if mask is not None:
+            raise GraphError("fused attention takes no additive mask (causal or full only)")
+        return g.apply("flash_attention", [q, k, v], causal=bool(causal), scale=scale)
+    q5 = g.reshape(q, (*lead, hkv, rep, length, dim))
+    k5 = g.reshape(k, (*k.shape[:-3], hkv, 1, s, dim))
+    v5 = g.reshape(v, (*v.shape[:-3], hkv, 1, s, dv))
+    scores = g.reshape(g.matmul(q5, k5, transpose_b=True), (*lead, h, length, s))
+    scores = g.mul(scores, scale)
+    if causal:
+        tri = np.triu(np.full((length, s), MASKED, np.float32), k=1)
+        scores = g.add(scores, g.constant(tri))
+    if mask is not None:
+        scores = g.add(scores, mask)
+    probs = g.reshape(g.softmax(scores), (*lead, hkv, rep, length, s))
+    return g.reshape(g.matmul(probs, v5), (*lead, h, length, dv))
+
+
+def rope_tables(length: int, dim: int, theta: float, offset: int = 0
+                ) -> tuple[np.ndarray, np.ndarray]:
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    freqs = np.outer(np.arange(offset, offset + length, dtype=np.float64), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+@builder
+def rope(g: Graph, x: Tensor, theta: float = 10000.0, offset: int = 0) -> Tensor:
+    """x (..., S, D), D even: x * cos + rotate_half(x) * sin, positions offset..offset+S-1."""
+    *_, length, dim = x.shape
+    if dim % 2:
+        raise GraphError(f"rope: the last axis of {x.label} must be even")
+    cos, sin = rope_tables(length, dim, theta, offset)
+    half = dim // 2
+    rotated = g.concat([g.neg(g.slice(x, -1, half, dim)), g.slice(x, -1, 0, half)], -1)
+    return g.add(g.mul(x, g.constant(cos)), g.mul(rotated, g.constant(sin)))
+
+
+@builder
+def swiglu(g: Graph, a: Tensor, b: Tensor) -> Tensor:
+    """silu(a) * b (the gate and the up projection of a LLaMA FFN)."""
+    return g.mul(g.silu(a), b)
+
+
+
+
+# ---- convolution and pooling --------------------------------------------------------------------
+@builder
+def conv1d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int = 1,
+           padding: int = 0, dilation: int = 1, groups: int = 1) -> Tensor:
+    """F.conv1d as conv2d over a height of 1: x (N, C, L), weight (out, in/groups, k)."""
+    n, c, length = x.shape
+    o, cpg, k = weight.shape
+    y = g.conv2d(g.reshape(x, (n, c, 1, length)), g.reshape(weight, (o, cpg, 1, k)), None,
+                 (1, stride), (0, padding), (1, dilation), groups)
+    y = g.reshape(y, (n, o, y.shape[-1]))
+    return y if bias is None else g.add(y, g.reshape(bias, (o, 1)))
+
+
+@builder
+def avg_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+    """F.avg_pool2d (count_include_pad=True): a depthwise conv2d with constant weights."""
+    kh, kw = pair(kernel_size)
+    c = x.shape[1]
+    weight = g.constant(np.full((c, 1, kh, kw), 1.0 / (kh * kw), np.float32))
+    return g.conv2d(x, weight, None, (kh, kw) if stride is None else stride, padding, 1, c)
+
+
+@builder
+def global_avg_pool2d(g: Graph, x: Tensor) -> Tensor:
+    """(N, C, H, W) -> (N, C, 1, 1), as F.adaptive_avg_pool2d(x, 1)."""
+    return g.mean(x, (2, 3), keepdims=True)
+
+
+@builder
+def upsample_nearest(g: Graph, x: Tensor, scale: int = 2) -> Tensor:
+    """Nearest upsampling of an (N, C, H, W) tensor by an integer factor: a broadcast (one
+    pointwise kernel); its gradient is a sum over each scale x scale block."""
+    n, c, h, w = x.shape
+    wide = g.broadcast_to(g.reshape(x, (n, c, h, 1, w, 1)), (n, c, h, scale, w, scale))
+    return g.reshape(wide, (n, c, h * scale, w * scale))
+
+
+# ---- splitting ----------------------------------------------------------------------------------
+@builder
+def split(g: Graph, x: Tensor, sizes: int | Sequence[int], axis: int = 0) -> list[Tensor]:
+    """torch.split: chunks of `sizes` (an int: equal chunks, the last may be shorter)."""
+    extent = x.shape[axis]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, extent - s) for s in range(0, extent, sizes)]
+    if sum(sizes) != extent:
+        raise GraphError(f"split: sizes {list(sizes)} do not add up to {extent}")
+    out, start = [], 0
+    for size in sizes:
+        out.append(x if size == extent else g.slice(x, axis, start, start + size))
+        start += size
+    return out
