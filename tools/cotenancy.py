@@ -1,19 +1,25 @@
 """Co-tenancy: a host renderer and a vkml training step on ONE Vulkan queue (tools/PROTOCOL.md).
 
-    PYTHONPATH=. python tools/cotenancy.py [--hz 72] [--frames 150] [--size 256]
-        [--iterations 32] [--width 256] [--budget-ms auto] [--out out/cotenancy]
+    python tools/cotenancy.py [--hz 72] [--frames 150] [--size 256] [--iterations 32]
+        [--width 256] [--budget-ms auto] [--margin-ms 1] [--out out/cotenancy]
 
-The host (vkml.host: its own instance, device and queue; vkml joins with Device.from_vulkan and
-shares the queue lock) draws offscreen frames at a vsync-like cadence: each frame waits for its
-slot, submits the render, then the model's next piece (session.step_chunk()), then waits for
-the render's fence. Modes: renderer alone, the model whole (1 chunk), 2 and 4 chunks, and
-budget mode (pieces of at most --budget-ms of measured GPU time). A new training step starts
-only when the previous one has finished (its timeline value reached).
+The host (xr_demo.vkhost: its own instance, device and queue; vkml joins with
+Device.from_vulkan and shares the queue lock) draws offscreen frames of a synthetic load
+(xr_demo.loadgen: a full-screen fragment shader, GPU cost = size x iterations) at a vsync-like
+cadence: each frame waits for its slot, submits the render, then the model's pieces, then waits
+for the render's fence. A new training step starts only when the previous one has finished.
+
+Modes (xr_demo.schedule): renderer alone; one piece per frame with the step whole (1 chunk), in
+2 and 4 chunks, or in pieces of at most --budget-ms (auto: the slack the render leaves, i.e. the
+frame period minus the measured render GPU time minus --margin-ms); and `slack`: small pieces,
+as many per frame as fit that slack.
 
 Reported per mode: frame time p50/p99 (submit to fence, host clock), render GPU time p50
 (timestamps), missed frames (a frame not done within its period), skipped slots, steps done,
-worker latency (first piece submitted to last piece done, ms and frames) p50/p99. JSON and a PNG
-figure (vkml/png.py) go to --out.{json,png}.
+worker latency (first piece submitted to last piece done, ms and frames) p50/p99, and how it
+compares with 1 chunk. Before the modes, `step_overhead` splits a lone step's wall time into
+the time in step() (Python + vkQueueSubmit), the wait, and the GPU time, first step and steady
+state. JSON and a PNG figure go to --out.{json,png}.
 """
 
 from __future__ import annotations
@@ -22,14 +28,18 @@ import argparse
 import json
 import os
 import statistics
-import threading
+import sys
 import time
 
 import numpy as np
 
-import vkml
-from vkml.host import HostContext, OffscreenRenderer
-from vkml.png import Canvas, write_png
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import vkml  # noqa: E402
+from vkml.png import Canvas, write_png  # noqa: E402
+from xr_demo.loadgen import FullscreenLoad  # noqa: E402
+from xr_demo.schedule import Job, Policy, Scheduler  # noqa: E402
+from xr_demo.vkhost import VulkanHost  # noqa: E402
 
 
 def model(device: vkml.Device, width: int) -> vkml.Session:
@@ -56,60 +66,38 @@ def pct(values: list[float], p: float) -> float | None:
     return round(v[min(len(v) - 1, int(p / 100 * len(v)))], 3)
 
 
-class Worker:
-    """Feeds the model one piece per frame; times each step from its first piece's submission
-    to its completion on the timeline (a waiter thread blocks in vkWaitSemaphores)."""
+def step_overhead(session: vkml.Session, steps: int = 10) -> dict:
+    """Where a lone step's wall time goes: time inside step() (Python, input copies recorded
+    in the program, vkQueueSubmit under the lock), time blocked in wait(), for the session's
+    first step and in steady state. The GPU time comes from profile() (run afterwards)."""
 
-    def __init__(self, ctx: HostContext, session: vkml.Session, chunks: int | None,
-                 budget_ms: float | None) -> None:
-        self.ctx, self.session = ctx, session
-        self.chunks, self.budget_ms = chunks, budget_ms
-        self.latencies: list[float] = []
-        self.pieces: list[int] = []
-        self.start: float | None = None
-        self.count = 0
-        self.done_value = 0
-        self.waiter: threading.Thread | None = None
+    def one() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        session.step()
+        t1 = time.perf_counter()
+        session.wait()
+        t2 = time.perf_counter()
+        return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
-    def frame(self) -> None:
-        s = self.session
-        if s.pieces_left == 0:  # between steps: start one only when the last has finished
-            semaphore, _ = s.done()
-            if self.ctx.timeline_value(semaphore) < self.done_value:
-                return
-            self.start, self.count = time.perf_counter(), 0
-            left = s.step_chunk(chunks=self.chunks, budget_ms=self.budget_ms)
-        else:
-            left = s.step_chunk()
-        self.count += 1
-        if left == 0:
-            semaphore, value = s.done()
-            self.done_value, start, count = value, self.start, self.count
-
-            def wait(semaphore=semaphore, value=value, start=start, count=count) -> None:
-                self.ctx.wait_timeline(semaphore, value)
-                self.latencies.append((time.perf_counter() - start) * 1e3)
-                self.pieces.append(count)
-
-            if self.waiter is not None:
-                self.waiter.join()
-            self.waiter = threading.Thread(target=wait)
-            self.waiter.start()
-
-    def finish(self) -> None:
-        if self.waiter is not None:
-            self.waiter.join()
-        self.session.wait()
+    first_submit, first_wait = one()
+    runs = [one() for _ in range(steps)]
+    return {"first_step_submit_ms": round(first_submit, 3),
+            "first_step_wait_ms": round(first_wait, 3),
+            "first_step_wall_ms": round(first_submit + first_wait, 3),
+            "steady_submit_ms_p50": pct([s for s, _ in runs], 50),
+            "steady_wait_ms_p50": pct([w for _, w in runs], 50),
+            "steady_wall_ms_p50": pct([s + w for s, w in runs], 50)}
 
 
-def run_mode(ctx: HostContext, renderer: OffscreenRenderer, worker: Worker | None, hz: float,
-             frames: int) -> dict:
+def run_mode(host: VulkanHost, renderer: FullscreenLoad, job: Job | None, hz: float,
+             frames: int, slack_ms: float) -> dict:
     period = 1.0 / hz
     frame_ms, gpu_ms = [], []
     missed = skipped = 0
+    scheduler = Scheduler([job] if job is not None else [])
     base = time.perf_counter()
     slot = 1
-    for _ in range(frames):
+    for n in range(frames):
         start = base + slot * period  # xrWaitFrame's analogue: block until this frame's slot
         now = time.perf_counter()
         if now > start:
@@ -118,35 +106,45 @@ def run_mode(ctx: HostContext, renderer: OffscreenRenderer, worker: Worker | Non
             slot += skip
             start = base + slot * period
         time.sleep(max(0.0, start - time.perf_counter()))
+        scheduler.new_frame()
+        if job is not None:  # slack mode: a step begun last frame continues before the render
+            scheduler.fill(n, slack_ms, "before")
         # GPU timestamps only without the model: reading them waits for the whole queue on
         # lavapipe 22.3, which would charge the model's work to the host's frame loop.
-        t0 = renderer.render(timed=worker is None)
-        if worker is not None:
-            worker.frame()
+        t0 = renderer.render(timed=job is None)
+        if job is not None:
+            if not job.busy:  # a new step only once the last one has finished
+                job.begin(n)
+            scheduler.fill(n, slack_ms, "after")
         cpu, gpu = renderer.wait(t0)
         frame_ms.append(cpu)
         if gpu == gpu:  # not NaN
             gpu_ms.append(gpu)
         missed += cpu > period * 1e3
         slot += 1
-    if worker is not None:
-        worker.finish()
-    lat = worker.latencies if worker else []
+    if job is not None:
+        # The step in progress is completed here, by this mode: the next mode's job never
+        # continues a step it did not start (the waiter race seen at --width 8192).
+        job.finish()
+    lat = job.latencies() if job else []
+    records = job.records if job else []
     return {
         "frames": frames, "frame_ms_p50": pct(frame_ms, 50), "frame_ms_p99": pct(frame_ms, 99),
         "render_gpu_ms_p50": pct(gpu_ms, 50), "missed_frames": missed,
         "skipped_slots": skipped, "steps_done": len(lat),
         "worker_latency_ms_p50": pct(lat, 50), "worker_latency_ms_p99": pct(lat, 99),
         "worker_latency_frames_p50": (round(pct(lat, 50) / (period * 1e3), 2) if lat else None),
-        "pieces_per_step": (statistics.median(worker.pieces) if worker and worker.pieces
-                            else None),
+        "pieces_per_step": (statistics.median(r.pieces for r in records) if records else None),
+        "frames_per_step": (statistics.median(r.frames for r in records) if records else None),
+        "pieces": len(job.costs) if job else None,
+        "piece_ms_max": round(max(job.costs), 3) if job else None,
     }
 
 
 def figure(result: dict, path: str) -> None:
     modes = result["modes"]
     names = list(modes)
-    c = Canvas(560, 300)
+    c = Canvas(640, 300)
     c.text(10, 8, f"CO-TENANCY, {result['device'].split(' (')[0]}, {result['hz']:g} HZ, "
            f"MODEL STEP {result['model']['step_ms_profiled']:.1f} MS")
     top = max([m["frame_ms_p99"] or 0 for m in modes.values()]
@@ -168,7 +166,7 @@ def figure(result: dict, path: str) -> None:
                 continue
             bh = int(h * v / top)
             c.rect(x0 + i * slot + 6 + j * 18, y0 + h - bh, 16, bh, color)
-        c.text(x0 + i * slot + 4, y0 + h + 6, name)
+        c.text(x0 + i * slot + 4, y0 + h + 6, name.split("=")[0])
         c.text(x0 + i * slot + 4, y0 + h + 16, f"MISSED {m['missed_frames']}", (120, 0, 0))
     c.rect(x0, y0 + h, c.width - x0 - 10, 1, (0, 0, 0))
     c.text(10, 284, "BLUE FRAME P50 P99   ORANGE STEP LATENCY P50 (MS)", (80, 80, 80))
@@ -183,56 +181,73 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=32, help="fragment work per pixel")
     ap.add_argument("--width", type=int, default=256, help="the model's hidden width")
     ap.add_argument("--budget-ms", default="auto",
-                    help="budget mode's piece size; auto = a quarter of the frame period")
+                    help="budget mode's piece size; auto = the measured slack of the frame")
+    ap.add_argument("--margin-ms", type=float, default=1.0,
+                    help="frame time kept free of model work when computing the slack")
+    ap.add_argument("--slack-fraction", type=float, default=0.34,
+                    help="slack mode's piece size, as a fraction of the slack")
     ap.add_argument("--out", default="out/cotenancy")
     args = ap.parse_args()
     period_ms = 1000 / args.hz
-    budget = period_ms / 4 if args.budget_ms == "auto" else float(args.budget_ms)
 
-    ctx = HostContext()
-    renderer = OffscreenRenderer(ctx, args.size, args.size, args.iterations)
-    device = ctx.vkml_device()
+    host = VulkanHost.create()
+    renderer = FullscreenLoad(host, args.size, args.size, args.iterations)
+    device = host.vkml_device()
     session = model(device, args.width)
-    for _ in range(5):  # warm-up: driver JIT, caches
-        renderer.wait(renderer.render())
-    # Programs for every mode recorded before timing; the profile measures the step's GPU
-    # time (after graphics work: lavapipe 22.3 timestamps may be implausible, and it says so).
-    t0 = time.perf_counter()
-    session.step()
-    session.wait()
-    whole_ms = (time.perf_counter() - t0) * 1e3
+    render_gpu = []
+    for _ in range(15):  # warm-up (driver JIT, caches), then the render's GPU time alone
+        _, gpu = renderer.wait(renderer.render())
+        render_gpu.append(gpu)
+    render_ms = statistics.median(render_gpu[5:])
+    slack_ms = max(0.0, period_ms - render_ms - args.margin_ms)
+    budget = slack_ms if args.budget_ms == "auto" else float(args.budget_ms)
+    budget = max(budget, 0.05)
+    overhead = step_overhead(session)
+    # The profile measures the step's GPU time per dispatch (after graphics work lavapipe
+    # 22.3's timestamps may be implausible: then host timing, and it says so).
     prof = session.profile(steps=3)
-    for chunks in (1, 2, 4):
-        session.step(chunks=chunks)
-    session.step(budget_ms=budget)
+    overhead["gpu_ms_profiled"] = round(statistics.median(prof.step_ms), 3)
+    overhead["steady_wall_minus_gpu_ms"] = round(
+        (overhead["steady_wall_ms_p50"] or 0) - overhead["gpu_ms_profiled"], 3)
+    print("step overhead", json.dumps(overhead), flush=True)
+    policies = [("chunks=1", Policy("chunks", 1)), ("chunks=2", Policy("chunks", 2)),
+                ("chunks=4", Policy("chunks", 4)), ("budget", Policy("budget", budget)),
+                ("slack", Policy("slack", args.slack_fraction))]
+    jobs = {name: Job("train", session, host, p, prof.dispatch_ms, slack_ms)
+            for name, p in policies}
+    for job in jobs.values():  # record every mode's pieces before timing
+        session.step(**job._chunking)
     session.wait()
     result = {
-        "device": ctx.device_name, "hz": args.hz, "frame_budget_ms": round(period_ms, 3),
-        "render": {"size": args.size, "iterations": args.iterations},
+        "device": host.device_name, "hz": args.hz, "frame_budget_ms": round(period_ms, 3),
+        "render": {"size": args.size, "iterations": args.iterations,
+                   "gpu_ms_alone_p50": round(render_ms, 3)},
+        "slack_ms": round(slack_ms, 3),
         "model": {"width": args.width, "dispatches": len(session.plan.dispatches),
                   "levels": len({d.level for d in session.plan.dispatches}),
-                  "step_wall_ms_alone": round(whole_ms, 3),
                   "profile_source": prof.source, "profile_note": prof.note,
                   "step_ms_profiled": round(statistics.median(prof.step_ms), 3)},
+        "step_overhead": overhead,
         "budget_ms": round(budget, 3),
-        "pieces": {f"chunks={c}": len(session.chunk_boundaries(chunks=c)) for c in (1, 2, 4)}
-        | {"budget": len(session.chunk_boundaries(budget_ms=budget))},
+        "pieces": {name: len(job.costs) for name, job in jobs.items()},
         "modes": {},
     }
-    modes = [("none", None, None), ("chunks=1", 1, None), ("chunks=2", 2, None),
-             ("chunks=4", 4, None), ("budget", None, budget)]
-    for name, chunks, budget_ms in modes:
-        worker = Worker(ctx, session, chunks, budget_ms) if name != "none" else None
-        result["modes"][name] = run_mode(ctx, renderer, worker, args.hz, args.frames)
+    result["modes"]["none"] = run_mode(host, renderer, None, args.hz, args.frames, slack_ms)
+    print("none", json.dumps(result["modes"]["none"]), flush=True)
+    for name, job in jobs.items():
+        result["modes"][name] = run_mode(host, renderer, job, args.hz, args.frames, slack_ms)
         print(name, json.dumps(result["modes"][name]), flush=True)
     none = result["modes"]["none"]["frame_ms_p50"] or 0.0
+    base = result["modes"]["chunks=1"]["worker_latency_ms_p50"]
     for m in result["modes"].values():
         m["frame_ms_added_p50"] = round((m["frame_ms_p50"] or 0.0) - none, 3)
+        if base and m["worker_latency_ms_p50"]:
+            m["latency_vs_chunks1"] = round(m["worker_latency_ms_p50"] / base, 3)
     session.close()
     device.close()
     renderer.close()
-    ctx.close()
-    result["validation_messages"] = len(ctx.messages)
+    host.close()
+    result["validation_messages"] = len(host.messages)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=1)

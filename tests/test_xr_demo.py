@@ -1,0 +1,206 @@
+"""The host application (xr_demo/): its scheduler's decisions, a short headless run (outputs
+written, depth error falls, results bit-identical across chunkings), a window under Xvfb, and
+an OpenXR session against Monado in a Debian 13 chroot (tools/monado_chroot.sh).
+
+Every GPU test runs the demo with the Khronos validation layer on when `make test` sets it, and
+fails on any message the layer reports through the host's debug messenger."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import subprocess_env
+
+from xr_demo.schedule import Policy, plan_pieces
+
+REPO = Path(__file__).resolve().parent.parent
+VALIDATING = "VK_LAYER_KHRONOS_validation" in os.environ.get("VK_INSTANCE_LAYERS", "")
+
+
+# ---- pure parts ---------------------------------------------------------------------------
+
+def test_slack_plan_takes_as_many_pieces_as_fit():
+    costs = [2.0, 3.0, 4.0, 2.0]
+    assert plan_pieces(costs, 10.0, 0.0, False, False) == 3  # 2 + 3 + 4 fit, + 2 would not
+    assert plan_pieces([2.0, 3.0, 5.0], 10.0, 0.0, False, False) == 3  # exactly the slack
+    assert plan_pieces(costs, 10.0, 6.0, False, True) == 1  # an earlier job took 6 ms
+    assert plan_pieces(costs, 1.0, 0.0, False, True) == 0  # nothing fits beside other work
+    # a piece longer than the whole slack goes alone, in a frame with no other model work
+    assert plan_pieces([30.0, 1.0], 10.0, 0.0, False, False) == 1
+    assert plan_pieces([30.0, 1.0], 10.0, 0.0, False, True) == 0
+    assert plan_pieces(costs, 0.5, 0.0, True, True) == 1  # one-per-frame policies: always one
+    assert plan_pieces([], 10.0, 0.0, False, False) == 0
+
+
+def test_policies_parse():
+    assert Policy.parse("slack") == Policy("slack", 0.34)
+    assert Policy.parse("slack:0.5").value == 0.5
+    assert Policy.parse("chunks:4") == Policy("chunks", 4)
+    assert str(Policy.parse("budget:2.5")) == "budget=2.5ms"
+    assert Policy.parse("chunks:2").one_per_frame and not Policy.parse("slack").one_per_frame
+    with pytest.raises(ValueError, match="unknown schedule"):
+        Policy.parse("fastest")
+
+
+def test_network_freezes_the_encoder_for_decoder_only_live_training():
+    from xr_demo import model as net
+
+    cfg = net.config_for(32)
+    assert cfg.patch == 4 and cfg.grid == 8
+    decoder_only = net.build(cfg, live="decoder")
+    frozen = {n for n, t in decoder_only.graph.params.items() if not t.attrs["trainable"]}
+    assert frozen and all(n.startswith("encoder.") for n in frozen)
+    assert all(t.attrs["trainable"] for n, t in decoder_only.graph.params.items()
+               if n.startswith("decoder."))
+    whole = net.build(cfg, live="all")
+    assert all(t.attrs["trainable"] for t in whole.graph.params.values())
+    assert decoder_only.depth.shape == (1, 1, 32, 32)
+    with pytest.raises(ValueError):
+        net.config_for(36)
+
+
+# ---- headless runs (in this process, on the host's own device) ----------------------------
+
+def _headless(tmp_path, name: str, **kw):
+    from xr_demo import headless
+    from xr_demo.app import Options
+
+    opts = Options(resolution=32, frames=24, hz=72.0, train_every=2, infer_every=3,
+                   live="all", lr=3e-3, seed=3, out=str(tmp_path / name),
+                   save=str(tmp_path / f"{name}.safetensors"), max_pending=100)
+    for k, v in kw.items():
+        setattr(opts, k, v)
+    lines: list[str] = []
+    metrics = headless.run(opts, lines.append)
+    return metrics, lines
+
+
+def test_headless_run_writes_its_outputs_and_learns(tmp_path):
+    metrics, lines = _headless(tmp_path, "run")
+    out = tmp_path / "run"
+    assert (out / "strip.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "learning.gif").read_bytes()[:6] == b"GIF89a"
+    assert b"acTL" in (out / "learning.apng").read_bytes()[:200]  # an animated PNG
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["outputs"]["strip"].endswith("strip.png")
+    assert any(str(out / "strip.png") in line for line in lines)  # it says where they are
+    run = metrics["run"]
+    for key in ("frame_ms_p50", "frame_ms_p99", "missed_frames_72hz", "missed_frames_90hz",
+                "train_latency_ms_p50", "infer_latency_ms_p50"):
+        assert run[key] is not None, key
+    assert run["train_steps"] == 12 and run["dropped_samples"] == 0
+    err = metrics["depth_error"]
+    assert len(err["train_loss"]) == 12 and err["live_abs_rel"]
+    # The depth error on held-out views after 12 training steps is lower than at the start.
+    assert err["eval_abs_rel_end"] < 0.8 * err["eval_abs_rel_start"], err
+    assert metrics["validation_messages"] == []
+
+
+def test_headless_results_are_bit_identical_across_chunkings(tmp_path):
+    from safetensors.numpy import load_file
+
+    results = {}
+    for schedule in ("chunks:1", "chunks:3", "slack"):
+        name = schedule.replace(":", "")
+        metrics, _ = _headless(tmp_path, name, frames=12, infer_every=0, schedule=schedule,
+                               evaluate=False)
+        assert metrics["run"]["train_steps"] == 6
+        assert metrics["validation_messages"] == []
+        results[schedule] = (metrics, load_file(str(tmp_path / f"{name}.safetensors")))
+    assert results["chunks:3"][0]["setup"]["train"]["pieces"] == 3
+    assert results["slack"][0]["setup"]["train"]["pieces"] > 1  # really cut by the slack
+    reference = results["chunks:1"][1]
+    for schedule, (_, state) in results.items():
+        assert state.keys() == reference.keys()
+        for k in reference:
+            np.testing.assert_array_equal(state[k], reference[k], err_msg=f"{schedule}: {k}")
+
+
+# ---- a window under Xvfb --------------------------------------------------------------------
+
+def _xvfb():
+    """Start Xvfb on a free display; (process, ':N')."""
+    if shutil.which("Xvfb") is None:
+        pytest.skip("Xvfb is not installed (make's set-up installs the apt package xvfb)")
+    read, write = os.pipe()
+    proc = subprocess.Popen(["Xvfb", "-displayfd", str(write), "-screen", "0", "800x300x24",
+                             "-nolisten", "tcp"], pass_fds=(write,),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(write)
+    with os.fdopen(read) as f:
+        number = f.readline().strip()
+    if not number:
+        proc.kill()
+        pytest.fail("Xvfb did not report a display")
+    return proc, f":{number}"
+
+
+def test_window_opens_presents_and_closes_under_xvfb(tmp_path):
+    pytest.importorskip("glfw", reason="the demo extra (glfw) is not installed")
+    xvfb, display = _xvfb()
+    try:
+        shot = tmp_path / "shot.png"
+        run = subprocess.run(
+            [sys.executable, "-m", "xr_demo", "--window", "--resolution", "32",
+             "--window-scale", "8", "--frames", "16", "--infer-every", "4", "--no-eval",
+             "--out", str(tmp_path / "out"), "--screenshot", str(shot)],
+            cwd=REPO, capture_output=True, text=True, timeout=600,
+            env=subprocess_env(DISPLAY=display))
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    finally:
+        xvfb.terminate()
+        xvfb.wait(timeout=10)
+    metrics = json.loads((tmp_path / "out" / "metrics_window.json").read_text())
+    assert metrics["presented"] == 16
+    assert metrics["validation_messages"] == []
+    from PIL import Image
+
+    screen = np.asarray(Image.open(shot).convert("RGB"))
+    window = screen[:256, :768]  # 3 panels of 32 x 8 pixels: the window at the origin
+    assert window.std() > 10 and len(np.unique(window.reshape(-1, 3), axis=0)) > 50, \
+        "the screenshot is blank"
+    sky = window[8, 8]
+    assert sky[2] > sky[0], f"expected sky blue in the scene panel's top left, got {sky}"
+
+
+# ---- OpenXR against Monado ------------------------------------------------------------------
+
+def _monado_root() -> Path:
+    out = subprocess.run([str(REPO / "tools" / "monado_chroot.sh"), "root"],
+                         capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip())
+
+
+def test_xr_session_against_monado(tmp_path):
+    pytest.importorskip("xr", reason="the demo extra (pyopenxr) is not installed")
+    root = _monado_root()
+    if not (root / ".vkml-ready").exists():
+        status = Path(str(root) + ".status")
+        why = status.read_text().strip() if status.exists() else "never provisioned"
+        pytest.skip(f"no Monado chroot at {root} ({why}); `make monado` provisions it")
+    if os.geteuid() != 0:
+        pytest.skip("running the XR session needs root (chroot and mounts)")
+    out = tmp_path / "xr"
+    env = subprocess_env(VKML_VENV_PYTHON=sys.executable)
+    run = subprocess.run([str(REPO / "tools" / "monado_chroot.sh"), "run-xr", str(out),
+                          "--resolution", "32", "--frames", "24", "--xr-size", "128",
+                          "--infer-every", "4", "--no-eval"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    metrics = json.loads((out / "metrics_xr.json").read_text())
+    assert "Monado" in metrics["runtime"]
+    assert metrics["reached_focused"], metrics["session_states"]
+    assert metrics["frames_rendered"] == 24
+    assert metrics["train_steps_done"] >= 1 and metrics["predictions"] >= 1
+    assert metrics["run"]["train_steps"] >= 1
+    if VALIDATING:  # the layer ran inside the chroot too, with the host's messenger on it
+        assert metrics["validating"]
+    assert metrics["validation_messages"] == []

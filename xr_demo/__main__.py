@@ -1,0 +1,97 @@
+"""python -m xr_demo [--headless | --window | --xr] [options]: the host application, a depth
+network learning live between its frames. See README's "The demo" section."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from xr_demo.app import Options
+from xr_demo.model import LIVE_MODES
+
+
+def parse(argv: list[str] | None = None) -> Options:
+    d = Options()
+    ap = argparse.ArgumentParser(prog="python -m xr_demo", description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--headless", dest="mode", action="store_const", const="headless",
+                      help="offscreen; writes pictures, a plot and metrics (the default)")
+    mode.add_argument("--window", dest="mode", action="store_const", const="window",
+                      help="a GLFW window with a Vulkan swapchain")
+    mode.add_argument("--xr", dest="mode", action="store_const", const="xr",
+                      help="OpenXR (pyopenxr, XR_KHR_vulkan_enable2), stereo")
+    ap.add_argument("--resolution", type=int, default=d.resolution,
+                    help="the model's input and output size (square, a multiple of 8)")
+    ap.add_argument("--frames", type=int, default=d.frames)
+    ap.add_argument("--hz", type=float, default=d.hz,
+                    help="frame rate the headless and window loops are paced at (0: unpaced); "
+                    "XR is paced by the runtime")
+    ap.add_argument("--train-every", type=int, default=d.train_every,
+                    help="a training sample every N frames (0: no training)")
+    ap.add_argument("--infer-every", type=int, default=d.infer_every,
+                    help="an inference on the latest frame every k frames (0: none)")
+    ap.add_argument("--schedule", default=d.schedule,
+                    help="slack[:FRACTION] (pieces by the frame's measured slack), chunks:N or "
+                    "budget:MS (one piece per frame)")
+    ap.add_argument("--chunks", type=int, help="shorthand for --schedule chunks:N")
+    ap.add_argument("--budget", type=float, help="shorthand for --schedule budget:MS")
+    ap.add_argument("--live", choices=LIVE_MODES, default=d.live,
+                    help="what learns live: the decoder (encoder frozen) or the whole network")
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--checkpoint",
+                    help="safetensors to start from (e.g. assets/depthnet64.safetensors)")
+    ap.add_argument("--fresh-decoder", action="store_true",
+                    help="with --checkpoint: load only its encoder; the decoder starts fresh")
+    ap.add_argument("--save", help="write a safetensors checkpoint at the end")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--out", default=d.out, help="output folder")
+    ap.add_argument("--max-pending", type=int, default=d.max_pending,
+                    help="training samples that may wait for the trainer (older are dropped)")
+    ap.add_argument("--camera", choices=("orbit", "random"), default=d.camera)
+    ap.add_argument("--margin-ms", type=float, default=d.margin_ms)
+    ap.add_argument("--compare", action="store_true",
+                    help="headless: also run 1/2/4 chunks, budget and slack, training alone")
+    ap.add_argument("--compare-frames", type=int, default=d.compare_frames)
+    ap.add_argument("--no-eval", dest="evaluate", action="store_false",
+                    help="skip the held-out depth error at the start and the end")
+    ap.add_argument("--xr-size", type=int, default=d.xr_size,
+                    help="XR swapchain images' size per eye (capped by the runtime's maximum)")
+    ap.add_argument("--window-scale", type=int, default=d.window_scale,
+                    help="window: pixels per model pixel")
+    ap.add_argument("--screenshot", help="window: save a screenshot of the X screen (PNG) "
+                    "after the last frame")
+    a = ap.parse_args(argv)
+    schedule = a.schedule
+    if a.chunks is not None:
+        schedule = f"chunks:{a.chunks}"
+    if a.budget is not None:
+        schedule = f"budget:{a.budget}"
+    return Options(mode=a.mode or "headless", resolution=a.resolution, frames=a.frames,
+                   hz=a.hz, train_every=a.train_every, infer_every=a.infer_every,
+                   schedule=schedule, live=a.live, lr=a.lr, checkpoint=a.checkpoint,
+                   fresh_decoder=a.fresh_decoder, save=a.save, seed=a.seed, out=a.out,
+                   max_pending=a.max_pending, camera=a.camera, margin_ms=a.margin_ms,
+                   compare=a.compare, compare_frames=a.compare_frames, evaluate=a.evaluate,
+                   xr_size=a.xr_size, window_scale=a.window_scale,
+                   screenshot=a.screenshot)
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse(argv)
+    if opts.mode == "headless":
+        from xr_demo import headless
+
+        headless.run(opts)
+    elif opts.mode == "window":
+        from xr_demo import window
+
+        window.run(opts)
+    else:
+        from xr_demo import xr_mode
+
+        xr_mode.run(opts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,530 @@
+"""The demo's core, shared by the three modes: the depth network's two vkml sessions on the
+host's device and queue, the live-learning loop around the host's frames, and its metrics.
+
+Per frame, a mode calls, in this order:
+  begin_frame(n)      harvest finished model work (prediction, loss, parameters), start new steps
+  ... the host records and submits its render (under host.queue_lock) ...
+  fill(n)             the model's pieces that fit this frame's slack go to the same queue
+  ... the host waits for its frame, presents ...
+  end_frame(n, ...)   the frame's image and true depth (read back by the renderer) become the
+                      next inference input and, every `train_every` frames, a training sample
+
+Two sessions: a training session (MSE, Adam; decoder only or the whole network) and an
+inference session (forward only) that draws the prediction. After each training step the
+trained parameters are copied into the inference session (`read` / `set_param`): vkml has no
+way yet for two sessions to share parameter memory, nor to run a training session's forward
+pass in pieces while its step is in progress (see the report in README's demo section).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import vulkan as vk
+from safetensors.numpy import load_file
+
+import vkml
+from xr_demo import model as net
+from xr_demo.renderer import SceneRenderer
+from xr_demo.scene import FAR, desktop_camera
+from xr_demo.schedule import Job, Policy, Scheduler
+from xr_demo.vkhost import VulkanHost
+
+ORBIT_FRAMES = 2880  # one turn of the camera rig (40 s at 72 Hz)
+EVAL_FRAMES = (101, 917, 1733, 2549)  # fixed views for the held-out depth error
+
+
+@dataclass
+class Options:
+    mode: str = "headless"
+    resolution: int = 64
+    frames: int = 900
+    hz: float = 72.0  # the frame rate the loop is paced at (0: as fast as it goes)
+    train_every: int = 1  # a training sample every N frames (0: no training)
+    infer_every: int = 6  # an inference on the latest frame every k frames (0: none)
+    schedule: str = "slack"  # slack[:fraction] | chunks:N | budget:MS
+    live: str = "decoder"  # what learns live: the decoder (encoder frozen) or all
+    lr: float = 2e-3
+    checkpoint: str | None = None  # safetensors to start from
+    fresh_decoder: bool = False  # with a checkpoint: keep its encoder only
+    save: str | None = None  # safetensors written at the end (session.save)
+    seed: int = 0
+    out: str = "out/xr_demo"
+    max_pending: int = 1  # training samples waiting for the trainer (older ones are dropped)
+    camera: str = "orbit"  # orbit (the moving camera) | random (views from all of the orbit)
+    margin_ms: float = 1.0  # the frame's time kept free of model work
+    compare: bool = False  # headless: also 1/2/4 chunks, budget and slack, training alone
+    compare_frames: int = 72
+    evaluate: bool = True  # held-out depth error at the start and the end
+    xr_size: int = 256  # XR: swapchain image size per eye
+    window_scale: int = 4  # window: screen pixels per model pixel
+    screenshot: str | None = None  # window: grab the X screen into this PNG before closing
+
+
+@dataclass
+class FrameStat:
+    frame: int
+    t: float  # seconds since the loop started
+    frame_ms: float  # render submit -> its fence, host clock
+    render_gpu_ms: float | None
+    pieces: int
+    model_cost_ms: float  # the submitted pieces' profiled GPU time
+    model_gpu_ms: float | None  # timestamps around the model's submissions, where plausible
+    skipped: int  # frame slots the loop fell behind by
+
+
+@dataclass
+class Prediction:
+    frame: int  # the frame whose image it saw
+    t: float
+    train_steps: int  # training steps finished when its parameters were copied
+    image: np.ndarray  # (R, R, 3) uint8
+    true_depth: np.ndarray  # metres
+    depth: np.ndarray  # metres
+    abs_rel: float
+
+
+@dataclass
+class RunLog:
+    frames: list[FrameStat] = field(default_factory=list)
+    predictions: list[Prediction] = field(default_factory=list)
+    losses: list[tuple[int, int, float]] = field(default_factory=list)  # step, frame, loss
+    dropped_samples: int = 0
+    eval_start: float | None = None
+    eval_end: float | None = None
+
+
+def to_input(rgb: np.ndarray) -> np.ndarray:
+    """(H, W, 3) uint8 -> (1, 3, H, W) float32, centred."""
+    return ((rgb.astype(np.float32) / 255.0 - 0.5) / 0.25).transpose(2, 0, 1)[None].copy()
+
+
+def to_target(depth_m: np.ndarray) -> np.ndarray:
+    return np.clip(depth_m / FAR, 0.0, 1.0).astype(np.float32)[None, None]
+
+
+def abs_rel(pred_m: np.ndarray, true_m: np.ndarray) -> float:
+    """Mean absolute relative depth error over all pixels (the usual AbsRel)."""
+    return float(np.mean(np.abs(pred_m - true_m) / np.maximum(true_m, 1e-3)))
+
+
+def camera_frame(opts: Options, n: int) -> int:
+    """Which frame of the camera path loop frame n shows."""
+    if opts.camera == "random":
+        return int(np.random.default_rng((opts.seed, n)).integers(ORBIT_FRAMES))
+    return n
+
+
+def pct(values: list[float], p: float) -> float | None:
+    v = sorted(x for x in values if x is not None and math.isfinite(x))
+    if not v:
+        return None
+    return round(v[min(len(v) - 1, int(p / 100 * len(v)))], 3)
+
+
+class ModelTimer:
+    """GPU time of the model's work in a frame, from timestamps the host submits around its
+    pieces: a window before the frame's render (continuing steps) and one after it (new
+    steps), two stamps each (a tiny command buffer per stamp, recorded once; a BOTTOM_OF_PIPE
+    stamp is written once everything submitted before it has finished). Read a frame or more
+    later, when the fence after the frame's last stamp has signalled; None when not available
+    or implausible."""
+
+    WINDOWS = 2
+
+    def __init__(self, host: VulkanHost) -> None:
+        self.host = host
+        d = host.device
+        n = 2 * self.WINDOWS
+        self.pool = vk.vkCreateQueryPool(d, vk.VkQueryPoolCreateInfo(
+            sType=vk.VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
+            queryType=vk.VK_QUERY_TYPE_TIMESTAMP, queryCount=n), None)
+        self.cbs = host.command_buffers(n)
+        for i, cb in enumerate(self.cbs):
+            vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
+                sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
+            vk.vkCmdResetQueryPool(cb, self.pool, i, 1)
+            vk.vkCmdWriteTimestamp(cb, vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, self.pool, i)
+            vk.vkEndCommandBuffer(cb)
+        self.fence = host.fence(signaled=True)
+        self._pending = False  # a frame's stamps are in flight
+        self._used: list[int] = []  # windows stamped this frame
+        self._stamps = vk.ffi.new(f"uint64_t[{n}]")
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.host.timestamp_bits) and self.host.timestamp_period > 0
+
+    def new_frame(self) -> bool:
+        """Whether this frame can be timed (the previous frame's stamps were read)."""
+        if not self.usable or self._pending:
+            return False
+        self._used = []
+        return True
+
+    def open(self, window: int) -> None:
+        if not self._used:  # the frame's first stamp: the fence will go with its last
+            vk.vkResetFences(self.host.device, 1, [self.fence])
+        self.host.submit(self.cbs[2 * window])
+
+    def close_window(self, window: int, last: bool) -> None:
+        self.host.submit(self.cbs[2 * window + 1], self.fence if last else None)
+        self._used.append(window)
+        self._pending = self._pending or last
+
+    def read(self) -> float | None:
+        """The timed frame's model GPU ms, if its fence has signalled (non-blocking)."""
+        if not self._pending:
+            return None
+        if vk.lib.vkGetFenceStatus(self.host.device, self.fence) != vk.VK_SUCCESS:
+            return None
+        self._pending = False
+        ticks = 0
+        for w in self._used:  # only the windows stamped (the others were never reset)
+            result = vk.lib.vkGetQueryPoolResults(self.host.device, self.pool, 2 * w, 2, 16,
+                                                  self._stamps, 8, vk.VK_QUERY_RESULT_64_BIT)
+            if result != vk.VK_SUCCESS:
+                return None
+            ticks += self._stamps[1] - self._stamps[0]
+        ms = ticks * self.host.timestamp_period / 1e6
+        return ms if 0 <= ms < 10_000 else None
+
+    def close(self) -> None:
+        if self._pending:
+            vk.vkWaitForFences(self.host.device, 1, [self.fence], vk.VK_TRUE, 60 * 10**9)
+        vk.vkDestroyFence(self.host.device, self.fence, None)
+        vk.vkFreeCommandBuffers(self.host.device, self.host.pool, len(self.cbs), self.cbs)
+        vk.vkDestroyQueryPool(self.host.device, self.pool, None)
+
+
+class Demo:
+    """The model side of the demo, living in the host's frame loop."""
+
+    def __init__(self, host: VulkanHost, opts: Options, renderer: SceneRenderer,
+                 log: Callable[[str], None] = print) -> None:
+        self.host, self.opts, self.renderer, self.log = host, opts, renderer, log
+        self.cfg = net.config_for(opts.resolution)
+        if renderer.width != opts.resolution or renderer.height != opts.resolution:
+            raise ValueError("the model's renderer must draw at the model's resolution")
+        self.device = host.vkml_device()
+        t0 = time.perf_counter()
+        self.infer = vkml.compile(net.build(self.cfg, train=False, seed=opts.seed).graph,
+                                  device=self.device)
+        self.train: vkml.Session | None = None
+        if opts.train_every > 0:
+            b = net.build(self.cfg, train=True, live=opts.live, seed=opts.seed)
+            self.train = vkml.compile(b.graph, loss=b.loss, optimizer=vkml.Adam(lr=opts.lr),
+                                      device=self.device)
+        self.compile_s = time.perf_counter() - t0
+        # What the trainer changes, copied into the inference session after each step.
+        self.synced = [n for n in self.infer.plan.params
+                       if opts.live == "all" or n.startswith("decoder.")]
+        if opts.checkpoint:
+            self._load(opts.checkpoint, opts.fresh_decoder)
+        self.run = RunLog()
+        self.samples: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
+        self.latest: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._infer_input: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._infer_harvested = True
+        self._train_harvested = True
+        self._train_steps_done = 0
+        self._params_fresh = True  # the inference session has the trainer's parameters
+        self._sync_cb = host.command_buffers(1)[0]
+        self._sync_fence = host.fence()
+        self.timer = ModelTimer(host)
+        self.jobs: list[Job] = []
+        self.scheduler = Scheduler([])
+        self.slack_ms = 0.0
+        self.render_ms = 0.0
+        self._t0 = time.perf_counter()
+        self._frame_use: Any = None
+        self._timed = False
+        self._query_reads_wait_for_queue = host.device_name.startswith("llvmpipe")
+        self.period_ms = 0.0
+        self._last_slot = 0
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _load(self, path: str, fresh_decoder: bool) -> None:
+        if fresh_decoder:
+            # The encoder only (as DinoVision's frozen backbone); the decoder keeps its fresh
+            # initialisation and learns live.
+            tensors = load_file(path)
+            enc = {k: v for k, v in tensors.items() if k.startswith("encoder.")}
+            if not enc:
+                raise ValueError(f"{path} has no encoder.* tensors")
+            for s in filter(None, (self.infer, self.train)):
+                for k, v in enc.items():
+                    s.set_param(k, v)
+            self.log(f"loaded the encoder ({len(enc)} tensors) from {path}; fresh decoder")
+            return
+        self.infer.load(path)
+        if self.train is not None:
+            self.train.load(path)
+        self.log(f"loaded {path}")
+
+    def save(self, path: str) -> None:
+        session = self.train if self.train is not None else self.infer
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        session.save(path)
+        self.log(f"wrote checkpoint {path} ({os.path.getsize(path) / 1e6:.2f} MB)")
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def render_now(self, frame: int) -> tuple[np.ndarray, np.ndarray]:
+        """Render a camera frame synchronously (outside the frame loop: evaluation, warm-up)."""
+        cb = self._sync_cb
+        vk.vkResetCommandBuffer(cb, 0)
+        vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
+        self.renderer.record(cb, desktop_camera(frame), frame / 72.0, timestamps=False)
+        vk.vkEndCommandBuffer(cb)
+        self.host.submit(cb, self._sync_fence)
+        self.host.wait_fence(self._sync_fence)
+        return self.renderer.read()
+
+    def predict_now(self, rgb: np.ndarray) -> np.ndarray:
+        self.infer.set_input("image", to_input(rgb))
+        self.infer.step()
+        return self.infer.read("depth")[0, 0] * FAR
+
+    def evaluate(self) -> float:
+        """AbsRel over the fixed evaluation views (blocking)."""
+        errors = []
+        for f in EVAL_FRAMES:
+            rgb, depth = self.render_now(f)
+            errors.append(abs_rel(self.predict_now(rgb), depth))
+        return float(np.mean(errors))
+
+    def prepare(self, period_ms: float, render_ms: float) -> dict[str, Any]:
+        """Measure each session's dispatches (profile) and build the jobs for a frame of
+        `period_ms` whose render takes `render_ms` (measured by the mode)."""
+        info: dict[str, Any] = {}
+        rgb, depth = self.render_now(0)
+        self.infer.set_input("image", to_input(rgb))
+        sessions = [("infer", self.infer)]
+        if self.train is not None:
+            self.train.set_input("image", to_input(rgb))
+            self.train.set_input("target", to_target(depth))
+            sessions.append(("train", self.train))
+        profiles = {}
+        for name, s in sessions:
+            # profile() runs real steps; a training session's state is put back afterwards
+            # so that the run does not depend on them.
+            backup = None
+            if s is self.train:
+                fd, backup = tempfile.mkstemp(suffix=".safetensors")
+                os.close(fd)
+                s.save(backup)
+            try:
+                s.step()
+                s.wait()
+                t0 = time.perf_counter()
+                s.step()
+                s.wait()
+                wall = (time.perf_counter() - t0) * 1e3
+                prof = s.profile(steps=2)
+            finally:
+                if backup is not None:
+                    s.load(backup)
+                    os.unlink(backup)
+            profiles[name] = prof
+            info[name] = {"dispatches": len(s.plan.dispatches),
+                          "levels": len({d.level for d in s.plan.dispatches}),
+                          "step_wall_ms": round(wall, 3),
+                          "step_gpu_ms": round(sum(prof.dispatch_ms), 3),
+                          "timing": prof.source + (f" ({prof.note})" if prof.note else "")}
+        self.render_ms = render_ms
+        self.period_ms = period_ms
+        self.slack_ms = max(0.0, period_ms - render_ms - self.opts.margin_ms) if period_ms else \
+            float("inf")
+        policy = Policy.parse(self.opts.schedule)
+        granule_base = self.slack_ms if math.isfinite(self.slack_ms) else 1e9
+        self.jobs = []
+        if self.opts.infer_every > 0:
+            self.jobs.append(Job("infer", self.infer, self.host,
+                                 policy if policy.kind == "slack" else Policy("chunks", 1),
+                                 profiles["infer"].dispatch_ms, granule_base))
+        if self.train is not None:
+            self.jobs.append(Job("train", self.train, self.host, policy,
+                                 profiles["train"].dispatch_ms, granule_base))
+        self.scheduler = Scheduler(self.jobs)
+        for job in self.jobs:
+            info[job.name]["pieces"] = len(job.costs)
+            info[job.name]["piece_ms_max"] = round(max(job.costs), 3)
+            info[job.name]["policy"] = str(job.policy)
+        info["slack_ms"] = round(self.slack_ms, 3) if math.isfinite(self.slack_ms) else None
+        info["render_ms"] = round(render_ms, 3)
+        self._t0 = time.perf_counter()
+        return info
+
+    def job(self, name: str) -> Job | None:
+        return next((j for j in self.jobs if j.name == name), None)
+
+    # ---- the frame loop -----------------------------------------------------------------------
+    def queries_readable(self) -> bool:
+        """Whether reading timestamp queries now would not stall the frame loop. Mesa's
+        lavapipe (22.3) waits in vkGetQueryPoolResults for its whole queue to go idle
+        (measured: 100-150 ms behind a training step), so there they are read only when
+        vkml's work has drained; other drivers return at once."""
+        return not self._query_reads_wait_for_queue or self._drained()
+
+
+    def _drained(self) -> bool:
+        """All of vkml's submitted work has finished (reads would not block)."""
+        semaphore, last = self.infer.done()
+        return self.host.timeline_value(semaphore) >= last
+
+    def begin_frame(self, n: int, force: bool = False, start_inference: bool = True) -> None:
+        """Harvest finished model work and start new steps (before the frame's render).
+        `force`: harvest even if other model work is still queued (the read then waits)."""
+        infer, train = self.job("infer"), self.job("train")
+        drained = force or self._drained()
+        # A read waits for ALL of vkml's submitted work (device-wide), so results are picked
+        # up when the queue has drained of model work: normally at the next frame.
+        if infer is not None and not self._infer_harvested and not infer.busy and drained:
+            self._harvest_prediction()
+        if train is not None and not self._train_harvested and not train.busy and drained:
+            loss = float(self.train.read("loss"))  # type: ignore[union-attr]
+            self._train_steps_done += 1
+            self.run.losses.append((self._train_steps_done, n, loss))
+            self._train_harvested = True
+            self._params_fresh = False
+        if not self._params_fresh and (infer is None or not infer.busy) and \
+                self._infer_harvested:
+            for name in self.synced:
+                self.infer.set_param(name, self.train.read(name))  # type: ignore[union-attr]
+            self._params_fresh = True
+        if infer is not None and start_inference and n % self.opts.infer_every == 0 and \
+                self._infer_harvested and not infer.busy and self.latest is not None:
+            self._infer_input = self.latest
+            self.infer.set_input("image", to_input(self.latest[1]))
+            self._infer_harvested = False
+            infer.begin(n)
+        if train is not None and self._train_harvested and self._params_fresh and \
+                not train.busy and self.samples:
+            _, rgb, depth = self.samples.popleft()
+            self.train.set_input("image", to_input(rgb))  # type: ignore[union-attr]
+            self.train.set_input("target", to_target(depth))  # type: ignore[union-attr]
+            self._train_harvested = False
+            train.begin(n)
+
+    def _harvest_prediction(self) -> None:
+        assert self._infer_input is not None
+        frame, rgb, depth = self._infer_input
+        pred = self.infer.read("depth")[0, 0] * FAR
+        self.run.predictions.append(Prediction(
+            frame, time.perf_counter() - self._t0, self._train_steps_done, rgb, depth, pred,
+            abs_rel(pred, depth)))
+        self._infer_harvested = True
+
+    def fill_before_render(self, n: int) -> None:
+        """Before the frame's render is submitted: pieces of steps begun in an earlier frame,
+        so that they run right after that frame's pieces, contiguous on the GPU (a step split
+        across the frame boundary finishes as soon as it would have whole)."""
+        self._timed = self.timer.new_frame()
+        self._frame_use = self.scheduler.new_frame()
+        if self._timed and self.scheduler.wants("before"):
+            self.timer.open(0)
+            self.scheduler.fill(n, self.slack_ms, "before")
+            self.timer.close_window(0, last=False)
+
+    def fill(self, n: int) -> None:
+        """After the frame's render is submitted: new steps' pieces, in what is left of the
+        frame's slack."""
+        if self._frame_use is None:
+            self._frame_use = self.scheduler.new_frame()
+            self._timed = self.timer.new_frame()
+        if not self._timed:
+            self.scheduler.fill(n, self.slack_ms, "after")
+            return
+        if self.scheduler.wants("after"):
+            self.timer.open(1)
+            self.scheduler.fill(n, self.slack_ms, "after")
+            self.timer.close_window(1, last=True)
+        elif self.timer._used:  # only the window before the render: an empty pair after it
+            self.timer.open(1)  # (about 0 ms) carries the frame's fence
+            self.timer.close_window(1, last=True)
+
+    def end_frame(self, n: int, rgb: np.ndarray, depth: np.ndarray, frame_ms: float,
+                  render_gpu_ms: float | None, skipped: int = 0) -> None:
+        """After the frame's fence: its image becomes the latest input and maybe a sample."""
+        self.latest = (n, rgb, depth)
+        if self.train is not None and n % self.opts.train_every == 0:
+            self.samples.append((n, rgb, depth))
+            while len(self.samples) > self.opts.max_pending:
+                self.samples.popleft()
+                self.run.dropped_samples += 1
+        use = self._frame_use
+        model_ms = self.timer.read() if self.queries_readable() else None
+        self.scheduler.observe(frame_ms, self.period_ms, self.opts.margin_ms)
+        self.run.frames.append(FrameStat(
+            n, time.perf_counter() - self._t0, frame_ms, render_gpu_ms,
+            use.pieces if use else 0, use.cost_ms if use else 0.0, model_ms, skipped))
+        self._frame_use = None
+
+    def finish(self) -> None:
+        """After the last frame: train on the samples still waiting, harvest everything."""
+        n = self.run.frames[-1].frame + 1 if self.run.frames else 0
+        while True:
+            for job in self.jobs:
+                job.finish()
+            self.begin_frame(n, force=True, start_inference=False)
+            if not any(j.pieces_left for j in self.jobs) and not self.samples and \
+                    self._train_harvested and self._infer_harvested and self._params_fresh:
+                break
+            n += 1
+
+    # ---- results ----------------------------------------------------------------------------
+    def metrics(self, period_ms: float) -> dict[str, Any]:
+        frames = self.run.frames
+        ft = [f.frame_ms for f in frames]
+        result: dict[str, Any] = {
+            "frames": len(frames),
+            "frame_ms_p50": pct(ft, 50), "frame_ms_p99": pct(ft, 99),
+            "missed_frames_72hz": sum(f > 1000 / 72 for f in ft),
+            "missed_frames_90hz": sum(f > 1000 / 90 for f in ft),
+            # frame slots the paced loop fell behind by (its host work or a blocking call was
+            # late): a missed frame too, which the frame time above does not see
+            "skipped_slots": sum(f.skipped for f in frames),
+            "render_gpu_ms_p50": pct([f.render_gpu_ms for f in frames], 50),
+            "model_pieces_per_frame_mean": round(statistics.mean(
+                [f.pieces for f in frames]), 3) if frames else None,
+            "model_cost_ms_per_frame_p50": pct([f.model_cost_ms for f in frames
+                                                if f.pieces], 50),
+            "model_gpu_ms_per_frame_p50": pct([f.model_gpu_ms for f in frames
+                                               if f.model_gpu_ms is not None], 50),
+            "model_gpu_ms_frames_timed": sum(f.model_gpu_ms is not None for f in frames),
+            "dropped_samples": self.run.dropped_samples,
+            "cost_scale_final": round(self.scheduler.scale, 3),
+            "cost_scale_max": round(self.scheduler.scale_max, 3),
+        }
+        for job in self.jobs:
+            lat = job.latencies()
+            result[f"{job.name}_steps"] = len(lat)
+            result[f"{job.name}_latency_ms_p50"] = pct(lat, 50)
+            result[f"{job.name}_latency_ms_p99"] = pct(lat, 99)
+            if period_ms:
+                p50 = pct(lat, 50)
+                result[f"{job.name}_latency_frames_p50"] = (round(p50 / period_ms, 2)
+                                                            if p50 is not None else None)
+            frames_spanned = [r.frames for r in job.records]
+            result[f"{job.name}_frames_per_step_p50"] = pct(frames_spanned, 50)
+        return result
+
+    def close(self) -> None:
+        for job in self.jobs:
+            job.finish()
+        self.timer.close()
+        vk.vkDestroyFence(self.host.device, self._sync_fence, None)
+        vk.vkFreeCommandBuffers(self.host.device, self.host.pool, 1, [self._sync_cb])
+        for s in filter(None, (self.train, self.infer)):
+            s.close()
+        self.device.close()

@@ -1,0 +1,27 @@
+"""Depth pictures: the Turbo colour map (Google's polynomial fit, public domain), near = warm."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xr_demo.scene import FAR
+
+_R = (0.13572138, 4.61539260, -42.66032258, 132.13108234, -152.94239396, 59.28637943)
+_G = (0.09140261, 2.19418839, 4.84296658, -14.18503333, 4.27729857, 2.82956604)
+_B = (0.10667330, 12.64194608, -60.58204836, 110.36276771, -89.90310912, 27.34824973)
+
+
+def turbo(x: np.ndarray) -> np.ndarray:
+    """Values in [0, 1] -> (..., 3) uint8."""
+    x = np.clip(np.asarray(x, np.float64), 0.0, 1.0)
+    powers = np.stack([x ** k for k in range(6)], -1)
+    rgb = np.stack([powers @ np.asarray(c) for c in (_R, _G, _B)], -1)
+    return (np.clip(rgb, 0.0, 1.0) * 255 + 0.5).astype(np.uint8)
+
+
+def depth_picture(depth_m: np.ndarray) -> np.ndarray:
+    """Metres (H, W) -> (H, W, 3) uint8. Inverse depth spreads the near range where the
+    detail is; the background (FAR) is dark blue."""
+    near = 1.5
+    inv = (1.0 / np.clip(depth_m, near, FAR) - 1.0 / FAR) / (1.0 / near - 1.0 / FAR)
+    return turbo(inv)

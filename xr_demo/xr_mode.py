@@ -1,0 +1,315 @@
+"""XR mode: OpenXR through pyopenxr with XR_KHR_vulkan_enable2. The runtime dictates the Vulkan
+instance, physical device and device (created through xrCreateVulkanInstanceKHR /
+xrCreateVulkanDeviceKHR from the host's own create infos, so the same features are on); vkml
+adopts that device and queue with Device.from_vulkan. Two eyes, one swapchain each; the left
+eye's view is the model's input, and its prediction is drawn into the left eye's lower right.
+xrWaitFrame paces everything: the model's pieces fill the slack of the runtime's frame period.
+
+xrBeginFrame, xrEndFrame and swapchain acquire/release may use the app's VkQueue inside the
+runtime, so they are called holding the queue lock, as every vkQueueSubmit is (the host's and
+vkml's)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import vulkan as vk
+import xr
+
+from xr_demo import outputs
+from xr_demo.app import Demo, Options, pct
+from xr_demo.headless import calibrate
+from xr_demo.renderer import Compositor, SceneRenderer
+from xr_demo.scene import Scene, pose_matrix, xr_camera
+from xr_demo.vkhost import (
+    HostError,
+    VulkanHost,
+    device_create_info,
+    instance_create_info,
+    universal_family,
+)
+from xr_demo.window import panel_pixels
+
+ffi = vk.ffi
+# pyopenxr's ctypes stand-ins for the Vulkan structs (VkInstanceCreateInfo, ...) live in its
+# platform module.
+xrp = importlib.import_module(xr.VulkanInstanceCreateInfoKHR.__module__)
+FORMATS = (vk.VK_FORMAT_R8G8B8A8_UNORM, vk.VK_FORMAT_B8G8R8A8_UNORM, vk.VK_FORMAT_R8G8B8A8_SRGB,
+           vk.VK_FORMAT_B8G8R8A8_SRGB)
+
+
+def _address(handle: Any) -> int:
+    return ctypes.cast(handle, ctypes.c_void_p).value or 0
+
+
+def _as_ctypes(cdata: Any, ctype: Any) -> Any:
+    """A cffi struct (or pointer to one) as a ctypes POINTER(ctype) to the same memory."""
+    if ffi.typeof(cdata).kind == "struct":
+        cdata = ffi.addressof(cdata)
+    address = int(ffi.cast("uintptr_t", cdata))
+    return ctypes.cast(ctypes.c_void_p(address), ctypes.POINTER(ctype))
+
+
+class XrSession:
+    """Instance, system, the Vulkan objects the runtime asked for, session, space, swapchains."""
+
+    def __init__(self, size: int, log: Callable[[str], None]) -> None:
+        self.instance = xr.create_instance(xr.InstanceCreateInfo(
+            application_info=xr.ApplicationInfo(
+                application_name="vkml xr_demo", application_version=1, engine_name="vkml",
+                engine_version=1, api_version=xr.Version(1, 0, 0)),
+            enabled_extension_names=[xr.KHR_VULKAN_ENABLE2_EXTENSION_NAME]))
+        props = xr.get_instance_properties(self.instance)
+        self.system = xr.get_system(self.instance, xr.SystemGetInfo(
+            form_factor=xr.FormFactor.HEAD_MOUNTED_DISPLAY))
+        system_name = xr.get_system_properties(self.instance, self.system).system_name.decode()
+        self.runtime = f"{props.runtime_name.decode()} ({system_name})"
+        log(f"OpenXR runtime: {self.runtime}")
+        # The runtime's Vulkan requirements must be queried before creating the device.
+        pfn = ctypes.cast(xr.get_instance_proc_addr(
+            self.instance, "xrGetVulkanGraphicsRequirements2KHR"),
+            xr.PFN_xrGetVulkanGraphicsRequirements2KHR)
+        reqs = xr.GraphicsRequirementsVulkan2KHR()
+        result = xr.check_result(pfn(self.instance, self.system, ctypes.byref(reqs)))
+        if result.is_exception():
+            raise result
+        libvulkan = ctypes.CDLL("libvulkan.so.1")
+        gipa = ctypes.cast(libvulkan.vkGetInstanceProcAddr, xrp.PFN_vkGetInstanceProcAddr)
+        ici = instance_create_info()
+        vk_instance, res = xr.create_vulkan_instance_khr(self.instance,
+                                                         xr.VulkanInstanceCreateInfoKHR(
+            system_id=self.system, pfn_get_instance_proc_addr=gipa,
+            vulkan_create_info=_as_ctypes(ici.info, xrp.VkInstanceCreateInfo)))
+        if res.value != 0:
+            raise HostError(f"xrCreateVulkanInstanceKHR: VkResult {res.value}")
+        self.vk_instance_ct = vk_instance
+        instance = ffi.cast("VkInstance", _address(vk_instance))
+        physical_ct = xr.get_vulkan_graphics_device2_khr(self.instance,
+                                                         xr.VulkanGraphicsDeviceGetInfoKHR(
+            system_id=self.system, vulkan_instance=vk_instance))
+        physical = ffi.cast("VkPhysicalDevice", _address(physical_ct))
+        family = universal_family(physical)
+        if family is None:
+            raise HostError("the runtime's GPU has no graphics + compute queue family")
+        dci = device_create_info(physical, family, for_openxr=True)
+        device_ct, res = xr.create_vulkan_device_khr(self.instance, xr.VulkanDeviceCreateInfoKHR(
+            system_id=self.system, pfn_get_instance_proc_addr=gipa,
+            vulkan_physical_device=physical_ct,
+            vulkan_create_info=_as_ctypes(dci.info, xrp.VkDeviceCreateInfo)))
+        if res.value != 0:
+            raise HostError(f"xrCreateVulkanDeviceKHR: VkResult {res.value}")
+        device = ffi.cast("VkDevice", _address(device_ct))
+        self.host = VulkanHost.adopt(instance, physical, device, family, dci.features,
+                                     dci.extensions)
+        binding = xr.GraphicsBindingVulkan2KHR(
+            instance=vk_instance, physical_device=physical_ct, device=device_ct,
+            queue_family_index=family, queue_index=0)
+        self.session = xr.create_session(self.instance, xr.SessionCreateInfo(
+            system_id=self.system, next=ctypes.cast(ctypes.pointer(binding), ctypes.c_void_p)))
+        self.space = xr.create_reference_space(self.session, xr.ReferenceSpaceCreateInfo(
+            reference_space_type=xr.ReferenceSpaceType.LOCAL))
+        available = list(xr.enumerate_swapchain_formats(self.session))
+        self.format = next((f for f in FORMATS if f in available), None)
+        if self.format is None:
+            raise HostError(f"no 8-bit RGBA swapchain format among {available}")
+        views = xr.enumerate_view_configuration_views(self.instance, self.system,
+                                                      xr.ViewConfigurationType.PRIMARY_STEREO)
+        self.eyes = []
+        for v in views:
+            w = min(size, v.max_image_rect_width)
+            h = min(size, v.max_image_rect_height)
+            chain = xr.create_swapchain(self.session, xr.SwapchainCreateInfo(
+                usage_flags=xr.SwapchainUsageFlags.COLOR_ATTACHMENT_BIT
+                | xr.SwapchainUsageFlags.TRANSFER_DST_BIT,
+                format=self.format, sample_count=1, width=w, height=h, face_count=1,
+                array_size=1, mip_count=1))
+            images = [ffi.cast("VkImage", _address(i.image)) for i in
+                      xr.enumerate_swapchain_images(chain, xr.SwapchainImageVulkan2KHR)]
+            self.eyes.append((chain, w, h, images))
+        self.states: list[str] = []
+        self.running = False
+        self.exiting = False
+
+    def poll(self) -> None:
+        """Drain the event queue: begin the session when READY, end it when STOPPING."""
+        while True:
+            try:
+                event = xr.poll_event(self.instance)
+            except xr.EventUnavailable:
+                return
+            if event.type != xr.StructureType.EVENT_DATA_SESSION_STATE_CHANGED:
+                continue
+            changed = ctypes.cast(ctypes.byref(event),
+                                  ctypes.POINTER(xr.EventDataSessionStateChanged)).contents
+            state = xr.SessionState(changed.state)
+            self.states.append(state.name)
+            if state == xr.SessionState.READY:
+                xr.begin_session(self.session, xr.SessionBeginInfo(
+                    primary_view_configuration_type=xr.ViewConfigurationType.PRIMARY_STEREO))
+                self.running = True
+            elif state == xr.SessionState.STOPPING:
+                xr.end_session(self.session)
+                self.running = False
+            elif state in (xr.SessionState.EXITING, xr.SessionState.LOSS_PENDING):
+                self.running = False
+                self.exiting = True
+
+    def close(self) -> None:
+        for chain, *_ in self.eyes:
+            xr.destroy_swapchain(chain)
+        xr.destroy_space(self.space)
+        xr.destroy_session(self.session)
+        self.host.close()  # the device and instance the runtime made for us
+        xr.destroy_instance(self.instance)
+
+
+def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
+    r = opts.resolution
+    xs = XrSession(opts.xr_size, log)
+    host = xs.host
+    renderers: list[SceneRenderer] = []
+    compositor = demo = None
+    try:
+        scene = Scene.build(opts.seed)
+        renderers = [SceneRenderer(host, r, r, scene) for _ in xs.eyes]
+        compositor = Compositor(host, 2 * r, r)
+        compositor.check_format(xs.format)
+        demo = Demo(host, opts, renderers[0], log)
+        log(f"device: {host.device_name}; eyes {[(w, h) for _, w, h, _ in xs.eyes]}, "
+            f"format {xs.format}")
+        render_ms, render_source, _ = calibrate(host, renderers[0])
+        render_ms *= len(xs.eyes)
+        cb = host.command_buffers(1)[0]
+        fence = host.fence()
+        intervals: list[float] = []
+        frames_rendered = 0
+        prepared = False
+        info: dict[str, Any] = {}
+        t_last = None
+        n = 0
+        deadline = time.perf_counter() + 120.0
+        try:
+            while frames_rendered < opts.frames and not xs.exiting:
+                if time.perf_counter() > deadline:
+                    raise HostError(f"the XR session did not render {opts.frames} frames in "
+                                    f"120 s (states {xs.states})")
+                xs.poll()
+                if not xs.running:
+                    time.sleep(0.01)
+                    continue
+                state = xr.wait_frame(xs.session)  # the runtime's pacing
+                now = time.perf_counter()
+                if t_last is not None:
+                    intervals.append((now - t_last) * 1e3)
+                t_last = now
+                if not prepared:
+                    # The frame period is the runtime's; the render's time was measured
+                    # before the session's frames (two eyes), the slack follows from both.
+                    period_ms = state.predicted_display_period / 1e6
+                    info = demo.prepare(period_ms, render_ms)
+                    info["period_ms"] = round(period_ms, 3)
+                    info["render_timing"] = render_source
+                    prepared = True
+                with host.queue_lock:
+                    xr.begin_frame(xs.session)
+                layers = []
+                if state.should_render:
+                    _, views = xr.locate_views(xs.session, xr.ViewLocateInfo(
+                        view_configuration_type=xr.ViewConfigurationType.PRIMARY_STEREO,
+                        display_time=state.predicted_display_time, space=xs.space))
+                    demo.begin_frame(n)
+                    compositor.set_panel(panel_pixels(demo, r))
+                    head = np.mean([[v.pose.position.x, v.pose.position.y, v.pose.position.z]
+                                    for v in views], 0)
+                    indices = []
+                    for chain, *_ in xs.eyes:
+                        with host.queue_lock:
+                            indices.append(xr.acquire_swapchain_image(
+                                chain, xr.SwapchainImageAcquireInfo()))
+                        xr.wait_swapchain_image(chain, xr.SwapchainImageWaitInfo(
+                            timeout=xr.INFINITE_DURATION))
+                    vk.vkResetCommandBuffer(cb, 0)
+                    vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
+                        sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
+                    projection_views = []
+                    for e, ((chain, w, h, images), view, rend) in enumerate(
+                            zip(xs.eyes, views, renderers)):
+                        p, o = view.pose.position, view.pose.orientation
+                        pose = pose_matrix(np.array([p.x, p.y, p.z]) - head, (o.x, o.y, o.z, o.w))
+                        fov = (view.fov.angle_left, view.fov.angle_right, view.fov.angle_up,
+                               view.fov.angle_down)
+                        rend.record(cb, xr_camera(n, pose, fov), n / 72.0, readback=e == 0,
+                                    timestamps=e == 0)
+                        placements = [(rend.color, (0, 0, w, h))]
+                        if e == 0:  # the prediction panel in the left eye's lower right
+                            placements.append((compositor.panel, (w // 2, h - w // 4, w, h)))
+                        compositor.record(cb, placements, images[indices[e]],
+                                          vk.VK_IMAGE_LAYOUT_UNDEFINED,
+                                          vk.VK_IMAGE_LAYOUT_COLOR_ATTACHMENT_OPTIMAL,
+                                          vk.VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, 0)
+                        projection_views.append(xr.CompositionLayerProjectionView(
+                            pose=view.pose, fov=view.fov,
+                            sub_image=xr.SwapchainSubImage(swapchain=chain, image_rect=xr.Rect2Di(
+                                offset=xr.Offset2Di(0, 0), extent=xr.Extent2Di(w, h)))))
+                    vk.vkEndCommandBuffer(cb)
+                    demo.fill_before_render(n)  # continuing steps' pieces, then the eyes
+                    t0 = time.perf_counter()
+                    host.submit(cb, fence)
+                    for chain, *_ in xs.eyes:
+                        with host.queue_lock:
+                            xr.release_swapchain_image(chain, xr.SwapchainImageReleaseInfo())
+                    demo.fill(n)  # the model's pieces after the eyes, on the same queue
+                    host.wait_fence(fence)
+                    frame_ms = (time.perf_counter() - t0) * 1e3
+                    rgb, depth = renderers[0].read()
+                    gpu = renderers[0].gpu_ms() if demo.queries_readable() else None
+                    demo.end_frame(n, rgb, depth, frame_ms, gpu)
+                    layer = xr.CompositionLayerProjection(space=xs.space,
+                                                          views=projection_views)
+                    layers = [ctypes.byref(layer)]
+                    frames_rendered += 1
+                    n += 1
+                with host.queue_lock:
+                    xr.end_frame(xs.session, xr.FrameEndInfo(
+                        display_time=state.predicted_display_time,
+                        environment_blend_mode=xr.EnvironmentBlendMode.OPAQUE, layers=layers))
+        finally:
+            host.idle()
+            vk.vkDestroyFence(host.device, fence, None)
+            vk.vkFreeCommandBuffers(host.device, host.pool, 1, [cb])
+        demo.finish()
+        metrics = {
+            "device": host.device_name, "mode": "xr", "runtime": xs.runtime,
+            "session_states": xs.states, "reached_focused": "FOCUSED" in xs.states,
+            "frames_rendered": frames_rendered, "setup": info,
+            "xr_wait_frame_interval_ms_p50": pct(intervals, 50),
+            "run": demo.metrics(info.get("period_ms", 0.0)),
+            "train_steps_done": len(demo.run.losses),
+            "predictions": len(demo.run.predictions),
+            "validation_messages": list(host.messages),
+            "validating": host.messenger is not None,
+        }
+        os.makedirs(opts.out, exist_ok=True)
+        path = os.path.join(opts.out, "metrics_xr.json")
+        outputs.write_json(path, metrics)
+        log(f"XR: {frames_rendered} frames, states {xs.states}, {len(demo.run.losses)} "
+            f"training steps; metrics {os.path.abspath(path)}")
+        return metrics
+    finally:
+        if demo is not None:
+            demo.close()
+        if compositor is not None:
+            compositor.close()
+        for rend in renderers:
+            rend.close()
+        try:
+            xr.request_exit_session(xs.session)
+        except xr.XrException:
+            pass
+        xs.close()
