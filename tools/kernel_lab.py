@@ -92,7 +92,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--tilings", default="all", help="'all', 'auto' or names like s64x64k16r4x4")
+    parser.add_argument("--tilings", default="all",
+                        help="'all', 'auto' or names like s64x64k16r4x4")
     opts = parser.parse_args()
     device = vkml.Device()
     staged_caps = (dataclasses.replace(device.caps, device_type="discrete")
