@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import vkml  # noqa: E402
 from vkml.compiler.stages import lower  # noqa: E402
-from vkml.kernels import gemm, matmul  # noqa: E402
+from vkml.kernels import conv, gemm, matmul  # noqa: E402
 from vkml.session import Session  # noqa: E402
 
 # (label, a shape, b shape, transpose_a, transpose_b): SmolLM2/SmolVLA projections forward and
@@ -47,6 +46,22 @@ MATMULS = [
     ("whisper qkv fwd", (1500, 384), (384, 384), False, True),
     ("whisper ffn dW", (1500, 1536), (1500, 384), True, False),
 ]
+# (label, x shape, weight shape, stride, padding): ResNet-50 at 4 x 224^2 and the U-Net at
+# 2 x 32^2; each is timed forward and both gradients.
+CONVS = [
+    ("resnet conv1 7x7/2", (4, 3, 224, 224), (64, 3, 7, 7), 2, 3),
+    ("resnet l1 3x3", (4, 64, 56, 56), (64, 64, 3, 3), 1, 1),
+    ("resnet l1 1x1 up", (4, 64, 56, 56), (256, 64, 1, 1), 1, 0),
+    ("resnet l3 3x3", (4, 256, 14, 14), (256, 256, 3, 3), 1, 1),
+    ("resnet l4 1x1 down", (4, 2048, 7, 7), (512, 2048, 1, 1), 1, 0),
+    ("unet 3x3 64", (2, 64, 32, 32), (64, 64, 3, 3), 1, 1),
+    ("unet 3x3 256", (2, 256, 8, 8), (256, 256, 3, 3), 1, 1),
+]
+QUICK_CONVS = [("small 3x3", (2, 3, 9, 7), (5, 3, 3, 3), 1, 1),
+               ("split wgrad", (4, 2, 32, 32), (3, 2, 3, 3), 1, 1)]
+GEMM_OPS = {"matmul": matmul.generate, "fused_matmul": matmul.generate,
+            "conv2d": conv.generate_conv2d, "conv2d_input_grad": conv.generate_conv2d_input_grad,
+            "conv2d_weight_grad": conv.generate_conv2d_weight_grad}
 QUICK = [
     ("edges", (70, 21), (21, 33), False, False),
     ("nt", (130, 200), (70, 200), False, True),
@@ -67,24 +82,60 @@ def matmul_case(device: vkml.Device, a_shape, b_shape, ta: bool, tb: bool, rng):
     return g, a64 @ b64
 
 
-def run(device: vkml.Device, g: vkml.Graph, expected: np.ndarray, tiling, reps: int,
-        caps) -> dict:
-    plan = lower(g, caps).plan
+def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps) -> tuple:
+    """A session of `g` whose GEMM kernels use `tiling` (codegen's choice when None): the
+    session after one step, and per GEMM op the median GPU ms of its dispatch."""
+    plan = lower(g, caps, loss=loss).plan
     if tiling is not None:
-        d = plan.dispatches[0]
-        d = dataclasses.replace(d, kernel=matmul.generate(d.node, caps, tiling))
-        plan = dataclasses.replace(plan, dispatches=[d, *plan.dispatches[1:]])
-    name = plan.dispatches[0].kernel.name
-    t0 = time.perf_counter()
+        plan = dataclasses.replace(plan, dispatches=[
+            dataclasses.replace(d, kernel=GEMM_OPS[d.node.op](d.node, caps, tiling))
+            if d.node is not None and d.node.op in GEMM_OPS else d for d in plan.dispatches])
     session = Session(plan, device)
-    build_s = time.perf_counter() - t0
     session.step()
-    got = session.read("c").astype(np.float64)
-    err = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
     profile = session.profile(steps=reps)
-    ms = sorted(profile.step_ms)[len(profile.step_ms) // 2]
-    session.close()
-    return {"kernel": name, "ms": ms, "err": err, "build_s": build_s, "source": profile.source}
+    times = {}
+    for d, ms in zip(plan.dispatches, profile.dispatch_ms):
+        if d.node is not None and d.node.op in GEMM_OPS:
+            times[d.node.op] = (d.kernel.name, ms)
+    return session, times, profile.source
+
+
+def report(rows: list, label: str, tiling, times: dict, errors: dict, flop: dict,
+           limit: float) -> None:
+    for op, (name, ms) in times.items():
+        tflops = flop[op] / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
+        err = errors.get(op, errors.get("all", 0.0))
+        rows.append({"case": label, "op": op, "tiling": str(tiling or "auto"), "kernel": name,
+                     "ms": ms, "tflops": tflops, "err": err, "limit": limit})
+        shown = str(tiling) if tiling is not None else "auto:" + name.rsplit("_", 1)[-1]
+        print(f"{label[:22]:22} {op[:18]:18} {shown:24} {ms:9.4f} {tflops:8.2f} {err:9.2e}",
+              flush=True)
+
+
+def conv_case(a_shape, w_shape, stride, padding, rng):
+    import torch
+    import torch.nn.functional as F
+
+    x = rng.standard_normal(a_shape).astype(np.float32)
+    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    g = vkml.Graph()
+    px, pw = g.param("x", a_shape, init=x), g.param("w", w_shape, init=w)
+    y = g.output("c", g.conv2d(px, pw, stride=stride, padding=padding))
+    weights = rng.standard_normal(y.shape).astype(np.float32)
+    loss = g.sum(g.mul(y, g.constant(weights)))
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    tw = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    ty = F.conv2d(tx, tw, stride=stride, padding=padding)
+    (ty * torch.tensor(weights, dtype=torch.float64)).sum().backward()
+    expected = {"conv2d": ty.detach().numpy(), "conv2d_input_grad": tx.grad.numpy(),
+                "conv2d_weight_grad": tw.grad.numpy()}
+    n, _, oh, ow = y.shape
+    flop = 2 * n * oh * ow * int(np.prod(w_shape))
+    return g, loss, expected, dict.fromkeys(expected, flop)
+
+
+def rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
 
 def main() -> int:
@@ -98,40 +149,53 @@ def main() -> int:
     device = vkml.Device()
     staged_caps = (dataclasses.replace(device.caps, device_type="discrete")
                    if opts.quick else device.caps)
-    tilings = [t for t in gemm.STAGED if gemm._fits(t, staged_caps)]
+    tilings: list = [t for t in gemm.STAGED if gemm._fits(t, staged_caps)]
+    if device.caps.cooperative_matrix and device.caps.shader_f16:
+        tilings += list(gemm.COOP)
     if opts.tilings == "auto":
         tilings = []
     elif opts.tilings != "all":
         wanted = set(opts.tilings.split(","))
         tilings = [t for t in tilings if str(t) in wanted]
     rng = np.random.default_rng(0)
-    rows = []
+    rows: list = []
     print(f"device: {device.name} ({device.caps.device_type})")
-    print(f"{'case':22} {'tiling':22} {'ms':>9} {'TFLOP/s':>8} {'rel err':>9}")
-    for label, sa, sb, ta, tb in (QUICK if opts.quick else MATMULS):
-        g, expected = matmul_case(device, sa, sb, ta, tb, rng)
-        m, n = expected.shape[-2:]
-        k = sa[-2] if ta else sa[-1]
-        flop = 2 * expected.size * k
+    print(f"{'case':22} {'op':18} {'tiling':24} {'ms':>9} {'TFLOP/s':>8} {'rel err':>9}")
+    cases = [("matmul", c) for c in (QUICK if opts.quick else MATMULS)]
+    cases += [("conv", c) for c in (QUICK_CONVS if opts.quick else CONVS)]
+    for kind, (label, sa, sb, p, q) in cases:
+        if kind == "matmul":
+            g, expected = matmul_case(device, sa, sb, p, q, rng)
+            loss, flop = None, {"matmul": 2 * expected.size * (sa[-2] if p else sa[-1])}
+        else:
+            g, loss, conv_expected, flop = conv_case(sa, sb, p, q, rng)
         for tiling in [None, *tilings]:
             caps = staged_caps if tiling is not None else device.caps
+            limit = 1e-5
+            if isinstance(tiling, gemm.CoopTiling):
+                caps, limit = dataclasses.replace(caps, precision="f16"), 5e-3
             try:
-                r = run(device, g, expected, tiling, opts.reps, caps)
+                session, times, _ = run(device, g, loss, tiling, opts.reps, caps)
+                if kind == "matmul":
+                    errors = {"matmul": rel(session.read("c"), expected)}
+                else:
+                    errors = {"conv2d": rel(session.read("c"), conv_expected["conv2d"]),
+                              "conv2d_input_grad": rel(session.grad("x"),
+                                                       conv_expected["conv2d_input_grad"]),
+                              "conv2d_weight_grad": rel(session.grad("w"),
+                                                        conv_expected["conv2d_weight_grad"])}
+                session.close()
             except Exception as exc:  # a variant the device refuses is a result too
-                r = {"kernel": str(tiling), "error": f"{type(exc).__name__}: {exc}"[:300]}
-                print(f"{label:22} {str(tiling or 'auto'):22} failed: {r['error'][:80]}")
-                rows.append({"case": label, "tiling": str(tiling or "auto"), **r})
+                error = f"{type(exc).__name__}: {exc}"[:300]
+                rows.append({"case": label, "tiling": str(tiling or "auto"), "error": error})
+                print(f"{label[:22]:22} {'':18} {str(tiling or 'auto'):24} failed: {error[:60]}")
                 continue
-            tflops = flop / (r["ms"] * 1e-3) / 1e12 if r["ms"] > 0 else 0.0
-            rows.append({"case": label, "m": m, "n": n, "k": k, "tiling": str(tiling or "auto"),
-                         "tflops": tflops, **r})
-            print(f"{label:22} {str(tiling or 'auto:' + r['kernel'].rsplit('_', 1)[-1]):22} "
-                  f"{r['ms']:9.4f} {tflops:8.2f} {r['err']:9.2e}", flush=True)
+            report(rows, label, tiling, times, errors, flop, limit)
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
         (opts.out / "lab.json").write_text(json.dumps({"device": device.name, "rows": rows},
                                                       indent=1))
-    bad = [r for r in rows if r.get("err", 0) > 1e-5 or "error" in r]
+    bad = [r for r in rows if r.get("err", 0) > r.get("limit", 1e-5) or "error" in r]
     print(f"{len(rows)} runs, {len(bad)} failed or above 1e-5")
     return 1 if bad else 0
 

@@ -24,7 +24,7 @@ from vkml.runtime.profiling import Profile, Profiler
 def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | None = None,
             device: Device | None = None, outputs: Mapping[str, Tensor] | None = None,
             rewrite: str = "greedy", keep_grads: bool | None = None,
-            trainable: Trainable = None) -> Session:
+            trainable: Trainable = None, precision: str = "f32") -> Session:
     """Compile `graph` into a runnable session.
 
     - no `loss`: an inference session; `step()` computes the graph's outputs.
@@ -39,10 +39,15 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     `trainable`: which parameters get gradients and updates: by default those built with
     `trainable=True` (the default of `graph.param`); or a collection of names, or a predicate
     on the name (e.g. `lambda n: n.startswith("decoder.")`). The others are frozen.
+    `precision`: "f32" (strict: f32 arithmetic everywhere) or "f16" (accelerated: matrix
+    products and convolutions take f16 inputs on the device's cooperative matrices (tensor
+    cores), accumulating in f32; everything else stays f32, parameters and optimizer state
+    included). "f16" needs a device with cooperative matrices, else a DeviceError.
     """
     device = device or default_device()
     stages = lower(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
-                   rewrite=rewrite, keep_grads=keep_grads, trainable=trainable)
+                   rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
+                   precision=precision)
     return Session(stages.plan, device)
 
 

@@ -11,6 +11,7 @@ naga on Vulkan) when a session binds the plan to a device.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from vkml import naga
 from vkml.compiler import autodiff, codegen
 from vkml.compiler.rewrite import fuse
 from vkml.compiler.schedule import Plan, make_plan
-from vkml.errors import GraphError
+from vkml.errors import DeviceError, GraphError
 from vkml.graph import Graph, Tensor
 from vkml.hal import Capabilities
 from vkml.optim import Optimizer
@@ -42,6 +43,22 @@ def trainable_params(graph: Graph, trainable: Trainable) -> dict[str, Tensor]:
         raise GraphError(f"trainable names unknown parameters {unknown}; parameters: "
                          f"{sorted(graph.params)}")
     return {n: t for n, t in graph.params.items() if n in trainable}
+
+
+PRECISIONS = ("f32", "f16")
+
+
+def target(caps: Capabilities, precision: str) -> Capabilities:
+    """The capabilities codegen compiles for: the device's, with the arithmetic asked for."""
+    if precision not in PRECISIONS:
+        raise GraphError(f"unknown precision {precision!r}; use 'f32' (strict) or 'f16' "
+                         "(matrix products and convolutions on f16 cooperative matrices with f32 "
+                         "accumulation)")
+    if precision == "f16" and not (caps.cooperative_matrix and caps.shader_f16):
+        raise DeviceError(f"precision='f16' needs cooperative matrices (VK_KHR_cooperative_matrix "
+                          f"with shaderFloat16), which {caps.device_name!r} does not offer; "
+                          "compile with precision='f32'")
+    return dataclasses.replace(caps, precision=precision)
 
 
 STAGES = ("graph", "rewritten", "plan", "memory", "wgsl", "spirv")
@@ -84,8 +101,9 @@ class Stages:
 def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
           optimizer: Optimizer | None = None, outputs: Mapping[str, Tensor] | None = None,
           rewrite: str = "greedy", keep_grads: bool | None = None,
-          trainable: Trainable = None) -> Stages:
+          trainable: Trainable = None, precision: str = "f32") -> Stages:
     """Graph -> Plan, keeping each stage. Arguments as for `vkml.compile`."""
+    caps = target(caps, precision)
     if rewrite not in REWRITES:
         raise GraphError(f"unknown rewrite {rewrite!r}; use one of {REWRITES}")
     if optimizer is not None and loss is None:

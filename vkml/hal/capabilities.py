@@ -30,3 +30,7 @@ class Capabilities:
     # The most loop iterations one shader invocation may run (None: no limit). lavapipe stops
     # an invocation's loops after 65535 in all and returns what it has; kernels split longer work.
     max_loop_iterations: int | None = None
+    # The compilation's arithmetic for matrix products and convolutions (vkml.compile's
+    # `precision`): "f32", or "f16" inputs with f32 accumulation on cooperative matrices. An
+    # option rather than a device property, carried here because codegen reads it with the rest.
+    precision: str = "f32"

@@ -13,6 +13,11 @@ Two variants, chosen by the device:
   a warp conflict-free and its stores contiguous.
 - direct (CPU drivers, where staging gains nothing and barriers make the JIT slow): each thread
   reads its operands straight from memory, rows ty + WY * i and columns tx + WX * j.
+- cooperative (precision="f16" on devices with cooperative matrices): tensor-core tiles. The
+  operands are read as f32 like the staged variant's and converted to f16 as they are staged, so
+  no f16 copy of any tensor exists; each subgroup multiplies FM x FN 16x16 fragments with f32
+  accumulators (`coop_mat16x16`, loaded transposed as naga needs for row-major data), and
+  stores each accumulator through workgroup memory, where its lanes apply the store.
 """
 
 from __future__ import annotations
@@ -75,6 +80,35 @@ STAGED = (Tiling(128, 128, 8, 8, 8, True), Tiling(128, 64, 8, 4, 8, True),
           Tiling(64, 128, 4, 8, 8, True), Tiling(64, 64, 4, 4, 16, True),
           Tiling(64, 32, 8, 4, 16, True), Tiling(32, 64, 4, 8, 16, True),
           Tiling(32, 32, 4, 4, 16, True))
+@dataclass(frozen=True)
+class CoopTiling:
+    """SG_M x SG_N subgroups of 32 lanes, each with FM x FN 16x16 fragments."""
+
+    sg_m: int
+    sg_n: int
+    fm: int
+    fn: int
+    bk: int = 32
+
+    @property
+    def bm(self) -> int:
+        return 16 * self.sg_m * self.fm
+
+    @property
+    def bn(self) -> int:
+        return 16 * self.sg_n * self.fn
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.sg_m * self.sg_n
+
+    def __str__(self) -> str:
+        return f"c{self.bm}x{self.bn}k{self.bk}f{self.fm}x{self.fn}"
+
+
+# naga gives each accumulator a variable of its own; more than 16 a subgroup spills on NVIDIA.
+COOP = (CoopTiling(2, 2, 4, 4), CoopTiling(2, 2, 2, 4), CoopTiling(2, 2, 2, 2),
+        CoopTiling(2, 2, 1, 2), CoopTiling(2, 2, 1, 1))
 # Workgroups it takes to fill a large GPU (an H200 has 132 multiprocessors, two resident
 # workgroups each at these sizes); below this a smaller tile wins by keeping more of it busy.
 FILL = 264
@@ -88,8 +122,13 @@ def direct_tiling(m: int, n: int) -> Tiling:
     return Tiling(16 * tm, 16 * tn, tm, tn, 1, False)
 
 
-def choose(m: int, n: int, k: int, z: int, caps: Capabilities) -> Tiling:
+def choose(m: int, n: int, k: int, z: int, caps: Capabilities) -> Tiling | CoopTiling:
     """The tiling for an (m x n x k) product over `z` grid layers on this device."""
+    if caps.precision == "f16":
+        for c in COOP:
+            if -(-m // c.bm) * -(-n // c.bn) * z >= FILL:
+                return c
+        return COOP[-1]
     if caps.device_type == "cpu":
         return direct_tiling(m, n)
     usable = [t for t in STAGED if _fits(t, caps)]
@@ -106,7 +145,7 @@ def _fits(t: Tiling, caps: Capabilities) -> bool:
 
 
 def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: int, k: int,
-             z: int, a: Operand, b: Operand, store: Store, tiling: Tiling, *,
+             z: int, a: Operand, b: Operand, store: Store, tiling: Tiling | CoopTiling, *,
              setup: Sequence[str] = (), k_range: tuple[str, str] | None = None,
              prelude: Sequence[str] = (), flops: int = 0, nbytes: int = 0) -> Kernel:
     """A kernel over the grid (ceil(n / BN), ceil(m / BM), z). `setup`: WGSL lines run first,
@@ -114,6 +153,12 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
     the loaders and the store use; `k_range`: WGSL expressions of the first and end depth this
     layer sums over (default 0 and k)."""
     begin, end = k_range or ("0u", f"{k}u")
+    grid = (-(-n // tiling.bn), -(-m // tiling.bm), z)
+    if isinstance(tiling, CoopTiling):
+        return assemble(f"{name}_{tiling}", caps, buffers, (tiling.threads,),
+                        _coop(m, n, a, b, store, tiling, begin, end, setup), grid,
+                        prelude=["enable f16;", "enable wgpu_cooperative_matrix;", *prelude,
+                                 *_coop_shared(tiling)], flops=flops, nbytes=nbytes)
     body = (_staged if tiling.staged else _direct)(m, n, a, b, store, tiling, begin, end)
     head = ["fn main(@builtin(local_invocation_id) lid: vec3<u32>, "
             "@builtin(workgroup_id) wid: vec3<u32>) {",
@@ -124,8 +169,8 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
                f"var<workgroup> Bs: array<vec4<f32>, {tiling.bk * (tiling.bn + PAD) // 4}>;"]
               if tiling.staged else [])
     return assemble(f"{name}_{tiling}", caps, buffers, (tiling.wx, tiling.wy),
-                    [*head, *body, "}"], (-(-n // tiling.bn), -(-m // tiling.bm), z),
-                    prelude=[*prelude, *shared], flops=flops, nbytes=nbytes)
+                    [*head, *body, "}"], grid, prelude=[*prelude, *shared], flops=flops,
+                    nbytes=nbytes)
 
 
 def _element(load: Loader, row: str, depth: str, guard: str, target: str) -> str:
@@ -200,3 +245,68 @@ def _direct(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
             lines += [f"  {{ let r = row0 + ty + {t.wy * i}u; let c = col0 + tx + {t.wx * j}u;",
                       f"    if (r < {m}u && c < {n}u) {{", *store("r", "c", f"c{i}_{j}"), "  } }"]
     return lines
+
+
+COOP_PAD = 8  # f16 elements added to each staged row (16 bytes: keeps rows off one bank)
+
+
+def _coop_shared(t: CoopTiling) -> list[str]:
+    return [f"var<workgroup> As: array<f16, {t.bm * (t.bk + COOP_PAD)}>;",  # row-major, k fast
+            f"var<workgroup> Bs: array<f16, {t.bk * (t.bn + COOP_PAD)}>;",  # k rows, n fast
+            f"var<workgroup> Cs: array<f32, {256 * t.sg_m * t.sg_n}>;"]  # a fragment a subgroup
+
+
+def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, begin: str,
+          end: str, setup: Sequence[str]) -> list[str]:
+    sa, sb = t.bk + COOP_PAD, t.bn + COOP_PAD
+    lines = ["fn main(@builtin(local_invocation_index) tid: u32, "
+             "@builtin(workgroup_id) wid: vec3<u32>) {",
+             f"  let row0 = wid.y * {t.bm}u; let col0 = wid.x * {t.bn}u; let z = wid.z;",
+             *setup,
+             # Subgroups are consecutive runs of 32 invocations (NVIDIA's warps).
+             "  let sg = tid / 32u; let lane = tid % 32u;",
+             f"  let sr = (sg / {t.sg_n}u) * {16 * t.fm}u;",
+             f"  let sc = (sg % {t.sg_n}u) * {16 * t.fn}u;",
+             *[f"  var acc{i}_{j} = coop_mat16x16<f32, C>();"
+               for i in range(t.fm) for j in range(t.fn)]]
+    loads: dict[str, list[str]] = {}
+    fill: list[str] = []
+    for tile, op, extent, origin, bound in (("a", a, t.bm, "row0", m), ("b", b, t.bn, "col0", n)):
+        for step in range(extent * t.bk // t.threads):
+            e = f"(tid + {step * t.threads}u)"
+            if op.contiguous == "depth":
+                ii, kk = f"{e} / {t.bk}u", f"{e} % {t.bk}u"
+            else:
+                ii, kk = f"{e} % {extent}u", f"{e} / {extent}u"
+            place = f"{ii} * {sa}u + {kk}" if tile == "a" else f"{kk} * {sb}u + {ii}"
+            lines += [f"  let {tile}i{step} = {origin} + {ii}; let {tile}k{step} = {kk};",
+                      f"  let {tile}s{step} = {place};", f"  var {tile}p{step} = 0.0;"]
+            loads.setdefault(tile, []).append(
+                "    " + _element(op.load, f"{tile}i{step}", f"(kn + {tile}k{step})",
+                                  f"{tile}i{step} < {bound}u && kn + {tile}k{step} < kend",
+                                  f"{tile}p{step}"))
+            fill.append(f"    {'As' if tile == 'a' else 'Bs'}[{tile}s{step}] = "
+                        f"f16({tile}p{step});")
+    lines += [f"  let kend = {end};", f"  var kn = {begin};", *loads["a"], *loads["b"],
+              f"  for (var k0 = {begin}; k0 < kend; k0 += {t.bk}u) {{", *fill,
+              "    workgroupBarrier();", f"    kn = k0 + {t.bk}u;", *loads["a"], *loads["b"]]
+    for kk in range(0, t.bk, 16):
+        lines.append("    {")
+        lines += [f"      let fa{i} = coopLoadT<coop_mat16x16<f16, A>>("
+                  f"&As[(sr + {16 * i}u) * {sa}u + {kk}u], {sa}u);" for i in range(t.fm)]
+        lines += [f"      let fb{j} = coopLoadT<coop_mat16x16<f16, B>>("
+                  f"&Bs[{kk * sb}u + sc + {16 * j}u], {sb}u);" for j in range(t.fn)]
+        lines += [f"      acc{i}_{j} = coopMultiplyAdd(fa{i}, fb{j}, acc{i}_{j});"
+                  for i in range(t.fm) for j in range(t.fn)]
+        lines.append("    }")
+    lines += ["    workgroupBarrier();", "  }"]
+    for i in range(t.fm):
+        for j in range(t.fn):
+            lines += [f"  coopStoreT(acc{i}_{j}, &Cs[sg * 256u], 16u);", "  workgroupBarrier();",
+                      "  for (var e = lane; e < 256u; e += 32u) {",
+                      f"    let r = row0 + sr + {16 * i}u + e / 16u; "
+                      f"let c = col0 + sc + {16 * j}u + e % 16u;",
+                      f"    if (r < {m}u && c < {n}u) {{",
+                      *["  " + line for line in store("r", "c", "Cs[sg * 256u + e]")],
+                      "    }", "  }", "  workgroupBarrier();"]
+    return [*lines, "}"]
