@@ -22,6 +22,9 @@ CASES = {  # name: (a shape, b shape, transpose_a, transpose_b)
     "tn": ((24, 20), (24, 18), True, False),
     "tt_register_tile_2x2": ((40, 40), (36, 40), True, True),
     "batched_broadcast": ((3, 20, 17), (17, 18), False, False),
+    # a long sum over few output tiles: partial sums on GPUs (compiler/split.py), then their sum
+    # with the epilogue
+    "split_k": ((40, 3000), (24, 3000), False, True),
 }
 
 
@@ -44,6 +47,8 @@ def test_matmul_variant_matches_numpy(name, device_type, device, rng):
     expected = np.maximum(a64.astype(np.float64) @ b64.astype(np.float64), 0)
     staged = any("var<workgroup>" in d.kernel.wgsl for d in session.plan.dispatches)
     assert staged == (device_type != "cpu")
+    if name == "split_k" and device_type != "cpu":
+        assert [d.node.op for d in session.plan.dispatches] == ["matmul", "fused_sum"]
     assert rel_l2(session.read("c"), expected) < 1e-5
 
 
@@ -51,8 +56,11 @@ CONVS = {  # name: (x shape, weight shape, stride, padding, dilation, groups)
     "3x3_pad": ((2, 3, 9, 7), (5, 3, 3, 3), 1, 1, 1, 1),
     "strided_grouped_dilated": ((2, 4, 11, 10), (6, 2, 3, 2), 2, (1, 2), (2, 1), 2),
     "1x1": ((2, 8, 5, 5), (4, 8, 1, 1), 1, 0, 1, 1),
-    # 4096 products per weight element: the weight gradient is split into partial sums
+    # 4096 products per weight element over few output tiles: on GPUs the weight gradient is
+    # computed as partial sums over splits of them (compiler/split.py)
     "split_weight_grad": ((4, 2, 32, 32), (3, 2, 3, 3), 1, 1, 1, 1),
+    # few pixels, many channels: the forward splits on GPUs
+    "split_forward": ((1, 256, 4, 4), (16, 256, 3, 3), 1, 1, 1, 1),
 }
 
 
@@ -79,10 +87,11 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
     (ty * torch.tensor(weights, dtype=torch.float64)).sum().backward()
     kinds = {d.node.op for d in session.plan.dispatches if d.node is not None}
     assert {"conv2d", "conv2d_input_grad", "conv2d_weight_grad"} <= kinds
-    if name == "split_weight_grad":
-        split = [d.node for d in session.plan.dispatches if d.node is not None
-                 and d.node.op == "conv2d_weight_grad"]
-        assert split[0].attrs.get("splits", 1) > 1
+    split = {d.node.op for d in session.plan.dispatches
+             if d.node is not None and d.node.attrs.get("splits", 1) > 1}
+    expected = {"split_weight_grad": {"conv2d_weight_grad"},
+                "split_forward": {"conv2d"}}.get(name, set())
+    assert split == (expected if device_type != "cpu" else set())
     staged = any("var<workgroup>" in d.kernel.wgsl for d in session.plan.dispatches
                  if d.node is not None and d.node.op.startswith("conv2d"))
     assert staged == (device_type != "cpu")

@@ -19,12 +19,21 @@ from vkml.kernels import optimizer, pointwise
 def generate(plan: Plan, caps: Capabilities) -> Plan:
     dispatches = []
     for d in plan.dispatches:
-        kernel = lower_dispatch(d, plan, caps)
+        kernel = lower_dispatch(d, plan, phase_target(caps, d.phase == "forward"))
         if kernel.access != d.access:
             raise AssertionError(f"codegen of {d.label}: the kernel's bindings {kernel.access} "
                                  f"disagree with the plan's {d.access}")
         dispatches.append(dataclasses.replace(d, kernel=kernel))
     return dataclasses.replace(plan, dispatches=dispatches)
+
+
+def phase_target(caps: Capabilities, forward: bool) -> Capabilities:
+    """Accelerated (f16) products in the forward pass only: gradients are often far below f16's
+    smallest normal (6e-5) and would be flushed without loss scaling, so the backward pass and
+    the update stay f32."""
+    if forward or caps.precision == "f32":
+        return caps
+    return dataclasses.replace(caps, precision="f32")
 
 
 def lower_dispatch(d: PlannedDispatch, plan: Plan, caps: Capabilities) -> Kernel:

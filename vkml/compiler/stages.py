@@ -1,8 +1,9 @@
 """The compiler's stages in order, each a function of the previous one's output:
 
-    Graph --autodiff--> Graph --rewrite--> Graph --schedule--> Plan --codegen--> Plan + Kernels
-          (compiler/autodiff)  (compiler/rewrite)  (compiler/schedule,   (compiler/codegen,
-                                                    compiler/memory_plan)  vkml/kernels/)
+    Graph --autodiff--> Graph --rewrite--> Graph --split--> Graph --schedule--> Plan
+          (compiler/autodiff)  (compiler/rewrite)  (compiler/split) (compiler/schedule,
+                                                                     compiler/memory_plan)
+    Plan --codegen--> Plan + Kernels (compiler/codegen, vkml/kernels/)
 
 `lower()` runs them all and keeps every intermediate, so `python -m vkml dump` and tests can print
 any of them. The backend turns each kernel's WGSL into what its driver takes (SPIR-V through
@@ -19,6 +20,7 @@ from vkml import naga
 from vkml.compiler import autodiff, codegen
 from vkml.compiler.rewrite import fuse
 from vkml.compiler.schedule import Plan, make_plan
+from vkml.compiler.split import split_sums
 from vkml.errors import DeviceError, GraphError
 from vkml.graph import Graph, Tensor
 from vkml.hal import Capabilities
@@ -61,7 +63,7 @@ def target(caps: Capabilities, precision: str) -> Capabilities:
     return dataclasses.replace(caps, precision=precision)
 
 
-STAGES = ("graph", "rewritten", "plan", "memory", "wgsl", "spirv")
+STAGES = ("graph", "rewritten", "split", "plan", "memory", "wgsl", "spirv")
 REWRITES = ("greedy", "none")
 
 
@@ -71,6 +73,8 @@ class Stages:
     roots: list[Tensor]  # outputs and gradients in `graph`
     rewritten: Graph
     rewritten_roots: list[Tensor]
+    split: Graph  # long sums split for the device (compiler/split.py)
+    split_roots: list[Tensor]
     plan: Plan
 
     def kernels(self) -> dict[str, str]:
@@ -85,6 +89,8 @@ class Stages:
             return self.graph.dump(self.roots)
         if stage == "rewritten":
             return self.rewritten.dump(self.rewritten_roots)
+        if stage == "split":
+            return self.split.dump(self.split_roots)
         if stage == "plan":
             return self.plan.dump()
         if stage == "memory":
@@ -126,8 +132,13 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
         fused, new_of = fuse(work, roots)
         fused_named = {n: new_of[t.id] for n, t in named.items()}
         fused_grads = {n: new_of[t.id] for n, t in grads.items()}
+    fused_roots = [*fused_named.values(), *fused_grads.values()]
+    split, new_of = split_sums(fused, fused_roots, caps, list(fused_named.values()))
+    split_named = {n: new_of[t.id] for n, t in fused_named.items()}
+    split_grads = {n: new_of[t.id] for n, t in fused_grads.items()}
     keep = optimizer is None if keep_grads is None else keep_grads
-    plan = make_plan(fused, fused_named, fused_grads, optimizer, caps, keep_grads=keep,
+    plan = make_plan(split, split_named, split_grads, optimizer, caps, keep_grads=keep,
                      has_loss=loss is not None)
     plan = codegen.generate(plan, caps)
-    return Stages(work, roots, fused, [*fused_named.values(), *fused_grads.values()], plan)
+    return Stages(work, roots, fused, fused_roots, split,
+                  [*split_named.values(), *split_grads.values()], plan)

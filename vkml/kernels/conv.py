@@ -53,7 +53,7 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
     x, w = node.inputs
     n, c, h, wd = x.shape
     o, cpg, kh, kw = w.shape
-    _, _, oh, ow = node.shape
+    oh, ow = node.shape[-2:]
     (sh, sw), (ph, pw), (dh, dw), groups = _params(node)
     opg, taps = o // groups, kh * kw
     m, cols, depth = n * oh * ow, opg, cpg * taps
@@ -67,15 +67,12 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
                 f"* {h}u + u32(iy)) * {wd}u + u32(ix)]; }}"]
 
     def store(r: str, col: str, acc: str) -> list[str]:
-        return [f"      out[(({r} / {oh * ow}u) * {o}u + g * {opg}u + {col}) * {oh * ow}u "
-                f"+ {r} % {oh * ow}u] = {acc};"]
+        return [f"      out[s * {n * o * oh * ow}u + (({r} / {oh * ow}u) * {o}u + g * {opg}u "
+                f"+ {col}) * {oh * ow}u + {r} % {oh * ow}u] = {acc};"]
 
-    return gemm.generate(
-        f"conv2d_{'x'.join(map(str, node.shape))}", caps, _buffers(node), m, cols, depth, groups,
-        gemm.Operand(load_x, "row"),
-        gemm.Operand(lambda j, d: [f"v = in1[(g * {opg}u + {j}) * {depth}u + {d}];"], "depth"),
-        store, tiling or gemm.choose(m, cols, depth, groups, caps), setup=["  let g = z;"],
-        flops=2 * m * cols * depth * groups, nbytes=4 * (x.size + w.size + node.size))
+    return _product(node, caps, m, cols, depth, groups, gemm.Operand(load_x, "row"),
+                     gemm.Operand(lambda j, d: [f"v = in1[(g * {opg}u + {j}) * {depth}u + {d}];"],
+                                  "depth"), store, tiling, x.size + w.size)
 
 
 def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
@@ -83,7 +80,7 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
     d, w = node.inputs
     _, o, oh, ow = d.shape
     _, cpg, kh, kw = w.shape
-    n, c, h, wd = node.shape
+    n, c, h, wd = node.shape[-4:]
     (sh, sw), (ph, pw), (dh, dw), groups = _params(node)
     opg, taps = o // groups, kh * kw
     m, cols, depth = n * h * wd, cpg, opg * taps
@@ -101,14 +98,11 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
                 f"v = in1[((g * {opg}u + ol) * {cpg}u + {j}) * {taps}u + t];"]
 
     def store(r: str, col: str, acc: str) -> list[str]:
-        return [f"      out[(({r} / {h * wd}u) * {c}u + g * {cpg}u + {col}) * {h * wd}u "
-                f"+ {r} % {h * wd}u] = {acc};"]
+        return [f"      out[s * {n * c * h * wd}u + (({r} / {h * wd}u) * {c}u + g * {cpg}u "
+                f"+ {col}) * {h * wd}u + {r} % {h * wd}u] = {acc};"]
 
-    return gemm.generate(
-        f"conv2d_input_grad_{'x'.join(map(str, node.shape))}", caps, _buffers(node), m, cols,
-        depth, groups, gemm.Operand(load_dy, "row"), gemm.Operand(load_w, "depth"), store,
-        tiling or gemm.choose(m, cols, depth, groups, caps), setup=["  let g = z;"],
-        flops=2 * m * cols * depth * groups, nbytes=4 * (d.size + w.size + node.size))
+    return _product(node, caps, m, cols, depth, groups, gemm.Operand(load_dy, "row"),
+                    gemm.Operand(load_w, "depth"), store, tiling, d.size + w.size)
 
 
 def _tap(coord: str, pad: int, stride: int, extent: int, name: str, k: str,
@@ -129,10 +123,8 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
     _, o, oh, ow = d.shape
     _, cpg, kh, kw = node.attrs["w_shape"]
     (sh, sw), (ph, pw), (dh, dw), groups = _params(node)
-    splits = node.attrs.get("splits", 1)
     opg, taps = o // groups, kh * kw
     m, cols, depth = opg, cpg * taps, n * oh * ow
-    chunk = -(-depth // splits)
 
     def load_dy(i: str, dd: str) -> list[str]:
         return [_split(dd, (n, oh * ow), ("nb", "p")),
@@ -149,13 +141,47 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
     def store(r: str, col: str, acc: str) -> list[str]:
         return [f"      out[s * {o * cols}u + (g * {opg}u + {r}) * {cols}u + {col}] = {acc};"]
 
+    return _product(node, caps, m, cols, depth, groups, gemm.Operand(load_dy, "depth"),
+                    gemm.Operand(load_x, "depth"), store, tiling, x.size + d.size)
+
+
+def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, groups: int,
+             a: gemm.Operand, b: gemm.Operand, store: gemm.Store,
+             tiling: gemm.Tiling | None, read: int) -> Kernel:
+    """The GEMM over grid layers z = group * splits + split (see OpDef.gemm): split s sums its
+    own range of the depth into slice s of a result with a leading split axis."""
+    pieces = node.attrs.get("splits", 1)
+    chunk = -(-depth // pieces)
     return gemm.generate(
-        f"conv2d_weight_grad_{'x'.join(map(str, node.shape))}", caps, _buffers(node), m, cols,
-        chunk, groups * splits, gemm.Operand(load_dy, "depth"), gemm.Operand(load_x, "depth"),
-        store, tiling or gemm.choose(m, cols, chunk, groups * splits, caps),
-        setup=[f"  let g = z / {splits}u; let s = z % {splits}u;"],
+        f"{node.op}_{'x'.join(map(str, node.shape))}", caps, _buffers(node), m, cols, chunk,
+        groups * pieces, a, b, store,
+        tiling or gemm.choose(m, cols, chunk, groups * pieces, caps),
+        setup=[f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
         k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"),
-        flops=2 * m * cols * depth * groups, nbytes=4 * (x.size + d.size + node.size))
+        flops=2 * m * cols * depth * groups, nbytes=4 * (read + node.size))
+
+
+def dims_conv2d(node: Tensor) -> tuple[int, int, int, int]:
+    """GEMM shape (m, n, k, groups) of a conv2d node (OpDef.gemm)."""
+    x, w = node.inputs
+    o, cpg, kh, kw = w.shape
+    groups = node.attrs["groups"]
+    return x.shape[0] * node.shape[-2] * node.shape[-1], o // groups, cpg * kh * kw, groups
+
+
+def dims_conv2d_input_grad(node: Tensor) -> tuple[int, int, int, int]:
+    d, w = node.inputs
+    o, cpg, kh, kw = w.shape
+    n, _, h, wd = node.attrs["in_shape"]
+    groups = node.attrs["groups"]
+    return n * h * wd, cpg, (o // groups) * kh * kw, groups
+
+
+def dims_conv2d_weight_grad(node: Tensor) -> tuple[int, int, int, int]:
+    _, dy = node.inputs
+    o, cpg, kh, kw = node.attrs["w_shape"]
+    groups = node.attrs["groups"]
+    return o // groups, cpg * kh * kw, dy.shape[0] * dy.shape[2] * dy.shape[3], groups
 
 
 def _window_max(x: Tensor, a: dict) -> str:

@@ -21,11 +21,18 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
     epilogue: Body = node.attrs.get("epilogue", Body(Arg(0), ((),)))
     *leading, m, n = node.shape
     k = a.shape[-2] if ta else a.shape[-1]
+    # Partial sums (the split stage's `splits`): a leading axis of the result; grid layer
+    # z = split * batch + batch index, each split summing its own range of k.
+    pieces = node.attrs.get("splits", 1)
+    if pieces > 1:
+        leading = leading[1:]
     # Each operand's batch offset follows numpy broadcasting of its own leading dimensions
     # (stride 0 where it is broadcast).
-    names = [f"i{x}" for x in range(len(node.shape))]
+    names = [f"i{x}" for x in range(len(leading) + 2)]
     batch = int(np.prod(leading, dtype=np.int64))
-    setup = unflatten("z", tuple(leading), "i")
+    chunk = -(-k // pieces)
+    setup = [f"  let zb = z % {batch}u; let s = z / {batch}u;",
+             *unflatten("zb", tuple(leading), "i")]
     for src, x in (("a", a), ("b", b)):
         mat = x.shape[-2] * x.shape[-1]
         strides = broadcast_strides(x.shape[:-2], tuple(leading))
@@ -47,8 +54,19 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
                Buf("mat_c", writable=True)]
     tag = ("t" if ta else "n") + ("t" if tb else "n")
     prefix = f"b{'x'.join(map(str, leading))}_" if leading else ""
-    return gemm.generate(f"{node.op}_{tag}_{prefix}{m}x{n}x{k}", caps, buffers, m, n, k, batch,
-                         a_op, b_op, store, tiling or gemm.choose(m, n, k, batch, caps),
-                         setup=setup, prelude=helper_functions(epilogue),
-                         flops=2 * batch * m * n * k,
-                         nbytes=4 * (a.size + b.size + batch * m * n))
+    split = f"_split{pieces}" if pieces > 1 else ""
+    layers = batch * pieces
+    return gemm.generate(f"{node.op}_{tag}_{prefix}{m}x{n}x{k}{split}", caps, buffers, m, n,
+                         chunk, layers, a_op, b_op, store,
+                         tiling or gemm.choose(m, n, chunk, layers, caps), setup=setup,
+                         k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {k}u)"),
+                         prelude=helper_functions(epilogue), flops=2 * batch * m * n * k,
+                         nbytes=4 * (a.size + b.size + layers * m * n))
+
+
+def dims(node: Tensor) -> tuple[int, int, int, int]:
+    """The GEMM shape (m, n, k, batch) of a matmul node (OpDef.gemm)."""
+    a = node.inputs[0]
+    *leading, m, n = node.shape
+    k = a.shape[-2] if node.attrs["transpose_a"] else a.shape[-1]
+    return m, n, k, int(np.prod(leading, dtype=np.int64))

@@ -23,16 +23,24 @@ from vkml.kernels.common import (
 )
 
 WORKGROUP = 64
-# lavapipe (llvmpipe) silently stops a shader invocation's loops after 65535 iterations in all;
-# longer reductions get more threads per workgroup, so each thread loops fewer times.
-LOOP_LIMIT = 65535
+# Reductions this short, into at least a workgroup's worth of outputs, run one thread per output
+# element, looping over its terms: a workgroup per output would leave most of its threads idle.
+SHORT = 64
+# On GPUs a long reduction's workgroup grows until each thread sums about this many terms (its
+# workgroups are few: one per output).
+TERMS_PER_THREAD = 32
 
 
 def workgroup_for(iterations: int, caps: Capabilities, what: str) -> int:
-    """The smallest power-of-two workgroup (from WORKGROUP up) whose threads each run at most
-    LOOP_LIMIT of `iterations` loop trips."""
+    """The power-of-two workgroup (from WORKGROUP up) for a reduction of `iterations` terms per
+    output: larger on GPUs for long ones, and large enough everywhere that no thread loops past
+    the device's limit (lavapipe stops an invocation's loops after 65535 and keeps what it
+    has)."""
     size = WORKGROUP
-    while -(-iterations // size) > LOOP_LIMIT:
+    limit = caps.max_loop_iterations
+    while (limit is not None and -(-iterations // size) > limit) or (
+            caps.device_type != "cpu" and iterations > TERMS_PER_THREAD * size
+            and 2 * size <= min(1024, caps.max_workgroup_invocations)):
         size *= 2
         if size > caps.max_workgroup_invocations:
             raise ValueError(f"{what}: {iterations} loop trips exceed what "
@@ -90,6 +98,8 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     outputs = node.size
     setup, at = _input_offset(in_shape, axes)
+    if reduced <= SHORT and outputs >= WORKGROUP:
+        return _per_thread(node, caps, in_shape, axes, prologue, epilogue, n_prologue, combine)
     wg = workgroup_for(reduced, caps, node.label)
     out_index = [f"i{a}" for a in range(len(node.shape))]
     epilogue_reads = {0: "partial[0]"} | {
@@ -120,6 +130,38 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
                     prelude=[*helper_functions(prologue, epilogue),
                              f"var<workgroup> partial: array<f32, {wg}>;"],
                     flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
+
+
+def _per_thread(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
+                axes: tuple[int, ...], prologue: Body, epilogue: Body, n_prologue: int,
+                combine: str) -> Kernel:
+    """One thread per output element summing its `reduced` terms in order."""
+    start, fold, _ = _COMBINE[combine]
+    reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
+    setup, at = _input_offset(in_shape, axes)
+    out_index = [f"i{a}" for a in range(len(node.shape))]
+    epilogue_reads = {0: "acc"} | {
+        k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
+        for k in range(1, len(epilogue.strides))}
+    reads = {k: f"in{k}[at]" for k in range(n_prologue)}
+    term = (body_lines(prologue, reads, "    ", fold) if fold.endswith("+=")
+            else [*body_lines(prologue, reads, "    ", "let term ="), f"    {fold}"])
+    buffers = [*[Buf(f"in{k}") for k in range(len(node.inputs))], Buf("out", writable=True)]
+    entry = [f"fn main({ENTRY_ARGS}) {{",
+             f"  let o = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
+             f"  if (o >= {node.size}u) {{ return; }}",
+             *[line for line in setup if line.lstrip().startswith("let k")],
+             f"  var acc = {start};",
+             f"  for (var r = 0u; r < {reduced}u; r++) {{",
+             *[line for line in setup if line.lstrip().startswith("let j")],
+             f"    let at = {at};", *term, "  }",
+             *unflatten("o", node.shape, "i"),
+             *body_lines(epilogue, epilogue_reads, "  ", "out[o] ="), "}"]
+    total = node.size * reduced
+    return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
+                    caps, buffers, (WORKGROUP,), entry, grid(-(-node.size // WORKGROUP), caps),
+                    prelude=helper_functions(prologue, epilogue), flops=2 * total,
+                    nbytes=4 * (total * n_prologue + node.size))
 
 
 def generate_softmax(node: Tensor, caps: Capabilities) -> Kernel:

@@ -12,7 +12,6 @@ import numpy as np
 from vkml.errors import GraphError
 from vkml.graph import Graph, OpDef, Tensor, builder, register
 from vkml.kernels import conv as kernels
-from vkml.kernels import gemm
 
 
 def out_extent(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
@@ -48,32 +47,11 @@ def _conv2d_grad(g, node, d):
     x, w = node.inputs
     a = _conv_attrs(node.attrs)
     return [g.apply("conv2d_input_grad", [d, w], in_shape=x.shape, **a),
-            weight_grad(g, x, d, w.shape, a)]
+            g.apply("conv2d_weight_grad", [x, d], w_shape=w.shape, **a)]
 
 
-def weight_grad(g: Graph, x: Tensor, dy: Tensor, w_shape, attrs: dict) -> Tensor:
-    """d weight: one kernel, or partial sums over splits of batch x output pixels, summed."""
-    o, cpg, kh, kw = w_shape
-    splits = weight_grad_splits(dy.shape[0] * dy.shape[2] * dy.shape[3], o // attrs["groups"],
-                                cpg * kh * kw, attrs["groups"])
-    if splits == 1:
-        return g.apply("conv2d_weight_grad", [x, dy], w_shape=tuple(w_shape), **attrs)
-    partial = g.apply("conv2d_weight_grad", [x, dy], w_shape=tuple(w_shape), splits=splits,
-                      **attrs)
-    return g.sum(partial, 0)
-
-
-def weight_grad_splits(depth: int, rows: int, cols: int, groups: int) -> int:
-    """How many partial sums a weight gradient (rows x cols per group, summed over `depth`
-    products) is split into: enough 64 x 64 tiles to fill a large GPU when the weight is small
-    and the sum long (ResNet's first layers: 64 x 576 over 12544 pixels), each split at least
-    1024 deep, and none longer than 16384 (CPU drivers cap a shader's loop iterations)."""
-    tiles = -(-rows // 64) * -(-cols // 64) * groups
-    wanted = -(-gemm.FILL // tiles) if tiles < gemm.FILL else 1
-    return max(1, min(wanted, depth // 1024, 64), -(-depth // 16384))
-
-
-register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad, lower=kernels.generate_conv2d))
+register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad, lower=kernels.generate_conv2d,
+               gemm=kernels.dims_conv2d))
 
 
 @builder
@@ -94,29 +72,25 @@ def _input_grad(inputs, attrs):  # (d output, weight) -> d input: a transposed c
 def _input_grad_grad(g, node, d):
     dy, w = node.inputs
     a = _conv_attrs(node.attrs)
-    return [g.apply("conv2d", [d, w], **a), weight_grad(g, d, dy, w.shape, a)]
+    return [g.apply("conv2d", [d, w], **a),
+            g.apply("conv2d_weight_grad", [d, dy], w_shape=w.shape, **a)]
 
 
-def _weight_grad(inputs, attrs):  # (input, d output) -> d weight, or its partial sums
-    splits = attrs.get("splits", 1)
-    return ((splits, *attrs["w_shape"]) if splits > 1 else attrs["w_shape"]), "f32"
+def _weight_grad(inputs, attrs):  # (input, d output) -> d weight
+    return attrs["w_shape"], "f32"
 
 
 def _weight_grad_grad(g, node, d):
     x, dy = node.inputs
     a = _conv_attrs(node.attrs)
-    if node.attrs.get("splits", 1) > 1:
-        # Partial sums only feed their own sum (weight_grad), so every split's incoming
-        # gradient is that sum's: one of them, applied over the whole depth, is the gradient.
-        d = g.reshape(g.slice(d, 0, 0, 1), d.shape[1:])
     return [g.apply("conv2d_input_grad", [dy, d], in_shape=x.shape, **a),
             g.apply("conv2d", [x, d], **a)]
 
 
 register(OpDef("conv2d_input_grad", _input_grad, "kernel", grad=_input_grad_grad,
-               lower=kernels.generate_conv2d_input_grad))
+               lower=kernels.generate_conv2d_input_grad, gemm=kernels.dims_conv2d_input_grad))
 register(OpDef("conv2d_weight_grad", _weight_grad, "kernel", grad=_weight_grad_grad,
-               lower=kernels.generate_conv2d_weight_grad))
+               lower=kernels.generate_conv2d_weight_grad, gemm=kernels.dims_conv2d_weight_grad))
 
 
 def _max_pool2d(inputs, attrs):

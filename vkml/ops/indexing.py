@@ -146,7 +146,8 @@ def _embedding(inputs, attrs):
 
 def _embedding_grad(g, node, d):
     weight, ids = node.inputs
-    return [g.apply("embedding_backward", [d, ids], rows=weight.shape[0]), None]
+    first = g.apply("embedding_first_use", [ids], rows=weight.shape[0])
+    return [g.apply("embedding_backward", [d, ids, first], rows=weight.shape[0]), None]
 
 
 def _embedding_body(node: Tensor) -> list[str]:
@@ -167,20 +168,40 @@ def embedding(g: Graph, ids: Tensor, weight: Tensor) -> Tensor:
     return g.apply("embedding", [weight, ids])
 
 
+# d weight[v, j] = sum over positions p with ids[p] == v of d[p, j], deterministically (no float
+# atomics), in two kernels: the first position of each row among the ids (-1: unused), then one
+# thread per weight element, which for a used row sums from that position on and otherwise
+# writes 0. A vocabulary is mostly unused in a step, so most threads only write.
+def _first_use(inputs, attrs):
+    return (attrs["rows"],), "i32"
+
+
+def _first_use_body(node: Tensor) -> list[str]:
+    (ids,) = node.inputs
+    return ["  var first = -1;",
+            f"  for (var p = 0u; p < {ids.size}u; p++) {{",
+            "    if (in0[p] == i32(idx)) { first = i32(p); break; }", "  }",
+            "  out[idx] = first;"]
+
+
+register(OpDef("embedding_first_use", _first_use, "kernel",
+               lower=gather.lowering(_first_use_body)))
+
+
 def _embedding_backward(inputs, attrs):
-    d, ids = inputs
+    d, ids, _ = inputs
     return (attrs["rows"], d.shape[-1]), "f32"
 
 
 def _embedding_backward_body(node: Tensor) -> list[str]:
-    # d weight[v, j] = sum over positions p with ids[p] == v of d[p, j]: one thread per weight
-    # element scanning the ids, so the sum is deterministic (no float atomics).
-    d, ids = node.inputs
+    d, ids, _ = node.inputs
     dim, positions = d.shape[-1], ids.size
-    return [f"  let row = i32(idx / {dim}u); let col = idx % {dim}u;",
+    return [f"  let row = idx / {dim}u; let col = idx % {dim}u;",
             "  var acc = 0.0;",
-            f"  for (var p = 0u; p < {positions}u; p++) {{",
-            f"    if (in1[p] == row) {{ acc += in0[p * {dim}u + col]; }}", "  }",
+            "  let first = in2[row];",
+            "  if (first >= 0) {",
+            f"    for (var p = u32(first); p < {positions}u; p++) {{",
+            f"      if (in1[p] == i32(row)) {{ acc += in0[p * {dim}u + col]; }}", "    }", "  }",
             "  out[idx] = acc;"]
 
 

@@ -47,7 +47,8 @@ def _matmul_grad(g, node, d):
     return [sum_to(g, da, a.shape), sum_to(g, db, b.shape)]
 
 
-register(OpDef("matmul", _matmul, "kernel", grad=_matmul_grad, lower=kernels.generate))
+register(OpDef("matmul", _matmul, "kernel", grad=_matmul_grad, lower=kernels.generate,
+               gemm=kernels.dims))
 
 
 @builder

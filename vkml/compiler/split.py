@@ -1,0 +1,68 @@
+"""Split long sums, the one device-aware graph stage (it runs after rewriting, before scheduling):
+a matrix product or convolution whose output tiles are too few to fill the device, or whose sum
+is longer than the device's loops may run, becomes partial sums over splits of its sum (one
+kernel with a leading "split" axis: more workgroups, each a shorter chain of dependent steps)
+followed by their sum, which takes over the product's fused epilogue.
+
+Which products qualify is each op's `OpDef.gemm` (its GEMM shape); how many splits, the GEMM
+core's `splits` (vkml/kernels/gemm.py) for the device.
+"""
+
+from __future__ import annotations
+
+from vkml.compiler.codegen import phase_target
+from vkml.expr import Arg, Body, contiguous_strides
+from vkml.graph import OPS, Graph, Tensor
+from vkml.hal import Capabilities
+from vkml.kernels import gemm
+
+
+def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
+               forward_roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor]]:
+    """The graph with long sums split, and a map from the id of each kept node to its new node.
+    Nodes `forward_roots` depend on are the forward pass, whose products may be f16 (see
+    codegen.phase_target); the others are split as the f32 kernels they become."""
+    forward = {t.id for t in old.reachable(forward_roots)}
+    new = Graph.__new__(Graph)
+    new.nodes, new.rng, new.initial_values = [], old.rng, {}
+    new_of: dict[int, Tensor] = {}
+
+    def emit(op: str, inputs: list[Tensor], shape: tuple[int, ...], attrs: dict,
+             template: Tensor) -> Tensor:
+        t = Tensor(new, len(new.nodes), op, tuple(inputs), shape, template.dtype, attrs,
+                   template.name, template.where)
+        new.nodes.append(t)
+        return t
+
+    for node in old.reachable(roots):
+        inputs = [new_of[i.id] for i in node.inputs]
+        dims = OPS[node.op].gemm
+        target = phase_target(caps, node.id in forward)
+        pieces = gemm.splits(*dims(node), target) if dims is not None else 1
+        if pieces > 1:
+            new_of[node.id] = _split(node, inputs, pieces, emit)
+        else:
+            new_of[node.id] = emit(node.op, inputs, node.shape, node.attrs, node)
+        if node.id in old.initial_values:
+            new.initial_values[new_of[node.id].id] = old.initial_values[node.id]
+    new.inputs = {n: new_of[t.id] for n, t in old.inputs.items() if t.id in new_of}
+    new.params = {n: new_of[t.id] for n, t in old.params.items() if t.id in new_of}
+    new.outputs = {n: new_of[t.id] for n, t in old.outputs.items() if t.id in new_of}
+    return new, new_of
+
+
+def _split(node: Tensor, inputs: list[Tensor], pieces: int, emit) -> Tensor:
+    """Partial sums (a leading axis of `pieces`), then their sum through the node's epilogue."""
+    if node.op == "fused_matmul":  # the product alone; the sum takes over the epilogue
+        op, operands, extras = "matmul", inputs[:2], inputs[2:]
+        attrs = {k: node.attrs[k] for k in ("transpose_a", "transpose_b")}
+        epilogue = node.attrs["epilogue"]
+    else:
+        op, operands, extras, attrs = node.op, inputs, [], dict(node.attrs)
+        epilogue = Body(Arg(0), ((),))
+    shape = (pieces, *node.shape)
+    partial = emit(op, operands, shape, {**attrs, "splits": pieces}, node)
+    summed = {"axes": (0,), "in_shape": shape, "n_prologue": 1,
+              "prologue": Body(Arg(0), (contiguous_strides(shape),)), "epilogue": epilogue,
+              "shape": node.shape, "dtype": node.dtype}
+    return emit("fused_sum", [partial, *extras], node.shape, summed, node)
