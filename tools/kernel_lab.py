@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,10 @@ MATMULS = [
     ("smollm2 scores", (1, 9, 128, 64), (1, 9, 128, 64), False, True),
     ("whisper qkv fwd", (1500, 384), (384, 384), False, True),
     ("whisper ffn dW", (1500, 1536), (1500, 384), True, False),
+    ("whisper ffn down fwd", (1500, 1536), (384, 1536), False, True),
+    ("whisper attn PV", (1, 6, 1500, 1500), (1, 6, 1500, 64), False, False),
+    ("whisper attn scores", (1, 6, 1500, 64), (1, 6, 1500, 64), False, True),
+    ("smollm2 down dX", (128, 576), (576, 1536), False, False),
 ]
 # (label, x shape, weight shape, stride, padding): ResNet-50 at 4 x 224^2 and the U-Net at
 # 2 x 32^2; each is timed forward and both gradients.
@@ -56,6 +61,9 @@ CONVS = [
     ("resnet l4 1x1 down", (4, 2048, 7, 7), (512, 2048, 1, 1), 1, 0),
     ("unet 3x3 64", (2, 64, 32, 32), (64, 64, 3, 3), 1, 1),
     ("unet 3x3 256", (2, 256, 8, 8), (256, 256, 3, 3), 1, 1),
+    ("resnet l2 3x3", (4, 128, 28, 28), (128, 128, 3, 3), 1, 1),
+    ("resnet l4 3x3", (4, 512, 7, 7), (512, 512, 3, 3), 1, 1),
+    ("resnet l3 down 1x1/2", (4, 512, 28, 28), (1024, 512, 1, 1), 2, 0),
 ]
 QUICK_CONVS = [("small 3x3", (2, 3, 9, 7), (5, 3, 3, 3), 1, 1),
                ("split wgrad", (4, 2, 32, 32), (3, 2, 3, 3), 1, 1)]
@@ -82,32 +90,50 @@ def matmul_case(device: vkml.Device, a_shape, b_shape, ta: bool, tb: bool, rng):
     return g, a64 @ b64
 
 
-def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps) -> tuple:
-    """A session of `g` whose GEMM kernels use `tiling` (codegen's choice when None): the
-    session after one step, and per GEMM op the median GPU ms of its dispatch."""
-    plan = lower(g, caps, loss=loss).plan
+def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
+        splits: int | None = None) -> tuple:
+    """A session of `g` whose GEMM kernels use `tiling` (codegen's choice when None) and, with
+    `splits`, that many partial sums (the split stage's choice when None): the session after one
+    step, and per GEMM op its kernel's name and the median GPU ms of its dispatch plus the sum of
+    its partials. The GPU is kept busy for a moment first, so its clocks are up."""
+    forced = gemm.splits if splits is None else (lambda *args: splits)
+    original, gemm.splits = gemm.splits, forced
+    try:
+        plan = lower(g, caps, loss=loss).plan
+    finally:
+        gemm.splits = original
     if tiling is not None:
         plan = dataclasses.replace(plan, dispatches=[
             dataclasses.replace(d, kernel=GEMM_OPS[d.node.op](d.node, caps, tiling))
             if d.node is not None and d.node.op in GEMM_OPS else d for d in plan.dispatches])
     session = Session(plan, device)
     session.step()
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_S:
+        session.step()
+        session.wait()
     profile = session.profile(steps=reps)
-    times = {}
+    times: dict = {}
+    sums = {d.node.inputs[0].id: ms for d, ms in zip(plan.dispatches, profile.dispatch_ms)
+            if d.node is not None and d.node.op == "fused_sum"}
     for d, ms in zip(plan.dispatches, profile.dispatch_ms):
         if d.node is not None and d.node.op in GEMM_OPS:
-            times[d.node.op] = (d.kernel.name, ms)
+            times[d.node.op] = (d.kernel.name, ms + sums.get(d.node.id, 0.0))
     return session, times, profile.source
 
 
+WARM_S = 0.05
+
+
 def report(rows: list, label: str, tiling, times: dict, errors: dict, flop: dict,
-           limit: float) -> None:
+           limit: float, splits: int | None) -> None:
     for op, (name, ms) in times.items():
         tflops = flop[op] / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
         err = errors.get(op, errors.get("all", 0.0))
         rows.append({"case": label, "op": op, "tiling": str(tiling or "auto"), "kernel": name,
-                     "ms": ms, "tflops": tflops, "err": err, "limit": limit})
+                     "splits": splits, "ms": ms, "tflops": tflops, "err": err, "limit": limit})
         shown = str(tiling) if tiling is not None else "auto:" + name.rsplit("_", 1)[-1]
+        shown += f" /{splits or 'a'}"
         print(f"{label[:22]:22} {op[:18]:18} {shown:24} {ms:9.4f} {tflops:8.2f} {err:9.2e}",
               flush=True)
 
@@ -145,6 +171,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tilings", default="all",
                         help="'all', 'auto' or names like s64x64k16r4x4")
+    parser.add_argument("--splits", default="auto",
+                        help="'auto' (the split stage's choice) or counts like 1,2,4,8")
+    parser.add_argument("--cases", default="", help="only cases whose label has one of these")
     opts = parser.parse_args()
     device = vkml.Device()
     staged_caps = (dataclasses.replace(device.caps, device_type="discrete")
@@ -163,19 +192,22 @@ def main() -> int:
     print(f"{'case':22} {'op':18} {'tiling':24} {'ms':>9} {'TFLOP/s':>8} {'rel err':>9}")
     cases = [("matmul", c) for c in (QUICK if opts.quick else MATMULS)]
     cases += [("conv", c) for c in (QUICK_CONVS if opts.quick else CONVS)]
+    if opts.cases:
+        cases = [c for c in cases if any(w in c[1][0] for w in opts.cases.split(","))]
+    split_counts = [None] if opts.splits == "auto" else [int(v) for v in opts.splits.split(",")]
     for kind, (label, sa, sb, p, q) in cases:
         if kind == "matmul":
             g, expected = matmul_case(device, sa, sb, p, q, rng)
             loss, flop = None, {"matmul": 2 * expected.size * (sa[-2] if p else sa[-1])}
         else:
             g, loss, conv_expected, flop = conv_case(sa, sb, p, q, rng)
-        for tiling in [None, *tilings]:
+        for tiling, splits in [(t, c) for t in [None, *tilings] for c in split_counts]:
             caps = staged_caps if tiling is not None else device.caps
             limit = 1e-5
             if isinstance(tiling, gemm.CoopTiling):
                 caps, limit = dataclasses.replace(caps, precision="f16"), 5e-3
             try:
-                session, times, _ = run(device, g, loss, tiling, opts.reps, caps)
+                session, times, _ = run(device, g, loss, tiling, opts.reps, caps, splits)
                 if kind == "matmul":
                     errors = {"matmul": rel(session.read("c"), expected)}
                 else:
@@ -190,7 +222,7 @@ def main() -> int:
                 rows.append({"case": label, "tiling": str(tiling or "auto"), "error": error})
                 print(f"{label[:22]:22} {'':18} {str(tiling or 'auto'):24} failed: {error[:60]}")
                 continue
-            report(rows, label, tiling, times, errors, flop, limit)
+            report(rows, label, tiling, times, errors, flop, limit, splits)
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
         (opts.out / "lab.json").write_text(json.dumps({"device": device.name, "rows": rows},
