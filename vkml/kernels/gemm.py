@@ -124,41 +124,41 @@ def direct_tiling(m: int, n: int) -> Tiling:
 
 def choose(m: int, n: int, k: int, z: int, caps: Capabilities) -> Tiling | CoopTiling:
     """The tiling for an (m x n x k) product over `z` grid layers on this device: the largest
-    whose tiles fill the device; where none does, a middle one (the split stage then adds
-    workgroups by splitting k), or the smallest for thin matrices."""
+    when its tiles alone fill the device, else a 64 x 64 tile (32 x 32 for thin matrices) that
+    the split stage gives more workgroups by splitting k. Measured on an H200 (tools/
+    kernel_lab.py, tools/KERNELS.md): 64 x 64 with splits beat the smaller tiles that fill the
+    device unsplit by 2-4x on the models' shapes."""
     if caps.device_type == "cpu" and caps.precision != "f16":
         return direct_tiling(m, n)
     usable = (list(COOP) if caps.precision == "f16"
               else [t for t in STAGED if _fits(t, caps)])
-    for t in usable:
-        if -(-m // t.bm) * -(-n // t.bn) * z >= FILL:
-            return t
+    largest = usable[0]
+    if -(-m // largest.bm) * -(-n // largest.bn) * z >= FILL:
+        return largest
     middle = [t for t in usable if t.bm == t.bn == 64]
-    return middle[0] if middle and m >= 64 and n >= 64 else usable[-1]
+    return middle[0] if middle and min(m, n) >= THIN else usable[-1]
 
 
 def splits(m: int, n: int, k: int, z: int, caps: Capabilities) -> int:
     """Into how many partial sums over splits of k an (m x n x k) product over `z` grid layers
     is cut (the split stage, compiler/split.py, makes them): on GPUs, where its tiles leave
-    the device short of workgroups, enough to fill it and to keep each workgroup's chain of
-    dependent k-steps short (each step waits for its operands); everywhere, enough to keep a
-    shader's loop within the device's limit (the direct variant loops k times)."""
+    the device short of workgroups, enough for about twice the workgroups that fill it, each
+    split at least 8 k-steps deep; everywhere, enough to keep a shader's loop within the
+    device's limit (the direct variant loops k times)."""
     if caps.device_type == "cpu" and caps.precision != "f16":
         limit = caps.max_loop_iterations
         return -(-k // limit) if limit is not None and k > limit else 1
     t = choose(m, n, k, z, caps)
     tiles = -(-m // t.bm) * -(-n // t.bn) * z
     steps = -(-k // t.bk)
-    if tiles >= FILL or steps < 16:
+    if tiles >= FILL:
         return 1
-    wanted = max(-(-FILL // tiles), -(-steps // MAX_STEPS))
-    return max(1, min(wanted, steps // 4, MAX_SPLITS))
+    return max(1, min(-(-2 * FILL // tiles), steps // MIN_STEPS, MAX_SPLITS))
 
 
-# A workgroup's k-steps are a chain of dependent memory reads; past this many, a product with
-# few tiles is split further (each step costs about a microsecond when little else runs).
-MAX_STEPS = 64
-MAX_SPLITS = 64
+THIN = 48  # below this many rows or columns a 64-wide tile is mostly idle
+MIN_STEPS = 8  # k-steps a split keeps at the least
+MAX_SPLITS = 16
 
 
 def _fits(t: Tiling, caps: Capabilities) -> bool:
