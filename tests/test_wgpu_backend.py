@@ -183,3 +183,22 @@ def test_auto_falls_back_to_wgpu_without_a_vulkan_driver():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.stdout.startswith("wgpu <vkml.Device"), out.stdout + out.stderr
+
+
+def test_profile_of_more_dispatches_than_one_query_set_holds(pair):
+    """WebGPU caps a query set at 4096 queries (2048 timed dispatches): a longer step is
+    timed with several (seen on the H200 with SmolLM2's 4691-dispatch training step)."""
+    device = pair["wgpu"]
+    if device.backend.timestamps is None:
+        pytest.skip("this adapter has no timestamp queries")
+    g = vkml.Graph()
+    y = g.input("x", (4,))
+    for _ in range(2100):
+        y = g.add(y, 1.0)
+    g.output("y", y)
+    session = vkml.compile(g, device=device, rewrite="none")
+    session.set_input("x", np.zeros(4, np.float32))
+    profile = session.profile(steps=1)
+    assert len(profile.dispatch_ms) == len(session.plan.dispatches) >= 2100
+    np.testing.assert_array_equal(session.read("y"), np.full(4, 2100, np.float32))
+    assert_quiet(pair)

@@ -38,6 +38,8 @@ from vkml.hal import (
 # WebGPU's default, and what a browser guarantees. Adapters may allow less (lavapipe says 32), but
 # a plan laid out for 256 is valid on every WebGPU implementation, so this is not lowered.
 STORAGE_OFFSET_ALIGNMENT = 256
+# The most queries a WebGPU query set holds (an even number: a dispatch's two stay together).
+QUERY_SET_SIZE = 4096
 # wgpu's copies, queue writes and mapped ranges work in whole 4-byte words.
 COPY_ALIGN = 4
 
@@ -96,7 +98,7 @@ class Program:
         self.segments: list[list[tuple[Any, ...]] | tuple[Any, ...]] | None = []
         self.num_dispatches = 0
         self.scratch: Any = None
-        # With timestamps: a query set (a begin and an end per dispatch), the buffer it resolves
+        # With timestamps: query sets (a begin and an end per dispatch), the buffer they resolve
         # into and the readable copy of it.
         self.queries: Any = None
         self.resolved: Any = None
@@ -307,8 +309,11 @@ class WgpuBackend(BackendBase):
         count = 2 * sum(isinstance(c, Dispatch) for c in commands)
         if timestamps and self.caps.timestamp_period_ns > 0 and count:
             usage = self._wgpu.BufferUsage
-            prog.queries = self._device.create_query_set(label=f"{label} timestamps",
-                                                         type="timestamp", count=count)
+            # WebGPU caps a query set at 4096 queries: a long program gets several.
+            prog.queries = [self._device.create_query_set(
+                label=f"{label} timestamps {k}", type="timestamp",
+                count=min(QUERY_SET_SIZE, count - k * QUERY_SET_SIZE))
+                for k in range(-(-count // QUERY_SET_SIZE))]
             prog.resolved = self._device.create_buffer(
                 label=f"{label} timestamps", size=8 * count,
                 usage=usage.QUERY_RESOLVE | usage.COPY_SRC)
@@ -359,8 +364,10 @@ class WgpuBackend(BackendBase):
             if isinstance(seg, list):
                 # Timed: a pass per dispatch, since timestamps are written at pass boundaries.
                 for run in ([[d] for d in seg] if timed else [seg]):
-                    writes = ({"query_set": program.queries, "beginning_of_pass_write_index":
-                               query, "end_of_pass_write_index": query + 1} if timed else None)
+                    writes = ({"query_set": program.queries[query // QUERY_SET_SIZE],
+                               "beginning_of_pass_write_index": query % QUERY_SET_SIZE,
+                               "end_of_pass_write_index": query % QUERY_SET_SIZE + 1}
+                              if timed else None)
                     query += 2
                     compute = encoder.begin_compute_pass(timestamp_writes=writes)
                     current = None
@@ -375,7 +382,10 @@ class WgpuBackend(BackendBase):
             else:
                 encoder.copy_buffer_to_buffer(*seg)
         if timed:
-            encoder.resolve_query_set(program.queries, 0, query, program.resolved, 0)
+            for k, queries in enumerate(program.queries):
+                first = k * QUERY_SET_SIZE
+                encoder.resolve_query_set(queries, 0, min(QUERY_SET_SIZE, query - first),
+                                          program.resolved, 8 * first)
             encoder.copy_buffer_to_buffer(program.resolved, 0, program.timings, 0, 8 * query)
         self._queue.submit([encoder.finish()])
         self._pending = True
@@ -412,7 +422,7 @@ class WgpuBackend(BackendBase):
             self.wait()
             program.scratch.destroy()
             program.scratch = None
-        for resource in (program.queries, program.resolved, program.timings):
+        for resource in (*(program.queries or ()), program.resolved, program.timings):
             if resource is not None:
                 resource.destroy()
         program.queries = program.resolved = program.timings = None
