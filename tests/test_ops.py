@@ -288,3 +288,31 @@ def test_gradient_matches_finite_differences(case: Case, device, rng):
     analytic = sum(float(np.sum(g * d)) for g, d in zip(grads, direction))
     scale = max(abs(analytic), np.sqrt(sum(np.sum(g * g) for g in grads)) * 1e-2, 1e-3)
     assert abs(numeric - analytic) / scale < FD_TOL, (numeric, analytic)
+
+
+NAN_UNARY = ["relu", "sigmoid", "tanh", "gelu", "silu", "exp", "log", "neg", "sqrt", "rsqrt",
+             "square", "abs"]
+
+
+def test_pointwise_ops_propagate_nan_as_torch_does(device):
+    """A NaN input gives NaN wherever PyTorch gives NaN (and finite values elsewhere), so NaN
+    data cannot vanish into a finite loss while corrupting parameters."""
+    x = np.array([np.nan, -2.0, 0.5, 3.0, np.nan, 1.0], np.float32)
+    g = vkml.Graph()
+    xi = g.input("x", x.shape)
+    for name in NAN_UNARY:
+        g.output(name, getattr(g, name)(xi))
+    g.output("clamp", g.clamp(xi, -1.0, 1.0))
+    g.output("add", xi + 1.0)
+    g.output("mul", g.mul(xi, xi))
+    session = vkml.compile(g, device=device)
+    session.set_input("x", x)
+    session.forward()
+    t = torch.tensor(x)
+    expected = {name: getattr(torch, name, None) or getattr(F, name) for name in NAN_UNARY}
+    expected["clamp"] = lambda v: v.clamp(-1.0, 1.0)
+    expected["add"] = lambda v: v + 1.0
+    expected["mul"] = lambda v: v * v
+    for name, fn in expected.items():
+        want = np.isnan(fn(t).numpy())
+        assert np.array_equal(np.isnan(session.read(name)), want), name

@@ -6,12 +6,19 @@
 """
 
 from vkml import nn, ops  # noqa: F401  (ops: every op registers itself and its Graph method)
-from vkml.errors import DeviceError, GraphError, InputError, NagaError, VkmlError
+from vkml.errors import (
+    DeviceError,
+    GraphError,
+    InputError,
+    NagaError,
+    NotComputedError,
+    VkmlError,
+)
 from vkml.graph import Graph, Tensor
 from vkml.optim import SGD, Adam, AdamW, Optimizer
 from vkml.runtime.device import Device
 from vkml.session import Session, compile
 
 __all__ = ["Graph", "Tensor", "compile", "Session", "Device", "SGD", "Adam", "AdamW",
-           "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NagaError",
-           "DeviceError"]
+           "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NotComputedError",
+           "NagaError", "DeviceError"]

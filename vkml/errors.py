@@ -15,6 +15,10 @@ class InputError(VkmlError):
     """A value handed to a session does not fit (unknown name, wrong shape or dtype)."""
 
 
+class NotComputedError(InputError):
+    """A session was asked for an output or gradient that no step has computed yet."""
+
+
 class NagaError(VkmlError):
     """naga rejected a generated kernel; the message carries naga's report and the WGSL."""
 

@@ -179,6 +179,7 @@ class Graph:
         self.outputs: dict[str, Tensor] = {}
         self.initial_values: dict[int, np.ndarray] = {}  # parameter and constant id -> value
         self.rng = np.random.default_rng(seed)
+        self.where = _user_frame()  # where it was made: errors about mixed graphs say which
 
     # ---- building -------------------------------------------------------------------------
     def apply(self, op: str, inputs: Sequence[Tensor], name: str | None = None,
@@ -186,8 +187,11 @@ class Graph:
         """Add one node; the op's shape rule checks the inputs and gives the result type."""
         opdef = OPS[op]
         for t in inputs:
+            if not isinstance(t, Tensor):
+                raise GraphError(f"{op}: expected a Tensor, got {type(t).__name__}")
             if t.graph is not self and not self._owns(t):
-                raise GraphError(f"{op}: input {t.label} belongs to another Graph")
+                raise GraphError(f"{op}: input {t.label} belongs to another Graph (created at "
+                                 f"{t.graph.where}) than this one (created at {self.where})")
         where = _user_frame()
         try:
             shape, dtype = opdef.infer([*inputs], attrs)
@@ -274,6 +278,7 @@ class Graph:
         g = Graph.__new__(Graph)
         g.nodes, g.inputs, g.params = list(self.nodes), dict(self.inputs), dict(self.params)
         g.outputs, g.initial_values, g.rng = dict(self.outputs), dict(self.initial_values), self.rng
+        g.where = self.where
         return g
 
     def reachable(self, roots: Iterable[Tensor]) -> list[Tensor]:

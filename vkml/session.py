@@ -11,7 +11,7 @@ import numpy as np
 
 from vkml.compiler.schedule import Plan, Slot
 from vkml.compiler.stages import Trainable, lower
-from vkml.errors import DeviceError, InputError
+from vkml.errors import DeviceError, InputError, NotComputedError
 from vkml.graph import Graph, Tensor
 from vkml.optim import Optimizer
 from vkml.runtime import checkpoint
@@ -58,6 +58,9 @@ class Session:
         self._chunker = Chunker(self._bound)
         self._profiler = Profiler(self._bound)
         self._external: object | None = None  # the step prepared for record()
+        # What a submitted step or forward pass has computed so far: device memory starts
+        # undefined, so reading an output or a gradient before then would return garbage.
+        self._computed: set[str] = set()
 
     @property
     def inputs(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -82,7 +85,10 @@ class Session:
             known = ", ".join(f"'{n}'" for n in self.plan.inputs) or "none"
             raise InputError(f"unknown input '{name}'; this session's inputs are: {known}")
         slot = self.plan.slots[self.plan.inputs[name]]
-        self._bound.write_input(name, _conform(f"input '{name}'", value, slot))
+        array = _conform(f"input '{name}'", value, slot)
+        if name in self.plan.input_ranges and array.size:
+            _check_range(name, array, *self.plan.input_ranges[name])
+        self._bound.write_input(name, array)
 
     def step(self, chunks: int | None = None, budget_ms: float | None = None) -> None:
         """Submit one step (a training step for a session with an optimizer) and return at once.
@@ -98,6 +104,7 @@ class Session:
         measured. Results are bit-identical to a whole step either way."""
         if chunks is None and budget_ms is None:
             self._submit(self._bound.step_program)
+            self._computed |= {"outputs", "grads"}
             return
         self._chunker.finish()
         cuts = self._chunker.cuts(chunks, budget_ms)
@@ -108,6 +115,7 @@ class Session:
             return
         self._chunker.start(cuts)
         self._chunker.finish()
+        self._computed |= {"outputs", "grads"}
 
     def step_chunk(self, chunks: int | None = None, budget_ms: float | None = None) -> int:
         """Submit the next piece of the current chunked step (starting a new step when none is
@@ -129,6 +137,8 @@ class Session:
                 return 0
             chunker.start(cuts)
         chunker.submit_next()
+        if not chunker.pieces_left:
+            self._computed |= {"outputs", "grads"}
         return chunker.pieces_left
 
     @property
@@ -189,6 +199,7 @@ class Session:
             self._external = bound.keep(recording.prepare(
                 bound.commands(range(len(self.plan.dispatches)), uploads=True), "step (host)"))
         recording.record_into(command_buffer, self._external)
+        self._computed |= {"outputs", "grads"}  # once the host submits it; read() after that
 
     def profile(self, steps: int = 3) -> Profile:
         """Run `steps` steps with a timestamp after every dispatch and return per-kernel times
@@ -201,6 +212,7 @@ class Session:
         more step is run for host timing. Measured times also steer step(chunks=...)."""
         self._chunker.finish()
         profile = self._profiler.run(steps)
+        self._computed |= {"outputs", "grads"}
         self._chunker.set_measured(profile.dispatch_ms,
                                    f"measured by profile() with {profile.source}")
         return profile
@@ -215,6 +227,7 @@ class Session:
     def forward(self) -> None:
         """Compute the outputs (and loss) only: no gradients, no update."""
         self._submit(self._bound.forward_program)
+        self._computed.add("outputs")
 
     def _submit(self, program: object) -> None:
         self._chunker.finish()
@@ -234,6 +247,7 @@ class Session:
         if name not in self.plan.outputs:
             raise InputError(f"nothing named '{name}' can be read; outputs: "
                              f"{sorted(self.plan.outputs)}, parameters: {sorted(self.plan.params)}")
+        self._require_computed("outputs", f"output '{name}'")
         view = self.plan.outputs[name]
         return self._bound.read_slot(self.plan.slots[view.slot]).reshape(view.shape)
 
@@ -250,8 +264,20 @@ class Session:
                                  "session: compile with keep_grads=True to read it")
             raise InputError(f"no gradient for '{param}': compile with a loss, and name one of "
                              f"the parameters {sorted(plan.params)}")
+        self._require_computed("grads", f"the gradient of '{param}'")
         view = plan.grads[param]
         return self._bound.read_slot(plan.slots[view.slot]).reshape(view.shape)
+
+    def _require_computed(self, what: str, name: str) -> None:
+        if self._chunker.in_progress:
+            raise NotComputedError(
+                f"{name} cannot be read while a chunked step is in progress "
+                f"({self._chunker.pieces_left} piece(s) not yet submitted): call step_chunk() "
+                "until it returns 0 first")
+        if what not in self._computed:
+            how = "step()" if what == "grads" else "step() or forward()"
+            raise NotComputedError(f"{name} has not been computed yet: run {how} first "
+                                   "(device memory starts undefined)")
 
     def params(self) -> dict[str, np.ndarray]:
         return {name: self._bound.read_slot(self.plan.slots[s])
@@ -316,6 +342,16 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_range(name: str, array: np.ndarray, first: int, end: int, what: str) -> None:
+    """Refuse indices outside [first, end), naming the first bad one and where it is."""
+    bad = (array < first) | (array >= end)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise InputError(f"input '{name}' holds {int(array[at])} at index {at} "
+                         f"({int(bad.sum())} value(s) in all), outside [{first}, {end}): it "
+                         f"is a {what}; nothing was changed")
 
 
 def _conform(what: str, value: np.ndarray | Sequence, slot: Slot) -> np.ndarray:

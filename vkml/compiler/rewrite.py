@@ -72,7 +72,7 @@ def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor
     pinned = {t.id for t in roots}
     consumers = Counter(i.id for t in order for i in {x.id: x for x in t.inputs}.values())
     new = Graph.__new__(Graph)
-    new.nodes, new.outputs, new.rng = [], {}, old.rng
+    new.nodes, new.outputs, new.rng, new.where = [], {}, old.rng, old.where
     new.initial_values = {}
     new_of: dict[int, Tensor] = {}
     old_of: dict[int, int] = {}

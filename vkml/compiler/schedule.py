@@ -109,6 +109,8 @@ class Plan:
     trainable: tuple[str, ...] | None = None
     # The optimizer hyperparameter buffer's layout: one f32 per name, the step count "t" last
     hyperparams: tuple[str, ...] = ()
+    # i32 inputs that select classes or rows: name -> (first valid, end, what they index)
+    input_ranges: dict[str, tuple[int, int, str]] = field(default_factory=dict)
 
     @property
     def barrier_count(self) -> int:

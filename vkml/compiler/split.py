@@ -24,7 +24,7 @@ def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
     codegen.phase_target); the others are split as the f32 kernels they become."""
     forward = {t.id for t in old.reachable(forward_roots)}
     new = Graph.__new__(Graph)
-    new.nodes, new.rng, new.initial_values = [], old.rng, {}
+    new.nodes, new.rng, new.initial_values, new.where = [], old.rng, {}, old.where
     new_of: dict[int, Tensor] = {}
 
     def emit(op: str, inputs: list[Tensor], shape: tuple[int, ...], attrs: dict,

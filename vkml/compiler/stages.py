@@ -104,6 +104,65 @@ class Stages:
         raise GraphError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
 
 
+def check_arguments(graph: Graph, loss: object, optimizer: object, outputs: object) -> None:
+    """What vkml.compile is handed, checked before anything is built from it."""
+    if not isinstance(graph, Graph):
+        raise GraphError(f"compile takes a vkml.Graph first, got {type(graph).__name__}")
+    if optimizer is not None:
+        if isinstance(optimizer, type):
+            raise GraphError(f"optimizer={optimizer.__name__} is the class: pass an instance, "
+                             f"e.g. optimizer=vkml.{optimizer.__name__}(lr=1e-3)")
+        if not isinstance(optimizer, Optimizer):
+            raise GraphError(f"optimizer must be a vkml optimizer (vkml.SGD, vkml.Adam, "
+                             f"vkml.AdamW), got {type(optimizer).__name__}")
+        if loss is None:
+            raise GraphError("an optimizer needs a loss to minimise: compile(graph, loss=..., "
+                             "optimizer=...)")
+    if outputs is not None and not isinstance(outputs, Mapping):
+        raise GraphError(f"outputs must map names to tensors, e.g. outputs={{'y': y}}; got "
+                         f"{type(outputs).__name__}")
+    for name, t in [*(outputs or {}).items(), *([("loss", loss)] if loss is not None else [])]:
+        what = "the loss" if name == "loss" and t is loss else f"output '{name}'"
+        if not isinstance(name, str) or not name:
+            raise GraphError(f"output names must be non-empty strings, got {name!r}")
+        if not isinstance(t, Tensor):
+            raise GraphError(f"{what} must be a Tensor of this graph, got "
+                             f"{t.__name__ if isinstance(t, type) else type(t).__name__}")
+        if not graph._owns(t):
+            raise GraphError(f"{what} {t.label} belongs to another Graph (created at "
+                             f"{t.graph.where}) than the one compiled (created at "
+                             f"{graph.where}); build it on the graph you compile")
+    if loss is not None and loss.dtype != "f32":  # type: ignore[union-attr]
+        raise GraphError(f"the loss must be f32 to differentiate, got {loss.label}")  # type: ignore[union-attr]
+
+
+# Ops that index with an i32 input: (op, which input, the range's end from the node, what for).
+INDEXING = {"one_hot": (0, lambda n: n.attrs["num_classes"], "class index (one_hot / "
+                        "cross_entropy)"),
+            "embedding": (1, lambda n: n.inputs[0].shape[0], "embedding row")}
+
+
+def index_ranges(graph: Graph, roots: list[Tensor]) -> dict[str, tuple[int, int, str]]:
+    """Per i32 input that selects classes or rows (through reshapes), the valid [0, end) and
+    what it indexes, so set_input refuses values PyTorch would raise on instead of computing a
+    silently wrong loss."""
+    ranges: dict[str, tuple[int, int, str]] = {}
+    names = {t.id: n for n, t in graph.inputs.items()}
+    for node in graph.reachable(roots):
+        if node.op not in INDEXING:
+            continue
+        k, end_of, what = INDEXING[node.op]
+        source = node.inputs[k]
+        while source.op == "reshape":
+            source = source.inputs[0]
+        if source.id in names:
+            name, end = names[source.id], int(end_of(node))
+            old = ranges.get(name)
+            if old is None or end < old[1]:
+                ranges[name] = (0, end, f"{what} made at {node.where}")
+    return ranges
+
+
 def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
           optimizer: Optimizer | None = None, outputs: Mapping[str, Tensor] | None = None,
           rewrite: str = "greedy", keep_grads: bool | None = None,
@@ -112,9 +171,7 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
     caps = target(caps, precision)
     if rewrite not in REWRITES:
         raise GraphError(f"unknown rewrite {rewrite!r}; use one of {REWRITES}")
-    if optimizer is not None and loss is None:
-        raise GraphError("an optimizer needs a loss to minimise: compile(graph, loss=..., "
-                         "optimizer=...)")
+    check_arguments(graph, loss, optimizer, outputs)
     work = graph.copy()
     named = dict(graph.outputs)
     for name, t in {**(outputs or {}), **({"loss": loss} if loss is not None else {})}.items():
@@ -140,5 +197,6 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
     plan = make_plan(split, split_named, split_grads, optimizer, caps, keep_grads=keep,
                      has_loss=loss is not None)
     plan = codegen.generate(plan, caps)
+    plan.input_ranges = index_ranges(work, roots)
     return Stages(work, roots, fused, fused_roots, split,
                   [*split_named.values(), *split_grads.values()], plan)

@@ -23,7 +23,8 @@ register(OpDef("reshape", _reshape, "view",
                grad=lambda g, node, d: [g.reshape(d, node.inputs[0].shape)]))
 
 
-@builder(tensor=lambda x, *shape: x.graph.reshape(x, shape))
+@builder(tensor=lambda x, *shape: x.graph.reshape(
+    x, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
 def reshape(g: Graph, x: Tensor, shape: Sequence[int]) -> Tensor:
     """The same elements in another shape; one axis may be -1 (inferred). No copy is made."""
     shape = tuple(int(d) for d in shape)

@@ -73,7 +73,10 @@ UnaryGrad = Callable[[Graph, Tensor, Tensor, Tensor], Tensor]  # (g, x, y, d y) 
 # name -> (WGSL template of the input {0}, helper functions, gradient, public: a Graph method
 # (and "tensor": a Tensor method too), or internal: made only by other ops' gradients)
 UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
-    "relu": ("max({0}, 0.0)", "", lambda g, x, y, d: g.mul(d, g.apply("step", [x])), "tensor"),
+    # select, not max(x, 0): WGSL leaves max of a NaN to the driver (lavapipe gives 0); torch
+    # propagates it, and a NaN that vanishes here would corrupt parameters unnoticed
+    "relu": ("select({0}, 0.0, {0} < 0.0)", "",
+             lambda g, x, y, d: g.mul(d, g.apply("step", [x])), "tensor"),
     "step": ("select(0.0, 1.0, {0} > 0.0)", "", None, "internal"),
     "sigmoid": ("1.0 / (1.0 + exp(-{0}))", "",
                 lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y))), "tensor"),

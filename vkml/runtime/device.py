@@ -27,6 +27,10 @@ class Device:
         if choice not in BACKENDS:
             raise DeviceError(f"unknown backend {choice!r} (from the backend argument or "
                               f"VKML_BACKEND); choose one of {', '.join(BACKENDS)}")
+        # Resolved here, not in a backend, so an explicit choice binds every backend "auto" may
+        # try: a device no backend has is refused with their lists, never replaced by a default.
+        if selector is None:
+            selector = os.environ.get("VKML_DEVICE") or None
         sel = None if selector is None else str(selector)
         self.backend: Backend
         self.backend_name = "wgpu" if choice == "wgpu" else "vulkan"
