@@ -5,6 +5,7 @@ full-vocabulary loss) 34% low. Long reductions get more threads per workgroup.""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import vkml
 from vkml.kernels.reduce import WORKGROUP
@@ -26,3 +27,57 @@ def test_sum_longer_than_one_loop_may_run(device):
     np.testing.assert_allclose(session.read("softmax"), 1.0 / n, rtol=1e-3)
     assert not any(f"@workgroup_size({WORKGROUP})" in d.kernel.wgsl
                    for d in session.plan.dispatches)
+
+
+LONG = 70000  # past lavapipe's 65535 loop iterations per invocation
+
+
+def test_amax_longer_than_one_loop_may_run(device):
+    x = np.zeros(LONG, np.float32)
+    x[-1] = 3.0  # the maximum last: a loop stopped early would miss it
+    g = vkml.Graph()
+    xi = g.input("x", (LONG,))
+    g.output("m", g.amax(xi))
+    session = vkml.compile(g, device=device)
+    session.set_input("x", x)
+    session.step()
+    assert float(session.read("m")) == 3.0
+
+
+@pytest.mark.parametrize("k", [65536, LONG])
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_matmul_inner_dimension_longer_than_one_loop_may_run(device, k, ta, tb):
+    g = vkml.Graph()
+    a = g.input("a", (k, 1) if ta else (1, k))
+    b = g.input("b", (1, k) if tb else (k, 1))
+    g.output("c", g.matmul(a, b, transpose_a=ta, transpose_b=tb))
+    session = vkml.compile(g, device=device)
+    session.set_input("a", np.ones(a.shape, np.float32))
+    session.set_input("b", np.ones(b.shape, np.float32))
+    session.step()
+    assert float(session.read("c")[0, 0]) == k  # integers below 2**24 are exact in f32
+
+
+def test_linear_weight_gradient_over_many_rows(device):
+    g = vkml.Graph()
+    x = g.input("x", (LONG, 2))
+    layer = vkml.nn.Linear(g, "fc", 2, 3)
+    session = vkml.compile(g, loss=g.sum(layer(x)), keep_grads=True, device=device)
+    session.set_input("x", np.ones((LONG, 2), np.float32))
+    session.step()
+    np.testing.assert_array_equal(session.grad("fc.weight"), np.full((3, 2), LONG, np.float32))
+    np.testing.assert_array_equal(session.grad("fc.bias"), np.full(3, LONG, np.float32))
+
+
+def test_embedding_gradient_over_many_positions(device):
+    ids = np.arange(LONG, dtype=np.int32) % 5
+    ids[-1] = 4  # the last position counts too
+    g = vkml.Graph()
+    idx = g.input("ids", (LONG,), "i32")
+    table = g.param("table", (5, 2), "normal")
+    session = vkml.compile(g, loss=g.sum(g.embedding(idx, table)), keep_grads=True,
+                           device=device)
+    session.set_input("ids", ids)
+    session.step()
+    counts = np.bincount(ids, minlength=5).astype(np.float32)
+    np.testing.assert_array_equal(session.grad("table"), np.repeat(counts[:, None], 2, 1))

@@ -11,6 +11,7 @@ from vkml.errors import (
     GraphError,
     InputError,
     NagaError,
+    NonFiniteError,
     NotComputedError,
     VkmlError,
 )
@@ -21,4 +22,4 @@ from vkml.session import Session, compile
 
 __all__ = ["Graph", "Tensor", "compile", "Session", "Device", "SGD", "Adam", "AdamW",
            "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NotComputedError",
-           "NagaError", "DeviceError"]
+           "NonFiniteError", "NagaError", "DeviceError"]

@@ -19,6 +19,10 @@ class NotComputedError(InputError):
     """A session was asked for an output or gradient that no step has computed yet."""
 
 
+class NonFiniteError(VkmlError):
+    """A step's loss was NaN or infinite (compile(..., check_finite=True)); it changed nothing."""
+
+
 class NagaError(VkmlError):
     """naga rejected a generated kernel; the message carries naga's report and the WGSL."""
 

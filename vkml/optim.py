@@ -4,12 +4,22 @@ its update, which `kernels/optimizer.py` turns into one kernel per parameter.
 Hyperparameters live in a small GPU buffer rather than in the kernel text, so changing the
 learning rate (`session.set_hyperparams(lr=...)`) needs no recompilation or re-recording. The step
 count `t` lives there too and is advanced on the GPU, once per step, before the updates.
-The arithmetic follows torch.optim term by term, so the two agree to rounding.
+The arithmetic follows torch.optim term by term, so the two agree to rounding; where torch computes
+a term on the host in float64 (Adam's bias corrections), vkml computes it on the host too, into a
+table the update reads by step count (`tables()`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from vkml.errors import InputError
+
+# Steps whose bias corrections come from the float64 table; later ones are computed in f32 on the
+# GPU, where by then 1 - beta^t is far enough from 0 that f32's pow error stays below 1e-5.
+BIAS_TABLE_STEPS = 8192
 
 
 class Optimizer:
@@ -17,6 +27,36 @@ class Optimizer:
 
     def hyperparams(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}  # type: ignore[call-overload]
+
+    def tables(self, hyperparams: dict[str, float]) -> dict[str, np.ndarray]:
+        """Constant f32 arrays the update reads (by name), computed on the host from the
+        hyperparameters; rebuilt when set_hyperparams changes them."""
+        return {}
+
+    # Hyperparameters the compiled update's code depends on: set_hyperparams cannot change them.
+    fixed: tuple[str, ...] = ()
+
+    def check(self, values: dict[str, float]) -> None:
+        """Raise InputError for values torch.optim would refuse (and for NaN, inf, None)."""
+        kind = type(self).__name__
+        for name, value in values.items():
+            if isinstance(value, bool):  # a switch (nesterov), not a number
+                continue
+            if not isinstance(value, (int, float, np.floating, np.integer)):
+                raise InputError(f"{kind}: {name} must be a number, got {value!r}")
+            if not np.isfinite(value):
+                raise InputError(f"{kind}: {name} must be finite, got {value}")
+            if name in self.ranges:
+                low, high = self.ranges[name]
+                if not low <= value < high:
+                    limit = "" if high == float("inf") else f" and below {high:g}"
+                    raise InputError(f"{kind}: {name}={value} must be at least {low:g}{limit}")
+
+    # name -> [lowest, highest) allowed: torch.optim's checks
+    ranges: dict[str, tuple[float, float]] = {}
+
+    def __post_init__(self) -> None:
+        self.check(asdict(self))  # type: ignore[call-overload]
 
     def update(self) -> str:
         """WGSL statements updating `p` (var) from `g` (var, the gradient), the step count `t`,
@@ -32,12 +72,26 @@ class SGD(Optimizer):
     weight_decay: float = 0.0
     nesterov: bool = False
 
+    ranges = {"lr": (0.0, float("inf")), "momentum": (0.0, float("inf")),
+              "weight_decay": (0.0, float("inf"))}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise InputError("SGD: nesterov momentum requires a momentum and zero dampening")
+
+    @property
+    def fixed(self) -> tuple[str, ...]:  # type: ignore[override]
+        # The momentum buffer exists only when compiled with momentum; nesterov picks the code.
+        return ("nesterov",) if self.momentum else ("momentum", "nesterov")
+
     @property
     def state_names(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("momentum_buffer",) if self.momentum else ()
 
     def update(self) -> str:
-        lines = ["g = g + weight_decay * p;"] if self.weight_decay else []
+        # Always applied (0 changes nothing), so set_hyperparams(weight_decay=...) takes effect.
+        lines = ["g = g + weight_decay * p;"]
         if self.momentum:
             # torch starts the buffer at the first gradient, undamped
             lines += ["momentum_buffer = select(momentum * momentum_buffer + (1.0 - dampening) * g,"
@@ -56,19 +110,41 @@ class Adam(Optimizer):
     weight_decay: float = 0.0
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
+    ranges = {"lr": (0.0, float("inf")), "eps": (0.0, float("inf")),
+              "beta1": (0.0, 1.0), "beta2": (0.0, 1.0),
+              "weight_decay": (0.0, float("inf"))}
 
     def update(self) -> str:
+        # Always applied (0 changes nothing), so set_hyperparams(weight_decay=...) takes effect.
         decay = ("p = p * (1.0 - lr * weight_decay);" if self.decoupled
                  else "g = g + weight_decay * p;")
         return "\n".join([
-            decay if self.weight_decay else "",
-            "exp_avg = exp_avg + (1.0 - beta1) * (g - exp_avg);",
-            "exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * g * g;",
-            "let bias1 = 1.0 - pow(beta1, t);",
-            "let bias2 = 1.0 - pow(beta2, t);",
-            "let denom = sqrt(exp_avg_sq) / sqrt(bias2) + eps;",
+            decay,
+            # 1 - beta too comes from the host: f32(0.9999) is 0.99989998, so 1 - beta2 in f32
+            # would be 1.66e-4 off, relatively, in every second-moment increment.
+            "exp_avg = exp_avg + bias[0] * (g - exp_avg);",
+            "exp_avg_sq = beta2 * exp_avg_sq + bias[1] * g * g;",
+            # torch: bias_correction1 = 1 - beta1**t and sqrt(1 - beta2**t) in float64 on the
+            # host; in f32 the subtraction magnifies pow's few-ulp error ~1000x in early steps.
+            "var bias1 = 1.0 - pow(beta1, t);",
+            "var bias2_sqrt = sqrt(1.0 - pow(beta2, t));",
+            f"if (t <= {BIAS_TABLE_STEPS}.0) {{",
+            "  let row = 2u * u32(t); bias1 = bias[row]; bias2_sqrt = bias[row + 1u];",
+            "}",
+            "let denom = sqrt(exp_avg_sq) / bias2_sqrt + eps;",
             "p = p - (lr / bias1) * exp_avg / denom;",
         ])
+
+    def tables(self, hyperparams: dict[str, float]) -> dict[str, np.ndarray]:
+        """"bias": 1 - beta1, 1 - beta2, then per step t = 1.. the bias corrections
+        1 - beta1**t and sqrt(1 - beta2**t), all in float64 rounded to f32 as torch rounds its
+        host-side scalars."""
+        beta1, beta2 = hyperparams["beta1"], hyperparams["beta2"]
+        t = np.arange(1, BIAS_TABLE_STEPS + 1, dtype=np.float64)
+        bias1 = 1.0 - beta1 ** t
+        bias2_sqrt = np.sqrt(1.0 - beta2 ** t)
+        rows = np.stack([bias1, bias2_sqrt], 1).reshape(-1)
+        return {"bias": np.concatenate([[1.0 - beta1, 1.0 - beta2], rows]).astype(np.float32)}
 
 
 @dataclass

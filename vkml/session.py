@@ -11,7 +11,7 @@ import numpy as np
 
 from vkml.compiler.schedule import Plan, Slot
 from vkml.compiler.stages import Trainable, lower
-from vkml.errors import DeviceError, InputError, NotComputedError
+from vkml.errors import DeviceError, InputError, NonFiniteError, NotComputedError
 from vkml.graph import Graph, Tensor
 from vkml.optim import Optimizer
 from vkml.runtime import checkpoint
@@ -24,7 +24,8 @@ from vkml.runtime.profiling import Profile, Profiler
 def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | None = None,
             device: Device | None = None, outputs: Mapping[str, Tensor] | None = None,
             rewrite: str = "greedy", keep_grads: bool | None = None,
-            trainable: Trainable = None, precision: str = "f32") -> Session:
+            trainable: Trainable = None, precision: str = "f32",
+            check_finite: bool = False) -> Session:
     """Compile `graph` into a runnable session.
 
     - no `loss`: an inference session; `step()` computes the graph's outputs.
@@ -43,16 +44,19 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     products and convolutions take f16 inputs on the device's cooperative matrices (tensor
     cores), accumulating in f32; everything else stays f32, parameters and optimizer state
     included). "f16" needs a device with cooperative matrices, else a DeviceError.
+    `check_finite`: like torch's anomaly detection, a step whose loss is NaN or infinite
+    changes nothing (the optimizer's kernels read the loss and skip) and raises
+    NonFiniteError; step() then waits for each step to finish, so it costs a sync per step.
     """
     device = device or default_device()
     stages = lower(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
                    rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
-                   precision=precision)
-    return Session(stages.plan, device)
+                   precision=precision, check_finite=check_finite)
+    return Session(stages.plan, device, check_finite)
 
 
 class Session:
-    def __init__(self, plan: Plan, device: Device) -> None:
+    def __init__(self, plan: Plan, device: Device, check_finite: bool = False) -> None:
         self.plan, self.device = plan, device
         self._bound = BoundPlan(plan, device)
         self._chunker = Chunker(self._bound)
@@ -61,6 +65,10 @@ class Session:
         # What a submitted step or forward pass has computed so far: device memory starts
         # undefined, so reading an output or a gradient before then would return garbage.
         self._computed: set[str] = set()
+        # The hyperparameters as the user gave them (float64): the optimizer's host-side tables
+        # are computed from these, not from the f32 copies on the GPU.
+        self._hyperparams = plan.optimizer.hyperparams() if plan.optimizer is not None else {}
+        self.check_finite = check_finite
 
     @property
     def inputs(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -105,6 +113,7 @@ class Session:
         if chunks is None and budget_ms is None:
             self._submit(self._bound.step_program)
             self._computed |= {"outputs", "grads"}
+            self._check_loss()
             return
         self._chunker.finish()
         cuts = self._chunker.cuts(chunks, budget_ms)
@@ -116,6 +125,7 @@ class Session:
         self._chunker.start(cuts)
         self._chunker.finish()
         self._computed |= {"outputs", "grads"}
+        self._check_loss()
 
     def step_chunk(self, chunks: int | None = None, budget_ms: float | None = None) -> int:
         """Submit the next piece of the current chunked step (starting a new step when none is
@@ -139,6 +149,7 @@ class Session:
         chunker.submit_next()
         if not chunker.pieces_left:
             self._computed |= {"outputs", "grads"}
+            self._check_loss()
         return chunker.pieces_left
 
     @property
@@ -268,6 +279,17 @@ class Session:
         view = plan.grads[param]
         return self._bound.read_slot(plan.slots[view.slot]).reshape(view.shape)
 
+    def _check_loss(self) -> None:
+        """With check_finite: wait for the step just submitted and refuse a non-finite loss
+        (its update was skipped on the GPU, so the parameters are as before the step)."""
+        if not self.check_finite or "loss" not in self.plan.outputs:
+            return
+        loss = float(self.read("loss"))
+        if not np.isfinite(loss):
+            raise NonFiniteError(f"the loss is {loss} after this step; the update was skipped "
+                                 "and the parameters are unchanged. Look at the inputs set "
+                                 "for it (compiled with check_finite=True)")
+
     def _require_computed(self, what: str, name: str) -> None:
         if self._chunker.in_progress:
             raise NotComputedError(
@@ -293,20 +315,33 @@ class Session:
 
     def set_hyperparams(self, **values: float) -> None:
         """Change optimizer hyperparameters (e.g. lr) from the next step on; nothing is
-        recompiled or re-recorded."""
+        recompiled or re-recorded. Values are checked as torch.optim checks them; those the
+        compiled update depends on (SGD's momentum when compiled without, nesterov) are
+        refused with the reason."""
         plan = self.plan
         if plan.optimizer is None or plan.hyperparams_slot is None:
             raise InputError("this session has no optimizer")
+        kind = type(plan.optimizer).__name__
         settable = [n for n in plan.hyperparams if n != "t"]
         unknown = set(values) - set(settable)
         if unknown:
-            raise InputError(f"unknown hyperparameter(s) {sorted(unknown)}; "
-                             f"{type(plan.optimizer).__name__} has {settable}")
+            raise InputError(f"unknown hyperparameter(s) {sorted(unknown)}; {kind} has "
+                             f"{settable}")
+        for name in set(values) & set(plan.optimizer.fixed):
+            if values[name] != self._hyperparams[name]:
+                raise InputError(
+                    f"{kind}'s {name} was {self._hyperparams[name]} when compiled, and the "
+                    "compiled update depends on it: compile with the value you want (for SGD, "
+                    "a non-zero momentum makes momentum changeable later)")
+        plan.optimizer.check(values)
+        self._hyperparams.update({k: float(v) for k, v in values.items()})
         slot = plan.slots[plan.hyperparams_slot]
         current = self._bound.read_slot(slot)
         for k, v in values.items():
             current[plan.hyperparams.index(k)] = v
         self._bound.write_slot(slot, current)
+        for table, data in plan.optimizer.tables(self._hyperparams).items():
+            self._bound.write_slot(plan.slots[plan.optimizer_tables[table]], data)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, np.ndarray]:

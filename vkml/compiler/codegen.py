@@ -39,8 +39,9 @@ def phase_target(caps: Capabilities, forward: bool) -> Capabilities:
 def lower_dispatch(d: PlannedDispatch, plan: Plan, caps: Capabilities) -> Kernel:
     if d.update is not None:
         if d.update.size == 0:
-            return optimizer.step_counter(plan.hyperparams, caps)
-        return optimizer.update(d.update.optimizer, d.update.size, plan.hyperparams, caps)
+            return optimizer.step_counter(plan.hyperparams, d.update.guarded, caps)
+        return optimizer.update(d.update.optimizer, d.update.size, plan.hyperparams,
+                                list(plan.optimizer_tables), d.update.guarded, caps)
     assert d.node is not None
     if d.in_place is not None:
         return pointwise.generate(d.node, caps, in_place=d.in_place)

@@ -29,7 +29,7 @@ class _Captured(Exception):
 
 
 COMPILE_PARAMETERS = ("loss", "optimizer", "device", "outputs", "rewrite", "keep_grads",
-                      "trainable", "precision")
+                      "trainable", "precision", "check_finite")
 
 
 def capture(target: str, argv: list[str]) -> tuple[Graph, dict[str, Any]]:

@@ -61,6 +61,7 @@ class Update:
 
     optimizer: Optimizer
     size: int
+    guarded: bool = False  # the loss is bound last; nothing changes unless it is finite
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class Plan:
     optimizer: Optimizer | None = None
     optimizer_state: dict[str, dict[str, int]] = field(default_factory=dict)
     hyperparams_slot: int | None = None
+    optimizer_tables: dict[str, int] = field(default_factory=dict)  # name -> slot
     initial_values: dict[int, np.ndarray] = field(default_factory=dict)
     lifetimes: dict[int, Lifetime] = field(default_factory=dict)
     aliases: dict[int, int] = field(default_factory=dict)  # slot written in place -> its input
@@ -171,7 +173,7 @@ class Plan:
 
 def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor],
               optimizer: Optimizer | None, caps: Capabilities, keep_grads: bool = True,
-              has_loss: bool = False) -> Plan:
+              has_loss: bool = False, check_finite: bool = False) -> Plan:
     """`keep_grads`: gradients stay readable after the step (else an optimizer consumes them
     and their memory is reused). `has_loss`: `grads` holds the gradients of a loss (possibly
     none, when every parameter is frozen)."""
@@ -217,7 +219,9 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
                 params=params, grads=grad_views if keep_grads else {},
                 initial_values=initial, trainable=tuple(grads) if has_loss else None)
     if optimizer is not None:
-        _add_optimizer(plan, optimizer, {n: v.slot for n, v in grad_views.items()}, new_slot)
+        guard = plan.outputs["loss"].slot if check_finite and "loss" in plan.outputs else None
+        _add_optimizer(plan, optimizer, {n: v.slot for n, v in grad_views.items()}, new_slot,
+                       guard)
     plan.dispatches = _schedule(plan.dispatches)
     plan.aliases = _write_in_place(plan)
     plan.lifetimes = _lifetimes(plan)
@@ -229,26 +233,38 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
     return plan
 
 
-def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_slot) -> None:
-    """A hyperparameter buffer (the optimizer's values, then the step count t), the step
-    count's dispatch and one update per trained parameter (parameter and state rewritten in
-    place; gradient and hyperparameters read)."""
-    names = (*optimizer.hyperparams(), "t")
-    hp = new_slot("optimizer hyperparameters", (len(names),), "f32", "hyperparams")
+def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_slot,
+                   guard: int | None) -> None:
+    """A hyperparameter buffer (the optimizer's values, then the step count t), the tables the
+    host computes from them, the step count's dispatch and one update per trained parameter
+    (parameter and state rewritten in place; gradient, hyperparameters and tables read).
+    `guard`: the loss's slot, bound last to every optimizer dispatch, which then changes
+    nothing unless the loss is finite (compile's check_finite)."""
     values = optimizer.hyperparams()
+    names = (*values, "t")
+    hp = new_slot("optimizer hyperparameters", (len(names),), "f32", "hyperparams")
     plan.initial_values[hp] = np.array([values.get(n, 0.0) for n in names], np.float32)
     plan.optimizer, plan.hyperparams_slot, plan.hyperparams = optimizer, hp, names
-    plan.dispatches.append(PlannedDispatch((hp,), ("read_write",), 0, "update", "step count",
-                                           update=Update(optimizer, 0)))
+    for table, data in optimizer.tables(values).items():
+        slot = new_slot(f"optimizer {table} table", data.shape, "f32", "hyperparams")
+        plan.initial_values[slot] = data
+        plan.optimizer_tables[table] = slot
+    extra = (*plan.optimizer_tables.values(), *(() if guard is None else (guard,)))
+    reads: tuple[Access, ...] = ("read",) * len(extra)
+    plan.dispatches.append(PlannedDispatch((hp, *(() if guard is None else (guard,))),
+                                           ("read_write", *(() if guard is None else ("read",))),
+                                           0, "update", "step count",
+                                           update=Update(optimizer, 0, guard is not None)))
     for name in grads:  # frozen parameters have no gradient, no state and no update
         param = plan.params[name]
         shape = plan.slots[param].shape
         state = {s: new_slot(f"{name} {s}", shape, "f32", "optimizer_state")
                  for s in optimizer.state_names}
         plan.optimizer_state[name] = state
-        bound = (param, grads[name], hp, *state.values())
-        access: tuple[Access, ...] = ("read_write", "read", "read") + ("read_write",) * len(state)
-        update = Update(optimizer, plan.slots[param].nbytes // 4)
+        bound = (param, grads[name], hp, *state.values(), *extra)
+        access: tuple[Access, ...] = (("read_write", "read", "read")
+                                      + ("read_write",) * len(state) + reads)
+        update = Update(optimizer, plan.slots[param].nbytes // 4, guard is not None)
         plan.dispatches.append(PlannedDispatch(bound, access, 0, "update", f"update {name}",
                                                update=update))
 

@@ -166,7 +166,8 @@ def index_ranges(graph: Graph, roots: list[Tensor]) -> dict[str, tuple[int, int,
 def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
           optimizer: Optimizer | None = None, outputs: Mapping[str, Tensor] | None = None,
           rewrite: str = "greedy", keep_grads: bool | None = None,
-          trainable: Trainable = None, precision: str = "f32") -> Stages:
+          trainable: Trainable = None, precision: str = "f32",
+          check_finite: bool = False) -> Stages:
     """Graph -> Plan, keeping each stage. Arguments as for `vkml.compile`."""
     caps = target(caps, precision)
     if rewrite not in REWRITES:
@@ -195,7 +196,7 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
     split_grads = {n: new_of[t.id] for n, t in fused_grads.items()}
     keep = optimizer is None if keep_grads is None else keep_grads
     plan = make_plan(split, split_named, split_grads, optimizer, caps, keep_grads=keep,
-                     has_loss=loss is not None)
+                     has_loss=loss is not None, check_finite=check_finite)
     plan = codegen.generate(plan, caps)
     plan.input_ranges = index_ranges(work, roots)
     return Stages(work, roots, fused, fused_roots, split,

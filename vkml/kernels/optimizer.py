@@ -1,6 +1,7 @@
 """Optimizer archetype: the step-count kernel and one pointwise update kernel per parameter. The
 hyperparameter buffer's layout (`hyperparams`: a name per f32, the step count "t" among them)
-comes from the plan."""
+and the tables computed on the host come from the plan. `guarded` kernels read the loss (bound
+last) and change nothing unless it is finite: compile(..., check_finite=True)."""
 
 from __future__ import annotations
 
@@ -11,23 +12,30 @@ from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, Buf, assemble, gri
 from vkml.optim import Optimizer
 
 WORKGROUP = 256
+# Not NaN and not infinite; no builtin says so in WGSL, and NaN fails every comparison.
+FINITE = "abs(loss[0]) <= 3.4028235e38"
 
 
-def step_counter(hyperparams: Sequence[str], caps: Capabilities) -> Kernel:
+def step_counter(hyperparams: Sequence[str], guarded: bool, caps: Capabilities) -> Kernel:
     t = list(hyperparams).index("t")
-    return assemble("optimizer_step_count", caps, [Buf("hp", writable=True)], (1,),
-                    [f"fn main() {{ hp[{t}] = hp[{t}] + 1.0; }}"], (1, 1, 1), flops=1, nbytes=8)
+    skip = f"if (!({FINITE})) {{ return; }} " if guarded else ""
+    return assemble("optimizer_step_count", caps,
+                    [Buf("hp", writable=True), *([Buf("loss")] if guarded else [])], (1,),
+                    [f"fn main() {{ {skip}hp[{t}] = hp[{t}] + 1.0; }}"], (1, 1, 1), flops=1,
+                    nbytes=8)
 
 
-def update(optimizer: Optimizer, size: int, hyperparams: Sequence[str],
-           caps: Capabilities) -> Kernel:
-    """Bindings: parameter, gradient, hyperparameters, then each state tensor."""
+def update(optimizer: Optimizer, size: int, hyperparams: Sequence[str], tables: Sequence[str],
+           guarded: bool, caps: Capabilities) -> Kernel:
+    """Bindings: parameter, gradient, hyperparameters, each state tensor, each table, and the
+    loss when guarded."""
     states = optimizer.state_names
     buffers = [Buf("param", writable=True), Buf("grad"), Buf("hp"),
-               *[Buf(f"{name}_buf", writable=True) for name in states]]
+               *[Buf(f"{name}_buf", writable=True) for name in states],
+               *[Buf(name) for name in tables], *([Buf("loss")] if guarded else [])]
     entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let i = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
-             f"  if (i >= {size}u) {{ return; }}",
+             f"  if (i >= {size}u{'' if not guarded else f' || !({FINITE})'}) {{ return; }}",
              *[f"  let {name} = hp[{k}];" for k, name in enumerate(hyperparams)],
              "  var p = param[i];", "  var g = grad[i];",
              *[f"  var {name} = {name}_buf[i];" for name in states],

@@ -144,10 +144,24 @@ def _embedding(inputs, attrs):
     return (*ids.shape, weight.shape[1]), "f32"
 
 
+# Positions one embedding-gradient kernel scans: its loops stay within what CPU drivers run
+# (lavapipe stops an invocation's loops after 65535 iterations); longer runs are summed in parts.
+MAX_POSITIONS = 32768
+
+
 def _embedding_grad(g, node, d):
     weight, ids = node.inputs
-    first = g.apply("embedding_first_use", [ids], rows=weight.shape[0])
-    return [g.apply("embedding_backward", [d, ids, first], rows=weight.shape[0]), None]
+    rows, dim = weight.shape
+    flat_ids, flat_d = g.reshape(ids, (ids.size,)), g.reshape(d, (ids.size, dim))
+    total = None
+    for start in range(0, ids.size, MAX_POSITIONS):
+        stop = min(start + MAX_POSITIONS, ids.size)
+        part_ids = flat_ids if stop - start == ids.size else g.slice(flat_ids, 0, start, stop)
+        part_d = flat_d if stop - start == ids.size else g.slice(flat_d, 0, start, stop)
+        first = g.apply("embedding_first_use", [part_ids], rows=rows)
+        part = g.apply("embedding_backward", [part_d, part_ids, first], rows=rows)
+        total = part if total is None else g.add(total, part)
+    return [total, None]
 
 
 def _embedding_body(node: Tensor) -> list[str]:

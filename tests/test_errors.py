@@ -1,0 +1,156 @@
+"""Mistakes that used to give silently wrong numbers now raise a VkmlError subclass naming the
+input and the fix, and leave the session usable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import subprocess_env
+
+import vkml
+
+
+def classifier(device, optimizer=None):
+    g = vkml.Graph(seed=1)
+    x = g.input("x", (4, 3))
+    labels = g.input("labels", (4,), "i32")
+    logits = g.output("logits", vkml.nn.Linear(g, "fc", 3, 4)(x))
+    loss = g.cross_entropy(logits, labels)
+    session = vkml.compile(g, loss=loss, optimizer=optimizer, device=device)
+    session.set_input("x", np.ones((4, 3), np.float32))
+    return g, session
+
+
+@pytest.mark.parametrize("bad", [[0, 1, 2, 4], [0, -1, 2, 3], [1000, 0, 0, 0]])
+def test_class_labels_out_of_range_are_refused(device, bad):
+    _, session = classifier(device)
+    with pytest.raises(vkml.InputError, match=r"input 'labels' holds .* outside \[0, 4\)"):
+        session.set_input("labels", np.array(bad))
+    session.set_input("labels", np.array([0, 1, 2, 3]))  # still usable
+    session.step()
+    assert np.isfinite(session.read("loss")) and session.read("loss") > 0
+
+
+def test_token_ids_out_of_range_are_refused(device):
+    g = vkml.Graph()
+    ids = g.input("ids", (2, 3), "i32")
+    table = g.param("table", (5, 2), "normal")
+    g.output("e", g.embedding(g.reshape(ids, (6,)), table))
+    session = vkml.compile(g, device=device)
+    with pytest.raises(vkml.InputError, match=r"'ids' holds 5 .* embedding row"):
+        session.set_input("ids", np.array([[0, 1, 2], [3, 4, 5]]))
+
+
+def test_reading_before_anything_was_computed_is_refused(device):
+    _, session = classifier(device, vkml.SGD(lr=0.1))
+    with pytest.raises(vkml.NotComputedError, match="run step"):
+        session.read("loss")
+    g, grads = classifier(device)
+    grads.set_input("labels", np.zeros(4, np.int32))
+    with pytest.raises(vkml.NotComputedError, match=r"gradient of 'fc.weight'.*step\(\)"):
+        grads.grad("fc.weight")
+    grads.forward()
+    assert np.isfinite(grads.read("loss"))  # forward computes outputs, not gradients
+    with pytest.raises(vkml.NotComputedError):
+        grads.grad("fc.weight")
+    grads.step()
+    assert grads.grad("fc.weight").shape == (4, 3)
+    assert session.read("fc.weight").shape == (4, 3)  # parameters are always defined
+
+
+def test_half_submitted_chunked_step_cannot_be_read(device):
+    if device.backend_name != "vulkan":
+        pytest.skip("chunked steps are tested on Vulkan")
+    g = vkml.Graph()
+    x = g.input("x", (8,))
+    g.output("y", (x * 2.0).exp().sum())
+    session = vkml.compile(g, device=device, rewrite="none")
+    session.set_input("x", np.zeros(8, np.float32))
+    if session.step_chunk(chunks=3):
+        with pytest.raises(vkml.NotComputedError, match="chunked step is in progress"):
+            session.read("y")
+    while session.step_chunk():
+        pass
+    assert float(session.read("y")) == 8.0
+
+
+def test_compile_refuses_tensors_of_another_graph_and_bad_arguments(device):
+    other = vkml.Graph()
+    stray = other.input("x", (2,)).sum()
+    g = vkml.Graph()
+    y = g.input("y", (2,)).sum()
+    with pytest.raises(vkml.GraphError, match=r"belongs to another Graph \(created at "
+                                              r"test_errors.py:\d+\) than the one compiled"):
+        vkml.compile(g, loss=stray, device=device)
+    with pytest.raises(vkml.GraphError, match="output 'z'.*another Graph"):
+        vkml.compile(g, outputs={"z": stray}, device=device)
+    with pytest.raises(vkml.GraphError, match="must be a Tensor of this graph, got str"):
+        vkml.compile(g, outputs={"z": str}, device=device)
+    with pytest.raises(vkml.GraphError, match="is the class: pass an instance"):
+        vkml.compile(g, loss=y, optimizer=vkml.Adam, device=device)
+    with pytest.raises(vkml.GraphError, match="loss must be f32"):
+        vkml.compile(g, loss=g.reshape(g.input("i", (1,), "i32"), ()), device=device)
+    with pytest.raises(vkml.GraphError, match="belongs to another Graph"):
+        g.add(y, stray)
+    vkml.compile(g, loss=y, device=device)  # the graph itself is fine
+
+
+@pytest.mark.parametrize("make", [
+    lambda: vkml.Adam(lr=-1.0), lambda: vkml.Adam(lr=float("nan")),
+    lambda: vkml.Adam(lr=float("inf")), lambda: vkml.SGD(lr=None),
+    lambda: vkml.Adam(beta1=1.5), lambda: vkml.AdamW(eps=-1.0),
+    lambda: vkml.SGD(lr=0.1, nesterov=True)])
+def test_optimizers_refuse_what_torch_optim_refuses(make):
+    with pytest.raises(vkml.InputError):
+        make()
+
+
+def test_set_hyperparams_is_checked_and_refuses_what_the_update_cannot_change(device):
+    _, session = classifier(device, vkml.SGD(lr=0.1))
+    session.set_input("labels", np.zeros(4, np.int32))
+    with pytest.raises(vkml.InputError, match="momentum was 0.0 when compiled"):
+        session.set_hyperparams(momentum=0.9)
+    for bad in ({"lr": -1.0}, {"lr": float("nan")}, {"weight_decay": None}):
+        with pytest.raises(vkml.InputError):
+            session.set_hyperparams(**bad)
+    before = session.read("fc.weight")
+    session.set_hyperparams(weight_decay=0.5, lr=0.0)  # decay is honoured even if compiled 0
+    session.step()
+    np.testing.assert_array_equal(session.read("fc.weight"), before)  # lr 0: no change
+    session.set_hyperparams(lr=0.1)
+    session.step()
+    assert not np.array_equal(session.read("fc.weight"), before)
+
+
+def test_check_finite_skips_the_update_and_raises(device):
+    g = vkml.Graph()
+    x = g.input("x", (4, 3))
+    w = g.param("w", (3, 2), 0.5)
+    y = g.input("y", (4, 2))
+    session = vkml.compile(g, loss=g.mse(x @ w, y), optimizer=vkml.Adam(lr=0.1),
+                           device=device, check_finite=True)
+    session.set_input("y", np.zeros((4, 2), np.float32))
+    session.set_input("x", np.ones((4, 3), np.float32))
+    session.step()
+    state = session.state_dict()
+    session.set_input("x", np.full((4, 3), np.nan, np.float32))
+    with pytest.raises(vkml.NonFiniteError, match="update was skipped"):
+        session.step()
+    after = session.state_dict()
+    assert all(np.array_equal(after[k], v) for k, v in state.items())  # step count too
+    session.set_input("x", np.ones((4, 3), np.float32))
+    session.step()
+    assert np.isfinite(session.read("loss"))
+
+
+def test_an_explicit_device_no_backend_has_is_refused_with_the_lists():
+    import subprocess
+    import sys
+
+    code = ("import vkml\ntry:\n    vkml.Device()\nexcept vkml.DeviceError as e:\n"
+            "    print('DeviceError:', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=subprocess_env(VKML_DEVICE="99"), timeout=120)
+    assert "DeviceError: no usable device" in done.stdout, done.stdout + done.stderr
+    assert "no Vulkan device matches '99'" in done.stdout
+    assert "Devices available" in done.stdout
