@@ -63,16 +63,23 @@ def tree_reduce(scratch: str, size: int, combine: str) -> list[str]:
     return lines
 
 
-def unflatten(index: str, shape: tuple[int, ...], prefix: str) -> list[str]:
-    """WGSL `let` lines splitting a flat row-major `index` into per-axis indices prefix0, ..."""
+def split_index(index: str, shape: Sequence[int], names: Sequence[str]) -> list[str]:
+    """WGSL lets splitting a flat row-major `index` over `shape` into `names` (the divisors are
+    constants, which drivers turn into multiplies)."""
     lines, inner = [], 1
     for axis in reversed(range(len(shape))):
         value = f"{index} / {inner}u" if inner > 1 else index
         if axis > 0:
             value = f"({value}) % {shape[axis]}u"
-        lines.append(f"  let {prefix}{axis} = {value};")
+        lines.append(f"let {names[axis]} = {value};")
         inner *= shape[axis]
     return list(reversed(lines))
+
+
+def unflatten(index: str, shape: tuple[int, ...], prefix: str) -> list[str]:
+    """WGSL `let` lines splitting a flat row-major `index` into per-axis indices prefix0, ..."""
+    return ["  " + line for line in
+            split_index(index, shape, [f"{prefix}{a}" for a in range(len(shape))])]
 
 
 def offset(indices: list[str], strides: tuple[int, ...]) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather, gemm
-from vkml.kernels.common import Buf
+from vkml.kernels.common import Buf, split_index
 
 
 def _buffers(node: Tensor) -> list[Buf]:
@@ -32,20 +32,31 @@ def _params(node: Tensor):
 
 
 def _split(index: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> str:
-    """WGSL lets splitting a flat row-major `index` over `sizes` into `names` (constant
-    divisors, so the driver turns them into multiplies)."""
-    parts, inner = [], 1
-    for axis in reversed(range(len(sizes))):
-        value = f"{index} / {inner}u" if inner > 1 else index
-        if axis > 0:
-            value = f"({value}) % {sizes[axis]}u"
-        parts.append(f"let {names[axis]} = {value};")
-        inner *= sizes[axis]
-    return " ".join(reversed(parts))
+    return " ".join(split_index(index, sizes, names))
 
 
 def _inside(y: str, x: str, h: int, w: int) -> str:
     return f"{y} >= 0 && {y} < {h} && {x} >= 0 && {x} < {w}"
+
+
+def _im2col(node: Tensor, x_shape, w_shape, pixel: str, tap: str) -> list[str]:
+    """Lines setting `v` to the input element output pixel `pixel` (n, oy, ox) reads at kernel
+    tap `tap` (input channel of group g, ky, kx), 0 in the padding: the implicit im2col matrix."""
+    n, c, h, wd = x_shape
+    _, cpg, kh, kw = w_shape
+    (sh, sw), (ph, pw), (dh, dw), _ = _params(node)
+    oh, ow = (out_extent(h, kh, sh, ph, dh), out_extent(wd, kw, sw, pw, dw))
+    return [_split(pixel, (n, oh, ow), ("nb", "oy", "ox")),
+            _split(tap, (cpg, kh, kw), ("ci", "ky", "kx")),
+            f"let iy = i32(oy * {sh}u + ky * {dh}u) - {ph};",
+            f"let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};",
+            f"if ({_inside('iy', 'ix', h, wd)}) {{ v = in0[((nb * {c}u + g * {cpg}u + ci) "
+            f"* {h}u + u32(iy)) * {wd}u + u32(ix)]; }}"]
+
+
+def out_extent(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
+    """Output positions along one axis of a convolution or pooling window."""
+    return (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
 
 
 def generate_conv2d(node: Tensor, caps: Capabilities,
@@ -59,12 +70,7 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
     m, cols, depth = n * oh * ow, opg, cpg * taps
 
     def load_x(i: str, d: str) -> list[str]:
-        return [_split(i, (n, oh, ow), ("nb", "oy", "ox")),
-                _split(d, (cpg, kh, kw), ("ci", "ky", "kx")),
-                f"let iy = i32(oy * {sh}u + ky * {dh}u) - {ph};",
-                f"let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};",
-                f"if ({_inside('iy', 'ix', h, wd)}) {{ v = in0[((nb * {c}u + g * {cpg}u + ci) "
-                f"* {h}u + u32(iy)) * {wd}u + u32(ix)]; }}"]
+        return _im2col(node, x.shape, w.shape, i, d)
 
     def store(r: str, col: str, acc: str) -> list[str]:
         return [f"      out[s * {n * o * oh * ow}u + (({r} / {oh * ow}u) * {o}u + g * {opg}u "
@@ -131,12 +137,7 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
                 f"v = in1[(nb * {o}u + g * {opg}u + {i}) * {oh * ow}u + p];"]
 
     def load_x(j: str, dd: str) -> list[str]:
-        return [_split(j, (cpg, kh, kw), ("ci", "ky", "kx")),
-                _split(dd, (n, oh, ow), ("nb", "oy", "ox")),
-                f"let iy = i32(oy * {sh}u + ky * {dh}u) - {ph};",
-                f"let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};",
-                f"if ({_inside('iy', 'ix', h, wd)}) {{ v = in0[((nb * {c}u + g * {cpg}u + ci) "
-                f"* {h}u + u32(iy)) * {wd}u + u32(ix)]; }}"]
+        return _im2col(node, x.shape, node.attrs["w_shape"], dd, j)
 
     def store(r: str, col: str, acc: str) -> list[str]:
         return [f"      out[s * {o * cols}u + (g * {opg}u + {r}) * {cols}u + {col}] = {acc};"]

@@ -205,30 +205,12 @@ def _element(load: Loader, row: str, depth: str, guard: str, target: str) -> str
 
 def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, begin: str,
             end: str) -> list[str]:
-    lines = [*[f"  var c{i}_{j} = 0.0;" for i in range(t.tm) for j in range(t.tn)]]
-    loads: dict[str, list[str]] = {}
-    fill: list[str] = []
-    for tile, op, extent, origin, bound in (("a", a, t.bm, "row0", m), ("b", b, t.bn, "col0", n)):
-        count = extent * t.bk // t.threads
-        stride = extent + PAD
-        for step in range(count):
-            e = f"(tid + {step * t.threads}u)"
-            if op.contiguous == "depth":
-                ii, kk = f"{e} / {t.bk}u", f"{e} % {t.bk}u"
-            else:
-                ii, kk = f"{e} % {extent}u", f"{e} / {extent}u"
-            lines += [f"  let {tile}i{step} = {origin} + {ii}; let {tile}k{step} = {kk};",
-                      f"  let {tile}s{step} = {kk} * {stride}u + {ii};",
-                      f"  var {tile}p{step} = 0.0;"]
-            loads.setdefault(tile, []).append(
-                "    " + _element(op.load, f"{tile}i{step}", f"(kn + {tile}k{step})",
-                                  f"{tile}i{step} < {bound}u && kn + {tile}k{step} < kend",
-                                  f"{tile}p{step}"))
-            fill.append(f"    {'As' if tile == 'a' else 'Bs'}[{tile}s{step} / 4u]"
-                        f"[{tile}s{step} % 4u] = {tile}p{step};")
-    lines += [f"  let kend = {end};", f"  var kn = {begin};", *loads["a"], *loads["b"],
-              f"  for (var k0 = {begin}; k0 < kend; k0 += {t.bk}u) {{", *fill,
-              "    workgroupBarrier();", f"    kn = k0 + {t.bk}u;", *loads["a"], *loads["b"]]
+    lines = [*[f"  var c{i}_{j} = 0.0;" for i in range(t.tm) for j in range(t.tn)],
+             *_stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end,
+                     place=lambda tile, ii, kk: f"{kk} * {(t.bm if tile == 'a' else t.bn) + PAD}u"
+                                                f" + {ii}",
+                     write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at} / 4u]"
+                                               f"[{at} % 4u] = {v};")]
     comp = "xyzw"
     for kk in range(t.bk):
         lines.append("    {")
@@ -247,6 +229,36 @@ def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
             lines += [f"  {{ let r = {row}; let c = {col};",
                       f"    if (r < {m}u && c < {n}u) {{", *store("r", "c", f"c{i}_{j}"), "  } }"]
     return lines
+
+
+def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, threads: int,
+           begin: str, end: str, place: Callable[[str, str, str], str],
+           write: Callable[[str, str, str], str]) -> list[str]:
+    """Lines staging A's BM x BK and B's BN x BK slices: per thread, the elements it loads (so
+    neighbouring threads read along each operand's contiguous index), a register for each, the
+    first slice's loads, and the loop head that writes the registers into workgroup memory
+    (`place` gives an element's index there, `write` the store) and loads the next slice while
+    the caller's body multiplies this one. The caller closes the loop with a barrier."""
+    lines: list[str] = []
+    loads: list[str] = []
+    fill: list[str] = []
+    for tile, op, extent, origin, bound in (("a", a, bm, "row0", m), ("b", b, bn, "col0", n)):
+        for step in range(extent * bk // threads):
+            e = f"(tid + {step * threads}u)"
+            if op.contiguous == "depth":
+                ii, kk = f"{e} / {bk}u", f"{e} % {bk}u"
+            else:
+                ii, kk = f"{e} % {extent}u", f"{e} / {extent}u"
+            lines += [f"  let {tile}i{step} = {origin} + {ii}; let {tile}k{step} = {kk};",
+                      f"  let {tile}s{step} = {place(tile, ii, kk)};",
+                      f"  var {tile}p{step} = 0.0;"]
+            loads.append("    " + _element(op.load, f"{tile}i{step}", f"(kn + {tile}k{step})",
+                                           f"{tile}i{step} < {bound}u && kn + {tile}k{step} < "
+                                           "kend", f"{tile}p{step}"))
+            fill.append(f"    {write(tile, f'{tile}s{step}', f'{tile}p{step}')}")
+    return [*lines, f"  let kend = {end};", f"  var kn = {begin};", *loads,
+            f"  for (var k0 = {begin}; k0 < kend; k0 += {bk}u) {{", *fill,
+            "    workgroupBarrier();", f"    kn = k0 + {bk}u;", *loads]
 
 
 def _direct(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, begin: str,
@@ -292,27 +304,10 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
              f"  let sc = (sg % {t.sg_n}u) * {16 * t.fn}u;",
              *[f"  var acc{i}_{j} = coop_mat16x16<f32, C>();"
                for i in range(t.fm) for j in range(t.fn)]]
-    loads: dict[str, list[str]] = {}
-    fill: list[str] = []
-    for tile, op, extent, origin, bound in (("a", a, t.bm, "row0", m), ("b", b, t.bn, "col0", n)):
-        for step in range(extent * t.bk // t.threads):
-            e = f"(tid + {step * t.threads}u)"
-            if op.contiguous == "depth":
-                ii, kk = f"{e} / {t.bk}u", f"{e} % {t.bk}u"
-            else:
-                ii, kk = f"{e} % {extent}u", f"{e} / {extent}u"
-            place = f"{ii} * {sa}u + {kk}" if tile == "a" else f"{kk} * {sb}u + {ii}"
-            lines += [f"  let {tile}i{step} = {origin} + {ii}; let {tile}k{step} = {kk};",
-                      f"  let {tile}s{step} = {place};", f"  var {tile}p{step} = 0.0;"]
-            loads.setdefault(tile, []).append(
-                "    " + _element(op.load, f"{tile}i{step}", f"(kn + {tile}k{step})",
-                                  f"{tile}i{step} < {bound}u && kn + {tile}k{step} < kend",
-                                  f"{tile}p{step}"))
-            fill.append(f"    {'As' if tile == 'a' else 'Bs'}[{tile}s{step}] = "
-                        f"f16({tile}p{step});")
-    lines += [f"  let kend = {end};", f"  var kn = {begin};", *loads["a"], *loads["b"],
-              f"  for (var k0 = {begin}; k0 < kend; k0 += {t.bk}u) {{", *fill,
-              "    workgroupBarrier();", f"    kn = k0 + {t.bk}u;", *loads["a"], *loads["b"]]
+    lines += _stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end,
+                    place=lambda tile, ii, kk: (f"{ii} * {sa}u + {kk}" if tile == "a"
+                                                else f"{kk} * {sb}u + {ii}"),
+                    write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at}] = f16({v});")
     for kk in range(0, t.bk, 16):
         lines.append("    {")
         lines += [f"      let fa{i} = coopLoadT<coop_mat16x16<f16, A>>("

@@ -101,14 +101,8 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     if reduced <= SHORT and outputs >= WORKGROUP:
         return _per_thread(node, caps, in_shape, axes, prologue, epilogue, n_prologue, combine)
     wg = workgroup_for(reduced, caps, node.label)
-    out_index = [f"i{a}" for a in range(len(node.shape))]
-    epilogue_reads = {0: "partial[0]"} | {
-        k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
-        for k in range(1, len(epilogue.strides))}
-    reads = {k: f"in{k}[at]" for k in range(n_prologue)}
-    term = (body_lines(prologue, reads, "      ", fold) if fold.endswith("+=")
-            else [*body_lines(prologue, reads, "      ", "let term ="), f"      {fold}"])
-    buffers = [*[Buf(f"in{k}") for k in range(len(node.inputs))], Buf("out", writable=True)]
+    epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, fold,
+                                           "partial[0]", "      ")
     entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let o = {LINEAR_WORKGROUP};",
              f"  var acc = {start};",
@@ -132,6 +126,21 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
                     flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
 
 
+def _parts(node: Tensor, prologue: Body, epilogue: Body, n_prologue: int, fold: str,
+           total: str, indent: str) -> tuple[dict[int, str], list[str], list[Buf]]:
+    """What both reduction kernels share: the epilogue's reads (x0 = `total`, the others at the
+    output index), the lines folding one term (the prologue at offset `at`) into `acc`, and the
+    bindings (the inputs, then the output)."""
+    out_index = [f"i{a}" for a in range(len(node.shape))]
+    reads = {0: total} | {k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
+                          for k in range(1, len(epilogue.strides))}
+    terms = {k: f"in{k}[at]" for k in range(n_prologue)}
+    fold_lines = (body_lines(prologue, terms, indent, fold) if fold.endswith("+=")
+                  else [*body_lines(prologue, terms, indent, "let term ="), f"{indent}{fold}"])
+    return reads, fold_lines, [*[Buf(f"in{k}") for k in range(len(node.inputs))],
+                               Buf("out", writable=True)]
+
+
 def _per_thread(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
                 axes: tuple[int, ...], prologue: Body, epilogue: Body, n_prologue: int,
                 combine: str) -> Kernel:
@@ -139,14 +148,8 @@ def _per_thread(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     start, fold, _ = _COMBINE[combine]
     reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     setup, at = _input_offset(in_shape, axes)
-    out_index = [f"i{a}" for a in range(len(node.shape))]
-    epilogue_reads = {0: "acc"} | {
-        k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
-        for k in range(1, len(epilogue.strides))}
-    reads = {k: f"in{k}[at]" for k in range(n_prologue)}
-    term = (body_lines(prologue, reads, "    ", fold) if fold.endswith("+=")
-            else [*body_lines(prologue, reads, "    ", "let term ="), f"    {fold}"])
-    buffers = [*[Buf(f"in{k}") for k in range(len(node.inputs))], Buf("out", writable=True)]
+    epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, fold, "acc",
+                                           "    ")
     entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let o = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
              f"  if (o >= {node.size}u) {{ return; }}",

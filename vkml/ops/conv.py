@@ -14,10 +14,6 @@ from vkml.graph import Graph, OpDef, Tensor, builder, register
 from vkml.kernels import conv as kernels
 
 
-def out_extent(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
-    return (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
-
-
 def _geometry(x_shape, w_shape, a) -> tuple[int, ...]:
     n, c, h, w = x_shape
     o, cpg, kh, kw = w_shape
@@ -25,8 +21,8 @@ def _geometry(x_shape, w_shape, a) -> tuple[int, ...]:
     if c % groups or o % groups or cpg != c // groups:
         raise GraphError(f"conv2d: input channels {c}, weight {w_shape}, groups {groups} "
                          "do not agree (weight must be (out, in/groups, kh, kw))")
-    oh = out_extent(h, kh, a["stride"][0], a["padding"][0], a["dilation"][0])
-    ow = out_extent(w, kw, a["stride"][1], a["padding"][1], a["dilation"][1])
+    oh = kernels.out_extent(h, kh, a["stride"][0], a["padding"][0], a["dilation"][0])
+    ow = kernels.out_extent(w, kw, a["stride"][1], a["padding"][1], a["dilation"][1])
     if oh <= 0 or ow <= 0:
         raise GraphError(f"conv2d: the kernel {kh}x{kw} does not fit the padded input {h}x{w}")
     return n, o, oh, ow
@@ -101,7 +97,7 @@ def _max_pool2d(inputs, attrs):
     if ph > kh // 2 or pw > kw // 2:
         raise GraphError("max_pool2d: padding must be at most half the kernel (PyTorch's rule)")
     n, c, h, w = x.shape
-    return (n, c, out_extent(h, kh, sh, ph, 1), out_extent(w, kw, sw, pw, 1)), "f32"
+    return (n, c, kernels.out_extent(h, kh, sh, ph, 1), kernels.out_extent(w, kw, sw, pw, 1)), "f32"
 
 
 def _max_pool2d_grad(g, node, d):
