@@ -51,10 +51,10 @@ class OpDef:
     # when not numpy broadcasting, per input the element stride of each output axis.
     expr: Callable[[Tensor], Expr] | None = None
     strides: Callable[[Tensor], list[Shape]] | None = None
-    # "kernel" ops that are products summing over a long axis: the GEMM shape (m, n, k, grid
-    # layers) of a node. The split stage may then compute it as partial sums over splits of k
-    # (attribute "splits": the result gains a leading axis of that length) and sum those.
-    gemm: Callable[[Tensor], tuple[int, int, int, int]] | None = None
+    # "kernel" ops that are products summing over a long axis: into how many partial sums the
+    # split stage (compiler/split.py) cuts a node on a device (Capabilities); above 1 the node
+    # gets attribute "splits", its result a leading axis of that length, and a sum follows.
+    splits: Callable[[Tensor, Capabilities], int] | None = None
 
 
 OPS: dict[str, OpDef] = {}

@@ -4,8 +4,8 @@ is longer than the device's loops may run, becomes partial sums over splits of i
 kernel with a leading "split" axis: more workgroups, each a shorter chain of dependent steps)
 followed by their sum, which takes over the product's fused epilogue.
 
-Which products qualify is each op's `OpDef.gemm` (its GEMM shape); how many splits, the GEMM
-core's `splits` (vkml/kernels/gemm.py) for the device.
+Which products qualify, and into how many splits, is each op's `OpDef.splits` for the device
+(most ask the GEMM core, vkml/kernels/gemm.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from vkml.compiler.codegen import phase_target
 from vkml.expr import Arg, Body, contiguous_strides
 from vkml.graph import OPS, Graph, Tensor
 from vkml.hal import Capabilities
-from vkml.kernels import gemm
 
 
 def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
@@ -36,9 +35,8 @@ def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
 
     for node in old.reachable(roots):
         inputs = [new_of[i.id] for i in node.inputs]
-        dims = OPS[node.op].gemm
-        target = phase_target(caps, node.id in forward)
-        pieces = gemm.splits(*dims(node), target) if dims is not None else 1
+        rule = OPS[node.op].splits
+        pieces = rule(node, phase_target(caps, node.id in forward)) if rule is not None else 1
         if pieces > 1:
             new_of[node.id] = _split(node, inputs, pieces, emit)
         else:

@@ -21,12 +21,12 @@ from vkml.kernels import gather, gemm
 from vkml.kernels.common import Buf, split_index
 
 
-def _buffers(node: Tensor) -> list[Buf]:
+def buffers(node: Tensor) -> list[Buf]:
     """The inputs in order, then the output."""
     return [*[Buf(f"in{k}") for k in range(len(node.inputs))], Buf("out", writable=True)]
 
 
-def _params(node: Tensor):
+def params(node: Tensor):
     a = node.attrs
     return a["stride"], a["padding"], a["dilation"], a["groups"]
 
@@ -35,7 +35,7 @@ def _split(index: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> str:
     return " ".join(split_index(index, sizes, names))
 
 
-def _inside(y: str, x: str, h: int, w: int) -> str:
+def inside(y: str, x: str, h: int, w: int) -> str:
     return f"{y} >= 0 && {y} < {h} && {x} >= 0 && {x} < {w}"
 
 
@@ -44,13 +44,13 @@ def _im2col(node: Tensor, x_shape, w_shape, pixel: str, tap: str) -> list[str]:
     tap `tap` (input channel of group g, ky, kx), 0 in the padding: the implicit im2col matrix."""
     n, c, h, wd = x_shape
     _, cpg, kh, kw = w_shape
-    (sh, sw), (ph, pw), (dh, dw), _ = _params(node)
+    (sh, sw), (ph, pw), (dh, dw), _ = params(node)
     oh, ow = (out_extent(h, kh, sh, ph, dh), out_extent(wd, kw, sw, pw, dw))
     return [_split(pixel, (n, oh, ow), ("nb", "oy", "ox")),
             _split(tap, (cpg, kh, kw), ("ci", "ky", "kx")),
             f"let iy = i32(oy * {sh}u + ky * {dh}u) - {ph};",
             f"let ix = i32(ox * {sw}u + kx * {dw}u) - {pw};",
-            f"if ({_inside('iy', 'ix', h, wd)}) {{ v = in0[((nb * {c}u + g * {cpg}u + ci) "
+            f"if ({inside('iy', 'ix', h, wd)}) {{ v = in0[((nb * {c}u + g * {cpg}u + ci) "
             f"* {h}u + u32(iy)) * {wd}u + u32(ix)]; }}"]
 
 
@@ -65,7 +65,7 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
     n, c, h, wd = x.shape
     o, cpg, kh, kw = w.shape
     oh, ow = node.shape[-2:]
-    (sh, sw), (ph, pw), (dh, dw), groups = _params(node)
+    (sh, sw), (ph, pw), (dh, dw), groups = params(node)
     opg, taps = o // groups, kh * kw
     m, cols, depth = n * oh * ow, opg, cpg * taps
 
@@ -87,13 +87,13 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
     _, o, oh, ow = d.shape
     _, cpg, kh, kw = w.shape
     n, c, h, wd = node.shape[-4:]
-    (sh, sw), (ph, pw), (dh, dw), groups = _params(node)
+    (sh, sw), (ph, pw), (dh, dw), groups = params(node)
     opg, taps = o // groups, kh * kw
     m, cols, depth = n * h * wd, cpg, opg * taps
 
     def load_dy(i: str, dd: str) -> list[str]:
-        ly, cy = _tap("y", ph, sh, oh, "oy", "ky", dh)
-        lx, cx = _tap("x", pw, sw, ow, "ox", "kx", dw)
+        ly, cy = tap("y", ph, sh, oh, "oy", "ky", dh)
+        lx, cx = tap("x", pw, sw, ow, "ox", "kx", dw)
         return [_split(i, (n, h, wd), ("nb", "y", "x")),
                 _split(dd, (opg, kh, kw), ("ol", "ky", "kx")), ly, lx,
                 f"if ({cy} && {cx}) {{ v = in0[((nb * {o}u + g * {opg}u + ol) * {oh}u "
@@ -111,7 +111,7 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
                     gemm.Operand(load_w, "depth"), store, tiling, d.size + w.size)
 
 
-def _tap(coord: str, pad: int, stride: int, extent: int, name: str, k: str,
+def tap(coord: str, pad: int, stride: int, extent: int, name: str, k: str,
          dilation: int) -> tuple[str, str]:
     """The output coordinate `name` whose window tap `k` lands on input `coord`: the WGSL line
     defining it and the condition that it exists."""
@@ -128,7 +128,7 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
     n, c, h, wd = x.shape
     _, o, oh, ow = d.shape
     _, cpg, kh, kw = node.attrs["w_shape"]
-    (sh, sw), (ph, pw), (dh, dw), groups = _params(node)
+    (sh, sw), (ph, pw), (dh, dw), groups = params(node)
     opg, taps = o // groups, kh * kw
     m, cols, depth = opg, cpg * taps, n * oh * ow
 
@@ -149,12 +149,12 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
 def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, groups: int,
              a: gemm.Operand, b: gemm.Operand, store: gemm.Store,
              tiling: gemm.Tiling | None, read: int) -> Kernel:
-    """The GEMM over grid layers z = group * splits + split (see OpDef.gemm): split s sums its
+    """The GEMM over grid layers z = group * splits + split (see OpDef.splits): split s sums its
     own range of the depth into slice s of a result with a leading split axis."""
     pieces = node.attrs.get("splits", 1)
     chunk = -(-depth // pieces)
     return gemm.generate(
-        f"{node.op}_{'x'.join(map(str, node.shape))}", caps, _buffers(node), m, cols, chunk,
+        f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node), m, cols, chunk,
         groups * pieces, a, b, store,
         tiling or gemm.choose(m, cols, chunk, groups * pieces, caps),
         setup=[f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
@@ -163,7 +163,7 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
 
 
 def dims_conv2d(node: Tensor) -> tuple[int, int, int, int]:
-    """GEMM shape (m, n, k, groups) of a conv2d node (OpDef.gemm)."""
+    """GEMM shape (m, n, k, groups) of a conv2d node."""
     x, w = node.inputs
     o, cpg, kh, kw = w.shape
     groups = node.attrs["groups"]
@@ -223,8 +223,8 @@ def generate_max_pool2d_backward(node: Tensor, caps: Capabilities) -> Kernel:
             f"  let db = (i0 * {c}u + i1) * {oh * ow}u;", "  var acc = 0.0;"]
     for ki in range(kh):
         for kj in range(kw):
-            ly, cy = _tap("i2", ph - ki, sh, oh, "y", "0u", 1)
-            lx, cx = _tap("i3", pw - kj, sw, ow, "x", "0u", 1)
+            ly, cy = tap("i2", ph - ki, sh, oh, "y", "0u", 1)
+            lx, cx = tap("i3", pw - kj, sw, ow, "x", "0u", 1)
             body.append(f"  {{ {ly} {lx} if ({cy} && {cx}) {{ "
                         f"if (window_argmax(base, y, x) == {ki * kw + kj}) {{ "
                         f"acc += in1[db + u32(y * {ow} + x)]; }} }} }}")

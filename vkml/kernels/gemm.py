@@ -122,13 +122,18 @@ def direct_tiling(m: int, n: int) -> Tiling:
     return Tiling(16 * tm, 16 * tn, tm, tn, 1, False)
 
 
+def on_cpu(caps: Capabilities) -> bool:
+    """Whether kernels for `caps` take the CPU drivers' variants (f16 is for GPUs only)."""
+    return caps.device_type == "cpu" and caps.precision != "f16"
+
+
 def choose(m: int, n: int, k: int, z: int, caps: Capabilities) -> Tiling | CoopTiling:
     """The tiling for an (m x n x k) product over `z` grid layers on this device: the largest
     when its tiles alone fill the device, else a 64 x 64 tile (32 x 32 for thin matrices) that
     the split stage gives more workgroups by splitting k. Measured on an H200 (tools/
     kernel_lab.py, tools/KERNELS.md): 64 x 64 with splits beat the smaller tiles that fill the
     device unsplit by 2-4x on the models' shapes."""
-    if caps.device_type == "cpu" and caps.precision != "f16":
+    if on_cpu(caps):
         return direct_tiling(m, n)
     usable = (list(COOP) if caps.precision == "f16"
               else [t for t in STAGED if _fits(t, caps)])
@@ -145,7 +150,7 @@ def splits(m: int, n: int, k: int, z: int, caps: Capabilities) -> int:
     the device short of workgroups, enough for about twice the workgroups that fill it, each
     split at least 8 k-steps deep; everywhere, enough to keep a shader's loop within the
     device's limit (the direct variant loops k times)."""
-    if caps.device_type == "cpu" and caps.precision != "f16":
+    if on_cpu(caps):
         limit = caps.max_loop_iterations
         return -(-k // limit) if limit is not None and k > limit else 1
     t = choose(m, n, k, z, caps)

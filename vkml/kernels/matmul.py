@@ -64,8 +64,13 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
                          nbytes=4 * (a.size + b.size + layers * m * n))
 
 
+def splits(node: Tensor, caps: Capabilities) -> int:
+    """Partial sums the split stage cuts a matmul node into (OpDef.splits)."""
+    return gemm.splits(*dims(node), caps)
+
+
 def dims(node: Tensor) -> tuple[int, int, int, int]:
-    """The GEMM shape (m, n, k, batch) of a matmul node (OpDef.gemm)."""
+    """The GEMM shape (m, n, k, batch) of a matmul node."""
     a = node.inputs[0]
     *leading, m, n = node.shape
     k = a.shape[-2] if node.attrs["transpose_a"] else a.shape[-1]

@@ -1,9 +1,8 @@
 """2-D convolution and max pooling over NCHW tensors, with PyTorch's conventions (weight
-(out, in/groups, kh, kw); stride, padding, dilation, groups). vkml/kernels/conv.py generates them,
-reading the input through the im2col index map without materialising it: the forward and the
-input gradient as register-tiled implicit GEMMs, the weight gradient one workgroup per weight
-element reducing over batch x output pixels. 1-D convolution, average and global-average pooling
-are compositions (ops/composite.py)."""
+(out, in/groups, kh, kw); stride, padding, dilation, groups). vkml/kernels/conv.py generates them
+as implicit GEMMs on the GEMM core, reading the input through the im2col index map without
+materialising it; CPU drivers get kernels of their own (vkml/kernels/conv_cpu.py). 1-D
+convolution, average and global-average pooling are compositions (ops/composite.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import numpy as np
 from vkml.errors import GraphError
 from vkml.graph import Graph, OpDef, Tensor, builder, register
 from vkml.kernels import conv as kernels
+from vkml.kernels import conv_cpu, gemm
 
 
 def _geometry(x_shape, w_shape, a) -> tuple[int, ...]:
@@ -46,8 +46,24 @@ def _conv2d_grad(g, node, d):
             g.apply("conv2d_weight_grad", [x, d], w_shape=w.shape, **a)]
 
 
-register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad, lower=kernels.generate_conv2d,
-               gemm=kernels.dims_conv2d))
+def _by_device(on_gemm, on_cpu, dims) -> dict:
+    """A convolution's lowering and split rule: on CPU drivers their own kernel where its loops
+    fit (kernels/conv_cpu.py), elsewhere the GEMM core's, split as the core decides."""
+    def cpu_kernel(node: Tensor, caps) -> bool:
+        return gemm.on_cpu(caps) and conv_cpu.handles(node, caps)
+
+    def lower(node: Tensor, caps):
+        return (on_cpu if cpu_kernel(node, caps) else on_gemm)(node, caps)
+
+    def splits(node: Tensor, caps) -> int:
+        return 1 if cpu_kernel(node, caps) else gemm.splits(*dims(node), caps)
+
+    return {"lower": lower, "splits": splits}
+
+
+register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad,
+               **_by_device(kernels.generate_conv2d, conv_cpu.generate_conv2d,
+                            kernels.dims_conv2d)))
 
 
 @builder
@@ -84,9 +100,12 @@ def _weight_grad_grad(g, node, d):
 
 
 register(OpDef("conv2d_input_grad", _input_grad, "kernel", grad=_input_grad_grad,
-               lower=kernels.generate_conv2d_input_grad, gemm=kernels.dims_conv2d_input_grad))
+               **_by_device(kernels.generate_conv2d_input_grad,
+                            conv_cpu.generate_conv2d_input_grad, kernels.dims_conv2d_input_grad)))
 register(OpDef("conv2d_weight_grad", _weight_grad, "kernel", grad=_weight_grad_grad,
-               lower=kernels.generate_conv2d_weight_grad, gemm=kernels.dims_conv2d_weight_grad))
+               **_by_device(kernels.generate_conv2d_weight_grad,
+                            conv_cpu.generate_conv2d_weight_grad,
+                            kernels.dims_conv2d_weight_grad)))
 
 
 def _max_pool2d(inputs, attrs):

@@ -22,5 +22,5 @@ def _stored(inputs, attrs):
 
 register(OpDef("fused_pointwise", _stored, "pointwise",
                expr=lambda node: node.attrs["body"].result))
-register(OpDef("fused_matmul", _stored, "kernel", lower=matmul.generate, gemm=matmul.dims))
+register(OpDef("fused_matmul", _stored, "kernel", lower=matmul.generate, splits=matmul.splits))
 register(OpDef("fused_sum", _stored, "kernel", lower=reduce.generate_fused_sum))

@@ -48,7 +48,7 @@ def _matmul_grad(g, node, d):
 
 
 register(OpDef("matmul", _matmul, "kernel", grad=_matmul_grad, lower=kernels.generate,
-               gemm=kernels.dims))
+               splits=kernels.splits))
 
 
 @builder
