@@ -55,12 +55,14 @@ def check(built, module, device, rng, lr=1e-2, forward_tol=FORWARD_TOL, grad_tol
     for name, want in outputs.items():
         errors[name] = rel_l2(session.read(name), want.detach().numpy())
     torch_params = dict(module.named_parameters())
-    grads = {n: session.grad(n).astype(np.float64) for n in params}
-    ref_grads = {n: torch_params[n].grad.numpy() for n in params}
+    trained = [n for n in params if n in session.plan.grads]  # frozen ones have no gradient
+    assert sorted(trained) == sorted(n for n, p in torch_params.items() if p.requires_grad)
+    grads = {n: session.grad(n).astype(np.float64) for n in trained}
+    ref_grads = {n: torch_params[n].grad.numpy() for n in trained}
     total = np.sqrt(sum(np.sum(g * g) for g in grads.values()))
     ref_total = np.sqrt(sum(np.sum(g * g) for g in ref_grads.values()))
     per_param = {}
-    for n in params:
+    for n in trained:
         g, r = grads[n].ravel(), ref_grads[n].ravel()
         assert np.all(np.isfinite(g)), f"NaN or Inf in the gradient of {n}"
         rn = np.linalg.norm(r)
@@ -174,8 +176,8 @@ def test_smolvla_expert(device, rng, fused):
     ("smollm2", 134_515_008),  # HuggingFaceTB/SmolLM2-135M (tied embeddings)
     ("resnet50", 25_557_032),  # torchvision.models.resnet50 (parameters; BN buffers aside)
     ("resnet18", 11_689_512),  # torchvision.models.resnet18
-    # whisper-tiny's encoder without embed_positions (a constant here) and the 384->256->10 head
-    ("whisper_encoder", 7_632_384 + 384 * 256 + 256 + 256 * 10 + 10),
+    # whisper-tiny's encoder (its 1500 x 384 positions a frozen parameter) and the head
+    ("whisper_encoder", 7_632_384 + 1500 * 384 + 384 * 256 + 256 + 256 * 10 + 10),
 ])
 def test_full_config_parameter_counts(model, count):
     """The full configs (graphs only, no device) have the published models' parameter counts."""

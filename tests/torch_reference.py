@@ -290,14 +290,17 @@ class WhisperEncoder(nn.Module):
         d = cfg.d_model
         self.conv1 = nn.Conv1d(cfg.num_mel_bins, d, 3, padding=1)
         self.conv2 = nn.Conv1d(d, d, 3, stride=2, padding=1)
-        self.register_buffer("positions", whisper_sinusoids(cfg.max_source_positions, d),
-                             persistent=False)
+        # A frozen parameter, as Hugging Face's WhisperEncoder has it (and vkml's model)
+        self.embed_positions = nn.Embedding(cfg.max_source_positions, d)
+        with torch.no_grad():
+            self.embed_positions.weight.copy_(whisper_sinusoids(cfg.max_source_positions, d))
+        self.embed_positions.weight.requires_grad_(False)
         self.layers = nn.ModuleList(WhisperEncoderLayer(cfg) for _ in range(cfg.encoder_layers))
         self.layer_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
 
     def forward(self, features):
         h = F.gelu(self.conv2(F.gelu(self.conv1(features)))).permute(0, 2, 1)
-        h = h + self.positions[:h.shape[1]]
+        h = h + self.embed_positions.weight[:h.shape[1]]
         for layer in self.layers:
             h = layer(h)
         return self.layer_norm(h)

@@ -54,7 +54,7 @@ def model_results(device: vkml.Device) -> dict[str, np.ndarray]:
         results[f"model/{name}/loss"] = session.read("loss")
         for out in built.outputs:
             results[f"model/{name}/{out}"] = session.read(out)
-        for param in session.params():
+        for param in session.plan.grads:  # frozen parameters have none
             results[f"model/{name}/grad/{param}"] = session.grad(param)
         session.step()
         session.step()

@@ -7,6 +7,7 @@
 
 from vkml import nn, ops  # noqa: F401  (ops: every op registers itself and its Graph method)
 from vkml.errors import (
+    CheckpointError,
     DeviceError,
     GraphError,
     InputError,
@@ -22,4 +23,4 @@ from vkml.session import Session, compile
 
 __all__ = ["Graph", "Tensor", "compile", "Session", "Device", "SGD", "Adam", "AdamW",
            "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NotComputedError",
-           "NonFiniteError", "NagaError", "DeviceError"]
+           "NonFiniteError", "CheckpointError", "NagaError", "DeviceError"]

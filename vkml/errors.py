@@ -23,6 +23,13 @@ class NonFiniteError(VkmlError):
     """A step's loss was NaN or infinite (compile(..., check_finite=True)); it changed nothing."""
 
 
+class CheckpointError(InputError):
+    """A checkpoint cannot be read, written or loaded into this session (an unreadable or
+    malformed file, a tensor that does not fit, another optimizer's state). A load that raises
+    it has changed nothing; the cause (an OSError, safetensors' own error) is kept as
+    `__cause__`."""
+
+
 class NagaError(VkmlError):
     """naga rejected a generated kernel; the message carries naga's report and the WGSL."""
 

@@ -12,6 +12,7 @@ method that builds it (`g.relu(x)`, and `x.relu()` where the op has a tensor for
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -178,6 +179,9 @@ class Graph:
         self.params: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
         self.initial_values: dict[int, np.ndarray] = {}  # parameter and constant id -> value
+        # What checkpoints carry beside the parameters (see extra() and unsupported())
+        self.extras: dict[str, np.ndarray] = {}
+        self.unsupported_tensors: dict[str, str] = {}
         self.rng = np.random.default_rng(seed)
         self.where = _user_frame()  # where it was made: errors about mixed graphs say which
 
@@ -213,6 +217,9 @@ class Graph:
             if name in table:
                 raise GraphError(f"the name '{name}' is already used by {table[name].label}; "
                                  f"give this {kind} another name")
+        if name in self.extras or name in self.unsupported_tensors:
+            raise GraphError(f"the name '{name}' is already a checkpoint entry of this graph; "
+                             f"give this {kind} another name")
 
     def input(self, name: str, shape: Sequence[int], dtype: DType = "f32") -> Tensor:
         """A value the user sets before each step (`session.set_input(name, array)`)."""
@@ -221,11 +228,12 @@ class Graph:
         self.inputs[name] = t
         return t
 
-    def param(self, name: str, shape: Sequence[int], init: str | float | np.ndarray = "zeros",
+    def param(self, name: str, shape: Sequence[int],
+              init: str | float | np.ndarray | np.number = "zeros",
               scale: float = 1.0, trainable: bool = True) -> Tensor:
-        """An f32 parameter. `init`: an array, a number, "zeros", "normal" (std `scale`) or
-        "uniform" (in [-scale, scale]). `trainable=False` freezes it: no gradient and no
-        optimizer state, but it is read, saved and loaded like any other parameter
+        """An f32 parameter. `init`: an array, a number (numpy's too), "zeros", "normal" (std
+        `scale`) or "uniform" (in [-scale, scale]). `trainable=False` freezes it: no gradient
+        and no optimizer state, but it is read, saved and loaded like any other parameter
         (`vkml.compile(..., trainable=...)` can override the choice per compilation)."""
         self._claim(name, "parameter")
         t = self.apply("param", [], name=name, shape=tuple(shape), dtype="f32",
@@ -234,15 +242,36 @@ class Graph:
         self.params[name] = t
         return t
 
-    def _initial_value(self, name: str, shape: Shape, init: str | float | np.ndarray,
-                       scale: float) -> np.ndarray:
-        if isinstance(init, np.ndarray):
+    def extra(self, name: str, value: np.ndarray | int | float | bool) -> None:
+        """A tensor this graph's checkpoints carry by name that nothing computes with, such as
+        the `num_batches_tracked` counters of torchvision's ResNet files: a session keeps it
+        on the host in its own dtype (`value`'s), loads it from a file (same shape, the same
+        kind of number), and saves it back unchanged, so such files load with strict=True and
+        round-trip. A file without it loads too (the value stays)."""
+        self._claim(name, "checkpoint extra")
+        self.extras[name] = np.array(value)
+
+    def unsupported(self, name: str, reason: str) -> None:
+        """A checkpoint tensor whose presence means that the file's model uses an option this
+        graph does not implement (e.g. `layer_weights`, which Hugging Face's Whisper
+        classifier has only with use_weighted_layer_sum=True): `session.load` refuses such a
+        file, naming the tensor and `reason`, with strict=False too, rather than drop the
+        tensor and compute something else in silence."""
+        self._claim(name, "unsupported checkpoint tensor")
+        self.unsupported_tensors[name] = reason
+
+    def _initial_value(self, name: str, shape: Shape,
+                       init: str | float | np.ndarray | np.number, scale: float) -> np.ndarray:
+        if isinstance(init, np.ndarray) and init.shape != ():
             if init.shape != shape:
                 raise GraphError(f"parameter '{name}': init array has shape {init.shape}, "
                                  f"expected {shape}")
             return init.astype(np.float32)
-        if isinstance(init, (int, float)):
-            return np.full(shape, init, np.float32)
+        # Any real number fills: Python's, numpy's scalars (np.float32(x) is no `float`) and
+        # 0-d arrays alike.
+        if isinstance(init, numbers.Real) or (isinstance(init, np.ndarray)
+                                               and init.dtype.kind in "iuf"):
+            return np.full(shape, float(init), np.float32)
         if init == "zeros":
             return np.zeros(shape, np.float32)
         if init == "normal":
@@ -279,6 +308,7 @@ class Graph:
         g.nodes, g.inputs, g.params = list(self.nodes), dict(self.inputs), dict(self.params)
         g.outputs, g.initial_values, g.rng = dict(self.outputs), dict(self.initial_values), self.rng
         g.where = self.where
+        g.extras, g.unsupported_tensors = dict(self.extras), dict(self.unsupported_tensors)
         return g
 
     def reachable(self, roots: Iterable[Tensor]) -> list[Tensor]:

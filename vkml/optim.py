@@ -6,12 +6,14 @@ learning rate (`session.set_hyperparams(lr=...)`) needs no recompilation or re-r
 count `t` lives there too and is advanced on the GPU, once per step, before the updates.
 The arithmetic follows torch.optim term by term, so the two agree to rounding; where torch computes
 a term on the host in float64 (Adam's bias corrections), vkml computes it on the host too, into a
-table the update reads by step count (`tables()`).
+table the update reads by step count (`tables()`). The constructors take torch.optim's keywords
+too (`Adam(lr=..., betas=(0.9, 0.999), eps=..., weight_decay=...)`, SGD's as torch.optim.SGD's),
+so a training script moves over unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import KW_ONLY, InitVar, asdict, dataclass
 
 import numpy as np
 
@@ -64,18 +66,39 @@ class Optimizer:
         raise NotImplementedError
 
 
+def _torch_only(optimizer: str, **flags: bool | None) -> None:
+    """torch.optim's options that change the arithmetic, which vkml does not implement: refuse
+    them when set rather than train something else. (Its implementation choices, `foreach`,
+    `fused`, `capturable` and `differentiable`, change nothing here: every update is one
+    fused kernel per parameter anyway; they are accepted and ignored.)"""
+    hints = {"decoupled_weight_decay": "use vkml.AdamW, which is Adam with decoupled decay"}
+    for name, value in flags.items():
+        if value:
+            raise InputError(f"{optimizer}({name}={value!r}): vkml's {optimizer} does not "
+                             f"implement {name}; " + hints.get(name, f"leave {name}=False"))
+
+
 @dataclass
 class SGD(Optimizer):
-    lr: float = 0.01
+    """torch.optim.SGD, with its defaults and keywords."""
+
+    lr: float = 1e-3
     momentum: float = 0.0
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    _: KW_ONLY
+    maximize: InitVar[bool] = False
+    foreach: InitVar[bool | None] = None
+    differentiable: InitVar[bool] = False
+    fused: InitVar[bool | None] = None
 
     ranges = {"lr": (0.0, float("inf")), "momentum": (0.0, float("inf")),
               "weight_decay": (0.0, float("inf"))}
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, maximize: bool = False, foreach: bool | None = None,  # type: ignore[override]
+                      differentiable: bool = False, fused: bool | None = None) -> None:
+        _torch_only(type(self).__name__, maximize=maximize)
         super().__post_init__()
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise InputError("SGD: nesterov momentum requires a momentum and zero dampening")
@@ -103,16 +126,47 @@ class SGD(Optimizer):
 
 @dataclass
 class Adam(Optimizer):
+    """torch.optim.Adam: `betas=(beta1, beta2)` as torch spells it, or `beta1=`, `beta2=`."""
+
     lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    _: KW_ONLY
+    betas: InitVar[tuple[float, float] | None] = None
+    amsgrad: InitVar[bool] = False
+    maximize: InitVar[bool] = False
+    foreach: InitVar[bool | None] = None
+    capturable: InitVar[bool] = False
+    differentiable: InitVar[bool] = False
+    fused: InitVar[bool | None] = None
+    decoupled_weight_decay: InitVar[bool] = False
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
     ranges = {"lr": (0.0, float("inf")), "eps": (0.0, float("inf")),
               "beta1": (0.0, 1.0), "beta2": (0.0, 1.0),
               "weight_decay": (0.0, float("inf"))}
+
+    def __post_init__(self, betas: tuple[float, float] | None = None,  # type: ignore[override]
+                      amsgrad: bool = False, maximize: bool = False,
+                      foreach: bool | None = None, capturable: bool = False,
+                      differentiable: bool = False, fused: bool | None = None,
+                      decoupled_weight_decay: bool = False) -> None:
+        name = type(self).__name__
+        _torch_only(name, amsgrad=amsgrad, maximize=maximize,
+                    decoupled_weight_decay=decoupled_weight_decay)
+        if betas is not None:
+            try:
+                beta1, beta2 = betas
+            except (TypeError, ValueError):
+                raise InputError(f"{name}(betas={betas!r}): give two numbers, e.g. "
+                                 "betas=(0.9, 0.999)") from None
+            if (self.beta1, self.beta2) not in ((0.9, 0.999), (beta1, beta2)):
+                raise InputError(f"{name}(betas={betas!r}, beta1={self.beta1!r}, "
+                                 f"beta2={self.beta2!r}): give betas or beta1/beta2, not both")
+            self.beta1, self.beta2 = beta1, beta2
+        super().__post_init__()  # torch.optim's range checks, betas included
 
     def update(self) -> str:
         # Always applied (0 changes nothing), so set_hyperparams(weight_decay=...) takes effect.

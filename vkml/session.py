@@ -52,12 +52,17 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     stages = lower(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
                    rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
                    precision=precision, check_finite=check_finite)
-    return Session(stages.plan, device, check_finite)
+    return Session(stages.plan, device, check_finite, graph=graph)
 
 
 class Session:
-    def __init__(self, plan: Plan, device: Device, check_finite: bool = False) -> None:
+    def __init__(self, plan: Plan, device: Device, check_finite: bool = False, *,
+                 graph: Graph | None = None) -> None:
         self.plan, self.device = plan, device
+        # The graph's checkpoint extras (host-side values, per session) and refused names.
+        self._entries = checkpoint.Entries(
+            {n: v.copy() for n, v in graph.extras.items()} if graph is not None else {},
+            dict(graph.unsupported_tensors) if graph is not None else {})
         self._bound = BoundPlan(plan, device)
         self._chunker = Chunker(self._bound)
         self._profiler = Profiler(self._bound)
@@ -345,21 +350,36 @@ class Session:
 
     # ---- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Parameters by name, plus optimizer state under "optimizer/<param>/<state>" and the
-        hyperparameters (step count included) under "optimizer/hyperparams"."""
-        return checkpoint.state_dict(self._bound)
+        """Parameters by name, plus optimizer state under "optimizer/<param>/<state>", the
+        hyperparameters (step count included) under "optimizer/hyperparams" and the graph's
+        checkpoint extras (`Graph.extra`) in their own dtypes."""
+        return checkpoint.state_dict(self._bound, self._entries)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write a safetensors checkpoint atomically (a crash never leaves half a file)."""
+        """Write a safetensors checkpoint atomically (a crash never leaves half a file), with
+        the permissions a new file gets from open() (the umask applies; an existing file keeps
+        its own). The metadata names the optimizer and its hyperparameters."""
         self._chunker.finish()
-        checkpoint.save(self._bound, path)
+        checkpoint.save(self._bound, path, self._entries, self._hyperparams)
 
-    def load(self, path: str | os.PathLike, strict: bool = True) -> None:
+    def load(self, path: str | os.PathLike, strict: bool = True,
+             optimizer_state: bool = True) -> None:
         """Load parameters (and optimizer state, where the checkpoint has it) by name.
-        Everything is checked before anything is written: a bad file changes nothing.
-        `strict`: every parameter must be present and no unknown tensor may be."""
+        Everything is checked before anything is written: a bad file changes nothing and
+        raises CheckpointError (also for an unreadable or malformed file; the OS's or
+        safetensors' exception is its `__cause__`).
+
+        `strict`: every parameter must be present and no unknown tensor may be.
+        Floating-point tensors of any precision (F32, F16, BF16, F64) load into the f32
+        parameters; integer and boolean tensors are refused. The optimizer state must come
+        from the same optimizer (kind and hyperparameter names, and values that compile the
+        same update, e.g. SGD's momentum); `optimizer_state=False` loads the parameters (and
+        extras) alone and keeps this session's optimizer state and hyperparameters, e.g. to
+        fine-tune with another optimizer. A tensor the graph declares unsupported
+        (`Graph.unsupported`) is refused even with strict=False."""
         self._chunker.finish()
-        checkpoint.load(self._bound, path, strict)
+        checkpoint.load(self._bound, path, strict, optimizer_state, self._entries,
+                        self._hyperparams)
 
     # ---- inspection and teardown ----------------------------------------------------------------
     def explain(self) -> str:

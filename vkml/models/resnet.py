@@ -2,15 +2,19 @@
 (bottleneck blocks, stride on the 3x3 conv as torchvision's "v1.5"). Parameter names are
 torchvision's (`conv1.weight`, `bn1.weight`, `bn1.bias`, `layer1.0.conv1.weight`,
 `layer2.0.downsample.0.weight`, `layer2.0.downsample.1.*`, `fc.weight`, `fc.bias`), so a
-torchvision `state_dict` loads by name (`num_batches_tracked` aside: `load(strict=False)`).
+torchvision `state_dict` loads by name.
 
 Batch norm comes in two forms, `ResNetConfig.bn`:
 - "train" (the default, what a training step uses): statistics of the current batch, as
   torchvision's model.train() normalises with. The running statistics are neither used nor
-  updated (the graph has no state writes), so they are not in the graph.
-- "eval": torchvision's model.eval(): `bnX.running_mean` / `running_var` are graph parameters
-  (so a checkpoint's running statistics load by name) for inference sessions. vkml has no frozen
-  parameters yet: an eval-form graph compiled for training would update them like weights.
+  updated (the graph has no state writes), so they are not in the graph: a torchvision file
+  loads with `load(path, strict=False)`, which skips them (and a file saved from this form has
+  none, rather than stale ones).
+- "eval": torchvision's model.eval(): `bnX.running_mean` / `running_var` are frozen graph
+  parameters (so a checkpoint's running statistics load by name; training leaves them alone),
+  and each `bnX.num_batches_tracked` counter (int64, which nothing here computes with) is a
+  checkpoint extra (`Graph.extra`): loaded and saved back unchanged, so a torchvision file
+  loads with strict=True and what vkml saves loads back into torchvision.
 The default config is ResNet-50 at the benchmark's batch 4 x 3 x 224 x 224, 1000 classes; loss:
 cross-entropy against i32 class labels.
 """
@@ -69,8 +73,9 @@ def _bn(g: Graph, name: str, x: Tensor, cfg: ResNetConfig) -> Tensor:
     bias = g.param(f"{name}.bias", (c,))
     if cfg.bn == "train":
         return g.batch_norm(x, weight=weight, bias=bias, training=True, eps=cfg.bn_eps)
-    mean = g.param(f"{name}.running_mean", (c,))
-    var = g.param(f"{name}.running_var", (c,), 1.0)
+    mean = g.param(f"{name}.running_mean", (c,), trainable=False)
+    var = g.param(f"{name}.running_var", (c,), 1.0, trainable=False)
+    g.extra(f"{name}.num_batches_tracked", np.int64(0))
     return g.batch_norm(x, mean, var, weight, bias, training=False, eps=cfg.bn_eps)
 
 

@@ -10,10 +10,13 @@ Parameter names are Hugging Face's under `prefix` (default "encoder.", as in
 WhisperForAudioClassification; "model.encoder." for WhisperForConditionalGeneration
 checkpoints): `conv1.*`, `conv2.*`, `layers.{i}.self_attn.{q,k,v,out}_proj.*`,
 `layers.{i}.self_attn_layer_norm.*`, `layers.{i}.fc1.*`, `layers.{i}.fc2.*`,
-`layers.{i}.final_layer_norm.*`, `layer_norm.*`; the head's `projector.*` and `classifier.*`.
-`embed_positions.weight` is a constant here (the fixed sinusoids, which Hugging Face also never
-trains), so it is not a parameter: load a Hugging Face checkpoint with
-`load(path, strict=False)`, which skips it (and the decoder, if present).
+`layers.{i}.final_layer_norm.*`, `layer_norm.*`, `embed_positions.weight` (the position table:
+a frozen parameter, `trainable=False`, as Hugging Face never trains it either; its initial
+value is Whisper's sinusoids and a checkpoint's own table replaces it); the head's
+`projector.*` and `classifier.*`. A WhisperForAudioClassification file loads with strict=True;
+a WhisperForConditionalGeneration one ("model.encoder." prefix) needs strict=False for its
+decoder. A classifier file with `layer_weights` (use_weighted_layer_sum=True: a learned mix of
+every layer's hidden states, which this model does not implement) is refused by name.
 
 The default config is whisper-tiny's encoder (d_model 384, 4 layers, 6 heads, FFN 1536, 80 mels,
 1500 positions, input 1 x 80 x 3000) with a 256-wide projector and 10 classes.
@@ -82,7 +85,11 @@ def whisper_encoder(g: Graph, features: Tensor, cfg: WhisperEncoderConfig) -> Te
     h = _conv1d(g, p + "conv1", features, d, 1).gelu()
     h = _conv1d(g, p + "conv2", h, d, 2).gelu()
     x = g.transpose(h, (0, 2, 1))
-    x = x + g.constant(sinusoids(cfg.max_source_positions, d)[:x.shape[1]])
+    positions = g.param(p + "embed_positions.weight", (cfg.max_source_positions, d),
+                        sinusoids(cfg.max_source_positions, d), trainable=False)
+    if x.shape[1] != cfg.max_source_positions:
+        positions = g.slice(positions, 0, 0, x.shape[1])
+    x = x + positions
     for i in range(cfg.encoder_layers):
         q = f"{p}layers.{i}."
         a = _layer_norm(g, q + "self_attn_layer_norm", x, cfg)
@@ -98,7 +105,14 @@ def whisper_encoder(g: Graph, features: Tensor, cfg: WhisperEncoderConfig) -> Te
 
 
 def classification_head(g: Graph, hidden: Tensor, cfg: WhisperEncoderConfig) -> Tensor:
-    """WhisperForAudioClassification's head: projector, mean over time, classifier."""
+    """WhisperForAudioClassification's head: projector, mean over time, classifier (of the
+    last layer's hidden states: use_weighted_layer_sum=False, whose files have no
+    `layer_weights`)."""
+    g.unsupported("layer_weights", "the file's WhisperForAudioClassification was made with "
+                  "use_weighted_layer_sum=True (its logits mix every layer's hidden states "
+                  "with these weights), which vkml's Whisper classifier does not implement: "
+                  "it classifies the last layer's states, so its logits would differ; use a "
+                  "checkpoint made with use_weighted_layer_sum=False")
     proj = linear(g, "projector", hidden, cfg.d_model, cfg.classifier_proj_size)
     return linear(g, "classifier", g.mean(proj, 1), cfg.classifier_proj_size, cfg.num_labels)
 

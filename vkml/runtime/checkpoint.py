@@ -1,71 +1,307 @@
 """Checkpoints of a bound plan as safetensors: parameters by their (PyTorch) names, optimizer state
-under "optimizer/<param>/<state>", hyperparameters and step count under "optimizer/hyperparams".
-A load checks everything before it writes anything, so a bad file changes nothing."""
+under "optimizer/<param>/<state>", hyperparameters and step count under "optimizer/hyperparams",
+the optimizer's kind and hyperparameter names in the metadata, and the graph's extras (tensors
+a checkpoint carries that nothing computes with, `Graph.extra`) in their own dtypes.
+
+A load reads and checks everything before it writes anything, so a bad file changes nothing:
+an unreadable or malformed file, a tensor of the wrong shape, integers or booleans for a
+floating-point parameter, another optimizer's state, a tensor of a model option the graph does
+not implement (`Graph.unsupported`) all raise CheckpointError with the session untouched.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import tempfile
+import secrets
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from vkml.compiler.schedule import Slot
-from vkml.errors import InputError
+from vkml.errors import CheckpointError, InputError
 from vkml.runtime.bound import BoundPlan
 
 STATE_PREFIX = "optimizer/"
+HYPERPARAMS = STATE_PREFIX + "hyperparams"
+# Metadata key of the hyperparameters as the user gave them (JSON, float64): the tensor holds f32.
+EXACT = "hyperparam_values"
+
+# safetensors' dtype names -> numpy, little-endian as the format stores them. BF16 has no numpy
+# dtype: it is the upper half of an f32, widened by hand (decode()).
+_NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+          "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
-def state_dict(bound: BoundPlan) -> dict[str, np.ndarray]:
-    return {name: bound.read_slot(slot) for name, slot in _targets(bound).items()}
+@dataclasses.dataclass
+class Entries:
+    """What a graph adds to its checkpoints beyond the plan's tensors (Graph.extra and
+    Graph.unsupported): the extras' current values (loads replace them) and, by tensor name,
+    why a file holding that tensor is refused."""
+
+    extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    unsupported: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def save(bound: BoundPlan, path: str | os.PathLike) -> None:
-    """Write atomically: a crash never leaves half a file."""
-    from safetensors.numpy import save_file
+def state_dict(bound: BoundPlan, entries: Entries | None = None) -> dict[str, np.ndarray]:
+    tensors = {name: bound.read_slot(slot) for name, slot in _targets(bound).items()}
+    if entries is not None:
+        tensors |= {name: value.copy() for name, value in entries.extras.items()}
+    return tensors
 
-    path = os.fspath(path)
+
+def save(bound: BoundPlan, path: str | os.PathLike, entries: Entries | None = None,
+         hyperparams: Mapping[str, float] | None = None) -> None:
+    """Write atomically: a crash never leaves half a file. `hyperparams`: the optimizer's as
+    the user gave them (float64), kept in the metadata for an exact resumption."""
+    from safetensors.numpy import save as serialize
+
     plan = bound.plan
     metadata = {"format": "vkml"}
     if plan.optimizer is not None:
         metadata["optimizer"] = type(plan.optimizer).__name__
         metadata["hyperparams"] = ",".join(plan.hyperparams)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    os.close(fd)
+        if hyperparams:
+            metadata[EXACT] = json.dumps({k: float(v) for k, v in hyperparams.items()})
+    _write_atomic(os.fspath(path), serialize(state_dict(bound, entries), metadata=metadata))
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """`data` to `path` through a temporary file in the same directory and os.replace. The
+    temporary file is created with mode 0o666 so that the umask applies as it would to
+    open(path, "wb") (tempfile.mkstemp would make every checkpoint 0600), and a file that
+    already exists keeps its permissions, as open() would leave them."""
+    directory, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        save_file(state_dict(bound), tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                     0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.chmod(tmp, os.stat(path).st_mode & 0o777)
+            except FileNotFoundError:
+                pass
+            os.replace(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc} (check "
+                              "that the directory exists and is writable, and that the path "
+                              "is not a directory)") from exc
 
 
-def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True) -> None:
-    """Parameters (and optimizer state, where the file has it) by name. `strict`: every
-    parameter must be present and no unknown tensor may be."""
-    from safetensors.numpy import load_file
+def read_file(path: str | os.PathLike) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """A safetensors file's tensors, undecoded ({"dtype", "shape", "data"} by name), and its
+    metadata. Every failure is a CheckpointError whose cause is the OS's or safetensors' own
+    exception."""
+    from safetensors import SafetensorError, deserialize
 
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc} (give the "
+                              "path of a .safetensors file); nothing was changed") from exc
+    try:
+        tensors = dict(deserialize(data))
+        # deserialize() has validated the header; it does not return the metadata, which sits
+        # in the same JSON header: 8 bytes of little-endian length, then the JSON.
+        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    except (SafetensorError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a valid safetensors file ({exc}): it may be "
+                              "truncated or another kind of file; nothing was changed") from exc
+    metadata = header.get("__metadata__") or {}
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def decode(name: str, entry: Mapping[str, Any]) -> np.ndarray:
+    """One tensor of read_file() as numpy, in its own dtype (BF16 widened to f32 exactly)."""
+    dtype, shape, raw = entry["dtype"], tuple(entry["shape"]), entry["data"]
+    if dtype == "BF16":
+        bits = np.frombuffer(raw, "<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    if dtype not in _NUMPY:
+        raise CheckpointError(f"'{name}' has dtype {dtype}, which vkml cannot read (it reads "
+                              f"{', '.join([*_NUMPY, 'BF16'])}); nothing was changed")
+    return np.frombuffer(raw, _NUMPY[dtype]).reshape(shape)
+
+
+def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
+         optimizer_state: bool = True, entries: Entries | None = None,
+         hyperparams: dict[str, float] | None = None) -> None:
+    """Parameters (and optimizer state, where the file has it and `optimizer_state`) by name.
+    `strict`: every parameter must be present and no unknown tensor may be (optimizer state
+    of a parameter this session does not train is not unknown: it is skipped).
+    `hyperparams`: the session's float64 hyperparameters, updated in place to the file's when
+    it has them; the optimizer's tables (Adam's bias corrections) are rebuilt from them."""
     plan = bound.plan
-    loaded = load_file(os.fspath(path))
+    entries = entries or Entries()
+    path = os.fspath(path)
+    tensors, metadata = read_file(path)
     targets = _targets(bound)
-    problems = []
-    missing = [n for n in plan.params if n not in loaded]
-    unknown = [n for n in loaded if n not in targets and not n.startswith(STATE_PREFIX)]
-    if strict and missing:
-        problems.append(f"missing parameters {missing}")
-    if strict and unknown:
-        problems.append(f"unknown tensors {unknown}")
-    for name, value in loaded.items():
-        slot = targets.get(name)
-        if slot is not None and value.shape != slot.shape:
-            problems.append(f"'{name}' has shape {value.shape}, expected {slot.shape}")
+    optimizer = plan.optimizer if optimizer_state else None
+    problems: list[str] = []
+
+    for name, reason in entries.unsupported.items():
+        if name in tensors:
+            problems.append(f"it holds '{name}': {reason}")
+    carries_state = optimizer is not None and any(n.startswith(STATE_PREFIX) for n in tensors)
+    state_problems, saved_hyperparams = (
+        _saved_hyperparams(plan, metadata, tensors, hyperparams or {}) if carries_state
+        else ([], None))
+    problems += state_problems
+    wanted = [n for n in tensors if n in entries.extras or (
+        n in targets and (optimizer is not None or not n.startswith(STATE_PREFIX)))]
+    missing_state: list[str] = []
+    if strict:
+        missing = [n for n in plan.params if n not in tensors]
+        # (after a mismatch of kind, the other optimizer's names would only add noise)
+        missing_state = [n for n in targets if carries_state and not state_problems
+                         and n.startswith(STATE_PREFIX) and n not in tensors]
+        unknown = [n for n in tensors if n not in targets and n not in entries.extras
+                   and n not in entries.unsupported and not n.startswith(STATE_PREFIX)]
+        if missing:
+            problems.append(f"missing parameters {_names(missing)}")
+        if missing_state:
+            problems.append(f"missing optimizer state {_names(missing_state)}")
+        if unknown:
+            problems.append(f"unknown tensors {_names(unknown)} (load(path, strict=False) "
+                            "skips tensors this graph does not have)")
+
+    values: dict[str, np.ndarray] = {}
+    for name in wanted:
+        entry = tensors[name]
+        shape = tuple(entry["shape"])
+        if name in entries.extras:
+            expected = entries.extras[name]
+            if shape != expected.shape:
+                problems.append(f"'{name}' has shape {shape}, expected {expected.shape}")
+                continue
+            value, problem = _as_extra(name, entry, expected.dtype)
+        else:
+            slot = targets[name]
+            if shape != slot.shape:
+                problems.append(f"'{name}' has shape {shape}, expected {slot.shape}")
+                continue
+            value, problem = _as_float(name, entry, slot)
+        if problem:
+            problems.append(problem)
+        else:
+            values[name] = value
     if problems:
-        raise InputError(f"cannot load {os.fspath(path)}: " + "; ".join(problems)
-                         + " (nothing was changed)")
+        hint = (" (load(path, optimizer_state=False) loads the parameters alone)"
+                if state_problems or (strict and missing_state) else "")
+        raise CheckpointError(f"cannot load {path}: " + "; ".join(problems) + hint
+                              + "; nothing was changed")
     bound.wait()
-    for name, value in loaded.items():
-        if name in targets:
-            bound.write_slot(targets[name], value.astype(np.float32))
+    for name, value in values.items():
+        if name in entries.extras:
+            entries.extras[name] = value
+        else:
+            bound.write_slot(targets[name], value)
+    if saved_hyperparams is not None and HYPERPARAMS in values:
+        for table, data in plan.optimizer.tables(saved_hyperparams).items():
+            bound.write_slot(plan.slots[plan.optimizer_tables[table]], data)
+        if hyperparams is not None:
+            hyperparams.update(saved_hyperparams)
+
+
+def _as_float(name: str, entry: Mapping[str, Any], slot: Slot) -> tuple[np.ndarray, str]:
+    """A file's tensor for an f32 slot: any float dtype, converted; integers and booleans are
+    refused (a silent cast would hand the model class ids or masks as weights)."""
+    if entry["dtype"] not in FLOAT_DTYPES:
+        what = "parameter" if slot.role == "param" else "tensor"
+        return np.empty(0), (f"'{name}' is {entry['dtype']} in the file, but it is a "
+                             f"floating-point {what} here (f32): vkml reads F32, F16, BF16 and "
+                             "F64 into it and never casts integers or booleans")
+    value = decode(name, entry)
+    with np.errstate(over="ignore"):  # checked below
+        converted = np.ascontiguousarray(value, dtype=np.float32)
+    if entry["dtype"] == "F64" and np.isfinite(value).sum() != np.isfinite(converted).sum():
+        return converted, f"'{name}' holds F64 values beyond the range of f32"
+    return converted, ""
+
+
+def _as_extra(name: str, entry: Mapping[str, Any], dtype: np.dtype) -> tuple[np.ndarray, str]:
+    """A file's tensor for an extra of `dtype`: the same kind of number, converted exactly."""
+    value = decode(name, entry)
+    kind = {"b": "booleans", "i": "integers", "u": "integers", "f": "floats"}
+    if kind.get(value.dtype.kind) != kind.get(dtype.kind):
+        return value, (f"'{name}' is {entry['dtype']} in the file; this graph keeps "
+                       f"{kind.get(dtype.kind, dtype.name)} ({dtype.name}) there")
+    converted = value.astype(dtype)
+    if not np.array_equal(converted, value):
+        return value, f"'{name}' holds values that {dtype.name} cannot represent"
+    return converted, ""
+
+
+def _saved_hyperparams(plan: Any, metadata: Mapping[str, str],
+                       tensors: Mapping[str, Mapping[str, Any]],
+                       current: Mapping[str, float]) -> tuple[list[str], dict[str, float] | None]:
+    """Why the file's optimizer state does not fit this session's optimizer, if it does not
+    (another kind: SGD's hyperparameters read as Adam's would set beta1 = beta2 = eps = 0;
+    other hyperparameter names; values torch.optim would refuse; a value the compiled update
+    depends on, such as momentum where this session's SGD was compiled without it), and else
+    the file's hyperparameters as float64 (None where it has none): the exact values saved in
+    its metadata, or this session's own, wherever they round to the file's f32 values (the
+    optimizer's host-side tables are computed from them, as from the user's values)."""
+    optimizer = plan.optimizer
+    kind = type(optimizer).__name__
+    saved = metadata.get("optimizer")
+    if saved is None:
+        return ["it holds optimizer state but does not say which optimizer wrote it (no "
+                "'optimizer' in its metadata), so it cannot be checked against this session's "
+                f"{kind}"], None
+    if saved != kind:
+        return [f"it holds {saved} optimizer state, and this session's optimizer is {kind}"], None
+    names = metadata.get("hyperparams", "").split(",")
+    if names != list(plan.hyperparams):
+        return [f"its {kind} optimizer has hyperparameters {names}, this session's has "
+                f"{list(plan.hyperparams)} (another vkml version?)"], None
+    entry = tensors.get(HYPERPARAMS)
+    if entry is None or tuple(entry["shape"]) != (len(names),) or (
+            entry["dtype"] not in FLOAT_DTYPES):
+        return [], None  # the missing, shape and dtype checks name it
+    stored = dict(zip(names, decode(HYPERPARAMS, entry).astype(np.float32).tolist()))
+    t = stored.pop("t")
+    try:
+        exact = {str(k): float(v) for k, v in json.loads(metadata.get(EXACT, "{}")).items()}
+    except (ValueError, TypeError, AttributeError):
+        exact = {}  # vkml wrote it: never malformed, but then the f32 values serve
+    values: dict[str, float] = {}
+    for n, v in stored.items():
+        candidates = [current.get(n), exact.get(n)]
+        values[n] = next((c for c in candidates if c is not None and np.float32(c) == v), v)
+    problems = []
+    if not (np.isfinite(t) and t >= 0 and t == int(t)):
+        problems.append(f"its step count t={t} is not a count")
+    try:
+        optimizer.check(values)
+    except InputError as exc:
+        problems.append(f"its hyperparameters are invalid: {exc}")
+    # A hyperparameter the update's code depends on (SGD's momentum when compiled without
+    # it, nesterov) is compiled in: the file's value would be ignored in silence.
+    differ = [f"{n}={values[n]:g} (this session: {float(getattr(optimizer, n)):g})"
+              for n in optimizer.fixed if np.float32(getattr(optimizer, n)) != stored[n]]
+    if differ:
+        problems.append(f"its {kind} optimizer has {', '.join(differ)}, which the compiled "
+                        "update depends on: compile the session with those values to resume "
+                        "this optimizer state")
+    return problems, None if problems else values
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:limit])
+    return f"[{shown}" + (f", and {len(names) - limit} more]" if len(names) > limit else "]")
 
 
 def _targets(bound: BoundPlan) -> dict[str, Slot]:
@@ -75,5 +311,5 @@ def _targets(bound: BoundPlan) -> dict[str, Slot]:
     for param, slots in plan.optimizer_state.items():
         targets |= {f"{STATE_PREFIX}{param}/{k}": plan.slots[s] for k, s in slots.items()}
     if plan.hyperparams_slot is not None:
-        targets[f"{STATE_PREFIX}hyperparams"] = plan.slots[plan.hyperparams_slot]
+        targets[HYPERPARAMS] = plan.slots[plan.hyperparams_slot]
     return targets
