@@ -4,8 +4,11 @@ and checkpoints (checkpoint.py)."""
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -55,10 +58,32 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     return Session(stages.plan, device, check_finite, graph=graph)
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _serialized(method: _F) -> _F:
+    """Run `method` holding the session's lock (see Session)."""
+    @functools.wraps(method)
+    def locked(self: Session, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked  # type: ignore[return-value]
+
+
 class Session:
+    """A compiled graph bound to a device (made by `vkml.compile`).
+
+    Thread safety: every method that submits, waits, reads or writes holds the session's
+    lock (`session.lock`, re-entrant), so one session may be used from several threads: each
+    call runs whole, and two threads' steps are submitted one after the other, never the same
+    command buffer twice at once. A sequence of calls that must not interleave with another
+    thread's (set_input, step, read) holds the lock around it: `with session.lock: ...`.
+    """
+
     def __init__(self, plan: Plan, device: Device, check_finite: bool = False, *,
                  graph: Graph | None = None) -> None:
         self.plan, self.device = plan, device
+        self.lock = threading.RLock()
         # The graph's checkpoint extras (host-side values, per session) and refused names.
         self._entries = checkpoint.Entries(
             {n: v.copy() for n, v in graph.extras.items()} if graph is not None else {},
@@ -92,6 +117,7 @@ class Session:
         return self._chunker.note
 
     # ---- running ------------------------------------------------------------------------------
+    @_serialized
     def set_input(self, name: str, value: np.ndarray | Sequence) -> None:
         """Copy `value` into input `name` for the next step (waits if a step is in flight)."""
         if name not in self.plan.inputs:
@@ -103,6 +129,7 @@ class Session:
             _check_range(name, array, *self.plan.input_ranges[name])
         self._bound.write_input(name, array)
 
+    @_serialized
     def step(self, chunks: int | None = None, budget_ms: float | None = None) -> None:
         """Submit one step (a training step for a session with an optimizer) and return at once.
         Reads wait for it; `wait()` blocks explicitly.
@@ -132,6 +159,7 @@ class Session:
         self._computed |= {"outputs", "grads"}
         self._check_loss()
 
+    @_serialized
     def step_chunk(self, chunks: int | None = None, budget_ms: float | None = None) -> int:
         """Submit the next piece of the current chunked step (starting a new step when none is
         in progress) and return at once: the number of pieces of this step still to submit (0:
@@ -162,6 +190,7 @@ class Session:
         """Pieces of the chunked step in progress not yet submitted (0 when none)."""
         return self._chunker.pieces_left
 
+    @_serialized
     def chunk_boundaries(self, chunks: int | None = None,
                          budget_ms: float | None = None) -> list[tuple[int, int]]:
         """The pieces step(chunks=...) / step(budget_ms=...) would submit, as [first, end)
@@ -187,6 +216,7 @@ class Session:
                               "fences): " + how_to_enable("timelineSemaphore"))
         return backend.timeline.semaphore, backend.timeline.value
 
+    @_serialized
     def record(self, command_buffer: object) -> None:
         """Record this session's step (input copies from staging, dispatches, barriers between
         levels) into `command_buffer`, a primary command buffer the host is recording (a
@@ -217,6 +247,7 @@ class Session:
         recording.record_into(command_buffer, self._external)
         self._computed |= {"outputs", "grads"}  # once the host submits it; read() after that
 
+    @_serialized
     def profile(self, steps: int = 3) -> Profile:
         """Run `steps` steps with a timestamp after every dispatch and return per-kernel times
         (`print()` it; `.to_trace(path)` writes a Chrome/Perfetto trace of the GPU timeline).
@@ -240,6 +271,7 @@ class Session:
             # Host timing per dispatch includes a submission each; still the best we have.
             self._chunker.note = "budget chunks cut by host timing: " + profile.note
 
+    @_serialized
     def forward(self) -> None:
         """Compute the outputs (and loss) only: no gradients, no update."""
         self._submit(self._bound.forward_program)
@@ -251,11 +283,13 @@ class Session:
         self._bound.wait()
         self._bound.submit(program)
 
+    @_serialized
     def wait(self) -> None:
         """Block until this session's submitted work has finished."""
         self._bound.wait()
 
     # ---- reading and writing tensors ----------------------------------------------------------
+    @_serialized
     def read(self, name: str) -> np.ndarray:
         """An output (such as "loss") or a parameter, by name, as a new numpy array."""
         if name in self.plan.params:
@@ -267,6 +301,7 @@ class Session:
         view = self.plan.outputs[name]
         return self._bound.read_slot(self.plan.slots[view.slot]).reshape(view.shape)
 
+    @_serialized
     def grad(self, param: str) -> np.ndarray:
         """The gradient of the loss for parameter `param`, as computed by the last step."""
         plan = self.plan
@@ -306,10 +341,12 @@ class Session:
             raise NotComputedError(f"{name} has not been computed yet: run {how} first "
                                    "(device memory starts undefined)")
 
+    @_serialized
     def params(self) -> dict[str, np.ndarray]:
         return {name: self._bound.read_slot(self.plan.slots[s])
                 for name, s in self.plan.params.items()}
 
+    @_serialized
     def set_param(self, name: str, value: np.ndarray) -> None:
         if name not in self.plan.params:
             raise InputError(f"unknown parameter '{name}'; parameters: {sorted(self.plan.params)}")
@@ -318,6 +355,7 @@ class Session:
         self._bound.wait()
         self._bound.write_slot(slot, array)
 
+    @_serialized
     def set_hyperparams(self, **values: float) -> None:
         """Change optimizer hyperparameters (e.g. lr) from the next step on; nothing is
         recompiled or re-recorded. Values are checked as torch.optim checks them; those the
@@ -349,12 +387,14 @@ class Session:
             self._bound.write_slot(plan.slots[plan.optimizer_tables[table]], data)
 
     # ---- checkpoints --------------------------------------------------------------------------
+    @_serialized
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters by name, plus optimizer state under "optimizer/<param>/<state>", the
         hyperparameters (step count included) under "optimizer/hyperparams" and the graph's
         checkpoint extras (`Graph.extra`) in their own dtypes."""
         return checkpoint.state_dict(self._bound, self._entries)
 
+    @_serialized
     def save(self, path: str | os.PathLike) -> None:
         """Write a safetensors checkpoint atomically (a crash never leaves half a file), with
         the permissions a new file gets from open() (the umask applies; an existing file keeps
@@ -362,6 +402,7 @@ class Session:
         self._chunker.finish()
         checkpoint.save(self._bound, path, self._entries, self._hyperparams)
 
+    @_serialized
     def load(self, path: str | os.PathLike, strict: bool = True,
              optimizer_state: bool = True) -> None:
         """Load parameters (and optimizer state, where the checkpoint has it) by name.
@@ -387,6 +428,7 @@ class Session:
         plan itself (tensors with their placement, dispatches between barriers)."""
         return self.plan.summary() + "\n\n" + self.plan.dump()
 
+    @_serialized
     def close(self) -> None:
         """Finish the work in flight and free what this session made on the device."""
         self._chunker.finish()

@@ -59,6 +59,9 @@ class BackendBase:
     def close(self) -> None:
         raise NotImplementedError
 
+    def live_objects(self) -> dict[str, int]:
+        raise NotImplementedError
+
     def _live_buffer(self, buffer: object) -> bool:
         raise NotImplementedError
 

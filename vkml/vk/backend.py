@@ -4,6 +4,7 @@ a timeline semaphore, recording into the host's command buffers, and device time
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -31,15 +32,19 @@ class VulkanBackend(BackendBase):
     `selector` (or env VKML_DEVICE) picks the device: an index into the enumeration or part of
     its name; by default a discrete GPU, then integrated, virtual, CPU. Completion is tracked with
     one timeline semaphore (a fence per program when the device lacks them, or when
-    `timeline_semaphores=False`). submit() is safe from several threads (`queue_lock` guards the
-    queue, and a host renderer sharing the queue should take it too); recording and freeing are
-    meant for one thread.
+    `timeline_semaphores=False`). Several threads may use one backend for different programs:
+    `queue_lock` guards the queue (a host renderer sharing the queue takes it too) and a lock
+    the command pool; one program is submitted from one thread at a time (each session
+    serialises its own calls).
     """
 
     def __init__(self, selector: str | None = None, *, timeline_semaphores: bool = True,
                  adopt: Adopted | None = None, queue_lock: Any = None) -> None:
         super().__init__(queue_lock)
         self._pool: Any = None
+        # Vulkan leaves the command pool's synchronisation to the application (allocating,
+        # recording into and freeing its command buffers): sessions on several threads share it.
+        self._pool_lock = threading.Lock()
         self._cache: PipelineCache | None = None
         self._semaphore: Any = None
         self._dev = dev = Device(selector, timeline_semaphores, adopt)
@@ -202,7 +207,8 @@ class VulkanBackend(BackendBase):
     def _record(self, commands: Sequence[Command], label: str, timestamps: bool) -> Program:
         self._alive()
         self.check(commands, label)
-        prog = record_program(self._dev, self._pool, commands, label, timestamps)
+        with self._pool_lock:
+            prog = record_program(self._dev, self._pool, commands, label, timestamps)
         vk, ffi = self._vk, self._ffi
         buffers = ffi.new("VkCommandBuffer[1]", [prog.command_buffer])
         info = ffi.new("VkSubmitInfo*", {
@@ -223,7 +229,8 @@ class VulkanBackend(BackendBase):
             fence = ffi.new("VkFence[1]")
             result = self._lib.vkCreateFence(self._device, finfo, ffi.NULL, fence)
             if result != vk.VK_SUCCESS:
-                destroy_program(self._dev, self._pool, prog)
+                with self._pool_lock:
+                    destroy_program(self._dev, self._pool, prog)
                 self._check(result, "vkCreateFence")
             prog.fence = fence
         prog.submit_info = info
@@ -278,9 +285,16 @@ class VulkanBackend(BackendBase):
         elif program.in_flight:
             self._wait_fences([program])
         self._programs.discard(program)
-        destroy_program(self._dev, self._pool, program)
+        with self._pool_lock:
+            destroy_program(self._dev, self._pool, program)
 
     # -- teardown -----------------------------------------------------------------------------
+
+    def live_objects(self) -> dict[str, int]:
+        """Buffers, pipelines and programs alive, and the cached read-back programs among them
+        (each with its staging buffer)."""
+        return {"buffers": len(self._buffers), "pipelines": len(self._pipelines),
+                "programs": len(self._programs), "read_backs": len(self._readers)}
 
     def close(self) -> None:
         """Wait for the device to go idle and destroy everything; safe to call twice."""

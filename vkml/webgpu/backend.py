@@ -171,6 +171,9 @@ class WgpuBackend(BackendBase):
         self._wgpu = wgpu = _load_wgpu()
         self._log = _ErrorLog(self.validation_messages)
         self._buffers: set[Buffer] = set()
+        # Counted only (wgpu frees what nothing references): see live_objects()
+        self._pipelines: set[Pipeline] = set()
+        self._programs: set[Program] = set()
         self._pending = False
         adapter = _choose_adapter(wgpu.gpu.enumerate_adapters_sync(), selector)
         features = [f for f in _OPTIONAL_FEATURES if f in adapter.features]
@@ -288,10 +291,13 @@ class WgpuBackend(BackendBase):
         except wgpu.GPUError as exc:
             raise DeviceError(f"wgpu rejected kernel {name!r}: {exc}\n--- WGSL ---\n"
                               f"{kernel.wgsl}") from None
-        return Pipeline(name, handle, layout, kernel.num_bindings)
+        pipeline = Pipeline(name, handle, layout, kernel.num_bindings)
+        self._pipelines.add(pipeline)
+        return pipeline
 
     def free_pipeline(self, pipeline: Pipeline) -> None:
         """wgpu releases a pipeline when nothing references it: drop vkml's references."""
+        self._pipelines.discard(pipeline)
         pipeline.handle = pipeline.layout = None
 
     # -- programs -----------------------------------------------------------------------------
@@ -349,6 +355,7 @@ class WgpuBackend(BackendBase):
                     so = cmd.src_offset
                 segments.append((src, so, dst, cmd.dst_offset, cmd.nbytes))
         prog.segments = segments
+        self._programs.add(prog)
         return prog
 
     def submit(self, program: Program) -> None:
@@ -427,6 +434,12 @@ class WgpuBackend(BackendBase):
                 resource.destroy()
         program.queries = program.resolved = program.timings = None
         program.segments = None
+        self._programs.discard(program)
+
+    def live_objects(self) -> dict[str, int]:
+        """Buffers, pipelines and programs vkml holds (wgpu frees each once unreferenced)."""
+        return {"buffers": len(self._buffers), "pipelines": len(self._pipelines),
+                "programs": len(self._programs)}
 
     # -- teardown -----------------------------------------------------------------------------
 
@@ -439,6 +452,8 @@ class WgpuBackend(BackendBase):
         for buf in list(self._buffers):
             buf.handle.destroy()
         self._buffers.clear()
+        self._pipelines.clear()
+        self._programs.clear()
         self._device.destroy()
         logging.getLogger("wgpu").removeHandler(self._log)
 
