@@ -195,3 +195,66 @@ def test_sessions_on_two_threads_share_the_device(device):
         for name, value in want.items():
             np.testing.assert_array_equal(got[name], value, err_msg=name)
     assert live(device) == before
+
+
+# ---- session.record with a handle that is no command buffer -------------------------------------
+
+@pytest.fixture
+def host(device):
+    """A host application's Vulkan device (tests/test_render_loop.py), checked for messages of
+    the validation layer on it."""
+    if device.backend_name != "vulkan":
+        pytest.skip("session.record() is Vulkan only")
+    from test_render_loop import Host
+
+    h = Host()
+    yield h
+    h.close()
+    assert not h.messages, "validation layer reported:\n" + "\n".join(h.messages)
+
+
+def test_record_refuses_what_is_not_a_command_buffer(host):
+    """Each of these crashed the process in the driver (a segfault); now a DeviceError names
+    the argument, and the session and the real command buffer work afterwards."""
+    import vulkan as vk
+    from test_render_loop import mlp
+
+    dev = host.adopt()
+    cb = host.command_buffer()
+    ffi = vk.ffi
+
+    def as_int(handle):
+        return int(ffi.cast("uintptr_t", handle))
+
+    bogus = [
+        (12345, "is 0x3039, which cannot be a VkCommandBuffer"),
+        (0xDEADBEEF000, "points to no readable memory"),
+        (-8, "cannot be a VkCommandBuffer"),
+        (0, "is a null handle"),
+        (None, "is a null handle"),
+        (3.5, "got float"),
+        ("command buffer", "got str"),
+        (True, "got bool"),
+        (ffi.new("int *"), "is a cffi int \\*"),
+        (host.device, "is a cffi struct VkDevice_T \\*"),
+        (host.queue, "is a cffi struct VkQueue_T \\*"),
+        (as_int(host.device), "is the VkDevice vkml runs on"),
+        (as_int(host.queue), "is the VkQueue vkml runs on"),
+        (as_int(host.physical), "is not a VkCommandBuffer of the device vkml runs on"),
+        (ffi.cast("VkCommandBuffer", 0x7F0000001000), "points to no readable memory"),
+        (ffi.cast("VkCommandBuffer", 0x7F0000001004), "cannot be a VkCommandBuffer"),
+    ]
+    with mlp(dev) as session:
+        for handle, message in bogus:
+            host.begin(cb)
+            with pytest.raises(vkml.DeviceError, match=f"command_buffer.*{message}"):
+                session.record(handle)
+            vk.vkEndCommandBuffer(cb)
+        host.begin(cb)
+        session.record(as_int(cb))  # the integer form of a real one is fine
+        vk.vkEndCommandBuffer(cb)
+        host.submit_and_wait(cb)
+        assert np.isfinite(session.read("loss"))
+        session.step()
+        assert np.isfinite(session.read("loss"))
+    dev.close()

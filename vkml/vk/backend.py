@@ -412,5 +412,14 @@ class _HostRecording:
         if program not in b._programs or program.command_buffer is not None:
             raise DeviceError(f"{program!r} is not a program from host_recording.prepare() of "
                               "this backend")
-        cb = as_handle(b._ffi, "VkCommandBuffer", command_buffer, "command_buffer")
+        cb = as_handle(b._ffi, "VkCommandBuffer", command_buffer, "command_buffer",
+                       same_device_as=b._device)
+        # The device and its queues begin with the same word as its command buffers: tell
+        # the handles the host holds anyway apart by value.
+        address = int(b._ffi.cast("uintptr_t", cb))
+        for other, kind in ((b._device, "VkDevice"), (b._queue, "VkQueue")):
+            if address == int(b._ffi.cast("uintptr_t", other)):
+                raise DeviceError(f"command_buffer is the {kind} vkml runs on, not a "
+                                  "VkCommandBuffer: give the command buffer the host is "
+                                  "recording")
         emit_external(b._dev, cb, program)

@@ -6,8 +6,11 @@ without libvulkan and fails only when a backend is actually constructed.
 
 from __future__ import annotations
 
+import ctypes
+import numbers
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -91,17 +94,88 @@ def check_declared(device_name: str, supported: dict[str, bool], extensions: set
     return declared
 
 
-def as_handle(ffi: Any, ctype: str, value: Any, what: str) -> Any:
-    """A cffi handle of type `ctype` from a cffi handle, a ctypes pointer or an integer."""
+def as_handle(ffi: Any, ctype: str, value: Any, what: str, same_device_as: Any = None) -> Any:
+    """A cffi handle of the dispatchable type `ctype` from a cffi handle (of that type, `void *`
+    or an integer type), a ctypes pointer or an integer, checked before any driver sees it: a
+    wrong handle crashes the process there instead of returning an error. The checks: the
+    type; that the value is an aligned address above the first pages; that its memory can be
+    read; and, given `same_device_as` (a handle of the device it must belong to), that its first
+    word is that device's: the Vulkan loader writes its dispatch table pointer at the start of
+    every dispatchable object, one table per device (command buffers and queues share their
+    device's). Each failure is a DeviceError naming `what`."""
+    want = ffi.typeof(ctype)
+    expected = (f"expected a {ctype} (a `vulkan` cffi handle, or the handle as an integer as "
+                "pyopenxr gives it)")
     if isinstance(value, ffi.CData):
-        return ffi.cast(ctype, value)
-    raw = getattr(value, "value", value)  # ctypes.c_void_p and friends
-    if raw is None or raw == 0:
-        raise DeviceError(f"{what} is a null handle")
-    if not isinstance(raw, int):
-        raise DeviceError(f"{what}: expected a Vulkan handle (a `vulkan` cffi handle or an "
-                          f"integer), got {type(value).__name__}")
+        got = ffi.typeof(value)
+        if got is not want and got.cname != "void *" and got.kind != "primitive":
+            raise DeviceError(f"{what} is a cffi {got.cname}: {expected}")
+        if got.kind == "primitive" and got.cname not in _INTEGER_CTYPES:
+            raise DeviceError(f"{what} is a cffi {got.cname}: {expected}")
+        raw: Any = int(ffi.cast("uintptr_t", value))
+    else:
+        raw = getattr(value, "value", value)  # ctypes.c_void_p and friends
+        if raw is None:
+            raw = 0
+        if isinstance(raw, bool) or not isinstance(raw, numbers.Integral):
+            raise DeviceError(f"{what}: {expected}, got {type(value).__name__}")
+        raw = int(raw)
+    if raw == 0:
+        raise DeviceError(f"{what} is a null handle: {expected}")
+    size = ffi.sizeof("void *")
+    if not _MIN_ADDRESS <= raw < 2 ** (8 * size) or raw % size:
+        raise DeviceError(f"{what} is {raw:#x}, which cannot be a {ctype} (a pointer the "
+                          f"driver returned: aligned, above {_MIN_ADDRESS:#x}): {expected}")
+    if _peek is not None:
+        first = _peek(raw, size)
+        if first is None:
+            raise DeviceError(f"{what} is {raw:#x}, which points to no readable memory, so it "
+                              f"is no live {ctype}: {expected}")
+        if same_device_as is not None:
+            reference = _peek(int(ffi.cast("uintptr_t", same_device_as)), size)
+            if reference is not None and first != reference:
+                raise DeviceError(f"{what} ({raw:#x}) is not a {ctype} of the device vkml runs "
+                                  "on (its first word, the Vulkan loader's dispatch table, "
+                                  "differs from that device's): give one allocated on that "
+                                  "device, from a pool of its queue family")
     return ffi.cast(ctype, raw)
+
+
+# No driver returns a pointer into the first 64 KiB (Linux's default mmap_min_addr; Windows
+# reserves them too): below that a "handle" is a small number passed by mistake.
+_MIN_ADDRESS = 0x10000
+_INTEGER_CTYPES = frozenset({"uintptr_t", "intptr_t", "uint64_t", "int64_t", "unsigned long",
+                             "long", "unsigned long long", "long long", "size_t"})
+
+
+def _make_peek() -> Callable[[int, int], bytes | None] | None:
+    """A function reading `n` bytes at an address, None where they are unmapped, without
+    touching them from Python: write(2) from that address into a pipe fails with EFAULT rather
+    than crash. None where there is no C library to call (Windows): the check is skipped."""
+    if os.name != "posix":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        write = libc.write
+    except (OSError, AttributeError):
+        return None
+    write.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+    write.restype = ctypes.c_ssize_t
+
+    def peek(address: int, n: int) -> bytes | None:
+        read_end, write_end = os.pipe()
+        try:
+            if write(write_end, address, n) != n:
+                return None
+            return os.read(read_end, n)
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+
+    return peek
+
+
+_peek = _make_peek()
 
 
 def load_vulkan() -> ModuleType:
@@ -182,7 +256,7 @@ class Device:
         self.queue_family = qfi
         self.timestamp_valid_bits = families[qfi].timestampValidBits
         self.device = as_handle(ffi, "VkDevice", adopt.device, "device")
-        self.queue = as_handle(ffi, "VkQueue", adopt.queue, "queue")
+        self.queue = as_handle(ffi, "VkQueue", adopt.queue, "queue", same_device_as=self.device)
 
     # -- instance -----------------------------------------------------------------------------
 
