@@ -258,3 +258,18 @@ def test_record_refuses_what_is_not_a_command_buffer(host):
         session.step()
         assert np.isfinite(session.read("loss"))
     dev.close()
+
+
+def test_adopting_bogus_handles_is_refused(host):
+    def as_int(handle):
+        import vulkan as vk
+
+        return int(vk.ffi.cast("uintptr_t", handle))
+
+    with pytest.raises(vkml.DeviceError, match="device is 0x3039, which cannot be a VkDevice"):
+        vkml.Device.from_vulkan(host.instance, host.physical, 12345, host.family, host.queue)
+    with pytest.raises(vkml.DeviceError, match="queue .* is not a VkQueue of the device"):
+        vkml.Device.from_vulkan(host.instance, host.physical, host.device, host.family,
+                                as_int(host.physical))
+    dev = host.adopt()  # the real ones still work
+    dev.close()
