@@ -102,6 +102,10 @@ def test_close_frees_everything_the_session_made(device, tmp_path, monkeypatch):
     second.close()
     assert live(device) == before
     first.close()  # twice is harmless
+    for call in (lambda: first.read("loss"), first.step, first.params,
+                 lambda: first.set_input("x", np.zeros((4, 6), np.float32))):
+        with pytest.raises(vkml.DeviceError, match=r"session\.\w+\(\): this session is closed"):
+            call()
 
 
 def test_two_threads_stepping_one_session(device):

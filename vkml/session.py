@@ -62,10 +62,14 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _serialized(method: _F) -> _F:
-    """Run `method` holding the session's lock (see Session)."""
+    """Run `method` holding the session's lock (see Session), on a session not yet closed
+    (its memory is gone: reading it would fail with an IndexError deep inside)."""
     @functools.wraps(method)
     def locked(self: Session, *args: Any, **kwargs: Any) -> Any:
         with self.lock:
+            if self._closed:
+                raise DeviceError(f"session.{method.__name__}(): this session is closed; "
+                                  "compile the graph again for a new one")
             return method(self, *args, **kwargs)
     return locked  # type: ignore[return-value]
 
@@ -84,6 +88,7 @@ class Session:
                  graph: Graph | None = None) -> None:
         self.plan, self.device = plan, device
         self.lock = threading.RLock()
+        self._closed = False
         # The graph's checkpoint extras (host-side values, per session) and refused names.
         self._entries = checkpoint.Entries(
             {n: v.copy() for n, v in graph.extras.items()} if graph is not None else {},
@@ -428,11 +433,16 @@ class Session:
         plan itself (tensors with their placement, dispatches between barriers)."""
         return self.plan.summary() + "\n\n" + self.plan.dump()
 
-    @_serialized
     def close(self) -> None:
-        """Finish the work in flight and free what this session made on the device."""
-        self._chunker.finish()
-        self._bound.close()
+        """Finish the work in flight and free what this session made on the device (its
+        buffers, programs and the pipelines no other live session uses). Safe to call twice;
+        any other call afterwards raises DeviceError."""
+        with self.lock:
+            if self._closed:
+                return
+            self._chunker.finish()
+            self._bound.close()
+            self._closed = True
 
     def __enter__(self) -> Session:
         return self
