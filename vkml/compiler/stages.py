@@ -13,6 +13,7 @@ naga on Vulkan) when a session binds the plan to a device.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
@@ -76,6 +77,8 @@ class Stages:
     split: Graph  # long sums split for the device (compiler/split.py)
     split_roots: list[Tensor]
     plan: Plan
+    # Seconds per stage of this lowering: autodiff, rewrite, split, schedule, memory, codegen
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def kernels(self) -> dict[str, str]:
         """Each distinct kernel's WGSL, by kernel name."""
@@ -115,6 +118,15 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
     if optimizer is not None and loss is None:
         raise GraphError("an optimizer needs a loss to minimise: compile(graph, loss=..., "
                          "optimizer=...)")
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[stage] = now - clock
+        clock = now
+
     work = graph.copy()
     named = dict(graph.outputs)
     for name, t in {**(outputs or {}), **({"loss": loss} if loss is not None else {})}.items():
@@ -127,18 +139,23 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
     grads = (autodiff.gradients(work, loss, trainable_params(graph, trainable))
              if loss is not None else {})
     roots = [*named.values(), *grads.values()]
+    lap("autodiff")
     fused, fused_named, fused_grads = work, named, grads
     if rewrite == "greedy":
         fused, new_of = fuse(work, roots)
         fused_named = {n: new_of[t.id] for n, t in named.items()}
         fused_grads = {n: new_of[t.id] for n, t in grads.items()}
     fused_roots = [*fused_named.values(), *fused_grads.values()]
+    lap("rewrite")
     split, new_of = split_sums(fused, fused_roots, caps, list(fused_named.values()))
     split_named = {n: new_of[t.id] for n, t in fused_named.items()}
     split_grads = {n: new_of[t.id] for n, t in fused_grads.items()}
+    lap("split")
     keep = optimizer is None if keep_grads is None else keep_grads
     plan = make_plan(split, split_named, split_grads, optimizer, caps, keep_grads=keep,
-                     has_loss=loss is not None)
+                     has_loss=loss is not None, timings=timings)
+    clock = time.perf_counter()
     plan = codegen.generate(plan, caps)
+    lap("codegen")
     return Stages(work, roots, fused, fused_roots, split,
-                  [*split_named.values(), *split_grads.values()], plan)
+                  [*split_named.values(), *split_grads.values()], plan, timings)
