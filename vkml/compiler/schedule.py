@@ -13,6 +13,7 @@ needed. Memory planning then shares bytes between tensors whose level intervals 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return 4 * int(np.prod(self.shape, dtype=np.int64))
+        return 4 * math.prod(self.shape)
 
 
 @dataclass(frozen=True)
