@@ -14,11 +14,20 @@ SPIR-V already in memory). Families: "pointwise", a chain of elementwise ops tha
 kernel (issue 11's case), inference; "transformer", GPT-style blocks of a small width, training
 with Adam (many kernels, most of them repeated from layer to layer).
 
-    python tools/bench_compiler.py [--part fusion|scaling|all] [--sizes 1000,2000,4000,8000]
-                                   [--families pointwise,transformer] [--out PATH]
-                                   [--markdown PATH]
+`models`: `vkml.compile` of the reference models at their FULL configs (tools/bench.py's
+workloads: training with Adam, and inference), cold and warm, each in a fresh process as
+tools/bench.py times them: cold with empty caches (VKML_CACHE_DIR, Mesa's and NVIDIA's shader
+caches; the shipped SPIR-V is used), warm on what the cold run left. The compile splits into the
+Python stages (lowering: autodiff ... codegen), naga (WGSL to SPIR-V, cache lookups included),
+pipeline creation in the driver, the initial values' upload, recording, and the rest of binding.
+Graph building (inside the model's `build`) is timed too, outside the compile.
 
-Caches (naga's SPIR-V, the pipeline cache) go to a temporary VKML_CACHE_DIR unless one is set.
+    python tools/bench_compiler.py [--part fusion|scaling|models|all] [--sizes 1000,2000,4000,8000]
+                                   [--families pointwise,transformer] [--models smollm2,...]
+                                   [--phases train,infer] [--out PATH] [--markdown PATH]
+
+`all` is fusion and scaling. Caches (naga's SPIR-V, the pipeline cache) go to a temporary
+VKML_CACHE_DIR unless one is set.
 """
 
 from __future__ import annotations
@@ -241,6 +250,106 @@ def scaling_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- models: full configs, cold and warm ---------------------------------------------------------
+MODEL_COLUMNS = ("lower", "naga", "pipelines", "upload", "record", "bind_other")
+
+
+def child_compile(spec: dict) -> dict:
+    """In a fresh process: build one full-config workload and compile it, each part timed."""
+    from bench import WORKLOADS, session_args
+
+    from vkml import session as session_module
+    from vkml.runtime import bound
+    from vkml.vk import backend
+
+    times = dict.fromkeys(MODEL_COLUMNS, 0.0)
+    stage_times: dict = {}
+
+    def timed(column, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[column] += time.perf_counter() - t0
+        return wrapper
+
+    lower_fn = session_module.lower
+
+    def lowered(*args, **kwargs):
+        stages = lower_fn(*args, **kwargs)
+        stage_times.update(stages.timings)
+        return stages
+
+    session_module.lower = timed("lower", lowered)
+    naga.compile_wgsl = timed("naga", naga.compile_wgsl)
+    backend.create_pipeline = timed("pipelines", backend.create_pipeline)
+    bound.BoundPlan.write_slot = timed("upload", bound.BoundPlan.write_slot)
+    bound.BoundPlan.record = timed("record", bound.BoundPlan.record)
+    t0 = time.perf_counter()
+    device = vkml.Device()
+    t1 = time.perf_counter()
+    built = WORKLOADS[spec["workload"]].build(False, spec["phase"])
+    t2 = time.perf_counter()
+    session = vkml.compile(built.graph, device=device,
+                           **session_args(vkml, built, spec["phase"]))
+    t3 = time.perf_counter()
+    kernels, dispatches = session.kernel_count, len(session.plan.dispatches)
+    session.close()
+    device.close()  # writes the pipeline cache a warm run reads
+    times["bind_other"] = (t3 - t2) - sum(times.values())
+    return {"device_s": t1 - t0, "build_s": t2 - t1, "compile_s": t3 - t2, **times,
+            "stages": stage_times, "kernels": kernels, "dispatches": dispatches,
+            "naga_stats": naga.cache_stats()}
+
+
+def models(names: list[str], phases: list[str], scratch: Path) -> list[dict]:
+    from bench import cache_env
+
+    rows = []
+    print(f"{'model':16} {'phase':5} {'run':4} {'build':>6} {'compile':>7} "
+          + " ".join(f"{c:>10}" for c in MODEL_COLUMNS) + "  naga translations")
+    for name in names:
+        for phase in phases:
+            cache = Path(tempfile.mkdtemp(prefix=f"{name}-{phase}-", dir=scratch))
+            for run in ("cold", "warm"):
+                env = {**os.environ, **cache_env(cache),
+                       "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tools")])}
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--child",
+                     json.dumps({"workload": name, "phase": phase})],
+                    env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+                if proc.returncode != 0:
+                    print(f"{name} {phase} {run}: failed\n{proc.stderr[-2000:]}")
+                    break
+                r = {"model": name, "phase": phase, "run": run,
+                     **json.loads(proc.stdout.strip().splitlines()[-1])}
+                rows.append(r)
+                print(f"{name:16} {phase:5} {run:4} {r['build_s']:6.2f} {r['compile_s']:7.2f} "
+                      + " ".join(f"{r[c]:10.2f}" for c in MODEL_COLUMNS)
+                      + f"  {r['naga_stats']['compiles']}", flush=True)
+    return rows
+
+
+def models_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# Full-config compile times, cold and warm ({meta['date']})", "",
+             f"Device {meta['device']}, {meta['cpu']}, Python {meta['python']}, vkml "
+             f"{meta['commit']}. Seconds. `compile` is `vkml.compile` (graph building not "
+             "included: `build`); lower = the Python stages, naga = WGSL to SPIR-V (with "
+             "its cache lookups), pipelines = the driver's pipeline creation (lavapipe here: "
+             "not representative of a GPU driver), upload = the initial values written, "
+             "record = command buffers. Command: `python tools/bench_compiler.py --part models`.",
+             "", "| model | phase | run | build | compile | " + " | ".join(MODEL_COLUMNS)
+             + " | naga translations |",
+             "| --- | --- | --- | ---: | ---: | " + " | ".join("---:" for _ in MODEL_COLUMNS)
+             + " | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['phase']} | {r['run']} | {r['build_s']:.2f} | "
+                     f"{r['compile_s']:.2f} | " + " | ".join(f"{r[c]:.2f}" for c in MODEL_COLUMNS)
+                     + f" | {r['naga_stats']['compiles']} |")
+    return "\n".join(lines) + "\n"
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
@@ -252,16 +361,23 @@ def _commit() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("fusion", "scaling", "all"), default="all")
+    parser.add_argument("--part", choices=("fusion", "scaling", "models", "all"), default="all")
+    parser.add_argument("--models", default="smollm2,smolvla_expert,unet,resnet,whisper_encoder",
+                        help="full-config workloads of the models part (tools/bench.py's)")
+    parser.add_argument("--phases", default="train,infer", help="phases of the models part")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=REPO / "out" / "bench_compiler.json")
     parser.add_argument("--markdown", type=Path, default=None,
-                        help="also write the scaling table as markdown here")
+                        help="also write the scaling or models table as markdown here")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--sizes", default="1000,2000,4000,8000",
                         help="graph sizes (nodes) of the scaling part")
     parser.add_argument("--families", default=",".join(FAMILIES),
                         help=f"scaling families: {', '.join(FAMILIES)}")
     opts = parser.parse_args()
+    if opts.child:
+        print(json.dumps(child_compile(json.loads(opts.child))))
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench_compiler-") as tmp:
         scratch = Path(tmp)
         os.environ.setdefault("VKML_CACHE_DIR", str(scratch / "cache"))
@@ -277,11 +393,15 @@ def main() -> int:
             print(scaling_header())
             result["scaling"] = scaling(device, opts.families.split(","),
                                         [int(n) for n in opts.sizes.split(",")], scratch)
-            if opts.markdown is not None:
-                opts.markdown.parent.mkdir(parents=True, exist_ok=True)
-                opts.markdown.write_text(scaling_markdown(result["scaling"], meta))
-                print(f"wrote {opts.markdown}")
-        device.close()
+        device.close()  # the models part's children open their own
+        markdown = scaling_markdown(result["scaling"], meta) if "scaling" in result else ""
+        if opts.part == "models":
+            result["models"] = models(opts.models.split(","), opts.phases.split(","), scratch)
+            markdown += models_markdown(result["models"], meta)
+        if opts.markdown is not None and markdown:
+            opts.markdown.parent.mkdir(parents=True, exist_ok=True)
+            opts.markdown.write_text(markdown)
+            print(f"wrote {opts.markdown}")
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {opts.out}")
