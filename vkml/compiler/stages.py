@@ -12,9 +12,11 @@ naga on Vulkan) when a session binds the plan to a device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 from vkml import naga
@@ -107,11 +109,35 @@ class Stages:
         raise GraphError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off, as it was after. Lowering makes millions of
+    objects and frees few of them until it returns, so the collector's full passes, each over
+    every object of the process, found little and grew with the graph: a third of a large
+    graph's lowering. What lowering leaves in cycles is collected later, as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
           optimizer: Optimizer | None = None, outputs: Mapping[str, Tensor] | None = None,
           rewrite: str = "greedy", keep_grads: bool | None = None,
           trainable: Trainable = None, precision: str = "f32") -> Stages:
     """Graph -> Plan, keeping each stage. Arguments as for `vkml.compile`."""
+    naga.preload()  # a cold cache's wasm compile runs beside the stages below
+    with _collector_paused():
+        return _lower(graph, caps, loss, optimizer, outputs, rewrite, keep_grads, trainable,
+                      precision)
+
+
+def _lower(graph: Graph, caps: Capabilities, loss: Tensor | None,
+           optimizer: Optimizer | None, outputs: Mapping[str, Tensor] | None, rewrite: str,
+           keep_grads: bool | None, trainable: Trainable, precision: str) -> Stages:
     caps = target(caps, precision)
     if rewrite not in REWRITES:
         raise GraphError(f"unknown rewrite {rewrite!r}; use one of {REWRITES}")
