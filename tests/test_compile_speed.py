@@ -4,11 +4,15 @@ tools/bench_compiler.py, never by a timed test."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 import numpy as np
 import pytest
 
 import vkml
 from vkml import expr
+from vkml.compiler import plan_cache, stages
 from vkml.compiler.memory_plan import ARENA_LIMIT, FOREVER, Lifetime, plan_memory
 from vkml.compiler.rewrite import fuse
 from vkml.expr import Arg, Axis, Body, Call, Lit, Subst, materialize, substitute
@@ -194,3 +198,125 @@ def test_memory_plan_places_as_the_plain_first_fit(seed):
     alignment = int(rng.choice([16, 64, 256]))
     plan = plan_memory(lifetimes, alignment, 1 << 31)
     assert (plan.placement, plan.arena_bytes) == reference_plan(lifetimes, alignment)
+
+
+# ---- the plan cache -------------------------------------------------------------------------
+def tiny_training_graph(scale: float = 0.5, line_shift: bool = False):
+    g = vkml.Graph(seed=0)
+    x = g.input("x", (4, 6))
+    y = g.input("y", (4, 3))
+    h = vkml.nn.Linear(g, "fc1", 6, 8)(x).relu() * scale
+    if line_shift:
+        h = h + 0.0
+    out = g.output("out", vkml.nn.Linear(g, "fc2", 8, 3)(h))
+    return g, g.mse(out, y)
+
+
+def lowered(fn, graph, caps, **options):
+    """fn(graph, ...) called from this one line: nodes that lowering makes are labelled with
+    the line that asked for the compilation."""
+    return fn(graph, caps, **options)
+
+
+@pytest.fixture
+def plan_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKML_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("VKML_PLAN_CACHE", raising=False)
+    return tmp_path / "plans"
+
+
+def wait_for_stores():
+    for thread in threading.enumerate():
+        if thread.name == "vkml-plan-cache":
+            thread.join()
+
+
+def test_a_cached_plan_is_the_plan_lowering_makes(plan_cache_dir, monkeypatch):
+    caps = vkml.Device().caps
+    g, loss = tiny_training_graph()
+    optimizer = vkml.Adam(lr=0.01)
+    options = {"loss": loss, "optimizer": optimizer, "outputs": {"out": g.outputs["out"]}}
+    fresh = lowered(stages.lower, g, caps, **options).plan
+    lowered(stages.compile_plan, g, caps, **options)  # lowers, and stores the plan
+    wait_for_stores()
+    assert len(list(plan_cache_dir.glob("*.pkl"))) == 1
+    monkeypatch.setattr(stages, "_lower", None)  # a hit never lowers
+    cached = lowered(stages.compile_plan, g, caps, **options)
+    assert cached.dump() == fresh.dump() and cached.dump_memory() == fresh.dump_memory()
+    assert [d.kernel for d in cached.dispatches] == [d.kernel for d in fresh.dispatches]
+    assert [d.node.op for d in cached.dispatches if d.node] == [
+        d.node.op for d in fresh.dispatches if d.node]
+    assert cached.optimizer is optimizer
+    assert all(d.update.optimizer is optimizer for d in cached.dispatches if d.update)
+    assert cached.initial_values.keys() == fresh.initial_values.keys()
+    for slot, value in fresh.initial_values.items():
+        assert np.array_equal(cached.initial_values[slot], value)
+        if any(value is v for v in g.initial_values.values()):  # this graph's own arrays
+            assert cached.initial_values[slot] is value
+
+
+def test_the_key_changes_with_whatever_lowering_reads(plan_cache_dir, monkeypatch):
+    caps = vkml.Device().caps
+
+    def key_of(graph, loss, optimizer=None, caps=caps, named=None, options=("greedy", None,
+                                                                              "f32", True),
+               trained="all"):
+        named = named if named is not None else {"out": graph.outputs["out"], "loss": loss}
+        return plan_cache.key(graph, caps, named, loss, optimizer or vkml.Adam(), options,
+                              tuple(graph.params) if trained == "all" else trained)
+
+    g, loss = tiny_training_graph()
+    base = key_of(g, loss)
+    assert key_of(g, loss) == base
+    other, other_loss = tiny_training_graph()  # same graph built again, other param values
+    other.initial_values[other.params["fc1.weight"].id] += 1.0
+    assert key_of(other, other_loss) == base
+    changed = {
+        "a constant": key_of(*tiny_training_graph(scale=0.25)),
+        "the graph": key_of(*tiny_training_graph(line_shift=True)),
+        "an optimizer field": key_of(g, loss, vkml.Adam(weight_decay=0.1)),
+        "the optimizer": key_of(g, loss, vkml.AdamW()),
+        "the device": key_of(g, loss, caps=dataclasses.replace(caps, subgroup_size=64)),
+        "an option": key_of(g, loss, options=("none", None, "f32", True)),
+        "what trains": key_of(g, loss, trained=("fc2.weight", "fc2.bias")),
+        "the outputs": key_of(g, loss, named={"loss": loss}),
+    }
+    monkeypatch.setattr(plan_cache, "_fingerprint", "another vkml")
+    changed["vkml's code"] = key_of(g, loss)
+    assert base not in changed.values() and len(set(changed.values())) == len(changed)
+    foreign, _ = tiny_training_graph()
+    assert key_of(g, loss, named={"out": foreign.outputs["out"]}) is None
+
+
+def test_a_session_from_a_cached_plan_computes_the_same(plan_cache_dir):
+    device = vkml.Device()
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((4, 6)).astype(np.float32),
+              "y": rng.standard_normal((4, 3)).astype(np.float32)}
+    results = []
+    for _ in range(2):
+        g, loss = tiny_training_graph()
+        session = vkml.compile(g, loss=loss, optimizer=vkml.Adam(lr=0.1), device=device)
+        for name, value in inputs.items():
+            session.set_input(name, value)
+        for _ in range(3):
+            session.step()
+        results.append([session.read("loss"), *session.params().values()])
+        session.close()
+        wait_for_stores()
+    assert len(list(plan_cache_dir.glob("*.pkl"))) == 1
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
+    device.close()
+
+
+def test_an_unreadable_cached_plan_is_lowered_again(plan_cache_dir):
+    caps = vkml.Device().caps
+    g, loss = tiny_training_graph()
+    lowered(stages.compile_plan, g, caps, loss=loss)
+    wait_for_stores()
+    (path,) = plan_cache_dir.glob("*.pkl")
+    path.write_bytes(b"torn")
+    plan = lowered(stages.compile_plan, g, caps, loss=loss)
+    wait_for_stores()
+    assert plan.dispatches and path.read_bytes() != b"torn"

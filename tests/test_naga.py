@@ -214,9 +214,9 @@ def test_prefetch_translates_in_the_background(compiler):
 def test_prefetch_from_a_warm_cache_starts_no_thread(compiler):
     compiler.compile(kernel(), "a")
     warm = naga.Compiler(compiler.cache_dir)
-    before = threading.active_count()
     warm.prefetch([(kernel(), "a")])
-    assert threading.active_count() == before and warm.stats["disk_hits"] == 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("vkml-naga")]
+    assert warm.stats["disk_hits"] == 1
     assert warm.compile(kernel(), "a") and warm.stats["memory_hits"] == 1
 
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from vkml.compiler.schedule import Plan, Slot
-from vkml.compiler.stages import Trainable, lower
+from vkml.compiler.stages import Trainable, compile_plan
 from vkml.errors import DeviceError, InputError
 from vkml.graph import Graph, Tensor
 from vkml.optim import Optimizer
@@ -45,10 +45,10 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     included). "f16" needs a device with cooperative matrices, else a DeviceError.
     """
     device = device or default_device()
-    stages = lower(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
-                   rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
-                   precision=precision)
-    return Session(stages.plan, device)
+    plan = compile_plan(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
+                        rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
+                        precision=precision)
+    return Session(plan, device)
 
 
 class Session:

@@ -20,11 +20,11 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 from vkml import naga
-from vkml.compiler import autodiff, codegen
+from vkml.compiler import autodiff, codegen, plan_cache
 from vkml.compiler.rewrite import fuse
 from vkml.compiler.schedule import Plan, make_plan
 from vkml.compiler.split import split_sums
-from vkml.errors import DeviceError, GraphError
+from vkml.errors import DeviceError, GraphError, VkmlError
 from vkml.graph import Graph, Tensor
 from vkml.hal import Capabilities
 from vkml.optim import Optimizer
@@ -133,6 +133,44 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
     with _collector_paused():
         return _lower(graph, caps, loss, optimizer, outputs, rewrite, keep_grads, trainable,
                       precision)
+
+
+def compile_plan(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
+                 optimizer: Optimizer | None = None,
+                 outputs: Mapping[str, Tensor] | None = None, rewrite: str = "greedy",
+                 keep_grads: bool | None = None, trainable: Trainable = None,
+                 precision: str = "f32") -> Plan:
+    """`lower(...).plan` through the plan cache (compiler/plan_cache.py): what `vkml.compile`
+    binds. The intermediate stages are not kept (call `lower` for them)."""
+    with _collector_paused():  # a cached plan is many small objects too
+        return _compile_plan(graph, caps, loss, optimizer, outputs, rewrite, keep_grads,
+                             trainable, precision)
+
+
+def _compile_plan(graph: Graph, caps: Capabilities, loss: Tensor | None,
+                  optimizer: Optimizer | None, outputs: Mapping[str, Tensor] | None,
+                  rewrite: str, keep_grads: bool | None, trainable: Trainable,
+                  precision: str) -> Plan:
+    cache_key = None
+    if plan_cache.enabled():
+        try:
+            named = {**(outputs or {}), **({"loss": loss} if loss is not None else {})}
+            trained = (tuple(trainable_params(graph, trainable)) if loss is not None
+                       else None)
+            options = (rewrite, keep_grads, precision, optimizer is not None)
+            cache_key = plan_cache.key(graph, target(caps, precision), named, loss, optimizer,
+                                       options, trained)
+        except VkmlError:  # bad arguments: lowering says what is wrong
+            cache_key = None
+    if cache_key is not None:
+        plan = plan_cache.load(cache_key, graph, optimizer)
+        if plan is not None:
+            return plan
+    plan = lower(graph, caps, loss=loss, optimizer=optimizer, outputs=outputs, rewrite=rewrite,
+                 keep_grads=keep_grads, trainable=trainable, precision=precision).plan
+    if cache_key is not None:
+        plan_cache.store(cache_key, plan, graph, optimizer)
+    return plan
 
 
 def _lower(graph: Graph, caps: Capabilities, loss: Tensor | None,
