@@ -142,7 +142,10 @@ def store(cache_key: str, plan: Plan, graph: Graph, optimizer: Optimizer | None)
 
     def write() -> None:
         out = io.BytesIO()
-        _Pickler(out, optimizer).dump(entry)
+        try:
+            _Pickler(out, optimizer).dump(entry)
+        except Exception:  # only saves time: a plan that cannot be pickled is not cached
+            return
         if write_atomic(path, out.getvalue(), root):
             _trim(path.parent)
 
