@@ -173,8 +173,11 @@ def missing_wasm_advice() -> str:
 
 # Cranelift's optimization level for naga's wasm (see Compiler._load_module)
 WASM_OPT_LEVEL = "none"
-# Threads translating at once for `prefetch` (each with its own naga instance, a few MB).
-PREFETCH_THREADS = 8
+# Threads translating at once for `prefetch`, each with its own naga instance (a few MB). A
+# translation's time goes mostly to the Python glue, which holds Python's lock: more threads
+# would not make translating faster; the point of prefetching is to translate beside the
+# binding's other work (uploads, the driver's pipeline compiles release the lock).
+PREFETCH_THREADS = 2
 
 
 class Compiler:
@@ -183,9 +186,8 @@ class Compiler:
     Everything expensive (hashing and compiling the wasm, instantiating it) happens on first use,
     so constructing one is free. Any thread may compile: each thread translates with a naga
     instance of its own (a wasmtime Store is not thread-safe), all share the compiled module,
-    and a WGSL text asked for by several threads at once is translated once. wasmtime runs
-    without Python's lock, so translations on several threads run in parallel; `prefetch`
-    starts them in the background.
+    and a WGSL text asked for by several threads at once is translated once. `prefetch`
+    translates in background threads while the caller goes on.
     """
 
     def __init__(self, cache_dir: Path | str | None = None,
