@@ -197,3 +197,38 @@ def test_unsupported_import_is_named():
     fn = naga._NagaWasm._import(object.__new__(naga._NagaWasm), "__wbg_entries_972a87586902cf87")
     with pytest.raises(NotImplementedError, match="__wbg_entries_972a87586902cf87"):
         fn(None)
+
+
+def test_prefetch_translates_in_the_background(compiler):
+    kernels = [(kernel(float(i)), f"k{i}") for i in range(6)]
+    compiler.prefetch(kernels + [(TYPE_ERROR, "bad")])
+    for wgsl, name in kernels:
+        assert compiler.compile(wgsl, name) == naga.Compiler(compiler.cache_dir).compile(wgsl,
+                                                                                          name)
+    with pytest.raises(NagaError, match="naga rejected kernel 'bad'"):
+        compiler.compile(TYPE_ERROR, "bad")
+    assert compiler.stats["compiles"] == 7  # each once: compile() waited for the prefetch
+    assert compiler.stats["memory_hits"] == 6
+
+
+def test_prefetch_from_a_warm_cache_starts_no_thread(compiler):
+    compiler.compile(kernel(), "a")
+    warm = naga.Compiler(compiler.cache_dir)
+    warm.prefetch([(kernel(), "a")])
+    assert not [t for t in threading.enumerate() if t.name.startswith("vkml-naga")]
+    assert warm.stats["disk_hits"] == 1
+    assert warm.compile(kernel(), "a") and warm.stats["memory_hits"] == 1
+
+
+def test_preload_compiles_the_module_only_when_none_is_cached(tmp_path, warm_module_dir):
+    cold = naga.Compiler(tmp_path / "cold")
+    cold.preload()
+    cold.compile(kernel(), "a")  # waits for the preload's compile, does not start another
+    assert cold.stats["module_compiles"] == 1 and cold.stats["module_deserializes"] == 0
+    shutil.copytree(warm_module_dir, tmp_path / "warm" / "wasm")
+    warm = naga.Compiler(tmp_path / "warm")
+    warm.preload()
+    for thread in threading.enumerate():
+        if thread.name == "vkml-naga-preload":
+            thread.join()
+    assert warm.stats["module_compiles"] == 0 and warm.stats["module_deserializes"] == 0

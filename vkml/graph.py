@@ -12,6 +12,7 @@ method that builds it (`g.relu(x)`, and `x.relu()` where the op has a tensor for
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import sys
@@ -102,12 +103,20 @@ def body_of(node: Tensor) -> Body:
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_IN_PACKAGE: dict[str, bool] = {}  # code file name -> whether it lies in vkml (abspath is slow)
+
+
+def _in_package(filename: str) -> bool:
+    inside = _IN_PACKAGE.get(filename)
+    if inside is None:
+        inside = _IN_PACKAGE[filename] = os.path.abspath(filename).startswith(_PACKAGE_DIR)
+    return inside
 
 
 def _user_frame() -> str:
     """`file:line` of the first caller outside vkml, so errors point at the user's code."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+    while frame is not None and _in_package(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return "?"
@@ -127,7 +136,7 @@ class Tensor:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # Python ints: as np.prod, without its per-call overhead
 
     @property
     def nbytes(self) -> int:
@@ -275,7 +284,11 @@ class Graph:
         if init == "zeros":
             return np.zeros(shape, np.float32)
         if init == "normal":
-            return (self.rng.standard_normal(shape) * scale).astype(np.float32)
+            values = self.rng.standard_normal(shape)
+            if not shape:  # a 0-d product is a numpy scalar: keep that type
+                return (values * scale).astype(np.float32)
+            values *= scale  # in place: a model's worth of float64 is not copied once more
+            return values.astype(np.float32)
         if init == "uniform":
             return self.rng.uniform(-scale, scale, shape).astype(np.float32)
         raise GraphError(f"parameter '{name}': unknown init {init!r}; use an array, a number, "

@@ -12,7 +12,8 @@ import importlib.metadata
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +171,23 @@ def missing_wasm_advice() -> str:
             "<wheel>`), or set VKML_NAGA_WASM to a naga_bg.wasm from the npm package naga-wasm.")
 
 
+# Cranelift's optimization level for naga's wasm (see Compiler._load_module)
+WASM_OPT_LEVEL = "none"
+# Threads translating at once for `prefetch`, each with its own naga instance (a few MB). A
+# translation's time goes mostly to the Python glue, which holds Python's lock: more threads
+# would not make translating faster; the point of prefetching is to translate beside the
+# binding's other work (uploads, the driver's pipeline compiles release the lock).
+PREFETCH_THREADS = 2
+
+
 class Compiler:
     """WGSL -> SPIR-V with an in-process memo and an on-disk cache under `cache_dir`.
 
     Everything expensive (hashing and compiling the wasm, instantiating it) happens on first use,
-    so constructing one is free. All work is serialized by one lock: a wasmtime Store is not
-    thread-safe, and a translation takes well under a millisecond anyway.
+    so constructing one is free. Any thread may compile: each thread translates with a naga
+    instance of its own (a wasmtime Store is not thread-safe), all share the compiled module,
+    and a WGSL text asked for by several threads at once is translated once. `prefetch`
+    translates in background threads while the caller goes on.
     """
 
     def __init__(self, cache_dir: Path | str | None = None,
@@ -188,44 +200,89 @@ class Compiler:
         self.shipped_dir = Path(shipped_dir or os.environ.get("VKML_SPIRV_DIR") or SHIPPED_SPIRV)
         self.stats = {"memory_hits": 0, "shipped_hits": 0, "disk_hits": 0, "compiles": 0,
                       "module_compiles": 0, "module_deserializes": 0}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the memo, the pending translations and the stats
+        self._hash_lock = threading.Lock()  # hashing the wasm, once
+        self._module_lock = threading.Lock()  # loading the wasm module, once
         self._memo: dict[str, bytes] = {}
+        self._pending: dict[str, Future[bytes]] = {}  # WGSL hash -> its translation under way
         self._wasm_hash: str | None = None
         self._engine_module: tuple[wasmtime.Engine, wasmtime.Module] | None = None
-        self._naga: _NagaWasm | None = None
+        self._local = threading.local()  # this thread's naga instance
+        self._preloading = False
+
+    @property
+    def _naga(self) -> _NagaWasm | None:
+        """The calling thread's naga instance (None until it translates, or after a trap)."""
+        return getattr(self._local, "naga", None)
+
+    @_naga.setter
+    def _naga(self, instance: _NagaWasm | None) -> None:
+        self._local.naga = instance
 
     def _hash_wasm(self) -> str:
-        if self._wasm_hash is None:
-            if not self.wasm_path.is_file():
-                raise NagaError(
-                    f"naga's wasm file is missing: {self.wasm_path}{self._wasm_origin}. "
-                    + missing_wasm_advice())
-            self._wasm_hash = hashlib.sha256(self.wasm_path.read_bytes()).hexdigest()
-        return self._wasm_hash
+        with self._hash_lock:  # not the module's lock: cache lookups never wait for a compile
+            if self._wasm_hash is None:
+                if not self.wasm_path.is_file():
+                    raise NagaError(
+                        f"naga's wasm file is missing: {self.wasm_path}{self._wasm_origin}. "
+                        + missing_wasm_advice())
+                self._wasm_hash = hashlib.sha256(self.wasm_path.read_bytes()).hexdigest()
+            return self._wasm_hash
+
+    def _module_path(self) -> Path:
+        # A serialized module is only valid for the same wasm, wasmtime build and settings.
+        ver = importlib.metadata.version("wasmtime")
+        return self.cache_dir / "wasm" / (f"naga-{self._hash_wasm()[:24]}-wasmtime-{ver}-"
+                                          f"{WASM_OPT_LEVEL}.cwasm")
+
+    def preload(self) -> None:
+        """Compile naga's wasm module in a background thread if no serialized one is cached (a
+        cold cache: the kernels will need naga, and the ~1 s compile then overlaps whatever
+        runs before them); otherwise do nothing, as loading a serialized module takes
+        milliseconds when it is needed, and it may not be. Errors wait for that use."""
+        if self._engine_module is not None or self._preloading:
+            return
+        self._preloading = True
+
+        def load() -> None:
+            try:
+                if not self._module_path().is_file():
+                    self._load_module()
+            except Exception:  # raised again, with its context, where the module is used
+                pass
+
+        threading.Thread(target=load, name="vkml-naga-preload", daemon=True).start()
 
     def _load_module(self) -> tuple[wasmtime.Engine, wasmtime.Module]:
-        # Compiling the 2 MB wasm takes ~1 s; a serialized module loads in milliseconds. It is
-        # only valid for the same wasm and wasmtime build, hence both in the file name.
-        if self._engine_module is None:
-            cfg = wasmtime.Config()
-            cfg.wasm_reference_types = True  # wasm-bindgen passes JS values as externrefs
-            engine = wasmtime.Engine(cfg)
-            ver = importlib.metadata.version("wasmtime")
-            path = self.cache_dir / "wasm" / f"naga-{self._hash_wasm()[:24]}-wasmtime-{ver}.cwasm"
-            try:
-                module = wasmtime.Module.deserialize_file(engine, str(path))
-                self.stats["module_deserializes"] += 1
-            except (wasmtime.WasmtimeError, OSError):  # absent, stale or foreign: recompile
-                module = wasmtime.Module.from_file(engine, str(self.wasm_path))
-                self.stats["module_compiles"] += 1
-                write_atomic(path, module.serialize(), self.cache_dir)
-            self._engine_module = engine, module
-        return self._engine_module
+        # Compiling the 2 MB wasm takes ~1 s; a serialized module loads in milliseconds.
+        path = self._module_path()
+        with self._module_lock:
+            if self._engine_module is None:
+                cfg = wasmtime.Config()
+                cfg.wasm_reference_types = True  # wasm-bindgen passes JS values as externrefs
+                # Unoptimized machine code compiles in half the time (the cold compile's cost)
+                # and translates as fast: a kernel's time goes to the glue, not to naga's code.
+                # The SPIR-V is the same (wasm's semantics do not depend on it).
+                cfg.cranelift_opt_level = WASM_OPT_LEVEL
+                engine = wasmtime.Engine(cfg)
+                try:
+                    module = wasmtime.Module.deserialize_file(engine, str(path))
+                    self._count("module_deserializes")
+                except (wasmtime.WasmtimeError, OSError):  # absent, stale or foreign: recompile
+                    module = wasmtime.Module.from_file(engine, str(self.wasm_path))
+                    self._count("module_compiles")
+                    write_atomic(path, module.serialize(), self.cache_dir)
+                self._engine_module = engine, module
+            return self._engine_module
+
+    def _count(self, stat: str) -> None:
+        with self._lock:
+            self.stats[stat] += 1
 
     def _translate(self, wgsl: str, name: str) -> bytes:
         if self._naga is None:
             self._naga = _NagaWasm(*self._load_module())
-        self.stats["compiles"] += 1
+        self._count("compiles")
         try:
             return self._naga.wgsl_to_spirv(wgsl)
         except _Rejected as e:
@@ -245,26 +302,91 @@ class Compiler:
 
     def compile(self, wgsl: str, name: str) -> bytes:
         """SPIR-V words (little-endian u32 stream) for `wgsl`; `name` only labels errors."""
+        key = wgsl_hash(wgsl)
         with self._lock:
-            shipped_key = wgsl_hash(wgsl)
-            if shipped_key in self._memo:
-                self.stats["memory_hits"] += 1
-                return self._memo[shipped_key]
-            spirv = _read_spirv(self.shipped_dir / f"{shipped_key}.spv")
+            spirv = self._memo.get(key)
             if spirv is not None:
-                self.stats["shipped_hits"] += 1
-            else:
-                # The cache is keyed by the naga build too: a new naga recompiles everything.
-                key = hashlib.sha256(f"{self._hash_wasm()}\0{wgsl}".encode()).hexdigest()
-                path = self.cache_dir / "spirv" / f"{key}.spv"
-                spirv = _read_spirv(path)
+                self.stats["memory_hits"] += 1
+                return spirv
+            pending = self._pending.get(key)
+            mine = pending is None
+            if pending is None:
+                pending = self._pending[key] = Future()
+        if mine:
+            self._produce(key, wgsl, name, pending)
+            return pending.result()  # raises the translation's NagaError
+        try:
+            spirv = pending.result()
+        except BaseException:
+            with self._lock:  # a prefetch's failure is reported once; then it is retried
+                if self._pending.get(key) is pending:
+                    del self._pending[key]
+            raise
+        self._count("memory_hits")  # made by another thread or a prefetch
+        return spirv
+
+    def prefetch(self, kernels: Iterable[tuple[str, str]]) -> None:
+        """Start translating, in background threads, each (WGSL, name) that no cache holds, and
+        return at once; `compile` of one of them then waits for its translation (and raises
+        its error, if naga refused it). Cache lookups happen here, so a warm cache starts no
+        thread."""
+        jobs = []
+        for wgsl, name in kernels:
+            key = wgsl_hash(wgsl)
+            with self._lock:
+                if key in self._memo or key in self._pending:
+                    continue
+            spirv = self._cached(key, wgsl)
+            with self._lock:
                 if spirv is not None:
-                    self.stats["disk_hits"] += 1
-                else:
-                    spirv = self._translate(wgsl, name)
-                    write_atomic(path, spirv, self.cache_dir)
-            self._memo[shipped_key] = spirv
+                    self._memo[key] = spirv
+                elif key not in self._pending:
+                    self._pending[key] = future = Future()
+                    jobs.append((key, wgsl, name, future))
+        if not jobs:
+            return
+        pool = ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1, PREFETCH_THREADS),
+                                  thread_name_prefix="vkml-naga")
+        for job in jobs:
+            pool.submit(self._produce, *job, prefetched=True)
+        pool.shutdown(wait=False)  # the threads end when the queue is empty
+
+    def _produce(self, key: str, wgsl: str, name: str, future: Future[bytes],
+                 prefetched: bool = False) -> None:
+        """Fulfil `future` with `wgsl`'s SPIR-V: from the shipped or disk cache, else naga. A
+        failure is not memoized: the next compile tries again (a prefetch's failure stays
+        pending until a compile has reported it)."""
+        try:
+            spirv = self._cached(key, wgsl)
+            if spirv is None:
+                spirv = self._translate(wgsl, name)
+                write_atomic(self._disk_path(wgsl), spirv, self.cache_dir)
+        except BaseException as e:
+            if not prefetched:
+                with self._lock:
+                    del self._pending[key]
+            future.set_exception(e)
+            return
+        with self._lock:
+            self._memo[key] = spirv
+            del self._pending[key]
+        future.set_result(spirv)
+
+    def _disk_path(self, wgsl: str) -> Path:
+        # The cache is keyed by the naga build too: a new naga recompiles everything.
+        key = hashlib.sha256(f"{self._hash_wasm()}\0{wgsl}".encode()).hexdigest()
+        return self.cache_dir / "spirv" / f"{key}.spv"
+
+    def _cached(self, key: str, wgsl: str) -> bytes | None:
+        """The shipped SPIR-V of `wgsl`, else the disk cache's, else None."""
+        spirv = _read_spirv(self.shipped_dir / f"{key}.spv")
+        if spirv is not None:
+            self._count("shipped_hits")
             return spirv
+        spirv = _read_spirv(self._disk_path(wgsl))
+        if spirv is not None:
+            self._count("disk_hits")
+        return spirv
 
 
 _default: Compiler | None = None
@@ -282,6 +404,18 @@ def _compiler() -> Compiler:
 def compile_wgsl(wgsl: str, name: str) -> bytes:
     """WGSL -> SPIR-V bytes via the process-wide Compiler (cache dir from the environment)."""
     return _compiler().compile(wgsl, name)
+
+
+def prefetch(kernels: Iterable[tuple[str, str]]) -> None:
+    """Start translating the (WGSL, name) pairs no cache holds, in the background, with the
+    process-wide Compiler (see Compiler.prefetch)."""
+    _compiler().prefetch(kernels)
+
+
+def preload() -> None:
+    """Compile naga's wasm module in the background if the cache holds none (see
+    Compiler.preload): `lower` calls it first, so a cold compile overlaps it with lowering."""
+    _compiler().preload()
 
 
 def cache_stats() -> dict[str, int]:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from vkml.compiler.schedule import Plan, Slot
-from vkml.compiler.stages import Trainable, lower
+from vkml.compiler.stages import Trainable, compile_plan
 from vkml.errors import DeviceError, InputError, NonFiniteError, NotComputedError
 from vkml.graph import Graph, Tensor
 from vkml.optim import Optimizer
@@ -52,10 +52,10 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     NonFiniteError; step() then waits for each step to finish, so it costs a sync per step.
     """
     device = device or default_device()
-    stages = lower(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
-                   rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
-                   precision=precision, check_finite=check_finite)
-    return Session(stages.plan, device, check_finite, graph=graph)
+    plan = compile_plan(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
+                        rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
+                        precision=precision, check_finite=check_finite)
+    return Session(plan, device, check_finite, graph=graph)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -4,27 +4,85 @@ Everything a kernel's bindings mean was decided before (what each dispatch reads
 pointwise results overwrite an input, where each tensor lives), so each dispatch is lowered once,
 and a kernel that disagrees with its dispatch about a binding's access is a codegen bug caught
 here. Device rules (tile shapes, read-only bindings, CPU-driver variants) come from `caps`.
+
+A lowering is a function of the node's op, shape, dtype and attributes, its inputs' shapes and
+dtypes, and the target: never of the node's identity, name or place in the graph. So dispatches
+that agree on those (a model's repeated layers, the backward pass of each) share one Kernel,
+generated once (`lowering_key`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import numpy as np
 
 from vkml.compiler.schedule import Plan, PlannedDispatch
+from vkml.expr import Body
 from vkml.graph import OPS, Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import optimizer, pointwise
 
 
 def generate(plan: Plan, caps: Capabilities) -> Plan:
+    targets = {True: phase_target(caps, True), False: phase_target(caps, False)}
+    made: dict[tuple, Kernel] = {}
     dispatches = []
     for d in plan.dispatches:
-        kernel = lower_dispatch(d, plan, phase_target(caps, d.phase == "forward"))
-        if kernel.access != d.access:
-            raise AssertionError(f"codegen of {d.label}: the kernel's bindings {kernel.access} "
-                                 f"disagree with the plan's {d.access}")
+        target = targets[d.phase == "forward"]
+        key = dispatch_key(d, target)
+        kernel = made.get(key) if key is not None else None
+        if kernel is None:
+            kernel = lower_dispatch(d, plan, target)
+            if kernel.access != d.access:
+                raise AssertionError(f"codegen of {d.label}: the kernel's bindings "
+                                     f"{kernel.access} disagree with the plan's {d.access}")
+            if key is not None:
+                made[key] = kernel
         dispatches.append(dataclasses.replace(d, kernel=kernel))
     return dataclasses.replace(plan, dispatches=dispatches)
+
+
+def dispatch_key(d: PlannedDispatch, caps: Capabilities) -> tuple | None:
+    """What the dispatch's kernel is a function of (see the module's doc), or None where that
+    cannot be told (an attribute of a type `lowering_key` does not know): lowered on its own.
+    Optimizer updates: the optimizer object is the plan's one, the same for every update."""
+    if d.update is not None:
+        return ("update", id(d.update.optimizer), d.update.size, d.access, caps)
+    assert d.node is not None
+    key = lowering_key(d.node)
+    return None if key is None else (key, d.in_place, d.access, caps)
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def lowering_key(node: Tensor) -> tuple | None:
+    """A hashable value that determines `node`'s kernel, given the target; None if an
+    attribute's value cannot be keyed faithfully."""
+    try:
+        return (node.op, node.shape, node.dtype, _value_key(node.attrs),
+                tuple((x.shape, x.dtype) for x in node.inputs))
+    except _Unkeyable:
+        return None
+
+
+def _value_key(v: Any) -> Any:
+    # Types are part of the key and numbers go by repr: 1 and 1.0, or 0.0 and -0.0, are equal
+    # in Python but may be written differently into the WGSL.
+    if v is None or isinstance(v, (bool, int, float, str, np.generic)):
+        return type(v).__name__, repr(v)
+    if isinstance(v, (tuple, list)):
+        return type(v).__name__, tuple(_value_key(x) for x in v)
+    if isinstance(v, dict):
+        return "dict", tuple((k, _value_key(x)) for k, x in v.items())
+    if isinstance(v, Body):
+        return "Body", v.structure()
+    if isinstance(v, np.ndarray):
+        return "ndarray", v.dtype.str, v.shape, v.tobytes()
+    raise _Unkeyable(type(v))
 
 
 def phase_target(caps: Capabilities, forward: bool) -> Capabilities:

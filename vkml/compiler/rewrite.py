@@ -9,6 +9,10 @@ graph output or gradient.
 - pointwise into a sum's prologue (the summand) and epilogue (the sum's result), which turns
   cross-entropy and MSE into single row reductions after the softmax.
 Runs after autodiff, so forward and backward kernels are fused alike; fused ops need no gradient.
+
+Each pass is linear in the graph: bodies are built with lazy substitutions (vkml/expr.py's
+`Subst`), so absorbing a producer costs the same however large its body has grown, and the
+bodies of the final graph are materialized once, at the end.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections import Counter
 
 import numpy as np
 
-from vkml.expr import Arg, Body, Expr, Lit, Shape, contiguous_strides, substitute
+from vkml.expr import Arg, Body, Lazy, Lit, Shape, Subst, contiguous_strides, materialize
 from vkml.graph import OPS, Graph, Tensor, body_of
 
 IDENTITY_EPILOGUE = Body(Arg(0), ((),))
@@ -30,22 +34,24 @@ class _BodyBuilder:
         self.inputs: list[Tensor | None] = [None] * reserved  # None: not a buffer (accumulator)
         self.strides: list[Shape] = [()] * reserved
         self.args: list[Arg] = [Arg(k) for k in range(reserved)]
+        self._index: dict[tuple[int, Shape], int] = {}  # (id of tensor, strides) -> input
 
     def input(self, tensor: Tensor, strides: Shape) -> Arg:
-        for k, (t, s) in enumerate(zip(self.inputs, self.strides)):
-            if t is tensor and s == strides:
-                return self.args[k]
+        k = self._index.get((id(tensor), strides))
+        if k is not None:
+            return self.args[k]
+        self._index[id(tensor), strides] = len(self.args)
         self.inputs.append(tensor)
         self.strides.append(strides)
         self.args.append(Arg(len(self.args)))
         return self.args[-1]
 
     @staticmethod
-    def inline(body: Body, args: list[Expr]) -> Expr:
-        """`body`'s result with its inputs bound to `args`."""
-        return substitute(body.result, dict(enumerate(args)))
+    def inline(body: Body, args: list[Lazy]) -> Lazy:
+        """`body`'s result with its inputs bound to `args` (lazily: see vkml/expr.py)."""
+        return Subst(body.result, tuple(args))
 
-    def body(self, result: Expr) -> Body:
+    def body(self, result: Lazy) -> Body:
         return Body(result, tuple(self.strides))
 
 
@@ -64,7 +70,26 @@ def fuse(graph: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor]]:
         graph, step_mapping, changed = _fuse_once(graph, [mapping[r.id] for r in roots])
         mapping = {old: step_mapping[new.id] for old, new in mapping.items()
                    if new.id in step_mapping}
+    _materialize_bodies(graph)
     return graph, mapping
+
+
+def _materialize_bodies(graph: Graph) -> None:
+    """Carry out the lazy substitutions of every body in `graph`. The last pass absorbed
+    nothing, so every node of `graph` is live, and each node is its own (new) object: its
+    attributes are replaced, never changed in place (earlier graphs share the dicts)."""
+    lazy: dict[int, Body] = {}
+    for t in graph.nodes:
+        for v in t.attrs.values():
+            if isinstance(v, Body) and isinstance(v.result, Subst):
+                lazy[id(v)] = v
+    if not lazy:
+        return
+    done = dict(zip(lazy, (Body(r, b.strides) for r, b in
+                           zip(materialize([b.result for b in lazy.values()]), lazy.values()))))
+    for t in graph.nodes:
+        if any(id(v) in done for v in t.attrs.values()):
+            t.attrs = {k: done.get(id(v), v) for k, v in t.attrs.items()}
 
 
 def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor], bool]:

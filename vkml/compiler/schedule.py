@@ -13,6 +13,8 @@ needed. Memory planning then shares bytes between tensors whose level intervals 
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
@@ -43,7 +45,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return 4 * int(np.prod(self.shape, dtype=np.int64))
+        return 4 * math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -173,10 +175,13 @@ class Plan:
 
 def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor],
               optimizer: Optimizer | None, caps: Capabilities, keep_grads: bool = True,
-              has_loss: bool = False, check_finite: bool = False) -> Plan:
+              has_loss: bool = False, check_finite: bool = False,
+              timings: dict[str, float] | None = None) -> Plan:
     """`keep_grads`: gradients stay readable after the step (else an optimizer consumes them
     and their memory is reused). `has_loss`: `grads` holds the gradients of a loss (possibly
-    none, when every parameter is frozen)."""
+    none, when every parameter is frozen). `timings` (if given) gets the seconds spent in
+    "schedule" and "memory"."""
+    started = time.perf_counter()
     for name, t in outputs.items():
         if not graph._owns(t):
             raise GraphError(f"output '{name}' ({t.label}) is not a node of this graph")
@@ -225,11 +230,15 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
     plan.dispatches = _schedule(plan.dispatches)
     plan.aliases = _write_in_place(plan)
     plan.lifetimes = _lifetimes(plan)
+    scheduled = time.perf_counter()
     try:
         plan.memory = plan_memory(plan.lifetimes, max(caps.min_storage_offset_alignment, 16),
                                   caps.max_storage_buffer_range, plan.aliases)
     except ValueError as e:
         raise GraphError(f"{e}; on {caps.device_name}") from None
+    if timings is not None:
+        timings["schedule"] = scheduled - started
+        timings["memory"] = time.perf_counter() - scheduled
     return plan
 
 

@@ -12,16 +12,19 @@ naga on Vulkan) when a session binds the plan to a device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Collection, Mapping
+import gc
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 from vkml import naga
-from vkml.compiler import autodiff, codegen
+from vkml.compiler import autodiff, codegen, plan_cache
 from vkml.compiler.rewrite import fuse
 from vkml.compiler.schedule import Plan, make_plan
 from vkml.compiler.split import split_sums
-from vkml.errors import DeviceError, GraphError
+from vkml.errors import DeviceError, GraphError, VkmlError
 from vkml.graph import Graph, Tensor
 from vkml.hal import Capabilities
 from vkml.optim import Optimizer
@@ -76,6 +79,8 @@ class Stages:
     split: Graph  # long sums split for the device (compiler/split.py)
     split_roots: list[Tensor]
     plan: Plan
+    # Seconds per stage of this lowering: autodiff, rewrite, split, schedule, memory, codegen
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def kernels(self) -> dict[str, str]:
         """Each distinct kernel's WGSL, by kernel name."""
@@ -163,16 +168,90 @@ def index_ranges(graph: Graph, roots: list[Tensor]) -> dict[str, tuple[int, int,
     return ranges
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off, as it was after. Lowering makes millions of
+    objects and frees few of them until it returns, so the collector's full passes, each over
+    every object of the process, found little and grew with the graph: a third of a large
+    graph's lowering. What lowering leaves in cycles is collected later, as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
           optimizer: Optimizer | None = None, outputs: Mapping[str, Tensor] | None = None,
           rewrite: str = "greedy", keep_grads: bool | None = None,
           trainable: Trainable = None, precision: str = "f32",
           check_finite: bool = False) -> Stages:
     """Graph -> Plan, keeping each stage. Arguments as for `vkml.compile`."""
+    naga.preload()  # a cold cache's wasm compile runs beside the stages below
+    with _collector_paused():
+        return _lower(graph, caps, loss, optimizer, outputs, rewrite, keep_grads, trainable,
+                      precision, check_finite)
+
+
+def compile_plan(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
+                 optimizer: Optimizer | None = None,
+                 outputs: Mapping[str, Tensor] | None = None, rewrite: str = "greedy",
+                 keep_grads: bool | None = None, trainable: Trainable = None,
+                 precision: str = "f32", check_finite: bool = False) -> Plan:
+    """`lower(...).plan` through the plan cache (compiler/plan_cache.py): what `vkml.compile`
+    binds. The intermediate stages are not kept (call `lower` for them)."""
+    with _collector_paused():  # a cached plan is many small objects too
+        return _compile_plan(graph, caps, loss, optimizer, outputs, rewrite, keep_grads,
+                             trainable, precision, check_finite)
+
+
+def _compile_plan(graph: Graph, caps: Capabilities, loss: Tensor | None,
+                  optimizer: Optimizer | None, outputs: Mapping[str, Tensor] | None,
+                  rewrite: str, keep_grads: bool | None, trainable: Trainable,
+                  precision: str, check_finite: bool) -> Plan:
+    check_arguments(graph, loss, optimizer, outputs)  # before hashing what was handed
+    cache_key = None
+    if plan_cache.enabled():
+        try:
+            named = {**(outputs or {}), **({"loss": loss} if loss is not None else {})}
+            trained = (tuple(trainable_params(graph, trainable)) if loss is not None
+                       else None)
+            options = (rewrite, keep_grads, precision, optimizer is not None, check_finite)
+            cache_key = plan_cache.key(graph, target(caps, precision), named, loss, optimizer,
+                                       options, trained)
+        except VkmlError:  # bad arguments: lowering says what is wrong
+            cache_key = None
+    if cache_key is not None:
+        plan = plan_cache.load(cache_key, graph, optimizer)
+        if plan is not None:
+            return plan
+    plan = lower(graph, caps, loss=loss, optimizer=optimizer, outputs=outputs, rewrite=rewrite,
+                 keep_grads=keep_grads, trainable=trainable, precision=precision,
+                 check_finite=check_finite).plan
+    if cache_key is not None:
+        plan_cache.store(cache_key, plan, graph, optimizer)
+    return plan
+
+
+def _lower(graph: Graph, caps: Capabilities, loss: Tensor | None,
+           optimizer: Optimizer | None, outputs: Mapping[str, Tensor] | None, rewrite: str,
+           keep_grads: bool | None, trainable: Trainable, precision: str,
+           check_finite: bool) -> Stages:
     caps = target(caps, precision)
     if rewrite not in REWRITES:
         raise GraphError(f"unknown rewrite {rewrite!r}; use one of {REWRITES}")
     check_arguments(graph, loss, optimizer, outputs)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(stage: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[stage] = now - clock
+        clock = now
+
     work = graph.copy()
     named = dict(graph.outputs)
     for name, t in {**(outputs or {}), **({"loss": loss} if loss is not None else {})}.items():
@@ -185,19 +264,24 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
     grads = (autodiff.gradients(work, loss, trainable_params(graph, trainable))
              if loss is not None else {})
     roots = [*named.values(), *grads.values()]
+    lap("autodiff")
     fused, fused_named, fused_grads = work, named, grads
     if rewrite == "greedy":
         fused, new_of = fuse(work, roots)
         fused_named = {n: new_of[t.id] for n, t in named.items()}
         fused_grads = {n: new_of[t.id] for n, t in grads.items()}
     fused_roots = [*fused_named.values(), *fused_grads.values()]
+    lap("rewrite")
     split, new_of = split_sums(fused, fused_roots, caps, list(fused_named.values()))
     split_named = {n: new_of[t.id] for n, t in fused_named.items()}
     split_grads = {n: new_of[t.id] for n, t in fused_grads.items()}
+    lap("split")
     keep = optimizer is None if keep_grads is None else keep_grads
     plan = make_plan(split, split_named, split_grads, optimizer, caps, keep_grads=keep,
-                     has_loss=loss is not None, check_finite=check_finite)
+                     has_loss=loss is not None, check_finite=check_finite, timings=timings)
+    clock = time.perf_counter()
     plan = codegen.generate(plan, caps)
     plan.input_ranges = index_ranges(work, roots)
+    lap("codegen")
     return Stages(work, roots, fused, fused_roots, split,
-                  [*split_named.values(), *split_grads.values()], plan)
+                  [*split_named.values(), *split_grads.values()], plan, timings)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from vkml import naga
 from vkml.compiler.schedule import Plan, Slot
 from vkml.errors import InputError
 from vkml.hal import Barrier, Binding, Command, Copy, Dispatch
@@ -41,13 +42,15 @@ class BoundPlan:
                 self.staging_offsets[name] = staged
                 staged += -(-plan.slots[slot].nbytes // align) * align
             self._staging = backend.create_buffer(max(staged, 4), "upload", "inputs")
-            for kernel in self._kernels:
-                self._pipelines[kernel.wgsl] = device.pipelines.acquire(kernel)
+            if device.backend_name == "vulkan":  # kernels no cache holds: naga works meanwhile
+                naga.prefetch((k.wgsl, k.name) for k in self._kernels)
             for slot in plan.slots:
                 if slot.id in plan.initial_values:
                     self.write_slot(slot, plan.initial_values[slot.id])
                 elif slot.role == "optimizer_state":  # device memory starts undefined
                     self.write_slot(slot, np.zeros(slot.shape, np.float32))
+            for kernel in self._kernels:
+                self._pipelines[kernel.wgsl] = device.pipelines.acquire(kernel)
             self._uploads: list[Command] = [
                 Copy(self._staging, self.staging_offsets[name], *self.place(slot),
                      plan.slots[slot].nbytes) for name, slot in plan.inputs.items()]
@@ -124,7 +127,8 @@ class BoundPlan:
     def write_slot(self, slot: Slot, array: np.ndarray) -> None:
         buffer, offset = self.place(slot.id)
         data = np.ascontiguousarray(array, dtype=NUMPY_DTYPE[slot.dtype])
-        self.backend.write_buffer(buffer, offset, data.tobytes())
+        # the array's own bytes: a model's parameters are not copied into a bytes object first
+        self.backend.write_buffer(buffer, offset, memoryview(data.reshape(-1).view(np.uint8)))
 
     def read_slot(self, slot: Slot) -> np.ndarray:
         self.wait()
