@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_render_loop import assert_same, host, mlp, reference, state, vulkan_only  # noqa: F401
+from test_render_loop import (  # noqa: F401  (host: the fixture)
+    assert_same,
+    host,
+    mlp,
+    reference,
+    state,
+    vk,
+    vulkan_only,
+)
 
 import vkml
 from vkml.kernels.reduce import canonical
@@ -83,6 +91,7 @@ def test_max_ms_packs_pieces_into_one_submission(device):
                 pass
         s.wait()
         assert_same(state(s), expected)
+        assert s.record_pieces(chunks=2) == 2 and s._chunker.recorded_cuts == 2
         # an explicit chunking applies to max_ms too
         s.step_chunk(chunks=2, max_ms=0.0)
         assert s.pieces_left == 2 and s.piece_costs() == s.piece_costs(chunks=2)
@@ -230,6 +239,8 @@ def test_no_step_sees_half_an_update(device):
     infer = inference(device, owner=train)
     try:
         infer.set_input("x", inputs(1)[0])
+        infer.profile(steps=1)  # measured costs, for step_chunk(max_ms=...) below
+        train.profile(steps=1, update=False)
         writes = [any(d.phase == "update" and d.update and d.update.size
                       for d in train.plan.dispatches[a:b])
                   for a, b in train.chunk_boundaries(chunks=99)]
@@ -243,9 +254,13 @@ def test_no_step_sees_half_an_update(device):
             infer.step()
         with pytest.raises(vkml.InputError, match="part-way through a parameter update"):
             infer.profile(steps=1)
+        assert infer.pieces_left == 0
+        held = infer.step_chunk(chunks=1, max_ms=1e9, at_least_one=True)  # packing: nothing
+        assert held.cost_ms == 0.0 and infer.pieces_left == 1 and not infer._bound.mid_step
         while train.updating:
             train.step_chunk()
-        infer.step()  # the updates are all submitted: a consistent set
+        infer.step_chunk()  # the updates are all submitted: a consistent set
+        assert infer.pieces_left == 0
         while train.pieces_left:
             train.step_chunk()
         # the other way round: an inference step in pieces holds the training updates off
@@ -254,10 +269,12 @@ def test_no_step_sees_half_an_update(device):
             train.step()
         with pytest.raises(vkml.InputError, match="part-way through a chunked step"):
             train.set_param("fc1.bias", np.zeros(16, np.float32))
-        for _ in range(first_update):  # pieces that write no parameter may go
-            train.step_chunk(chunks=99)
+        # packing by cost stops before the first piece that writes parameters
+        left, _ = train.step_chunk(chunks=99, max_ms=1e9)
+        assert len(writes) - left == first_update
         with pytest.raises(vkml.InputError, match="part-way through a chunked step"):
             train.step_chunk()
+        assert train.step_chunk(max_ms=1e9, at_least_one=True) == (left, 0.0)
         infer.step_chunk()
         while train.pieces_left:
             train.step_chunk()
@@ -322,8 +339,6 @@ def test_declared_names_vkml_does_not_use_are_ignored_when_real():
 
 def test_adopting_a_device_declared_with_a_swapchain(device, host):  # noqa: F811
     vulkan_only(device)
-    import vulkan as vk
-
     offered = {e.extensionName for e in
                vk.vkEnumerateDeviceExtensionProperties(host.physical, None)}
     if "VK_KHR_swapchain" not in offered:
@@ -383,3 +398,49 @@ def test_a_batch_of_one_weight_gradient_needs_no_reduction(device):
         s.step()
         y = xv[0] @ wv.T
         np.testing.assert_allclose(s.grad("w"), 2 * y.T @ xv[0], rtol=1e-5)
+
+
+# ---- outputs the host cannot read in place --------------------------------------------------
+
+def test_outputs_in_device_memory_are_copied_by_the_step_itself(device, host,  # noqa: F811
+                                                                 monkeypatch):
+    """As on a discrete GPU (arenas in VRAM, which the host cannot read in place; lavapipe's
+    can, so it is simulated): every step ends with a copy of the outputs into host-readable
+    memory, in its own submission, and read() submits nothing."""
+    vulkan_only(device)
+    dev = host.adopt()
+    monkeypatch.setattr(type(dev.backend), "stage_reads", lambda self, buffer: True)
+    expected = reference_with_inputs(device, 3)
+    with mlp(dev) as s:
+        assert s._bound.download_program is not None
+        backend = dev.backend
+        for k in range(3):
+            x, y = inputs(k)
+            s.set_input("x", x)
+            s.set_input("labels", y)
+            if k == 0:
+                s.step()
+            elif k == 1:
+                while s.step_chunk(chunks=3):
+                    pass
+            else:  # recorded into the host's command buffer, outputs' copies included
+                cb = host.command_buffer()
+                host.begin(cb)
+                s.record(cb)
+                vk.vkEndCommandBuffer(cb)
+                host.submit_and_wait(cb)
+            s.wait()
+            submits: list[object] = []
+            monkeypatch.setattr(backend, "submit", submits.append)
+            monkeypatch.setattr(backend, "submit_batch", submits.append)
+            s.read("loss")
+            logits = s.read("logits")
+            monkeypatch.undo()
+            monkeypatch.setattr(type(dev.backend), "stage_reads", lambda self, buffer: True)
+            assert submits == []  # nothing queued to read them
+            if k == 1:
+                np.testing.assert_array_equal(logits, s._bound.read_slot(
+                    s.plan.slots[s.plan.outputs["logits"].slot]).reshape(logits.shape))
+        got = state(s)
+    dev.close()
+    assert_same(got, expected)

@@ -87,6 +87,7 @@ class Session:
             plan.memory = sharing.memory_without(plan, shared, device.caps)
         self._bound = BoundPlan(plan, device, owner, shared)
         self._external_uploads: list[object] = []  # the inputs' copies prepared for record()
+        self._external_download: object | None = None  # and the outputs' copies
         self._chunker = Chunker(self._bound)
         self._profiler = Profiler(self._bound)
         self._external: object | None = None  # the step prepared for record()
@@ -170,7 +171,11 @@ class Session:
 
         `max_ms=X`: instead of one piece, as many of the next pieces as add up to at most X ms
         of measured GPU time (piece_costs()), in ONE queue submission; none if the next piece
-        alone is longer (`at_least_one=True`: that piece anyway). Returns
+        alone is longer (`at_least_one=True`: that piece anyway). Where parameters are shared
+        (compile's share_params_with), it also stops where a piece would be refused (a step
+        would see half an update): before this session's next piece that updates parameters
+        while a sharing session's chunked step is part-way, and at nothing for a sharing
+        session whose owner is part-way through its updates. Returns
         `ChunkSubmission(pieces_left, cost_ms)`: pieces of the step still to submit and the
         measured cost of what went now (a tuple, so `left, cost = ...`; test `.pieces_left`,
         not the tuple, in a loop). Without a chunking given, max_ms packs pieces of one level
@@ -194,8 +199,8 @@ class Session:
         if max_ms is None:
             chunker.submit_next()
         else:
-            count = chunker.fitting(max_ms)
-            cost = chunker.submit(max(count, int(at_least_one)))
+            count = min(max(chunker.fitting(max_ms), int(at_least_one)), chunker.allowed())
+            cost = chunker.submit(count)
         if not chunker.pieces_left:
             self._computed |= {"outputs", "grads"}
         if max_ms is None:
@@ -221,6 +226,16 @@ class Session:
         costs = chunker.piece_costs(cuts)
         assert costs is not None
         return costs
+
+    def record_pieces(self, chunks: int | None = None, budget_ms: float | None = None) -> int:
+        """Record the command buffers of the pieces step(chunks=...) / step(budget_ms=...)
+        would submit, now (otherwise the first step cut that way records them, which a frame
+        loop would feel: about 15 ms for a hundred pieces on lavapipe). Returns how many
+        pieces there are. Submits nothing."""
+        cuts = self._chunker.cuts(chunks, budget_ms)
+        if cuts is None:
+            raise InputError("budget_ms needs measured times: run profile() first")
+        return len(self._chunker.programs(cuts))
 
     @property
     def pieces_left(self) -> int:
@@ -296,6 +311,11 @@ class Session:
                     for b in range(len(bound.staging_buffers))]
             recording.record_into(command_buffer, self._external_uploads[staging])
         recording.record_into(command_buffer, self._external)
+        if bound.download_program is not None:  # the outputs, where the host reads them
+            if self._external_download is None:
+                self._external_download = bound.keep(recording.prepare(
+                    bound.downloads(), "outputs (host)"))
+            recording.record_into(command_buffer, self._external_download)
         self._computed |= {"outputs", "grads"}  # once the host submits it; read() after that
 
     def profile(self, steps: int = 3, update: bool = True) -> Profile:
@@ -351,7 +371,7 @@ class Session:
                              f"{sorted(self.plan.outputs)}, parameters: {sorted(self.plan.params)}")
         self._require_computed("outputs", f"output '{name}'")
         view = self.plan.outputs[name]
-        return self._bound.read_slot(self.plan.slots[view.slot]).reshape(view.shape)
+        return self._bound.read_output(self.plan.slots[view.slot]).reshape(view.shape)
 
     def grad(self, param: str) -> np.ndarray:
         """The gradient of the loss for parameter `param`, as computed by the last step."""

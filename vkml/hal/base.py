@@ -62,6 +62,10 @@ class BackendBase:
         """Where a backend cannot tell submissions apart: wait for all of them."""
         self.wait()
 
+    def stage_reads(self, buffer: Any) -> bool:
+        """By default reads take the backend's own route (wgpu's waits for all work anyway)."""
+        return False
+
     def free_program(self, program: Any) -> None:
         raise NotImplementedError
 

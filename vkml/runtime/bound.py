@@ -15,6 +15,11 @@ arena), submitted in the same queue submission as the first program of a step. s
 keeps the value; a step writes what changed into the staging buffer that the step before the
 one in flight used, so setting the next step's inputs never waits for the step in flight.
 
+Outputs in memory the host cannot read in place (a discrete GPU's VRAM) are copied into a
+host-readable buffer by a small download program that ends every step, in the same queue
+submission: reading one then waits for this session's step only and submits nothing (a copy
+submitted at read time would queue behind the work other sessions submitted meanwhile).
+
 A plan may take its parameters from another plan (`owner`, see runtime/sharing.py): those slots
 live in the owner's arenas, and the submissions check that a step never sees half an update.
 """
@@ -32,6 +37,9 @@ from vkml.runtime.device import Device
 
 NUMPY_DTYPE = {"f32": np.float32, "i32": np.int32}
 STAGING_BUFFERS = 2
+# Outputs copied at the end of every step, at most this many bytes in all (the largest first
+# left out): an LLM's logits are read rarely and would cost a copy per step.
+DOWNLOAD_LIMIT = 16 << 20
 
 
 class BoundPlan:
@@ -50,6 +58,9 @@ class BoundPlan:
         self.arenas: list[object] = []
         self._staging: list[object] = []
         self._upload_programs: list[object] = []
+        self._readback: object | None = None
+        self.download_offsets: dict[int, int] = {}  # output slot -> offset in _readback
+        self.download_program: object | None = None
         self._next_staging = 0
         self._latest: dict[str, np.ndarray] = {}  # each input's value for the next step
         self._version: dict[str, int] = {}
@@ -87,6 +98,9 @@ class BoundPlan:
                     self._staging.append(staging)
                     self._upload_programs.append(self.record_commands(
                         self.uploads(b), f"inputs {b}"))
+            downloads = self.downloads()
+            if downloads:
+                self.download_program = self.record_commands(downloads, "outputs")
             phases = {d.phase for d in plan.dispatches}
             self.step_program = self.record(self.indices(phases), "step")
             self.forward_program = (self.record(self.indices({"forward"}), "forward")
@@ -116,6 +130,27 @@ class BoundPlan:
         plan = self.plan
         return [Copy(self._staging[buffer], self.staging_offsets[name], *self.place(slot),
                      plan.slots[slot].nbytes) for name, slot in plan.inputs.items()]
+
+    def downloads(self) -> list[Command]:
+        """The copies of the outputs the host cannot read in place into a readback buffer
+        (allocated on the first call), or nothing."""
+        plan = self.plan
+        if self._readback is None:
+            slots = sorted({v.slot for v in plan.outputs.values()},
+                           key=lambda s: plan.slots[s].nbytes)
+            staged = [s for s in slots if self.backend.stage_reads(self.place(s)[0])]
+            total = 0
+            for s in staged:
+                nbytes = -(-plan.slots[s].nbytes // 16) * 16
+                if total + nbytes > DOWNLOAD_LIMIT:
+                    break
+                self.download_offsets[s] = total
+                total += nbytes
+            if not total:
+                return []
+            self._readback = self.backend.create_buffer(total, "readback", "outputs")
+        return [Copy(*self.place(s), self._readback, at, self.plan.slots[s].nbytes)
+                for s, at in self.download_offsets.items()]
 
     def commands(self, indices: Iterable[int]) -> list[Command]:
         """The commands of the dispatches at `indices` (in plan order), with a barrier wherever
@@ -197,6 +232,8 @@ class BoundPlan:
         staging = self.upload() if (begins if upload is None else upload) else None
         if staging is not None:
             batch.insert(0, self._upload_programs[staging])
+        if ends and self.download_program is not None:
+            batch.append(self.download_program)
         if len(batch) == 1:
             self.backend.submit(batch[0])
         else:
@@ -258,6 +295,16 @@ class BoundPlan:
         data = np.ascontiguousarray(array, dtype=NUMPY_DTYPE[slot.dtype])
         self.backend.write_buffer(buffer, offset, data.tobytes())
 
+    def read_output(self, slot: Slot) -> np.ndarray:
+        """An output as of this session's latest step: from the readback buffer the step's
+        download filled where there is one (no submission), else read in place."""
+        at = self.download_offsets.get(slot.id)
+        if at is None:
+            return self.read_slot(slot)
+        self.wait()
+        raw = self.backend.read_buffer(self._readback, at, slot.nbytes)
+        return np.frombuffer(raw, dtype=NUMPY_DTYPE[slot.dtype]).reshape(slot.shape).copy()
+
     def read_slot(self, slot: Slot) -> np.ndarray:
         self.wait()
         if slot.id in self.shared:
@@ -284,9 +331,10 @@ class BoundPlan:
             if kernel.wgsl in self._pipelines:
                 self.device.pipelines.release(kernel)
         self._pipelines.clear()
-        for buffer in self._staging:
-            self.backend.free_buffer(buffer)
-        self._staging = []
+        for buffer in [*self._staging, self._readback]:
+            if buffer is not None:
+                self.backend.free_buffer(buffer)
+        self._staging, self._readback = [], None
         owner = self.owner
         if owner is not None and self in owner.sharers:
             owner.sharers.remove(self)

@@ -91,8 +91,14 @@ class Chunker:
         self._programs: dict[tuple[int, ...], list[object]] = {}
         params = set(bound.plan.params.values())
         self._param_writer = [bool(d.writes & params) for d in bound.plan.dispatches]
+        self._level_ranges = level_ranges([d.level for d in bound.plan.dispatches])
+        # Per cut: which pieces write parameters, and (per measurement) their costs; a
+        # render loop starts a step every frame, so nothing is recomputed per step.
+        self._writes_of: dict[tuple[int, ...], list[bool]] = {}
+        self._costs_of: dict[tuple[tuple[int, ...], int], list[float]] = {}
         self._pieces: list[object] | None = None  # the chunked step in progress
         self._writes: list[bool] = []  # per piece of it: it writes parameters
+        self._total_writes = 0
         self._costs: list[float] | None = None  # per piece of it: measured ms
         self._current: tuple[int, ...] = ()  # its cuts
         self._next = 0
@@ -110,7 +116,7 @@ class Chunker:
         return [sum(costs[a:b]) for a, b in self._ranges()]
 
     def _ranges(self) -> list[tuple[int, int]]:
-        return level_ranges([d.level for d in self.bound.plan.dispatches])
+        return self._level_ranges
 
     @property
     def levels(self) -> int:
@@ -120,11 +126,14 @@ class Chunker:
         """Measured ms per piece of `cuts` (None before anything was measured)."""
         if self.dispatch_ms is None:
             return None
-        ranges = self._ranges()
-        if not ranges:
-            return [0.0]
-        return [sum(self.dispatch_ms[ranges[a][0]:ranges[b - 1][1]])
-                for a, b in pieces_of(list(cuts), len(ranges))]
+        key = (cuts, self._version)
+        costs = self._costs_of.get(key)
+        if costs is None:
+            ranges = self._ranges()
+            costs = [sum(self.dispatch_ms[ranges[a][0]:ranges[b - 1][1]])
+                     for a, b in pieces_of(list(cuts), len(ranges))] if ranges else [0.0]
+            self._costs_of[key] = costs
+        return costs
 
     # ---- cuts ---------------------------------------------------------------------------------
     def cuts(self, chunks: int | None, budget_ms: float | None) -> tuple[int, ...] | None:
@@ -182,11 +191,13 @@ class Chunker:
         return programs
 
     def _piece_writes(self, cuts: tuple[int, ...]) -> list[bool]:
-        ranges = self._ranges()
-        if not ranges:
-            return [False]
-        return [any(self._param_writer[ranges[a][0]:ranges[b - 1][1]])
-                for a, b in pieces_of(list(cuts), len(ranges))]
+        writes = self._writes_of.get(cuts)
+        if writes is None:
+            ranges = self._ranges()
+            writes = [any(self._param_writer[ranges[a][0]:ranges[b - 1][1]])
+                      for a, b in pieces_of(list(cuts), len(ranges))] if ranges else [False]
+            self._writes_of[cuts] = writes
+        return writes
 
     @property
     def recorded_cuts(self) -> int:
@@ -201,6 +212,7 @@ class Chunker:
         self._pieces, self._next = self.programs(cuts), 0
         self._current = cuts
         self._writes = self._piece_writes(cuts)
+        self._total_writes = sum(self._writes)
         self._costs = self.piece_costs(cuts)
 
     def submit(self, count: int) -> float:
@@ -212,7 +224,7 @@ class Chunker:
             return 0.0
         self.bound.submit(self._pieces[first:end], begins=first == 0,
                           ends=end == len(self._pieces), updates=sum(self._writes[first:end]),
-                          total_updates=sum(self._writes))
+                          total_updates=self._total_writes)
         self._next = end
         cost = sum(self._costs[first:end]) if self._costs is not None else 0.0
         if self._next == len(self._pieces):
@@ -232,6 +244,20 @@ class Chunker:
             total += cost
             n += 1
         return n
+
+    def allowed(self) -> int:
+        """How many of the next pieces may go now without a step of a session sharing these
+        parameters seeing half an update (see runtime/sharing.py): none while the owner is
+        part-way through its updates, if this step has not begun; only those before the next
+        piece that writes parameters while a sharing session's step is part-way."""
+        assert self._pieces is not None
+        bound, left = self.bound, len(self._pieces) - self._next
+        if self._next == 0 and bound.owner is not None and bound.owner.updating:
+            return 0
+        if any(s.mid_step for s in bound.sharers):
+            writes = self._writes[self._next:]
+            return writes.index(True) if True in writes else left
+        return left
 
     def finish(self) -> None:
         """Submit what is left of a chunked step in progress, a submission per piece (as

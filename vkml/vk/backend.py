@@ -167,6 +167,11 @@ class VulkanBackend(BackendBase):
         self.wait_for(program)
         return self._ffi.buffer(staging.pointer, nbytes)[:]
 
+    def stage_reads(self, buffer: Buffer) -> bool:
+        """Device memory the host cannot read in place (a discrete GPU's VRAM): reading it
+        takes a copy on the queue, behind everything submitted before the read."""
+        return not buffer.host_read
+
     def _drop_reader(self, key: tuple[int, int, int]) -> None:
         staging, program = self._readers.pop(key)
         self.free_program(program)
