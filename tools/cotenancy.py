@@ -125,7 +125,7 @@ def run_mode(host: VulkanHost, renderer: FullscreenLoad, job: Job | None, hz: fl
     if job is not None:
         # The step in progress is completed here, by this mode: the next mode's job never
         # continues a step it did not start (the waiter race seen at --width 8192).
-        job.finish()
+        job.close()
     lat = job.latencies() if job else []
     records = job.records if job else []
     return {
@@ -184,8 +184,6 @@ def main() -> None:
                     help="budget mode's piece size; auto = the measured slack of the frame")
     ap.add_argument("--margin-ms", type=float, default=1.0,
                     help="frame time kept free of model work when computing the slack")
-    ap.add_argument("--slack-fraction", type=float, default=0.34,
-                    help="slack mode's piece size, as a fraction of the slack")
     ap.add_argument("--out", default="out/cotenancy")
     args = ap.parse_args()
     period_ms = 1000 / args.hz
@@ -212,8 +210,8 @@ def main() -> None:
     print("step overhead", json.dumps(overhead), flush=True)
     policies = [("chunks=1", Policy("chunks", 1)), ("chunks=2", Policy("chunks", 2)),
                 ("chunks=4", Policy("chunks", 4)), ("budget", Policy("budget", budget)),
-                ("slack", Policy("slack", args.slack_fraction))]
-    jobs = {name: Job("train", session, host, p, prof.dispatch_ms, slack_ms)
+                ("slack", Policy("slack"))]
+    jobs = {name: Job("train", session, host, p)
             for name, p in policies}
     for job in jobs.values():  # record every mode's pieces before timing
         session.step(**job._chunking)
