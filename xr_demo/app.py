@@ -167,6 +167,7 @@ class ModelTimer:
             vk.vkEndCommandBuffer(cb)
         self.fence = host.fence(signaled=True)
         self._pending = False  # a frame's stamps are in flight
+        self.frame = -1  # the frame they time
         self._used: list[int] = []  # windows stamped this frame
         self._stamps = vk.ffi.new(f"uint64_t[{n}]")
 
@@ -386,6 +387,7 @@ class Demo:
         Nothing here blocks: a result is read once its own session's step has finished (a
         read waits for that session only, never for the other one's pieces queued after)."""
         infer, train = self.job("infer"), self.job("train")
+        self._read_timer()  # before new work is queued: the best moment on lavapipe
         if infer is not None and not self._infer_harvested and not infer.busy:
             self._harvest_prediction()
         if train is not None and not self._train_harvested and not train.busy:
@@ -445,9 +447,11 @@ class Demo:
             self.timer.open(1)
             self.scheduler.fill(n, self.slack_ms, "after")
             self.timer.close_window(1, last=True)
+            self.timer.frame = n
         elif self.timer._used:  # only the window before the render: an empty pair after it
             self.timer.open(1)  # (about 0 ms) carries the frame's fence
             self.timer.close_window(1, last=True)
+            self.timer.frame = n
 
     def end_frame(self, n: int, rgb: np.ndarray, depth: np.ndarray, frame_ms: float,
                   render_gpu_ms: float | None, skipped: int = 0,
@@ -460,13 +464,28 @@ class Demo:
                 self.samples.popleft()
                 self.run.dropped_samples += 1
         use = self._frame_use
-        model_ms = self.timer.read() if self.queries_readable() else None
         self.scheduler.observe(frame_ms, self.period_ms, self.opts.margin_ms)
         self.run.frames.append(FrameStat(
             n, time.perf_counter() - self._t0, frame_ms, render_gpu_ms,
-            use.pieces if use else 0, use.cost_ms if use else 0.0, model_ms, skipped, host_ms,
+            use.pieces if use else 0, use.cost_ms if use else 0.0, None, skipped, host_ms,
             host_cpu_ms))
         self._frame_use = None
+        self._read_timer()
+
+    def _read_timer(self) -> None:
+        """The model's GPU time of the last timed frame, once readable (non-blocking), into
+        that frame's record (a frame or more later where reads wait for the queue)."""
+        if not self.queries_readable():
+            return
+        ms = self.timer.read()
+        if ms is None:
+            return
+        for stat in reversed(self.run.frames):
+            if stat.frame == self.timer.frame:
+                stat.model_gpu_ms = ms
+                return
+            if stat.frame < self.timer.frame:
+                return
 
     def finish(self) -> None:
         """After the last frame: train on the samples still waiting, harvest everything."""
