@@ -491,8 +491,7 @@ class Demo:
         """After the last frame: train on the samples still waiting, harvest everything."""
         n = self.run.frames[-1].frame + 1 if self.run.frames else 0
         while True:
-            for job in self.jobs:
-                job.finish()
+            self._finish_jobs()
             self.begin_frame(n, start_inference=False)
             if not any(j.pieces_left for j in self.jobs) and not self.samples and \
                     self._train_harvested and self._infer_harvested:
@@ -543,10 +542,19 @@ class Demo:
             result[f"{job.name}_frames_per_step_p50"] = pct(frames_spanned, 50)
         return result
 
+    def _finish_jobs(self, close: bool = False) -> None:
+        """Submit the rest of every step in progress. A step that has begun submitting goes
+        first: while the inference is part-way, the trainer's updates must wait for it, and
+        an inference not yet started must wait for the trainer's updates."""
+        for job in sorted(self.jobs, key=lambda j: not j.started):
+            if close:
+                job.close()
+            else:
+                job.finish()
+
     def close(self) -> None:
         gc.unfreeze()  # what prepare() froze may be collected again
-        for job in self.jobs:
-            job.close()
+        self._finish_jobs(close=True)
         self.timer.close()
         vk.vkDestroyFence(self.host.device, self._sync_fence, None)
         vk.vkFreeCommandBuffers(self.host.device, self.host.pool, 1, [self._sync_cb])
