@@ -21,8 +21,8 @@ jobs in priority order (inference first: it is what the user sees). The decision
 
 Worker latency is measured from the first piece's submission to the step's completion on
 vkml's timeline semaphore (the value `session.done()` gives for that session alone), by one
-waiter thread per job that is fed the steps through a queue: the frame loop never starts a
-thread or blocks for it. The start time travels with the queued item (it is never read back
+waiter thread per job that takes the steps from a deque: the frame loop never starts a thread,
+wakes one, or blocks for it. The start time travels with the queued item (it is never read back
 from shared state), and a job never continues a step it did not start: the race that crashed
 tools/cotenancy.py's waiter.
 """
@@ -321,8 +321,10 @@ class Scheduler:
             if job.policy.one_per_frame and job.name in use.by_job:
                 continue
             costs = [c * self.scale for c in job.costs[job._next:]]
+            # A piece longer than the slack never goes before the render: there it would make
+            # this frame late as well as the next; after the render only the next one is.
             n = plan_pieces(costs, slack_ms, use.cost_ms * self.scale,
-                            job.policy.one_per_frame, use.pieces > 0)
+                            job.policy.one_per_frame, use.pieces > 0 or phase == "before")
             if n == 1 and costs and costs[0] > slack_ms:
                 use.oversized = True
             if not n:
