@@ -42,9 +42,13 @@ def test_slack_plan_takes_as_many_pieces_as_fit():
 class FakeJob:
     """What the Scheduler sees of a Job: a step in progress whose pieces cost `costs` ms."""
 
-    def __init__(self, costs):
-        self.name, self.policy, self.costs = "train", Policy("slack"), list(costs)
+    def __init__(self, costs, name="train"):
+        self.name, self.policy, self.costs = name, Policy("slack"), list(costs)
         self._in_step, self._next, self.started, self.calls = True, 0, True, []
+
+    @property
+    def pieces_left(self):
+        return len(self.costs) - self._next
 
     def submit(self, frame, max_ms, at_least_one=False):
         n, total = 0, 0.0
@@ -71,6 +75,19 @@ def test_scheduler_keeps_pieces_longer_than_the_slack_after_the_render():
     assert use.pieces == 1 and use.oversized and job._next == 1
     scheduler.new_frame()
     assert scheduler.fill(1, 10.0, "before").pieces == 2  # the rest fits before the render
+
+
+def test_a_long_piece_is_not_kept_waiting_by_another_jobs_small_ones():
+    from xr_demo.schedule import Scheduler
+
+    infer, train = FakeJob([1.0] * 50, "infer"), FakeJob([30.0, 1.0])
+    scheduler = Scheduler([infer, train])
+    for frame in range(3):
+        scheduler.new_frame()
+        scheduler.fill(frame, 10.0, "before")
+        scheduler.fill(frame, 10.0, "after")
+    # frame 0: the small pieces fill it; frame 1 belongs to the long piece, alone
+    assert train.calls == [(1, 1)] and infer.calls == [(0, 10), (2, 10)]
 
 
 def test_policies_parse():

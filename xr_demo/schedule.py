@@ -271,6 +271,11 @@ class Scheduler:
     the frame (the slack is the period minus the render, both windows together).
     "after" (after the render): new steps start here, in what the frame has left.
     One-per-frame policies (chunks=N, budget) use only the "after" window, one piece a frame.
+
+    A piece longer than the slack goes only alone, after the render. So that another job's
+    small pieces, every frame, cannot keep it waiting for ever, a job left waiting with one
+    gets the next frame to itself (unless it could not submit in that frame either: a session
+    sharing its parameters held it back, and the others must run to release it).
     """
 
     def __init__(self, jobs: Sequence[Job]) -> None:
@@ -283,6 +288,8 @@ class Scheduler:
         self.scale = 1.0
         self.scale_max = 1.0
         self._previous = FrameUse()
+        self._reserved: Job | None = None  # the job this frame belongs to
+        self._refused: Job | None = None  # reserved last frame and could not submit
 
     def new_frame(self) -> FrameUse:
         self._previous = self.use
@@ -318,6 +325,9 @@ class Scheduler:
         for job in self.jobs:
             if not self._eligible(job, phase):
                 continue
+            reserved = self._reserved
+            if reserved is not None and reserved._in_step and job is not reserved:
+                continue
             if job.policy.one_per_frame and job.name in use.by_job:
                 continue
             costs = [c * self.scale for c in job.costs[job._next:]]
@@ -325,8 +335,6 @@ class Scheduler:
             # this frame late as well as the next; after the render only the next one is.
             n = plan_pieces(costs, slack_ms, use.cost_ms * self.scale,
                             job.policy.one_per_frame, use.pieces > 0 or phase == "before")
-            if n == 1 and costs and costs[0] > slack_ms:
-                use.oversized = True
             if not n:
                 continue
             # The session packs the pieces itself (one submission): the room left, in
@@ -334,7 +342,26 @@ class Scheduler:
             # allowed it (alone in its frame).
             room = max(0.0, slack_ms / self.scale - use.cost_ms)
             count, cost = job.submit(frame, room, at_least_one=True)
+            use.oversized = use.oversized or (count > 0 and costs[0] > slack_ms)
             use.cost_ms += cost
             use.pieces += count
             use.by_job[job.name] = use.by_job.get(job.name, 0) + count
+        if phase == "after":
+            self._reserve(slack_ms)
         return use
+
+    def _reserve(self, slack_ms: float) -> None:
+        """After the frame's last window: the first job whose next piece is longer than the
+        slack and went nowhere this frame gets the next frame to itself."""
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None and not self.use.by_job.get(reserved.name):
+            self._refused = reserved  # held back even with the frame to itself
+            return
+        for job in self.jobs:
+            if (self._eligible(job, "after") and not job.policy.one_per_frame
+                    and job is not self._refused and job.pieces_left
+                    and job.costs[job._next] * self.scale > slack_ms
+                    and not self.use.by_job.get(job.name)):
+                self._reserved = job
+                break
+        self._refused = None
