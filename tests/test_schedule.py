@@ -104,6 +104,13 @@ drop_barriers = {drop}
 if drop_barriers:  # the control: the same work recorded without barriers must be caught
     import vkml.runtime.bound
     vkml.runtime.bound.Barrier = lambda: None
+    # This layer (1.3.239 on lavapipe) reports hazards from a copy to a dispatch inside one
+    # command buffer, not between dispatches nor across command buffers; the inputs' copies
+    # are a command buffer of their own, so the control puts them back in front of every
+    # program's dispatches, with no barrier between.
+    commands = vkml.runtime.bound.BoundPlan.commands
+    vkml.runtime.bound.BoundPlan.commands = lambda self, indices: (
+        (self.uploads(0) if self.staging_buffers else []) + commands(self, indices))
     import vkml.vk
     record = vkml.vk.VulkanBackend._record
     vkml.vk.VulkanBackend._record = lambda self, cmds, label, timestamps: record(

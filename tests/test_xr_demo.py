@@ -39,9 +39,59 @@ def test_slack_plan_takes_as_many_pieces_as_fit():
     assert plan_pieces([], 10.0, 0.0, False, False) == 0
 
 
+class FakeJob:
+    """What the Scheduler sees of a Job: a step in progress whose pieces cost `costs` ms."""
+
+    def __init__(self, costs, name="train"):
+        self.name, self.policy, self.costs = name, Policy("slack"), list(costs)
+        self._in_step, self._next, self.started, self.calls = True, 0, True, []
+
+    @property
+    def pieces_left(self):
+        return len(self.costs) - self._next
+
+    def submit(self, frame, max_ms, at_least_one=False):
+        n, total = 0, 0.0
+        for c in self.costs[self._next:]:  # what session.step_chunk(max_ms=...) packs
+            if total + c > max_ms:
+                break
+            total, n = total + c, n + 1
+        if n == 0 and at_least_one:
+            n, total = 1, self.costs[self._next]
+        self.calls.append((frame, n))
+        self._next += n
+        return n, total
+
+
+def test_scheduler_keeps_pieces_longer_than_the_slack_after_the_render():
+    from xr_demo.schedule import Scheduler
+
+    job = FakeJob([30.0, 2.0, 3.0])
+    scheduler = Scheduler([job])
+    scheduler.new_frame()
+    use = scheduler.fill(0, 10.0, "before")  # would make this frame late as well
+    assert use.pieces == 0 and job._next == 0
+    use = scheduler.fill(0, 10.0, "after")  # alone, after the render
+    assert use.pieces == 1 and use.oversized and job._next == 1
+    scheduler.new_frame()
+    assert scheduler.fill(1, 10.0, "before").pieces == 2  # the rest fits before the render
+
+
+def test_a_long_piece_is_not_kept_waiting_by_another_jobs_small_ones():
+    from xr_demo.schedule import Scheduler
+
+    infer, train = FakeJob([1.0] * 50, "infer"), FakeJob([30.0, 1.0])
+    scheduler = Scheduler([infer, train])
+    for frame in range(3):
+        scheduler.new_frame()
+        scheduler.fill(frame, 10.0, "before")
+        scheduler.fill(frame, 10.0, "after")
+    # frame 0: the small pieces fill it; frame 1 belongs to the long piece, alone
+    assert train.calls == [(1, 1)] and infer.calls == [(0, 10), (2, 10)]
+
+
 def test_policies_parse():
-    assert Policy.parse("slack") == Policy("slack", 0.34)
-    assert Policy.parse("slack:0.5").value == 0.5
+    assert Policy.parse("slack") == Policy("slack")
     assert Policy.parse("chunks:4") == Policy("chunks", 4)
     assert str(Policy.parse("budget:2.5")) == "budget=2.5ms"
     assert Policy.parse("chunks:2").one_per_frame and not Policy.parse("slack").one_per_frame

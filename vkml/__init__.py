@@ -19,8 +19,8 @@ from vkml.errors import (
 from vkml.graph import Graph, Tensor
 from vkml.optim import SGD, Adam, AdamW, Optimizer
 from vkml.runtime.device import Device
-from vkml.session import Session, compile
+from vkml.session import ChunkSubmission, Session, compile
 
-__all__ = ["Graph", "Tensor", "compile", "Session", "Device", "SGD", "Adam", "AdamW",
-           "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NotComputedError",
+__all__ = ["Graph", "Tensor", "compile", "Session", "ChunkSubmission", "Device", "SGD", "Adam",
+           "AdamW", "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NotComputedError",
            "NonFiniteError", "CheckpointError", "NagaError", "DeviceError"]

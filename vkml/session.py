@@ -8,7 +8,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar, overload
 
 import numpy as np
 
@@ -17,18 +17,25 @@ from vkml.compiler.stages import Trainable, compile_plan
 from vkml.errors import DeviceError, InputError, NonFiniteError, NotComputedError
 from vkml.graph import Graph, Tensor
 from vkml.optim import Optimizer
-from vkml.runtime import checkpoint
+from vkml.runtime import checkpoint, sharing
 from vkml.runtime.bound import BoundPlan
 from vkml.runtime.chunking import Chunker
 from vkml.runtime.device import Device, default_device
 from vkml.runtime.profiling import Profile, Profiler
 
 
+class ChunkSubmission(NamedTuple):
+    """What step_chunk(max_ms=...) submitted."""
+
+    pieces_left: int  # pieces of the step still to submit (0: all of it went)
+    cost_ms: float  # the measured GPU time of the pieces submitted by this call
+
+
 def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | None = None,
             device: Device | None = None, outputs: Mapping[str, Tensor] | None = None,
             rewrite: str = "greedy", keep_grads: bool | None = None,
             trainable: Trainable = None, precision: str = "f32",
-            check_finite: bool = False) -> Session:
+            check_finite: bool = False, share_params_with: Session | None = None) -> Session:
     """Compile `graph` into a runnable session.
 
     - no `loss`: an inference session; `step()` computes the graph's outputs.
@@ -50,12 +57,28 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     `check_finite`: like torch's anomaly detection, a step whose loss is NaN or infinite
     changes nothing (the optimizer's kernels read the loss and skip) and raises
     NonFiniteError; step() then waits for each step to finish, so it costs a sync per step.
+    `share_params_with`: another session of the same device whose parameters this one uses,
+    by name (same shape), in place: no copy, and its updates are seen by this session's next
+    step. This session may not have an optimizer. A step of this session never sees half an
+    update of the owner (see vkml/runtime/sharing.py): starting one while the owner is
+    part-way through a chunked step's updates (`owner.updating`) raises InputError, and so do
+    the owner's pieces that update parameters while this session's chunked step is
+    part-way. The owner's memory stays allocated until both are closed.
     """
+    if share_params_with is not None:
+        if not isinstance(share_params_with, Session):
+            raise InputError(f"share_params_with takes a vkml Session, got "
+                             f"{type(share_params_with).__name__}")
+        if device is not None and device is not share_params_with.device:
+            raise InputError("share_params_with: both sessions must be on the same device")
+        if share_params_with._bound.closed:
+            raise InputError("share_params_with: that session is closed")
+        device = share_params_with.device
     device = device or default_device()
     plan = compile_plan(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
                         rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
                         precision=precision, check_finite=check_finite)
-    return Session(plan, device, check_finite, graph=graph)
+    return Session(plan, device, check_finite, graph=graph, share_params_with=share_params_with)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -85,7 +108,7 @@ class Session:
     """
 
     def __init__(self, plan: Plan, device: Device, check_finite: bool = False, *,
-                 graph: Graph | None = None) -> None:
+                 graph: Graph | None = None, share_params_with: Session | None = None) -> None:
         self.plan, self.device = plan, device
         self.lock = threading.RLock()
         self._closed = False
@@ -93,7 +116,14 @@ class Session:
         self._entries = checkpoint.Entries(
             {n: v.copy() for n, v in graph.extras.items()} if graph is not None else {},
             dict(graph.unsupported_tensors) if graph is not None else {})
-        self._bound = BoundPlan(plan, device)
+        owner = share_params_with._bound if share_params_with is not None else None
+        shared: dict[int, int] = {}
+        if owner is not None:
+            shared = sharing.match_params(plan, owner.plan)
+            plan.memory = sharing.memory_without(plan, shared, device.caps)
+        self._bound = BoundPlan(plan, device, owner, shared)
+        self._external_uploads: list[object] = []  # the inputs' copies prepared for record()
+        self._external_download: object | None = None  # and the outputs' copies
         self._chunker = Chunker(self._bound)
         self._profiler = Profiler(self._bound)
         self._external: object | None = None  # the step prepared for record()
@@ -124,7 +154,9 @@ class Session:
     # ---- running ------------------------------------------------------------------------------
     @_serialized
     def set_input(self, name: str, value: np.ndarray | Sequence) -> None:
-        """Copy `value` into input `name` for the next step (waits if a step is in flight)."""
+        """Keep `value` (a copy) as input `name` of the next step, and return at once: the
+        step in flight keeps the values it started with (the inputs go through two staging
+        buffers, written when a step's first piece is submitted)."""
         if name not in self.plan.inputs:
             known = ", ".join(f"'{n}'" for n in self.plan.inputs) or "none"
             raise InputError(f"unknown input '{name}'; this session's inputs are: {known}")
@@ -148,7 +180,7 @@ class Session:
         runs whole with timestamps, blocks until done, and later steps are cut by what it
         measured. Results are bit-identical to a whole step either way."""
         if chunks is None and budget_ms is None:
-            self._submit(self._bound.step_program)
+            self._submit(self._bound.step_program, self._bound.step_writes_params)
             self._computed |= {"outputs", "grads"}
             self._check_loss()
             return
@@ -164,36 +196,105 @@ class Session:
         self._computed |= {"outputs", "grads"}
         self._check_loss()
 
+    @overload
+    def step_chunk(self, chunks: int | None = None, budget_ms: float | None = None,
+                   max_ms: None = None, at_least_one: bool = False) -> int: ...
+
+    @overload
+    def step_chunk(self, chunks: int | None = None, budget_ms: float | None = None, *,
+                   max_ms: float, at_least_one: bool = False) -> ChunkSubmission: ...
+
     @_serialized
-    def step_chunk(self, chunks: int | None = None, budget_ms: float | None = None) -> int:
+    def step_chunk(self, chunks: int | None = None, budget_ms: float | None = None,
+                   max_ms: float | None = None, at_least_one: bool = False
+                   ) -> int | ChunkSubmission:
         """Submit the next piece of the current chunked step (starting a new step when none is
         in progress) and return at once: the number of pieces of this step still to submit (0:
         the whole step is submitted). Call it once per frame. `chunks`/`budget_ms` choose the
         pieces as in step(); they apply from the next new step, and by default the last
-        chunking given to step() or step_chunk() is used (one piece if none was)."""
+        chunking given to step() or step_chunk() is used (one piece if none was).
+
+        `max_ms=X`: instead of one piece, as many of the next pieces as add up to at most X ms
+        of measured GPU time (piece_costs()), in ONE queue submission; none if the next piece
+        alone is longer (`at_least_one=True`: that piece anyway). Where parameters are shared
+        (compile's share_params_with), it also stops where a piece would be refused (a step
+        would see half an update): before this session's next piece that updates parameters
+        while a sharing session's chunked step is part-way, and at nothing for a sharing
+        session whose owner is part-way through its updates. Returns
+        `ChunkSubmission(pieces_left, cost_ms)`: pieces of the step still to submit and the
+        measured cost of what went now (a tuple, so `left, cost = ...`; test `.pieces_left`,
+        not the tuple, in a loop). Without a chunking given, max_ms packs pieces of one level
+        each (the finest cut). A new step's inputs are those set when its first piece goes.
+        With nothing measured yet, one whole timed step runs, blocking (as budget_ms)."""
         chunker = self._chunker
         if chunks is not None and budget_ms is not None:
             raise InputError("give chunks or budget_ms, not both")
+        if max_ms is not None and not max_ms >= 0:
+            raise InputError(f"max_ms must be a number >= 0, got {max_ms!r}")
         if chunks is not None or budget_ms is not None:
             chunker.chunking = ("chunks", chunks) if chunks is not None else ("budget", budget_ms)
         if not chunker.in_progress:
-            kind, value = chunker.chunking
-            cuts = chunker.cuts(value if kind == "chunks" else None,
-                                value if kind == "budget" else None)
-            if cuts is None:
+            cuts = chunker.default_cuts(finest=max_ms is not None)
+            if cuts is None or (max_ms is not None and chunker.dispatch_ms is None):
                 self._measure_for_budget()
-                return 0
+                if max_ms is None:
+                    return 0
+                return ChunkSubmission(0, sum(chunker.dispatch_ms or ()))
             chunker.start(cuts)
-        chunker.submit_next()
+        if max_ms is None:
+            chunker.submit_next()
+        else:
+            count = min(max(chunker.fitting(max_ms), int(at_least_one)), chunker.allowed())
+            cost = chunker.submit(count)
         if not chunker.pieces_left:
             self._computed |= {"outputs", "grads"}
             self._check_loss()
-        return chunker.pieces_left
+        if max_ms is None:
+            return chunker.pieces_left
+        return ChunkSubmission(chunker.pieces_left, cost)
+
+    @_serialized
+    def piece_costs(self, chunks: int | None = None, budget_ms: float | None = None
+                    ) -> list[float]:
+        """Measured GPU ms of each piece of a step cut by `chunks` or `budget_ms` (as step()
+        cuts it); with neither, the pieces of the chunked step in progress, else those the
+        next step_chunk(max_ms=...) would use. Needs measured times (profile(), a budget
+        step): InputError before."""
+        chunker = self._chunker
+        if chunker.dispatch_ms is None:
+            raise InputError("piece_costs() needs measured times: run profile() (update=False "
+                             "leaves a training session's state as it was) first")
+        if chunks is None and budget_ms is None:
+            cuts = chunker.current_cuts() if chunker.in_progress else chunker.default_cuts(
+                finest=True)
+        else:
+            cuts = chunker.cuts(chunks, budget_ms)
+        assert cuts is not None
+        costs = chunker.piece_costs(cuts)
+        assert costs is not None
+        return costs
+
+    @_serialized
+    def record_pieces(self, chunks: int | None = None, budget_ms: float | None = None) -> int:
+        """Record the command buffers of the pieces step(chunks=...) / step(budget_ms=...)
+        would submit, now (otherwise the first step cut that way records them, which a frame
+        loop would feel: about 15 ms for a hundred pieces on lavapipe). Returns how many
+        pieces there are. Submits nothing."""
+        cuts = self._chunker.cuts(chunks, budget_ms)
+        if cuts is None:
+            raise InputError("budget_ms needs measured times: run profile() first")
+        return len(self._chunker.programs(cuts))
 
     @property
     def pieces_left(self) -> int:
         """Pieces of the chunked step in progress not yet submitted (0 when none)."""
         return self._chunker.pieces_left
+
+    @property
+    def updating(self) -> bool:
+        """True while a chunked step of this session has submitted some of its parameter
+        updates and not all: sessions sharing its parameters cannot start a step then."""
+        return self._bound.updating
 
     @_serialized
     def chunk_boundaries(self, chunks: int | None = None,
@@ -204,10 +305,11 @@ class Session:
 
     def done(self) -> tuple[object, int]:
         """(timeline semaphore, value): the semaphore reaches the value when everything this
-        session's device has submitted so far has finished. A host can wait on it in its own
-        vkQueueSubmit (VkTimelineSemaphoreSubmitInfo) or with vkWaitSemaphores. The handle is
-        a cffi VkSemaphore of the `vulkan` package (int(vulkan.ffi.cast("uintptr_t", h)) gives
-        the integer). Vulkan only; needs timeline semaphores on the device."""
+        session has submitted so far has finished (0 before its first submission); work other
+        sessions or the host submitted later is not included. A host can wait on it in its
+        own vkQueueSubmit (VkTimelineSemaphoreSubmitInfo) or with vkWaitSemaphores. The handle
+        is a cffi VkSemaphore of the `vulkan` package (int(vulkan.ffi.cast("uintptr_t", h))
+        gives the integer). Vulkan only; needs timeline semaphores on the device."""
         backend = self.device.backend
         if backend.timeline is None:
             if self.device.backend_name != "vulkan":
@@ -219,7 +321,7 @@ class Session:
             raise DeviceError("session.done() needs the Vulkan feature 'timelineSemaphore', "
                               "which this device runs without (vkml tracks its work with "
                               "fences): " + how_to_enable("timelineSemaphore"))
-        return backend.timeline.semaphore, backend.timeline.value
+        return backend.timeline.semaphore, self._bound.done_value()
 
     @_serialized
     def record(self, command_buffer: object) -> None:
@@ -235,8 +337,9 @@ class Session:
         COMPUTE_SHADER | TRANSFER with SHADER_WRITE | TRANSFER_WRITE -> dst ALL_COMMANDS | HOST
         with MEMORY_READ | MEMORY_WRITE | HOST_READ: the host's later work waits for vkml's
         and sees its results, and so does session.read() once the host has waited for the
-        submission (vkml cannot see the host's submit: wait for it before reading, and do not
-        run step() while a recorded copy may still be executing)."""
+        submission (vkml cannot see the host's submit: wait for it before reading, do not run
+        step() while a recorded copy may still be executing, and have at most two recorded
+        steps in flight: their inputs alternate between two staging buffers)."""
         recording = self.device.backend.host_recording
         if recording is None:
             raise DeviceError("session.record() needs the Vulkan backend (it records into a "
@@ -245,17 +348,36 @@ class Session:
         bound = self._bound
         bound.require_inputs()
         self._chunker.finish()
+        bound.check_submit(True, int(bound.step_writes_params))
         bound.wait()
         if self._external is None:
             self._external = bound.keep(recording.prepare(
-                bound.commands(range(len(self.plan.dispatches)), uploads=True), "step (host)"))
+                bound.commands(range(len(self.plan.dispatches))), "step (host)"))
+        staging = bound.upload()
+        if staging is not None:
+            if not self._external_uploads:
+                self._external_uploads = [
+                    bound.keep(recording.prepare(bound.uploads(b), f"inputs {b} (host)"))
+                    for b in range(len(bound.staging_buffers))]
+            recording.record_into(command_buffer, self._external_uploads[staging])
         recording.record_into(command_buffer, self._external)
+        if bound.download_program is not None:  # the outputs, where the host reads them
+            if self._external_download is None:
+                self._external_download = bound.keep(recording.prepare(
+                    bound.downloads(), "outputs (host)"))
+            recording.record_into(command_buffer, self._external_download)
         self._computed |= {"outputs", "grads"}  # once the host submits it; read() after that
 
     @_serialized
-    def profile(self, steps: int = 3) -> Profile:
+    def profile(self, steps: int = 3, update: bool = True) -> Profile:
         """Run `steps` steps with a timestamp after every dispatch and return per-kernel times
         (`print()` it; `.to_trace(path)` writes a Chrome/Perfetto trace of the GPU timeline).
+
+        `update=False`: the steps leave the session's state as it was: the parameters,
+        optimizer state and step count they change are copied aside on the device before and
+        copied back after (bit for bit; the copies are not timed). Outputs and gradients read
+        afterwards are those of the profiled steps. The whole step is timed, update included,
+        so the measured costs cover every piece step_chunk() submits.
 
         Timestamps are checked against the host's wall time of the same submission; when they
         are implausible (lavapipe 22.3 after graphics work) or the device has none, steps are
@@ -263,7 +385,7 @@ class Session:
         and the result says so. If the timestamps of the last step turn out implausible, one
         more step is run for host timing. Measured times also steer step(chunks=...)."""
         self._chunker.finish()
-        profile = self._profiler.run(steps)
+        profile = self._profiler.run(steps, update)
         self._computed |= {"outputs", "grads"}
         self._chunker.set_measured(profile.dispatch_ms,
                                    f"measured by profile() with {profile.source}")
@@ -279,14 +401,13 @@ class Session:
     @_serialized
     def forward(self) -> None:
         """Compute the outputs (and loss) only: no gradients, no update."""
-        self._submit(self._bound.forward_program)
+        self._submit(self._bound.forward_program, False)
         self._computed.add("outputs")
 
-    def _submit(self, program: object) -> None:
+    def _submit(self, program: object, updates: bool) -> None:
         self._chunker.finish()
         self._bound.require_inputs()
-        self._bound.wait()
-        self._bound.submit(program)
+        self._bound.submit([program], updates=int(updates), total_updates=int(updates))
 
     @_serialized
     def wait(self) -> None:
@@ -304,7 +425,7 @@ class Session:
                              f"{sorted(self.plan.outputs)}, parameters: {sorted(self.plan.params)}")
         self._require_computed("outputs", f"output '{name}'")
         view = self.plan.outputs[name]
-        return self._bound.read_slot(self.plan.slots[view.slot]).reshape(view.shape)
+        return self._bound.read_output(self.plan.slots[view.slot]).reshape(view.shape)
 
     @_serialized
     def grad(self, param: str) -> np.ndarray:
@@ -422,10 +543,17 @@ class Session:
         same update, e.g. SGD's momentum); `optimizer_state=False` loads the parameters (and
         extras) alone and keeps this session's optimizer state and hyperparameters, e.g. to
         fine-tune with another optimizer. A tensor the graph declares unsupported
-        (`Graph.unsupported`) is refused even with strict=False."""
+        (`Graph.unsupported`) is refused even with strict=False. A session that shares
+        another's parameters (share_params_with) cannot load: load the owner."""
+        bound = self._bound
+        if bound.shared:
+            raise InputError("this session uses another session's parameters "
+                             "(share_params_with): load the checkpoint into that session")
+        if any(s.mid_step for s in bound.sharers):
+            raise InputError("a session sharing these parameters is part-way through a "
+                             "chunked step: submit the rest of it before loading")
         self._chunker.finish()
-        checkpoint.load(self._bound, path, strict, optimizer_state, self._entries,
-                        self._hyperparams)
+        checkpoint.load(bound, path, strict, optimizer_state, self._entries, self._hyperparams)
 
     # ---- inspection and teardown ----------------------------------------------------------------
     def explain(self) -> str:

@@ -31,7 +31,7 @@ def parse(argv: list[str] | None = None) -> Options:
     ap.add_argument("--infer-every", type=int, default=d.infer_every,
                     help="an inference on the latest frame every k frames (0: none)")
     ap.add_argument("--schedule", default=d.schedule,
-                    help="slack[:FRACTION] (pieces by the frame's measured slack), chunks:N or "
+                    help="slack (pieces by the frame's measured slack), chunks:N or "
                     "budget:MS (one piece per frame)")
     ap.add_argument("--chunks", type=int, help="shorthand for --schedule chunks:N")
     ap.add_argument("--budget", type=float, help="shorthand for --schedule budget:MS")

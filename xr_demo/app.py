@@ -10,18 +10,23 @@ Per frame, a mode calls, in this order:
                       next inference input and, every `train_every` frames, a training sample
 
 Two sessions: a training session (MSE, Adam; decoder only or the whole network) and an
-inference session (forward only) that draws the prediction. After each training step the
-trained parameters are copied into the inference session (`read` / `set_param`): vkml has no
-way yet for two sessions to share parameter memory, nor to run a training session's forward
-pass in pieces while its step is in progress (see the report in README's demo section).
+inference session (forward only) that draws the prediction, compiled with
+`share_params_with=` the training session: it reads the trainer's parameters in place, so
+nothing is copied after a step. An inference starts only while the trainer is not part-way
+through its updates (`train.updating`), so every prediction sees one consistent set of
+weights: those of the last update fully submitted before it.
+
+Nothing in the frame loop blocks on vkml: results are read once their own session's timeline
+value is reached (`done()` is per session), set_input never waits for the step in flight, and
+latencies are taken by one waiter thread per job.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -51,7 +56,7 @@ class Options:
     hz: float = 72.0  # the frame rate the loop is paced at (0: as fast as it goes)
     train_every: int = 1  # a training sample every N frames (0: no training)
     infer_every: int = 6  # an inference on the latest frame every k frames (0: none)
-    schedule: str = "slack"  # slack[:fraction] | chunks:N | budget:MS
+    schedule: str = "slack"  # slack | chunks:N | budget:MS
     live: str = "decoder"  # what learns live: the decoder (encoder frozen) or all
     lr: float = 2e-3
     checkpoint: str | None = None  # safetensors to start from
@@ -80,13 +85,18 @@ class FrameStat:
     model_cost_ms: float  # the submitted pieces' profiled GPU time
     model_gpu_ms: float | None  # timestamps around the model's submissions, where plausible
     skipped: int  # frame slots the loop fell behind by
+    # The frame loop's own time in this frame (Python, recording, submits), the fence wait
+    # and the pacing sleep excluded: wall time, and the main thread's CPU time (on a CPU
+    # driver the wall time also holds the driver's threads running the GPU work beside it).
+    host_ms: float | None = None
+    host_cpu_ms: float | None = None
 
 
 @dataclass
 class Prediction:
     frame: int  # the frame whose image it saw
     t: float
-    train_steps: int  # training steps finished when its parameters were copied
+    train_steps: int  # training steps whose updates were all submitted before it began
     image: np.ndarray  # (R, R, 3) uint8
     true_depth: np.ndarray  # metres
     depth: np.ndarray  # metres
@@ -157,6 +167,7 @@ class ModelTimer:
             vk.vkEndCommandBuffer(cb)
         self.fence = host.fence(signaled=True)
         self._pending = False  # a frame's stamps are in flight
+        self.frame = -1  # the frame they time
         self._used: list[int] = []  # windows stamped this frame
         self._stamps = vk.ffi.new(f"uint64_t[{n}]")
 
@@ -217,17 +228,18 @@ class Demo:
             raise ValueError("the model's renderer must draw at the model's resolution")
         self.device = host.vkml_device()
         t0 = time.perf_counter()
-        self.infer = vkml.compile(net.build(self.cfg, train=False, seed=opts.seed).graph,
-                                  device=self.device)
         self.train: vkml.Session | None = None
         if opts.train_every > 0:
             b = net.build(self.cfg, train=True, live=opts.live, seed=opts.seed)
             self.train = vkml.compile(b.graph, loss=b.loss, optimizer=vkml.Adam(lr=opts.lr),
                                       device=self.device)
+        # The inference session's parameters are the trainer's own memory.
+        self.infer = vkml.compile(net.build(self.cfg, train=False, seed=opts.seed).graph,
+                                  device=self.device, share_params_with=self.train)
         self.compile_s = time.perf_counter() - t0
-        # What the trainer changes, copied into the inference session after each step.
-        self.synced = [n for n in self.infer.plan.params
-                       if opts.live == "all" or n.startswith("decoder.")]
+        # What learns live (the rest is frozen).
+        self.live_params = [n for n in self.infer.plan.params
+                            if opts.live == "all" or n.startswith("decoder.")]
         if opts.checkpoint:
             self._load(opts.checkpoint, opts.fresh_decoder)
         self.run = RunLog()
@@ -235,9 +247,9 @@ class Demo:
         self.latest: tuple[int, np.ndarray, np.ndarray] | None = None
         self._infer_input: tuple[int, np.ndarray, np.ndarray] | None = None
         self._infer_harvested = True
+        self._infer_train_steps = 0  # training steps the inference in flight sees
         self._train_harvested = True
         self._train_steps_done = 0
-        self._params_fresh = True  # the inference session has the trainer's parameters
         self._sync_cb = host.command_buffers(1)[0]
         self._sync_fence = host.fence()
         self.timer = ModelTimer(host)
@@ -254,6 +266,8 @@ class Demo:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _load(self, path: str, fresh_decoder: bool) -> None:
+        # The inference session shares the trainer's parameters: load into the owner only.
+        owner = self.train if self.train is not None else self.infer
         if fresh_decoder:
             # The encoder only (as DinoVision's frozen backbone); the decoder keeps its fresh
             # initialisation and learns live.
@@ -261,14 +275,11 @@ class Demo:
             enc = {k: v for k, v in tensors.items() if k.startswith("encoder.")}
             if not enc:
                 raise ValueError(f"{path} has no encoder.* tensors")
-            for s in filter(None, (self.infer, self.train)):
-                for k, v in enc.items():
-                    s.set_param(k, v)
+            for k, v in enc.items():
+                owner.set_param(k, v)
             self.log(f"loaded the encoder ({len(enc)} tensors) from {path}; fresh decoder")
             return
-        self.infer.load(path)
-        if self.train is not None:
-            self.train.load(path)
+        owner.load(path)
         self.log(f"loaded {path}")
 
     def save(self, path: str) -> None:
@@ -314,31 +325,14 @@ class Demo:
             self.train.set_input("image", to_input(rgb))
             self.train.set_input("target", to_target(depth))
             sessions.append(("train", self.train))
-        profiles = {}
         for name, s in sessions:
-            # profile() runs real steps; a training session's state is put back afterwards
-            # so that the run does not depend on them.
-            backup = None
-            if s is self.train:
-                fd, backup = tempfile.mkstemp(suffix=".safetensors")
-                os.close(fd)
-                s.save(backup)
-            try:
-                s.step()
-                s.wait()
-                t0 = time.perf_counter()
-                s.step()
-                s.wait()
-                wall = (time.perf_counter() - t0) * 1e3
-                prof = s.profile(steps=2)
-            finally:
-                if backup is not None:
-                    s.load(backup)
-                    os.unlink(backup)
-            profiles[name] = prof
+            # update=False: the profiled steps leave the training session's state as it was,
+            # so the run does not depend on them. The first one warms the driver up.
+            s.profile(steps=1, update=False)
+            prof = s.profile(steps=2, update=False)
             info[name] = {"dispatches": len(s.plan.dispatches),
                           "levels": len({d.level for d in s.plan.dispatches}),
-                          "step_wall_ms": round(wall, 3),
+                          "step_wall_ms": round(statistics.median(prof.host_step_ms), 3),
                           "step_gpu_ms": round(sum(prof.dispatch_ms), 3),
                           "timing": prof.source + (f" ({prof.note})" if prof.note else "")}
         self.render_ms = render_ms
@@ -346,15 +340,12 @@ class Demo:
         self.slack_ms = max(0.0, period_ms - render_ms - self.opts.margin_ms) if period_ms else \
             float("inf")
         policy = Policy.parse(self.opts.schedule)
-        granule_base = self.slack_ms if math.isfinite(self.slack_ms) else 1e9
         self.jobs = []
         if self.opts.infer_every > 0:
             self.jobs.append(Job("infer", self.infer, self.host,
-                                 policy if policy.kind == "slack" else Policy("chunks", 1),
-                                 profiles["infer"].dispatch_ms, granule_base))
+                                 policy if policy.kind == "slack" else Policy("chunks", 1)))
         if self.train is not None:
-            self.jobs.append(Job("train", self.train, self.host, policy,
-                                 profiles["train"].dispatch_ms, granule_base))
+            self.jobs.append(Job("train", self.train, self.host, policy))
         self.scheduler = Scheduler(self.jobs)
         for job in self.jobs:
             info[job.name]["pieces"] = len(job.costs)
@@ -362,6 +353,11 @@ class Demo:
             info[job.name]["policy"] = str(job.policy)
         info["slack_ms"] = round(self.slack_ms, 3) if math.isfinite(self.slack_ms) else None
         info["render_ms"] = round(render_ms, 3)
+        # Everything made so far lives as long as the loop: out of the collector's sight, a
+        # full collection in a frame (tens of ms with numpy, cffi and matplotlib loaded)
+        # costs only what the loop itself allocates.
+        gc.collect()
+        gc.freeze()
         self._t0 = time.perf_counter()
         return info
 
@@ -378,38 +374,40 @@ class Demo:
 
 
     def _drained(self) -> bool:
-        """All of vkml's submitted work has finished (reads would not block)."""
-        semaphore, last = self.infer.done()
-        return self.host.timeline_value(semaphore) >= last
+        """All of vkml's submitted work has finished (non-blocking): each session's own
+        timeline value is reached."""
+        for session in filter(None, (self.infer, self.train)):
+            semaphore, last = session.done()
+            if self.host.timeline_value(semaphore) < last:
+                return False
+        return True
 
-    def begin_frame(self, n: int, force: bool = False, start_inference: bool = True) -> None:
+    def begin_frame(self, n: int, start_inference: bool = True) -> None:
         """Harvest finished model work and start new steps (before the frame's render).
-        `force`: harvest even if other model work is still queued (the read then waits)."""
+        Nothing here blocks: a result is read once its own session's step has finished (a
+        read waits for that session only, never for the other one's pieces queued after)."""
         infer, train = self.job("infer"), self.job("train")
-        drained = force or self._drained()
-        # A read waits for ALL of vkml's submitted work (device-wide), so results are picked
-        # up when the queue has drained of model work: normally at the next frame.
-        if infer is not None and not self._infer_harvested and not infer.busy and drained:
+        self._read_timer()  # before new work is queued: the best moment on lavapipe
+        if infer is not None and not self._infer_harvested and not infer.busy:
             self._harvest_prediction()
-        if train is not None and not self._train_harvested and not train.busy and drained:
+        if train is not None and not self._train_harvested and not train.busy:
             loss = float(self.train.read("loss"))  # type: ignore[union-attr]
             self._train_steps_done += 1
             self.run.losses.append((self._train_steps_done, n, loss))
             self._train_harvested = True
-            self._params_fresh = False
-        if not self._params_fresh and (infer is None or not infer.busy) and \
-                self._infer_harvested:
-            for name in self.synced:
-                self.infer.set_param(name, self.train.read(name))  # type: ignore[union-attr]
-            self._params_fresh = True
+        # An inference reads the trainer's parameters in place: it may not start while the
+        # trainer is part-way through its updates (it would see some layers updated, others
+        # not); it starts at the next frame where the updates are all submitted.
+        updating = self.train is not None and self.train.updating
         if infer is not None and start_inference and n % self.opts.infer_every == 0 and \
-                self._infer_harvested and not infer.busy and self.latest is not None:
+                self._infer_harvested and not infer.busy and self.latest is not None and \
+                not updating:
             self._infer_input = self.latest
+            self._infer_train_steps = train.steps_submitted if train is not None else 0
             self.infer.set_input("image", to_input(self.latest[1]))
             self._infer_harvested = False
             infer.begin(n)
-        if train is not None and self._train_harvested and self._params_fresh and \
-                not train.busy and self.samples:
+        if train is not None and self._train_harvested and not train.busy and self.samples:
             _, rgb, depth = self.samples.popleft()
             self.train.set_input("image", to_input(rgb))  # type: ignore[union-attr]
             self.train.set_input("target", to_target(depth))  # type: ignore[union-attr]
@@ -421,7 +419,7 @@ class Demo:
         frame, rgb, depth = self._infer_input
         pred = self.infer.read("depth")[0, 0] * FAR
         self.run.predictions.append(Prediction(
-            frame, time.perf_counter() - self._t0, self._train_steps_done, rgb, depth, pred,
+            frame, time.perf_counter() - self._t0, self._infer_train_steps, rgb, depth, pred,
             abs_rel(pred, depth)))
         self._infer_harvested = True
 
@@ -449,12 +447,15 @@ class Demo:
             self.timer.open(1)
             self.scheduler.fill(n, self.slack_ms, "after")
             self.timer.close_window(1, last=True)
+            self.timer.frame = n
         elif self.timer._used:  # only the window before the render: an empty pair after it
             self.timer.open(1)  # (about 0 ms) carries the frame's fence
             self.timer.close_window(1, last=True)
+            self.timer.frame = n
 
     def end_frame(self, n: int, rgb: np.ndarray, depth: np.ndarray, frame_ms: float,
-                  render_gpu_ms: float | None, skipped: int = 0) -> None:
+                  render_gpu_ms: float | None, skipped: int = 0,
+                  host_ms: float | None = None, host_cpu_ms: float | None = None) -> None:
         """After the frame's fence: its image becomes the latest input and maybe a sample."""
         self.latest = (n, rgb, depth)
         if self.train is not None and n % self.opts.train_every == 0:
@@ -463,22 +464,37 @@ class Demo:
                 self.samples.popleft()
                 self.run.dropped_samples += 1
         use = self._frame_use
-        model_ms = self.timer.read() if self.queries_readable() else None
         self.scheduler.observe(frame_ms, self.period_ms, self.opts.margin_ms)
         self.run.frames.append(FrameStat(
             n, time.perf_counter() - self._t0, frame_ms, render_gpu_ms,
-            use.pieces if use else 0, use.cost_ms if use else 0.0, model_ms, skipped))
+            use.pieces if use else 0, use.cost_ms if use else 0.0, None, skipped, host_ms,
+            host_cpu_ms))
         self._frame_use = None
+        self._read_timer()
+
+    def _read_timer(self) -> None:
+        """The model's GPU time of the last timed frame, once readable (non-blocking), into
+        that frame's record (a frame or more later where reads wait for the queue)."""
+        if not self.queries_readable():
+            return
+        ms = self.timer.read()
+        if ms is None:
+            return
+        for stat in reversed(self.run.frames):
+            if stat.frame == self.timer.frame:
+                stat.model_gpu_ms = ms
+                return
+            if stat.frame < self.timer.frame:
+                return
 
     def finish(self) -> None:
         """After the last frame: train on the samples still waiting, harvest everything."""
         n = self.run.frames[-1].frame + 1 if self.run.frames else 0
         while True:
-            for job in self.jobs:
-                job.finish()
-            self.begin_frame(n, force=True, start_inference=False)
+            self._finish_jobs()
+            self.begin_frame(n, start_inference=False)
             if not any(j.pieces_left for j in self.jobs) and not self.samples and \
-                    self._train_harvested and self._infer_harvested and self._params_fresh:
+                    self._train_harvested and self._infer_harvested:
                 break
             n += 1
 
@@ -494,6 +510,13 @@ class Demo:
             # frame slots the paced loop fell behind by (its host work or a blocking call was
             # late): a missed frame too, which the frame time above does not see
             "skipped_slots": sum(f.skipped for f in frames),
+            # the frame loop's host time (Python, recording, submits; the fence wait and the
+            # pacing sleep excluded): what a fast GPU leaves as the limit
+            "host_cpu_ms_per_frame_p50": pct([f.host_cpu_ms for f in frames], 50),
+            "host_cpu_ms_per_frame_p99": pct([f.host_cpu_ms for f in frames], 99),
+            "host_ms_per_frame_p50": pct([f.host_ms for f in frames], 50),
+            "host_ms_per_frame_p99": pct([f.host_ms for f in frames], 99),
+            "host_ms_per_frame_max": pct([f.host_ms for f in frames], 100),
             "render_gpu_ms_p50": pct([f.render_gpu_ms for f in frames], 50),
             "model_pieces_per_frame_mean": round(statistics.mean(
                 [f.pieces for f in frames]), 3) if frames else None,
@@ -519,9 +542,19 @@ class Demo:
             result[f"{job.name}_frames_per_step_p50"] = pct(frames_spanned, 50)
         return result
 
+    def _finish_jobs(self, close: bool = False) -> None:
+        """Submit the rest of every step in progress. A step that has begun submitting goes
+        first: while the inference is part-way, the trainer's updates must wait for it, and
+        an inference not yet started must wait for the trainer's updates."""
+        for job in sorted(self.jobs, key=lambda j: not j.started):
+            if close:
+                job.close()
+            else:
+                job.finish()
+
     def close(self) -> None:
-        for job in self.jobs:
-            job.finish()
+        gc.unfreeze()  # what prepare() froze may be collected again
+        self._finish_jobs(close=True)
         self.timer.close()
         vk.vkDestroyFence(self.host.device, self._sync_fence, None)
         vk.vkFreeCommandBuffers(self.host.device, self.host.pool, 1, [self._sync_cb])

@@ -92,6 +92,7 @@ def frame_loop(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts: Opti
                        if run.predictions else "")
                 log(f"  frame {n - first}/{frames}: {len(run.losses)} training steps{loss}{err}")
             skipped, frame_start = pacer.wait()
+            t_host, cpu_host = time.perf_counter(), time.thread_time()
             demo.begin_frame(n)
             c = camera_frame(opts, n)
             vk.vkResetCommandBuffer(cb, 0)
@@ -102,13 +103,17 @@ def frame_loop(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts: Opti
             demo.fill_before_render(n)  # continuing steps' pieces, then the render
             host.submit(cb, fence)
             demo.fill(n)  # new steps' pieces go in after the render, on the same queue
+            t_wait, cpu_wait = time.perf_counter(), time.thread_time()
             host.wait_fence(fence)
+            t_fenced, cpu_fenced = time.perf_counter(), time.thread_time()
             # frame time: from the frame's slot (host work, the pieces before the render and
             # the render itself) to the render's fence
-            frame_ms = (time.perf_counter() - frame_start) * 1e3
+            frame_ms = (t_fenced - frame_start) * 1e3
             rgb, depth = renderer.read()
             gpu = renderer.gpu_ms() if demo.queries_readable() else None
-            demo.end_frame(n, rgb, depth, frame_ms, gpu, skipped)
+            host_ms = (t_wait - t_host + time.perf_counter() - t_fenced) * 1e3
+            cpu_ms = (cpu_wait - cpu_host + time.thread_time() - cpu_fenced) * 1e3
+            demo.end_frame(n, rgb, depth, frame_ms, gpu, skipped, host_ms, cpu_ms)
     finally:
         host.idle()
         vk.vkDestroyFence(host.device, fence, None)
@@ -125,9 +130,7 @@ def compare_policies(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts
     assert train is not None
     budget = round(max(demo.slack_ms, 0.25), 2)
     policies = [Policy("chunks", 1), Policy("chunks", 2), Policy("chunks", 4),
-                Policy("budget", budget), Policy.parse(opts.schedule if
-                                                       opts.schedule.startswith("slack")
-                                                       else "slack")]
+                Policy("budget", budget), Policy("slack")]
     results: dict[str, Any] = {"budget_ms": budget}
     saved_jobs, saved_sched = demo.jobs, demo.scheduler
     saved_infer = opts.infer_every
@@ -135,13 +138,13 @@ def compare_policies(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts
     try:
         opts.infer_every = 0
         for policy in policies:
-            job = Job("train", demo.train, host, policy, train.dispatch_ms, demo.slack_ms)
+            job = Job("train", demo.train, host, policy)
             demo.jobs, demo.scheduler = [job], Scheduler([job])
             demo.run.frames = []
             frame_loop(host, renderer, demo, opts, opts.compare_frames, first=n)
             n += opts.compare_frames
-            job.finish()
-            demo.begin_frame(n, force=True, start_inference=False)
+            job.close()
+            demo.begin_frame(n, start_inference=False)
             m = demo.metrics(1000 / opts.hz if opts.hz else 0.0)
             m["pieces"] = len(job.costs)
             m["piece_ms_max"] = round(max(job.costs), 3)
@@ -192,7 +195,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         metrics: dict[str, Any] = {
             "device": host.device_name, "mode": "headless", "options": vars(opts).copy(),
             "network": {"params": int(sum(v.size for v in demo.infer.params().values())),
-                        "trainable_live": len(demo.synced), "config": repr(demo.cfg)},
+                        "trainable_live": len(demo.live_params), "config": repr(demo.cfg)},
             "setup": info, "loop_seconds": round(loop_s, 2),
             "run": demo.metrics(period_ms),
         }

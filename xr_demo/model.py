@@ -64,17 +64,12 @@ class _Params:
                             trainable=self.trainable)
 
     def linear(self, name: str, x: Tensor, n_in: int, n_out: int) -> Tensor:
-        """x (..., n_in) @ W^T + b. The leading axes are flattened first: a batched matmul's
-        weight gradient is summed over the batch axis by a reduction kernel, which even over a
-        batch of 1 cost 80 ms on lavapipe (sum_1x512x48_axes0), where a 2-D matmul's gradient
-        is one matmul."""
+        """x (..., n_in) @ W^T + b, a batched product (the weight gradient's sum over a batch
+        of 1 is a reshape in vkml, no kernel)."""
         bound = 1.0 / math.sqrt(n_in)
         w = self(f"{name}.weight", (n_out, n_in), "uniform", bound)
         b = self(f"{name}.bias", (n_out,), "uniform", bound)
-        lead = x.shape[:-1]
-        flat = self.g.reshape(x, (-1, n_in)) if len(lead) != 1 else x
-        y = self.g.bias_add(self.g.matmul(flat, w, transpose_b=True), b)
-        return self.g.reshape(y, (*lead, n_out)) if len(lead) != 1 else y
+        return self.g.bias_add(self.g.matmul(x, w, transpose_b=True), b)
 
     def conv(self, name: str, x: Tensor, c_in: int, c_out: int, k: int, stride: int = 1,
              padding: int = 0) -> Tensor:

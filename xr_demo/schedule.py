@@ -1,34 +1,37 @@
 """Frame scheduling of model work: which pieces of which step go to the queue in which frame.
 
-A `Job` is one vkml session whose steps are submitted piece by piece (`session.step_chunk`) on
-the host's queue. Its pieces and their measured GPU costs come from the session:
-`chunk_boundaries(...)` gives the pieces as dispatch ranges, `profile().dispatch_ms` the time of
-each dispatch, so a piece costs the sum over its range.
+A `Job` is one vkml session whose steps are submitted piece by piece on the host's queue. The
+session cuts and prices the pieces itself: `piece_costs(...)` gives each piece's measured GPU
+time (from `profile(update=False)`), and `step_chunk(max_ms=X)` submits as many of the next
+pieces as fit X ms, in one vkQueueSubmit.
 
 Policies (`Policy`):
 - `chunks=N` / `budget=b`: the step is cut into N balanced pieces, or into pieces of at most
   b ms, and ONE piece goes per frame (what tools/cotenancy.py measured: smooth frames, but the
   step's latency grows with the number of pieces).
-- `slack` (the default): the step is cut into small pieces (a fraction of the frame's slack),
-  and every frame takes as many as fit the GPU time left after the render: the slack is the
-  frame period minus the measured render time minus a margin. A step that fits the slack runs
-  whole in one frame (no added latency); a longer one spreads over as few frames as its cost
-  needs.
+- `slack` (the default): the step is cut at every level (the finest cut vkml makes), and every
+  frame submits as many pieces as fit the GPU time left after the render, in one submission:
+  the slack is the frame period minus the measured render time minus a margin. A step that
+  fits the slack runs whole in one frame (no added latency); a longer one spreads over as few
+  frames as its cost needs.
 
 `Scheduler.fill(slack_ms)` runs after the frame's render has been submitted; it goes through the
 jobs in priority order (inference first: it is what the user sees). The decision itself
 (`plan_pieces`) is pure, so it is tested without a GPU.
 
 Worker latency is measured from the first piece's submission to the step's completion on
-vkml's timeline semaphore, by a waiter thread per step. The start time travels with the
-thread's arguments (it is never read back from shared state), and a job never continues a
-step it did not start: the race that crashed tools/cotenancy.py's waiter.
+vkml's timeline semaphore (the value `session.done()` gives for that session alone), by one
+waiter thread per job that takes the steps from a deque: the frame loop never starts a thread,
+wakes one, or blocks for it. The start time travels with the queued item (it is never read back
+from shared state), and a job never continues a step it did not start: the race that crashed
+tools/cotenancy.py's waiter.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,19 +42,19 @@ import vkml
 @dataclass(frozen=True)
 class Policy:
     kind: str  # "chunks", "budget" or "slack"
-    value: float = 0.0  # chunks: N; budget: ms per piece; slack: piece size as a slack fraction
+    value: float = 0.0  # chunks: N; budget: ms per piece
 
     @classmethod
     def parse(cls, text: str) -> Policy:
-        """"slack", "slack:0.25", "chunks:2", "budget:3.5"."""
+        """"slack", "chunks:2", "budget:3.5"."""
         kind, _, value = text.partition(":")
-        if kind == "slack":
-            return cls("slack", float(value) if value else 0.34)
+        if kind == "slack" and not value:
+            return cls("slack")
         if kind == "chunks" and value:
             return cls("chunks", int(value))
         if kind == "budget" and value:
             return cls("budget", float(value))
-        raise ValueError(f"unknown schedule {text!r}: use slack[:fraction], chunks:N or "
+        raise ValueError(f"unknown schedule {text!r}: use slack, chunks:N or "
                          "budget:MS")
 
     @property
@@ -102,43 +105,37 @@ class StepRecord:
 class Job:
     """One session's steps, submitted piece by piece on the host's queue."""
 
-    def __init__(self, name: str, session: vkml.Session, host: Any, policy: Policy,
-                 dispatch_ms: Sequence[float], slack_ms: float) -> None:
+    def __init__(self, name: str, session: vkml.Session, host: Any, policy: Policy) -> None:
         self.name, self.session, self.host, self.policy = name, session, host, policy
-        self.dispatch_ms = list(dispatch_ms)
-        self.set_slack(slack_ms)
+        p = policy
+        if p.kind == "chunks":
+            self._chunking: dict[str, float] = {"chunks": int(p.value)}
+        elif p.kind == "budget":
+            self._chunking = {"budget_ms": float(p.value)}
+        else:  # one piece per level: step_chunk(max_ms=...) packs them by the frame's slack
+            self._chunking = {"chunks": len({d.level for d in session.plan.dispatches})}
+        self.costs = session.piece_costs(**self._chunking)  # measured by profile()
+        session.record_pieces(**self._chunking)  # now, not in the first frames
         self.records: list[StepRecord] = []
-        self._lock = threading.Lock()  # waiter threads append to records
-        self._waiters: list[threading.Thread] = []
+        self._lock = threading.Lock()  # the waiter thread appends to records
+        # Steps for the waiter thread: appended by the frame loop (a deque append signals
+        # nothing, so the frame loop never hands the GIL over: a queue's put cost 1.4 ms a
+        # step on this 2-core machine, a thread start per step 2.7 ms).
+        self._steps: deque[Any] = deque()
+        self._stop = False
+        self._waiter: threading.Thread | None = None
         self._in_step = False
         self._next = 0
         self._start: tuple[int, float] | None = None
         self._submitted_frames: set[int] = set()
         self._done_value = 0
         self.steps_started = 0
+        self.steps_submitted = 0  # steps whose last piece has gone to the queue
 
     # ---- pieces --------------------------------------------------------------------------
-    def set_slack(self, slack_ms: float) -> None:
-        """Choose the pieces (only between steps: a step keeps the cut it started with)."""
-        p = self.policy
-        if p.kind == "chunks":
-            self._chunking: dict[str, float] = {"chunks": int(p.value)}
-        elif p.kind == "budget":
-            self._chunking = {"budget_ms": float(p.value)}
-        else:
-            # Quantised so a drifting render time does not record new pieces every frame.
-            granule = max(0.05, round(slack_ms * p.value * 4) / 4 or 0.25)
-            self._chunking = {"budget_ms": granule}
-        bounds = self.session.chunk_boundaries(**self._chunking)
-        self.costs = [sum(self.dispatch_ms[a:b]) for a, b in bounds]
-
     @property
     def step_ms(self) -> float:
         return sum(self.costs)
-
-    @property
-    def granule_ms(self) -> float | None:
-        return self._chunking.get("budget_ms")
 
     # ---- state ---------------------------------------------------------------------------
     @property
@@ -149,6 +146,11 @@ class Job:
     @property
     def pieces_left(self) -> int:
         return len(self.costs) - self._next if self._in_step else 0
+
+    @property
+    def started(self) -> bool:
+        """The step in progress has submitted a piece."""
+        return self._in_step and self._start is not None
 
     @property
     def finished(self) -> bool:
@@ -167,26 +169,33 @@ class Job:
         self._submitted_frames = set()
         self.steps_started += 1
 
-    def submit(self, frame: int, count: int) -> float:
-        """Submit the next `count` pieces; returns their measured cost in ms."""
-        cost = 0.0
-        for _ in range(count):
-            if not self._in_step:
-                break
-            if self._start is None:
-                self._start = (frame, time.perf_counter())
-                left = self.session.step_chunk(**self._chunking)
-            else:
-                left = self.session.step_chunk()
-            cost += self.costs[self._next]
-            self._next += 1
-            self._submitted_frames.add(frame)
-            if left == 0:
-                if self._next != len(self.costs):
-                    raise RuntimeError(f"job {self.name}: the session cut the step into "
-                                       f"{self._next} pieces, not {len(self.costs)}")
-                self._end_step()
-        return cost
+    def submit(self, frame: int, max_ms: float | None = None, at_least_one: bool = False
+               ) -> tuple[int, float]:
+        """Submit pieces of the step in progress: one (one-per-frame policies), or as many as
+        fit `max_ms` of measured cost in one submission. Returns (pieces, their cost ms)."""
+        if not self._in_step:
+            return 0, 0.0
+        first = self._start is None
+        chunking = self._chunking if first else {}
+        if self.policy.one_per_frame or max_ms is None:
+            left = self.session.step_chunk(**chunking)
+            cost = self.costs[self._next]
+        else:
+            left, cost = self.session.step_chunk(**chunking, max_ms=max_ms,
+                                                 at_least_one=at_least_one)
+        count = len(self.costs) - left - self._next
+        if count == 0:
+            return 0, 0.0
+        if first:
+            self._start = (frame, time.perf_counter())
+        self._next += count
+        self._submitted_frames.add(frame)
+        if left == 0:
+            if self._next != len(self.costs):
+                raise RuntimeError(f"job {self.name}: the session cut the step into "
+                                   f"{self._next} pieces, not {len(self.costs)}")
+            self._end_step()
+        return count, cost
 
     def _end_step(self) -> None:
         semaphore, value = self.session.done()
@@ -195,25 +204,50 @@ class Job:
         record = StepRecord(first_frame, len(self.costs), len(self._submitted_frames), 0.0)
         self._done_value = value
         self._in_step = False
-        thread = threading.Thread(target=self._wait, args=(semaphore, value, t0, record),
-                                  name=f"{self.name}-latency", daemon=True)
-        self._waiters.append(thread)
-        thread.start()
+        self.steps_submitted += 1
+        if self._waiter is None:
+            self._stop = False
+            self._waiter = threading.Thread(target=self._wait_loop, name=f"{self.name}-latency",
+                                            daemon=True)
+            self._waiter.start()
+        self._steps.append((semaphore, value, t0, record))
 
-    def _wait(self, semaphore: Any, value: int, t0: float, record: StepRecord) -> None:
-        self.host.wait_timeline(semaphore, value)
-        record.latency_ms = (time.perf_counter() - t0) * 1e3
-        with self._lock:
-            self.records.append(record)
+    IDLE_S = 0.0005  # how often an idle waiter looks for a new step
+
+    def _wait_loop(self) -> None:
+        """The waiter thread: blocks on each step's timeline value in turn (vkWaitSemaphores
+        releases the GIL), and looks for the next one every IDLE_S when there is none. A step
+        that finished while it looked elsewhere is timed up to IDLE_S late."""
+        while True:
+            try:
+                semaphore, value, t0, record = self._steps[0]
+            except IndexError:
+                if self._stop:
+                    return
+                time.sleep(self.IDLE_S)
+                continue
+            self.host.wait_timeline(semaphore, value)
+            record.latency_ms = (time.perf_counter() - t0) * 1e3
+            with self._lock:
+                self.records.append(record)
+            self._steps.popleft()
 
     def finish(self) -> None:
-        """Submit what is left of a step in progress and wait for everything."""
+        """Submit what is left of a step in progress and wait for everything (the latency of
+        every step submitted so far recorded)."""
         while self._in_step:
-            self.submit(-1, 1)
-        for thread in self._waiters:
-            thread.join()
-        self._waiters.clear()
+            self.submit(-1, at_least_one=True)
+        while self._steps and self._waiter is not None:
+            time.sleep(self.IDLE_S)
         self.session.wait()
+
+    def close(self) -> None:
+        """Finish, then stop the waiter thread."""
+        self.finish()
+        if self._waiter is not None:
+            self._stop = True
+            self._waiter.join()
+            self._waiter = None
 
     def latencies(self) -> list[float]:
         with self._lock:
@@ -237,6 +271,11 @@ class Scheduler:
     the frame (the slack is the period minus the render, both windows together).
     "after" (after the render): new steps start here, in what the frame has left.
     One-per-frame policies (chunks=N, budget) use only the "after" window, one piece a frame.
+
+    A piece longer than the slack goes only alone, after the render. So that another job's
+    small pieces, every frame, cannot keep it waiting for ever, a job left waiting with one
+    gets the next frame to itself (unless it could not submit in that frame either: a session
+    sharing its parameters held it back, and the others must run to release it).
     """
 
     def __init__(self, jobs: Sequence[Job]) -> None:
@@ -249,6 +288,8 @@ class Scheduler:
         self.scale = 1.0
         self.scale_max = 1.0
         self._previous = FrameUse()
+        self._reserved: Job | None = None  # the job this frame belongs to
+        self._refused: Job | None = None  # reserved last frame and could not submit
 
     def new_frame(self) -> FrameUse:
         self._previous = self.use
@@ -273,7 +314,7 @@ class Scheduler:
         if not job._in_step:
             return False
         if phase == "before":  # only steps already running, and only the slack policy
-            return not job.policy.one_per_frame and job._start is not None
+            return not job.policy.one_per_frame and job.started
         return True
 
     def wants(self, phase: str) -> bool:
@@ -284,15 +325,43 @@ class Scheduler:
         for job in self.jobs:
             if not self._eligible(job, phase):
                 continue
+            reserved = self._reserved
+            if reserved is not None and reserved._in_step and job is not reserved:
+                continue
             if job.policy.one_per_frame and job.name in use.by_job:
                 continue
             costs = [c * self.scale for c in job.costs[job._next:]]
+            # A piece longer than the slack never goes before the render: there it would make
+            # this frame late as well as the next; after the render only the next one is.
             n = plan_pieces(costs, slack_ms, use.cost_ms * self.scale,
-                            job.policy.one_per_frame, use.pieces > 0)
-            if n == 1 and costs and costs[0] > slack_ms:
-                use.oversized = True
-            if n:
-                use.cost_ms += job.submit(frame, n)
-                use.pieces += n
-                use.by_job[job.name] = use.by_job.get(job.name, 0) + n
+                            job.policy.one_per_frame, use.pieces > 0 or phase == "before")
+            if not n:
+                continue
+            # The session packs the pieces itself (one submission): the room left, in
+            # measured (unscaled) ms; a piece longer than it goes only where plan_pieces
+            # allowed it (alone in its frame).
+            room = max(0.0, slack_ms / self.scale - use.cost_ms)
+            count, cost = job.submit(frame, room, at_least_one=True)
+            use.oversized = use.oversized or (count > 0 and costs[0] > slack_ms)
+            use.cost_ms += cost
+            use.pieces += count
+            use.by_job[job.name] = use.by_job.get(job.name, 0) + count
+        if phase == "after":
+            self._reserve(slack_ms)
         return use
+
+    def _reserve(self, slack_ms: float) -> None:
+        """After the frame's last window: the first job whose next piece is longer than the
+        slack and went nowhere this frame gets the next frame to itself."""
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None and not self.use.by_job.get(reserved.name):
+            self._refused = reserved  # held back even with the frame to itself
+            return
+        for job in self.jobs:
+            if (self._eligible(job, "after") and not job.policy.one_per_frame
+                    and job is not self._refused and job.pieces_left
+                    and job.costs[job._next] * self.scale > slack_ms
+                    and not self.use.by_job.get(job.name)):
+                self._reserved = job
+                break
+        self._refused = None

@@ -27,7 +27,6 @@ API_VERSION = vk.VK_MAKE_VERSION(1, 3, 0)
 # Vulkan 1.2 features the host enables where the device has them and declares to vkml, so an
 # adopted device compiles the same kernels as one vkml would have made itself.
 SHARED_FEATURES = ("timelineSemaphore", "shaderFloat16", "vulkanMemoryModel")
-VKML_EXTENSIONS = ("VK_KHR_cooperative_matrix",)
 DEVICE_TYPES = {vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: 0,
                 vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: 1,
                 vk.VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: 2, vk.VK_PHYSICAL_DEVICE_TYPE_CPU: 3}
@@ -275,13 +274,12 @@ class VulkanHost:
         """A vkml.Device on this device and queue, sharing `queue_lock`."""
         import vkml
 
-        # vkml refuses extension names it does not know (VK_KHR_swapchain, the ones an OpenXR
-        # runtime adds): declare only those that change the kernels it compiles.
-        known = [e for e in self.extensions if e in VKML_EXTENSIONS]
+        # Everything the device was created with (a swapchain, what an OpenXR runtime adds):
+        # vkml ignores what it does not use.
         return vkml.Device.from_vulkan(self.instance, self.physical, self.device, self.family,
                                        self.queue, self.queue_lock,
                                        enabled_features=self.features,
-                                       enabled_extensions=known)
+                                       enabled_extensions=self.extensions)
 
     def memory_type(self, bits: int, flags: int) -> int:
         for i in range(self.memory.memoryTypeCount):

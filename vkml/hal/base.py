@@ -53,6 +53,19 @@ class BackendBase:
     def wait(self) -> None:
         raise NotImplementedError
 
+    def submit_batch(self, programs: Sequence[Any]) -> None:
+        """One submission per program where a backend has nothing better (same order)."""
+        for program in programs:
+            self.submit(program)
+
+    def wait_for(self, program: Any) -> None:
+        """Where a backend cannot tell submissions apart: wait for all of them."""
+        self.wait()
+
+    def stage_reads(self, buffer: Any) -> bool:
+        """By default reads take the backend's own route (wgpu's waits for all work anyway)."""
+        return False
+
     def free_program(self, program: Any) -> None:
         raise NotImplementedError
 

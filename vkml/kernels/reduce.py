@@ -48,8 +48,27 @@ def workgroup_for(iterations: int, caps: Capabilities, what: str) -> int:
     return size
 
 
+def canonical(shape: tuple[int, ...], axes: tuple[int, ...]
+              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The same reduction over the fewest axes: axes of size 1 dropped, and neighbours that are
+    both reduced or both kept merged into one. The flat (row-major) order of the input, of the
+    outputs and of each output's terms is unchanged, so offsets computed on the result are the
+    same. E.g. (1, 32, 16, 16) over (0, 2, 3) is (32, 256) over (1,): rows, no divisions."""
+    dims: list[list[int]] = []  # [size, reduced]
+    for a, n in enumerate(shape):
+        if n == 1:
+            continue
+        reduced = int(a in axes)
+        if dims and dims[-1][1] == reduced:
+            dims[-1][0] *= n
+        else:
+            dims.append([n, reduced])
+    return (tuple(n for n, _ in dims), tuple(i for i, (_, r) in enumerate(dims) if r))
+
+
 def _input_offset(shape: tuple[int, ...], axes: tuple[int, ...]) -> tuple[list[str], str]:
     """WGSL lines and the expression of the input offset of (output `o`, reduced index `r`)."""
+    shape, axes = canonical(shape, axes)
     strides = contiguous_strides(shape)
     kept = [a for a in range(len(shape)) if a not in axes]
     reduced_count = int(np.prod([shape[a] for a in axes], dtype=np.int64))

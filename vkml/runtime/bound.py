@@ -1,15 +1,32 @@
-"""A plan bound to a device: the memory plan's arenas, the inputs' staging buffer, one pipeline per
-distinct kernel (shared with other sessions of the device), the programs recorded from the plan,
-and whether work is in flight. Everything the session, chunking, profiling and checkpoints do on
-the GPU goes through here.
+"""A plan bound to a device: the memory plan's arenas, the inputs' staging buffers, one pipeline
+per distinct kernel (shared with other sessions of the device), the programs recorded from the
+plan, and this session's work in flight. Everything the session, chunking, profiling and
+checkpoints do on the GPU goes through here.
 
 Binding allocates, compiles and records once; after that a step writes nothing but the inputs'
-staging memory and submits a pre-recorded program: no Python runs per dispatch.
+staging memory and submits pre-recorded programs: no Python runs per dispatch.
+
+Completion is per session: `last` is the latest program this plan submitted, and waiting for it
+waits for this session's work (and whatever was queued before it), never for work other sessions
+or the host submitted later.
+
+Inputs go through two staging buffers, each with a small upload program (its copies into the
+arena), submitted in the same queue submission as the first program of a step. set_input() only
+keeps the value; a step writes what changed into the staging buffer that the step before the
+one in flight used, so setting the next step's inputs never waits for the step in flight.
+
+Outputs in memory the host cannot read in place (a discrete GPU's VRAM) are copied into a
+host-readable buffer by a small download program that ends every step, in the same queue
+submission: reading one then waits for this session's step only and submits nothing (a copy
+submitted at read time would queue behind the work other sessions submitted meanwhile).
+
+A plan may take its parameters from another plan (`owner`, see runtime/sharing.py): those slots
+live in the owner's arenas, and the submissions check that a step never sees half an update.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -20,18 +37,44 @@ from vkml.hal import Barrier, Binding, Command, Copy, Dispatch
 from vkml.runtime.device import Device
 
 NUMPY_DTYPE = {"f32": np.float32, "i32": np.int32}
+STAGING_BUFFERS = 2
+# Outputs copied at the end of every step, at most this many bytes in all (the largest first
+# left out): an LLM's logits are read rarely and would cost a copy per step.
+DOWNLOAD_LIMIT = 16 << 20
 
 
 class BoundPlan:
-    def __init__(self, plan: Plan, device: Device) -> None:
+    def __init__(self, plan: Plan, device: Device, owner: BoundPlan | None = None,
+                 shared: dict[int, int] | None = None) -> None:
+        """`owner`, `shared`: this plan's parameter slots (keys) that live in `owner`'s slots
+        (values), as runtime/sharing.py matched them; plan.memory leaves them out."""
         self.plan, self.device = plan, device
         self.backend = backend = device.backend
+        self.owner = owner
+        self.shared = dict(shared or {})
+        self.sharers: list[BoundPlan] = []  # plans that read this plan's parameters
         self._programs: list[object] = []
         self._kernels = list({d.kernel.wgsl: d.kernel for d in plan.dispatches}.values())
         self._pipelines: dict[str, object] = {}
         self.arenas: list[object] = []
-        self._staging: object | None = None
+        self._staging: list[object] = []
+        self._upload_programs: list[object] = []
+        self._readback: object | None = None
+        self.download_offsets: dict[int, int] = {}  # output slot -> offset in _readback
+        self.download_program: object | None = None
+        self._next_staging = 0
+        self._latest: dict[str, np.ndarray] = {}  # each input's value for the next step
+        self._version: dict[str, int] = {}
+        self._held: list[dict[str, int]] = [{} for _ in range(STAGING_BUFFERS)]
+        self.last: object | None = None  # the latest program submitted
         self.in_flight = False
+        self.closed = False
+        # The step in progress, for the checks between plans sharing parameters.
+        self.mid_step = False  # a step's first piece is submitted, its last one not yet
+        self.updates_left = 0  # its pieces that write parameters, not yet submitted
+        self.updated_some = False  # one of its pieces that write parameters was submitted
+        params = {s for s in plan.params.values()}
+        self.step_writes_params = any(s in params for d in plan.dispatches for s in d.writes)
         try:
             self.arenas = [backend.create_buffer(max(n, 4), "device", f"arena {i}")
                            for i, n in enumerate(plan.memory.arena_bytes)]
@@ -41,21 +84,26 @@ class BoundPlan:
             for name, slot in plan.inputs.items():
                 self.staging_offsets[name] = staged
                 staged += -(-plan.slots[slot].nbytes // align) * align
-            self._staging = backend.create_buffer(max(staged, 4), "upload", "inputs")
             if device.backend_name == "vulkan":  # kernels no cache holds: naga works meanwhile
                 naga.prefetch((k.wgsl, k.name) for k in self._kernels)
             for slot in plan.slots:
+                if slot.id in self.shared:
+                    continue  # the owner's memory, with the owner's values
                 if slot.id in plan.initial_values:
                     self.write_slot(slot, plan.initial_values[slot.id])
                 elif slot.role == "optimizer_state":  # device memory starts undefined
                     self.write_slot(slot, np.zeros(slot.shape, np.float32))
             for kernel in self._kernels:
                 self._pipelines[kernel.wgsl] = device.pipelines.acquire(kernel)
-            self._uploads: list[Command] = [
-                Copy(self._staging, self.staging_offsets[name], *self.place(slot),
-                     plan.slots[slot].nbytes) for name, slot in plan.inputs.items()]
-            if self._uploads:
-                self._uploads.append(Barrier())
+            if plan.inputs:
+                for b in range(STAGING_BUFFERS):
+                    staging = backend.create_buffer(max(staged, 4), "upload", f"inputs {b}")
+                    self._staging.append(staging)
+                    self._upload_programs.append(self.record_commands(
+                        self.uploads(b), f"inputs {b}"))
+            downloads = self.downloads()
+            if downloads:
+                self.download_program = self.record_commands(downloads, "outputs")
             phases = {d.phase for d in plan.dispatches}
             self.step_program = self.record(self.indices(phases), "step")
             self.forward_program = (self.record(self.indices({"forward"}), "forward")
@@ -63,7 +111,13 @@ class BoundPlan:
         except BaseException:
             self.close()
             raise
+        if owner is not None:
+            owner.sharers.append(self)
         self.unset_inputs = set(plan.inputs)
+
+    @property
+    def staging_buffers(self) -> list[object]:
+        return list(self._staging)
 
     @property
     def kernel_count(self) -> int:
@@ -74,11 +128,38 @@ class BoundPlan:
         wanted = set(phases)
         return [i for i, d in enumerate(self.plan.dispatches) if d.phase in wanted]
 
-    def commands(self, indices: Iterable[int], uploads: bool) -> list[Command]:
-        """The commands of the dispatches at `indices` (in plan order), with a barrier wherever
-        the level changes; the input copies from staging first when `uploads`."""
+    def uploads(self, buffer: int) -> list[Command]:
+        """The copies of every input from staging buffer `buffer` into the arena."""
         plan = self.plan
-        commands: list[Command] = list(self._uploads) if uploads else []
+        return [Copy(self._staging[buffer], self.staging_offsets[name], *self.place(slot),
+                     plan.slots[slot].nbytes) for name, slot in plan.inputs.items()]
+
+    def downloads(self) -> list[Command]:
+        """The copies of the outputs the host cannot read in place into a readback buffer
+        (allocated on the first call), or nothing."""
+        plan = self.plan
+        if self._readback is None:
+            slots = sorted({v.slot for v in plan.outputs.values()},
+                           key=lambda s: plan.slots[s].nbytes)
+            staged = [s for s in slots if self.backend.stage_reads(self.place(s)[0])]
+            total = 0
+            for s in staged:
+                nbytes = -(-plan.slots[s].nbytes // 16) * 16
+                if total + nbytes > DOWNLOAD_LIMIT:
+                    break
+                self.download_offsets[s] = total
+                total += nbytes
+            if not total:
+                return []
+            self._readback = self.backend.create_buffer(total, "readback", "outputs")
+        return [Copy(*self.place(s), self._readback, at, self.plan.slots[s].nbytes)
+                for s, at in self.download_offsets.items()]
+
+    def commands(self, indices: Iterable[int]) -> list[Command]:
+        """The commands of the dispatches at `indices` (in plan order), with a barrier wherever
+        the level changes. The inputs' copies are a program of their own (upload())."""
+        plan = self.plan
+        commands: list[Command] = []
         level = None
         for i in indices:
             d = plan.dispatches[i]
@@ -90,9 +171,12 @@ class BoundPlan:
             commands.append(Dispatch(self._pipelines[d.kernel.wgsl], bindings, d.kernel.groups))
         return commands
 
-    def record(self, indices: Iterable[int], label: str, uploads: bool = True) -> object:
+    def record(self, indices: Iterable[int], label: str) -> object:
         """A program of the dispatches at `indices` (freed with the session)."""
-        return self.keep(self.backend.record(self.commands(indices, uploads), label))
+        return self.record_commands(self.commands(indices), label)
+
+    def record_commands(self, commands: Sequence[Command], label: str) -> object:
+        return self.keep(self.backend.record(commands, label))
 
     def keep(self, program: object) -> object:
         """Free `program` when the session closes."""
@@ -105,33 +189,131 @@ class BoundPlan:
             missing = ", ".join(f"'{n}'" for n in sorted(self.unset_inputs))
             raise InputError(f"input {missing} was never set; call set_input(name, array) first")
 
-    def submit(self, program: object) -> None:
-        self.backend.submit(program)
-        self.in_flight = True
+    def upload(self) -> int | None:
+        """Bring the staging buffer the next step copies its inputs from up to date; returns
+        its index (None without inputs). That buffer was last read by the step before the
+        previous one, so this waits only if that one is still running."""
+        if not self._staging:
+            return None
+        b = self._next_staging
+        held = self._held[b]
+        stale = [n for n, v in self._version.items() if held.get(n) != v]
+        if stale:
+            self.backend.wait_for(self._upload_programs[b])
+            for name in stale:
+                self.backend.write_buffer(self._staging[b], self.staging_offsets[name],
+                                          memoryview(self._latest[name]).cast("B"))
+                held[name] = self._version[name]
+        self._next_staging = (b + 1) % STAGING_BUFFERS
+        return b
+
+    def check_submit(self, begins: bool, updates: int) -> None:
+        """Refuse a submission that would let a step see half of a parameter update (see
+        runtime/sharing.py): a sharing plan's step starting while its owner is part-way
+        through its updates, or the owner's updates while a sharing plan's step is part-way
+        submitted. `updates`: how many of the submission's programs write parameters."""
+        owner = self.owner
+        if begins and owner is not None and owner.updating:
+            raise InputError(
+                "this session reads the parameters of another session that is part-way "
+                f"through a parameter update ({owner.updates_left} of its pieces that write "
+                "parameters not yet submitted): submit the rest of its step first (its "
+                "`updating` property says when it is safe)")
+        if updates and any(s.mid_step for s in self.sharers):
+            raise InputError(
+                "a session sharing this session's parameters is part-way through a chunked "
+                "step; submit the rest of its step before pieces of this one that update the "
+                "parameters (they would see some layers old and some new)")
+
+    def submit(self, programs: Sequence[object], *, begins: bool = True, ends: bool = True,
+               updates: int = 0, total_updates: int = 0, upload: bool | None = None) -> None:
+        """Submit `programs` in one queue submission, after the inputs' upload when the batch
+        begins a step (`upload`, by default `begins`). `updates`: programs among them that
+        write parameters; `total_updates`: all of the step's such programs (when `begins`)."""
+        self.check_submit(begins, updates)
+        batch = list(programs)
+        staging = self.upload() if (begins if upload is None else upload) else None
+        if staging is not None:
+            batch.insert(0, self._upload_programs[staging])
+        if ends and self.download_program is not None:
+            batch.append(self.download_program)
+        if len(batch) == 1:
+            self.backend.submit(batch[0])
+        else:
+            self.backend.submit_batch(batch)
+        self.last, self.in_flight = batch[-1], True
+        if begins:
+            self.mid_step, self.updated_some = True, False
+            self.updates_left = total_updates
+        self.updates_left -= updates
+        self.updated_some = self.updated_some or updates > 0
+        if ends:
+            self.mid_step, self.updates_left = False, 0
+
+    @property
+    def updating(self) -> bool:
+        """Part-way through a chunked step's parameter updates."""
+        return self.mid_step and self.updated_some and self.updates_left > 0
 
     def wait(self) -> None:
+        """Block until this plan's submitted work has finished."""
         if self.in_flight:
-            self.backend.wait()
+            assert self.last is not None
+            self.backend.wait_for(self.last)
             self.in_flight = False
+
+    def done_value(self) -> int:
+        """The timeline value this plan's latest submission signals (0: none yet)."""
+        timeline = self.backend.timeline
+        if timeline is None or self.last is None:
+            return 0
+        return timeline.value_of(self.last)
 
     # ---- tensors ------------------------------------------------------------------------------
     def place(self, slot: int) -> tuple[object, int]:
+        if slot in self.shared:
+            assert self.owner is not None
+            return self.owner.place(self.shared[slot])
         arena, offset = self.plan.memory.placement[slot]
         return self.arenas[arena], offset
 
     def write_input(self, name: str, array: np.ndarray) -> None:
-        self.wait()
-        self.backend.write_buffer(self._staging, self.staging_offsets[name], array.tobytes())
+        """Keep `array` (a copy) for the next step's upload; returns at once."""
+        self._latest[name] = np.array(array, dtype=NUMPY_DTYPE[self.plan.slots[
+            self.plan.inputs[name]].dtype], order="C", copy=True)
+        self._version[name] = self._version.get(name, 0) + 1
         self.unset_inputs.discard(name)
 
     def write_slot(self, slot: Slot, array: np.ndarray) -> None:
+        if slot.id in self.shared:
+            raise InputError(f"'{slot.label}' belongs to the session this one shares its "
+                             "parameters with: write it there")
+        if slot.role == "param" and self.sharers:
+            if any(s.mid_step for s in self.sharers):
+                raise InputError(f"cannot write parameter '{slot.label}' while a session "
+                                 "sharing it is part-way through a chunked step")
+            for s in self.sharers:  # their submitted steps read the old value
+                s.wait()
         buffer, offset = self.place(slot.id)
         data = np.ascontiguousarray(array, dtype=NUMPY_DTYPE[slot.dtype])
         # the array's own bytes: a model's parameters are not copied into a bytes object first
         self.backend.write_buffer(buffer, offset, memoryview(data.reshape(-1).view(np.uint8)))
 
+    def read_output(self, slot: Slot) -> np.ndarray:
+        """An output as of this session's latest step: from the readback buffer the step's
+        download filled where there is one (no submission), else read in place."""
+        at = self.download_offsets.get(slot.id)
+        if at is None:
+            return self.read_slot(slot)
+        self.wait()
+        raw = self.backend.read_buffer(self._readback, at, slot.nbytes)
+        return np.frombuffer(raw, dtype=NUMPY_DTYPE[slot.dtype]).reshape(slot.shape).copy()
+
     def read_slot(self, slot: Slot) -> np.ndarray:
         self.wait()
+        if slot.id in self.shared:
+            assert self.owner is not None
+            self.owner.wait()  # the owner's later updates write it
         buffer, offset = self.place(slot.id)
         raw = self.backend.read_buffer(buffer, offset, slot.nbytes)
         return np.frombuffer(raw, dtype=NUMPY_DTYPE[slot.dtype]).reshape(slot.shape).copy()
@@ -139,16 +321,33 @@ class BoundPlan:
     # ---- teardown -----------------------------------------------------------------------------
     def close(self) -> None:
         """Free what binding made: programs, pipelines no other live session uses, buffers.
-        Safe to call twice."""
+        The arenas of a plan whose parameters others still share stay until the last of those
+        closes. Safe to call twice."""
         self.wait()
+        for s in self.sharers:
+            s.wait()
+        self.closed = True
         for program in {id(p): p for p in self._programs}.values():
             self.backend.free_program(program)
         self._programs.clear()
+        self._upload_programs.clear()
         for kernel in self._kernels:
             if kernel.wgsl in self._pipelines:
                 self.device.pipelines.release(kernel)
         self._pipelines.clear()
-        for buffer in [*self.arenas, self._staging]:
+        for buffer in [*self._staging, self._readback]:
             if buffer is not None:
                 self.backend.free_buffer(buffer)
-        self.arenas, self._staging = [], None
+        self._staging, self._readback = [], None
+        owner = self.owner
+        if owner is not None and self in owner.sharers:
+            owner.sharers.remove(self)
+            if owner.closed and not owner.sharers:
+                owner._free_arenas()
+        if not self.sharers:
+            self._free_arenas()
+
+    def _free_arenas(self) -> None:
+        for buffer in self.arenas:
+            self.backend.free_buffer(buffer)
+        self.arenas = []

@@ -84,11 +84,23 @@ class Chunker:
         self.bound = bound
         self.dispatch_ms: list[float] | None = None  # measured per dispatch
         self.note = ""  # how the costs were measured
-        self.chunking: tuple[str, float] = ("chunks", 1)  # what step_chunk() uses by default
+        # What step_chunk() uses (None: never set; one piece, or one per level with max_ms).
+        self.chunking: tuple[str, float] | None = None
         self._version = 0  # bumped when measured costs change, so cuts are recomputed
         self._cuts: dict[tuple[str, float, int], tuple[int, ...]] = {}
         self._programs: dict[tuple[int, ...], list[object]] = {}
+        params = set(bound.plan.params.values())
+        self._param_writer = [bool(d.writes & params) for d in bound.plan.dispatches]
+        self._level_ranges = level_ranges([d.level for d in bound.plan.dispatches])
+        # Per cut: which pieces write parameters, and (per measurement) their costs; a
+        # render loop starts a step every frame, so nothing is recomputed per step.
+        self._writes_of: dict[tuple[int, ...], list[bool]] = {}
+        self._costs_of: dict[tuple[tuple[int, ...], int], list[float]] = {}
         self._pieces: list[object] | None = None  # the chunked step in progress
+        self._writes: list[bool] = []  # per piece of it: it writes parameters
+        self._total_writes = 0
+        self._costs: list[float] | None = None  # per piece of it: measured ms
+        self._current: tuple[int, ...] = ()  # its cuts
         self._next = 0
 
     # ---- costs --------------------------------------------------------------------------------
@@ -104,7 +116,24 @@ class Chunker:
         return [sum(costs[a:b]) for a, b in self._ranges()]
 
     def _ranges(self) -> list[tuple[int, int]]:
-        return level_ranges([d.level for d in self.bound.plan.dispatches])
+        return self._level_ranges
+
+    @property
+    def levels(self) -> int:
+        return len(self._ranges())
+
+    def piece_costs(self, cuts: tuple[int, ...]) -> list[float] | None:
+        """Measured ms per piece of `cuts` (None before anything was measured)."""
+        if self.dispatch_ms is None:
+            return None
+        key = (cuts, self._version)
+        costs = self._costs_of.get(key)
+        if costs is None:
+            ranges = self._ranges()
+            costs = [sum(self.dispatch_ms[ranges[a][0]:ranges[b - 1][1]])
+                     for a, b in pieces_of(list(cuts), len(ranges))] if ranges else [0.0]
+            self._costs_of[key] = costs
+        return costs
 
     # ---- cuts ---------------------------------------------------------------------------------
     def cuts(self, chunks: int | None, budget_ms: float | None) -> tuple[int, ...] | None:
@@ -129,6 +158,15 @@ class Chunker:
             self._cuts[key] = cuts
         return cuts
 
+    def default_cuts(self, finest: bool) -> tuple[int, ...] | None:
+        """The cuts of the chunking last given, else one piece, or with `finest` one piece
+        per level (what step_chunk(max_ms=...) packs)."""
+        if self.chunking is None:
+            return self.cuts(max(1, self.levels) if finest else 1, None)
+        kind, value = self.chunking
+        return self.cuts(int(value) if kind == "chunks" else None,
+                         value if kind == "budget" else None)
+
     def boundaries(self, chunks: int | None, budget_ms: float | None) -> list[tuple[int, int]]:
         """The pieces as [first, end) ranges of dispatch indices (records nothing)."""
         if chunks is None and (budget_ms is None or self.dispatch_ms is None):
@@ -147,11 +185,19 @@ class Chunker:
             else:
                 pieces = pieces_of(list(cuts), len(ranges))
                 programs = [self.bound.record(range(ranges[a][0], ranges[b - 1][1]),
-                                              f"step piece {k + 1}/{len(pieces)}",
-                                              uploads=k == 0)
+                                              f"step piece {k + 1}/{len(pieces)}")
                             for k, (a, b) in enumerate(pieces)]
             self._programs[cuts] = programs
         return programs
+
+    def _piece_writes(self, cuts: tuple[int, ...]) -> list[bool]:
+        writes = self._writes_of.get(cuts)
+        if writes is None:
+            ranges = self._ranges()
+            writes = [any(self._param_writer[ranges[a][0]:ranges[b - 1][1]])
+                      for a, b in pieces_of(list(cuts), len(ranges))] if ranges else [False]
+            self._writes_of[cuts] = writes
+        return writes
 
     @property
     def recorded_cuts(self) -> int:
@@ -160,24 +206,77 @@ class Chunker:
 
     # ---- stepping -----------------------------------------------------------------------------
     def start(self, cuts: tuple[int, ...]) -> None:
+        """Begin a chunked step (nothing is submitted yet: its inputs are those set when its
+        first piece goes)."""
         self.bound.require_inputs()
         self._pieces, self._next = self.programs(cuts), 0
+        self._current = cuts
+        self._writes = self._piece_writes(cuts)
+        self._total_writes = sum(self._writes)
+        self._costs = self.piece_costs(cuts)
 
-    def submit_next(self) -> None:
+    def submit(self, count: int) -> float:
+        """Submit the next `count` pieces in one queue submission; returns their measured cost
+        in ms (0.0 before anything was measured)."""
         assert self._pieces is not None
-        self.bound.submit(self._pieces[self._next])
-        self._next += 1
+        first, end = self._next, min(self._next + count, len(self._pieces))
+        if end <= first:
+            return 0.0
+        self.bound.submit(self._pieces[first:end], begins=first == 0,
+                          ends=end == len(self._pieces), updates=sum(self._writes[first:end]),
+                          total_updates=self._total_writes)
+        self._next = end
+        cost = sum(self._costs[first:end]) if self._costs is not None else 0.0
         if self._next == len(self._pieces):
             self._pieces = None
+        return cost
+
+    def submit_next(self) -> None:
+        self.submit(1)
+
+    def fitting(self, max_ms: float) -> int:
+        """How many of the next pieces add up to at most `max_ms` of measured time."""
+        assert self._pieces is not None and self._costs is not None
+        n, total = 0, 0.0
+        for cost in self._costs[self._next:]:
+            if total + cost > max_ms:
+                break
+            total += cost
+            n += 1
+        return n
+
+    def allowed(self) -> int:
+        """How many of the next pieces may go now without a step of a session sharing these
+        parameters seeing half an update (see runtime/sharing.py): none while the owner is
+        part-way through its updates, if this step has not begun; only those before the next
+        piece that writes parameters while a sharing session's step is part-way."""
+        assert self._pieces is not None
+        bound, left = self.bound, len(self._pieces) - self._next
+        if self._next == 0 and bound.owner is not None and bound.owner.updating:
+            return 0
+        if any(s.mid_step for s in bound.sharers):
+            writes = self._writes[self._next:]
+            return writes.index(True) if True in writes else left
+        return left
 
     def finish(self) -> None:
-        """Submit what is left of a chunked step in progress."""
+        """Submit what is left of a chunked step in progress, a submission per piece (as
+        step(chunks=N) promises: the host's submits may come between them)."""
         while self._pieces is not None:
-            self.submit_next()
+            self.submit(1)
+
+    def current_cuts(self) -> tuple[int, ...]:
+        """The cuts of the chunked step in progress."""
+        return self._current
 
     @property
     def in_progress(self) -> bool:
         return self._pieces is not None
+
+    @property
+    def submitted(self) -> int:
+        """Pieces of the step in progress already submitted."""
+        return self._next if self._pieces is not None else 0
 
     @property
     def pieces_left(self) -> int:

@@ -12,7 +12,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from vkml.compiler.schedule import Slot
 from vkml.errors import InputError
+from vkml.hal import Copy
 from vkml.runtime.bound import BoundPlan
 
 
@@ -121,29 +123,42 @@ class Profiler:
         self._timed: object | None = None
         self._per_dispatch: list[object] | None = None
 
-    def run(self, steps: int) -> Profile:
+    def run(self, steps: int, update: bool = True) -> Profile:
         """Run `steps` whole steps, timed (see Session.profile). The caller has finished any
-        step in progress."""
+        step in progress. `update=False`: what the steps write that outlives a step
+        (parameters, optimizer state, the step count) is copied aside on the device first and
+        put back after, so the session's state is as before (bit for bit)."""
         if steps < 1:
             raise InputError("profile(steps) needs at least one step")
         bound = self.bound
         bound.require_inputs()
+        bound.check_submit(True, int(bound.step_writes_params))
         bound.wait()
+        saved = None if update else _save_state(bound)
+        try:
+            return self._run(steps)
+        finally:
+            if saved is not None:
+                _restore_state(bound, saved)
+
+    def _run(self, steps: int) -> Profile:
+        bound = self.bound
         dispatches = bound.plan.dispatches
         stamps = bound.backend.timestamps
         timed = stamps is not None
         note = "" if timed else "the device writes no timestamps"
         gpu_runs: list[tuple[list[float], float]] = []
         host_runs: list[tuple[list[float], list[float], float]] = []
+        updates = int(bound.step_writes_params)
         remaining = steps
         while remaining > 0:
             if timed:
                 assert stamps is not None
                 if self._timed is None:
                     self._timed = bound.keep(stamps.record(
-                        bound.commands(range(len(dispatches)), uploads=True), "step (timed)"))
+                        bound.commands(range(len(dispatches))), "step (timed)"))
                 t0 = time.perf_counter()
-                bound.submit(self._timed)
+                bound.submit([self._timed], updates=updates)
                 bound.wait()
                 host_ms = (time.perf_counter() - t0) * 1e3
                 ms = stamps.timings(self._timed)
@@ -171,18 +186,60 @@ class Profiler:
         dispatch, start ms of each relative to the step, the step's wall ms)."""
         bound = self.bound
         if self._per_dispatch is None:
-            self._per_dispatch = [bound.record([i], f"dispatch {i}", uploads=i == 0)
+            self._per_dispatch = [bound.record([i], f"dispatch {i}")
                                   for i in range(len(bound.plan.dispatches))]
         ms, starts = [], []
+        last = len(self._per_dispatch) - 1
         t_step = time.perf_counter()
-        for program in self._per_dispatch:
+        for i, program in enumerate(self._per_dispatch):
             t0 = time.perf_counter()
-            bound.submit(program)
+            # The first one carries the inputs' upload, as a step's first program does.
+            bound.submit([program], begins=i == 0, ends=i == last)
             bound.wait()
             t1 = time.perf_counter()
             starts.append((t0 - t_step) * 1e3)
             ms.append((t1 - t0) * 1e3)
         return ms, starts, (time.perf_counter() - t_step) * 1e3
+
+
+def _state_slots(bound: BoundPlan) -> list[Slot]:
+    """The slots a step writes whose values outlive it: parameters, optimizer state, the
+    hyperparameters with the step count (not activations, gradients or outputs)."""
+    plan = bound.plan
+    written = {s for d in plan.dispatches for s in d.writes}
+    return [plan.slots[s] for s in sorted(written)
+            if plan.slots[s].role in ("param", "optimizer_state", "hyperparams", "constant")]
+
+
+def _save_state(bound: BoundPlan) -> tuple[object, list[tuple[Slot, int]]] | None:
+    """Copy the state slots into a device buffer of their own (one copy program)."""
+    slots = _state_slots(bound)
+    if not slots:
+        return None
+    layout, total = [], 0
+    for slot in slots:
+        layout.append((slot, total))
+        total += -(-slot.nbytes // 16) * 16
+    backend = bound.backend
+    backup = backend.create_buffer(total, "device", "profile: state kept aside")
+    try:
+        backend.run_now([Copy(*bound.place(slot.id), backup, at, slot.nbytes)
+                         for slot, at in layout])
+    except BaseException:
+        backend.free_buffer(backup)
+        raise
+    return backup, layout
+
+
+def _restore_state(bound: BoundPlan, saved: tuple[object, list[tuple[Slot, int]]]) -> None:
+    backup, layout = saved
+    backend = bound.backend
+    try:
+        bound.wait()
+        backend.run_now([Copy(backup, at, *bound.place(slot.id), slot.nbytes)
+                         for slot, at in layout])
+    finally:
+        backend.free_buffer(backup)
 
 
 def _summarise(dispatches: Sequence, gpu_runs: list[tuple[list[float], float]],

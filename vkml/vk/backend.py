@@ -169,8 +169,13 @@ class VulkanBackend(BackendBase):
                 [Copy(buffer, offset, staging, 0, nbytes)], "read-back")
         staging, program = self._readers[key]
         self.submit(program)
-        self.wait()
+        self.wait_for(program)
         return self._ffi.buffer(staging.pointer, nbytes)[:]
+
+    def stage_reads(self, buffer: Buffer) -> bool:
+        """Device memory the host cannot read in place (a discrete GPU's VRAM): reading it
+        takes a copy on the queue, behind everything submitted before the read."""
+        return not buffer.host_read
 
     def _drop_reader(self, key: tuple[int, int, int]) -> None:
         staging, program = self._readers.pop(key)
@@ -265,6 +270,59 @@ class VulkanBackend(BackendBase):
         if result != 0:
             self._check(result, f"vkQueueSubmit of program {program.label!r}")
         program.submitted = True
+
+    def submit_batch(self, programs: Sequence[Program]) -> None:
+        """Queue `programs` to run in order as ONE vkQueueSubmit (their command buffers in one
+        VkSubmitInfo, which signals the timeline once, after the last); returns at once. Without
+        timeline semaphores each goes in a submission of its own (a fence each)."""
+        programs = list(programs)
+        if len(programs) == 1 or not self._timeline:
+            for program in programs:
+                self.submit(program)
+            return
+        if not programs:
+            return
+        if len({id(p) for p in programs}) != len(programs):
+            raise DeviceError("a batch names the same program twice (a command buffer cannot "
+                              "be pending twice)")
+        for program in programs:
+            if program.submit_info is None:
+                raise DeviceError(f"{program!r} was freed or belongs to a closed backend")
+            if program.last_value > self._completed:
+                self._wait_value(program.last_value)
+        vk, ffi = self._vk, self._ffi
+        buffers = ffi.new("VkCommandBuffer[]", [p.command_buffer for p in programs])
+        signal = ffi.new("uint64_t[1]")
+        timeline = ffi.new("VkTimelineSemaphoreSubmitInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_TIMELINE_SEMAPHORE_SUBMIT_INFO,
+            "signalSemaphoreValueCount": 1, "pSignalSemaphoreValues": signal})
+        info = ffi.new("VkSubmitInfo*", {
+            "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "pNext": timeline,
+            "commandBufferCount": len(programs), "pCommandBuffers": buffers,
+            "signalSemaphoreCount": 1, "pSignalSemaphores": self._semaphore_array})
+        with self.queue_lock:
+            value = self._value + 1
+            signal[0] = value
+            result = self._lib.vkQueueSubmit(self._queue, 1, info, ffi.NULL)
+            if result == 0:
+                self._value = value
+                for program in programs:
+                    program.last_value = value
+        if result != 0:
+            self._check(result, "vkQueueSubmit of programs "
+                        + ", ".join(repr(p.label) for p in programs))
+        for program in programs:
+            program.submitted = True
+
+    def wait_for(self, program: Program) -> None:
+        """Block until the latest submission of `program` has finished (and, with it, all that
+        was submitted before it: a signal operation's scope covers every earlier command on the
+        queue); work submitted after it is not waited for."""
+        if self._timeline:
+            if program.last_value > self._completed:
+                self._wait_value(program.last_value)
+        elif program.in_flight:
+            self._wait_fences([program])
 
     def wait(self) -> None:
         """Block until everything submitted so far has finished."""
@@ -386,6 +444,9 @@ class _Timeline:
     @property
     def value(self) -> int:
         return self._backend._value
+
+    def value_of(self, program: Program) -> int:
+        return program.last_value
 
 
 class _HostRecording:

@@ -70,18 +70,26 @@ def how_to_enable(name: str) -> str:
 
 
 def check_declared(device_name: str, supported: dict[str, bool], extensions: set[str],
-                   adopt: Adopted) -> set[str]:
+                   adopt: Adopted, vulkan_features: frozenset[str] = frozenset()) -> set[str]:
     """The features and extensions vkml may use on an adopted device: those the host declares
     enabled. A declaration the device cannot have, or a required one missing, is an error that
-    names it."""
+    names it. A host declares everything it enabled (an OpenXR runtime's extensions, a
+    swapchain): extensions vkml does not use are ignored when the device has them, and so are
+    features vkml does not use that are members of Vulkan's feature structs
+    (`vulkan_features`); a name that is neither is refused (a misspelt feature would otherwise
+    turn into a silent fallback)."""
     known = set(FEATURE_STRUCT) | set(EXTENSIONS)
-    declared = set(adopt.enabled_features) | set(adopt.enabled_extensions)
-    unknown = sorted((set(adopt.enabled_features) - set(FEATURE_STRUCT))
-                     | (set(adopt.enabled_extensions) - set(EXTENSIONS))
+    features, exts = set(adopt.enabled_features), set(adopt.enabled_extensions)
+    unknown = sorted((features - set(FEATURE_STRUCT) - set(vulkan_features))
                      | (set(adopt.require) - known))
     if unknown:
         raise DeviceError(f"unknown feature or extension name(s) {unknown}; vkml knows features "
                           f"{sorted(FEATURE_STRUCT)} and extensions {list(EXTENSIONS)}")
+    for name in sorted(exts - set(EXTENSIONS)):
+        if name not in extensions:
+            raise DeviceError(f"extension {name!r} is declared enabled but {device_name!r} does "
+                              "not offer it, so the host cannot have enabled it")
+    declared = (features & set(FEATURE_STRUCT)) | (exts & set(EXTENSIONS))
     for name in sorted(declared):
         ok = name in extensions if name in EXTENSIONS else supported.get(name, False)
         if not ok:
@@ -92,6 +100,18 @@ def check_declared(device_name: str, supported: dict[str, bool], extensions: set
         raise DeviceError(f"the host's device lacks {', '.join(map(repr, missing))}, which vkml "
                           "was asked to require: " + "; ".join(how_to_enable(m) for m in missing))
     return declared
+
+
+def vulkan_feature_names(ffi: Any) -> frozenset[str]:
+    """Every member name of the core feature structs this `vulkan` package knows."""
+    names: set[str] = set()
+    for struct in ("VkPhysicalDeviceFeatures", "VkPhysicalDeviceVulkan11Features",
+                   "VkPhysicalDeviceVulkan12Features", "VkPhysicalDeviceVulkan13Features"):
+        try:
+            names |= {field for field, _ in ffi.typeof(struct).fields}
+        except ffi.error:  # an older `vulkan` package without that struct
+            continue
+    return frozenset(names - {"sType", "pNext"})
 
 
 def as_handle(ffi: Any, ctype: str, value: Any, what: str, same_device_as: Any = None) -> Any:
@@ -435,7 +455,8 @@ class Device:
                 for name in names} if modern else {}
             if not coop_ext:
                 supported.update(dict.fromkeys(FEATURES_COOP, False))
-            on = check_declared(self.device_name, supported, extensions, adopt)
+            on = check_declared(self.device_name, supported, extensions, adopt,
+                                vulkan_feature_names(ffi))
             self.enabled_features = frozenset(on)
             self.timeline = bool(want_timeline and "timelineSemaphore" in on)
             f16 = {"shaderFloat16", "storageBuffer16BitAccess"} <= on

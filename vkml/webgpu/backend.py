@@ -361,6 +361,17 @@ class WgpuBackend(BackendBase):
     def submit(self, program: Program) -> None:
         """Encode `program` afresh (wgpu command buffers run once) and queue it; returns at once.
         Later submissions run after it, in queue order."""
+        self._queue.submit([self._encode(program)])
+        self._pending = True
+
+    def submit_batch(self, programs: Sequence[Program]) -> None:
+        """Encode each program and queue them in one queue.submit, in order."""
+        buffers = [self._encode(p) for p in programs]
+        if buffers:
+            self._queue.submit(buffers)
+            self._pending = True
+
+    def _encode(self, program: Program) -> Any:
         segments = program.segments
         if segments is None:
             raise DeviceError(f"{program!r} was freed or belongs to a closed backend")
@@ -394,8 +405,7 @@ class WgpuBackend(BackendBase):
                 encoder.resolve_query_set(queries, 0, min(QUERY_SET_SIZE, query - first),
                                           program.resolved, 8 * first)
             encoder.copy_buffer_to_buffer(program.resolved, 0, program.timings, 0, 8 * query)
-        self._queue.submit([encoder.finish()])
-        self._pending = True
+        return encoder.finish()
 
     def wait(self) -> None:
         """Block until everything submitted so far has finished.
