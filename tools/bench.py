@@ -468,7 +468,8 @@ class TorchSide:
         if not grads:
             return fwd, None
         loss.backward()
-        g = {n: p.grad.cpu().double().numpy() for n, p in module.named_parameters()}
+        g = {n: p.grad.cpu().double().numpy() for n, p in module.named_parameters()
+             if p.requires_grad}  # frozen ones (Whisper's positions) have none
         module.zero_grad(set_to_none=True)
         return fwd, g
 
