@@ -99,7 +99,7 @@ def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
     forced = gemm.splits if splits is None else (lambda *args: splits)
     original, gemm.splits = gemm.splits, forced
     try:
-        plan = lower(g, caps, loss=loss).plan
+        plan = lower(g, caps, loss=loss, precision=caps.precision).plan
     finally:
         gemm.splits = original
     if tiling is not None:
@@ -125,14 +125,14 @@ def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
 WARM_S = 0.05
 
 
-def report(rows: list, label: str, tiling, times: dict, errors: dict, flop: dict,
-           limit: float, splits: int | None) -> None:
+def report(rows: list, label: str, tiling: str, auto: bool, times: dict, errors: dict,
+           flop: dict, limit: float, splits: int | None) -> None:
     for op, (name, ms) in times.items():
         tflops = flop[op] / (ms * 1e-3) / 1e12 if ms > 0 else 0.0
         err = errors.get(op, errors.get("all", 0.0))
-        rows.append({"case": label, "op": op, "tiling": str(tiling or "auto"), "kernel": name,
+        rows.append({"case": label, "op": op, "tiling": tiling, "kernel": name,
                      "splits": splits, "ms": ms, "tflops": tflops, "err": err, "limit": limit})
-        shown = str(tiling) if tiling is not None else "auto:" + name.rsplit("_", 1)[-1]
+        shown = f"{tiling}:{name.rsplit('_', 1)[-1]}" if auto else tiling
         shown += f" /{splits or 'a'}"
         print(f"{label[:22]:22} {op[:18]:18} {shown:24} {ms:9.4f} {tflops:8.2f} {err:9.2e}",
               flush=True)
@@ -170,7 +170,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tilings", default="all",
-                        help="'all', 'auto' or names like s64x64k16r4x4")
+                        help="'all', 'auto' or names like s64x64k16r4x4 (codegen's own choice "
+                             "always runs first: 'auto', and 'auto-f16' for precision='f16' "
+                             "where the device has cooperative matrices)")
     parser.add_argument("--splits", default="auto",
                         help="'auto' (the split stage's choice) or counts like 1,2,4,8")
     parser.add_argument("--cases", default="", help="only cases whose label has one of these")
@@ -179,7 +181,8 @@ def main() -> int:
     staged_caps = (dataclasses.replace(device.caps, device_type="discrete")
                    if opts.quick else device.caps)
     tilings: list = [t for t in gemm.STAGED if gemm._fits(t, staged_caps)]
-    if device.caps.cooperative_matrix and device.caps.shader_f16:
+    coop = device.caps.cooperative_matrix and device.caps.shader_f16
+    if coop:
         tilings += list(gemm.COOP)
     if opts.tilings == "auto":
         tilings = []
@@ -201,11 +204,14 @@ def main() -> int:
             loss, flop = None, {"matmul": 2 * expected.size * (sa[-2] if p else sa[-1])}
         else:
             g, loss, conv_expected, flop = conv_case(sa, sb, p, q, rng)
-        for tiling, splits in [(t, c) for t in [None, *tilings] for c in split_counts]:
-            caps = staged_caps if tiling is not None else device.caps
-            limit = 1e-5
-            if isinstance(tiling, gemm.CoopTiling):
-                caps, limit = dataclasses.replace(caps, precision="f16"), 5e-3
+        variants = [(None, "f32"), *([(None, "f16")] if coop else []),
+                    *[(t, "f16" if isinstance(t, gemm.CoopTiling) else "f32") for t in tilings]]
+        for (tiling, precision), splits in [(v, c) for v in variants for c in split_counts]:
+            caps = dataclasses.replace(staged_caps if tiling is not None else device.caps,
+                                       precision=precision)
+            limit = 5e-3 if precision == "f16" else 1e-5
+            name = str(tiling) if tiling is not None else (
+                "auto" if precision == "f32" else "auto-f16")
             try:
                 session, times, _ = run(device, g, loss, tiling, opts.reps, caps, splits)
                 if kind == "matmul":
@@ -219,10 +225,10 @@ def main() -> int:
                 session.close()
             except Exception as exc:  # a variant the device refuses is a result too
                 error = f"{type(exc).__name__}: {exc}"[:300]
-                rows.append({"case": label, "tiling": str(tiling or "auto"), "error": error})
-                print(f"{label[:22]:22} {'':18} {str(tiling or 'auto'):24} failed: {error[:60]}")
+                rows.append({"case": label, "tiling": name, "error": error})
+                print(f"{label[:22]:22} {'':18} {name:24} failed: {error[:60]}")
                 continue
-            report(rows, label, tiling, times, errors, flop, limit, splits)
+            report(rows, label, name, tiling is None, times, errors, flop, limit, splits)
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
         (opts.out / "lab.json").write_text(json.dumps({"device": device.name, "rows": rows},
