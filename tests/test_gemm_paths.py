@@ -111,3 +111,17 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
     assert rel_l2(session.read("y"), ty.detach().numpy()) < 1e-5
     assert rel_l2(session.grad("x"), tx.grad.numpy()) < 1e-5
     assert rel_l2(session.grad("w"), tw.grad.numpy()) < 1e-5
+
+
+def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device):
+    # measured on an H200 (tools/KERNELS.md, v3): staged f32 was as fast or faster below
+    # gemm.COOP_MIN, so precision="f16" changes nothing there
+    from vkml.kernels import gemm
+    caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
+                               shader_f16=True, precision="f16")
+    strict = dataclasses.replace(caps, precision="f32")
+    big, small = gemm.COOP_MIN, gemm.COOP_MIN // 2
+    assert isinstance(gemm.choose(big, big, big, 1, caps), gemm.CoopTiling)
+    assert not isinstance(gemm.choose(big, big, big, 1, strict), gemm.CoopTiling)
+    for m, n, k in [(small, big, big), (big, small, big), (big, big, small), (64, 64, 64)]:
+        assert gemm.choose(m, n, k, 1, caps) == gemm.choose(m, n, k, 1, strict), (m, n, k)

@@ -13,11 +13,14 @@ Two variants, chosen by the device:
   a warp conflict-free and its stores contiguous.
 - direct (CPU drivers, where staging gains nothing and barriers make the JIT slow): each thread
   reads its operands straight from memory, rows ty + WY * i and columns tx + WX * j.
-- cooperative (precision="f16" on devices with cooperative matrices): tensor-core tiles. The
+- cooperative (precision="f16" on devices with cooperative matrices, for products of at least
+  COOP_MIN in every dimension): tensor-core tiles. The
   operands are read as f32 like the staged variant's and converted to f16 as they are staged, so
   no f16 copy of any tensor exists; each subgroup multiplies FM x FN 16x16 fragments with f32
   accumulators (`coop_mat16x16`, loaded transposed as naga needs for row-major data), and
   stores each accumulator through workgroup memory, where its lanes apply the store.
+  Below COOP_MIN the staged f32 kernel is used even in accelerated mode: on an H200 it was as
+  fast or faster at every model shape measured (tools/KERNELS.md, v3), and it is exact.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities) -> Tiling | CoopT
     device unsplit by 2-4x on the models' shapes."""
     if on_cpu(caps):
         return direct_tiling(m, n)
-    usable = (list(COOP) if caps.precision == "f16"
+    usable = (list(COOP) if caps.precision == "f16" and min(m, n, k) >= COOP_MIN
               else [t for t in STAGED if _fits(t, caps)])
     largest = usable[0]
     if -(-m // largest.bm) * -(-n // largest.bn) * z >= FILL:
@@ -161,6 +164,7 @@ def splits(m: int, n: int, k: int, z: int, caps: Capabilities) -> int:
     return max(1, min(-(-2 * FILL // tiles), steps // MIN_STEPS, MAX_SPLITS))
 
 
+COOP_MIN = 2048  # the smallest product where cooperative tiles beat staged f32 on an H200
 THIN = 48  # below this many rows or columns a 64-wide tile is mostly idle
 MIN_STEPS = 8  # k-steps a split keeps at the least
 MAX_SPLITS = 16
