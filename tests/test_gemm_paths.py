@@ -125,3 +125,19 @@ def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device
     assert not isinstance(gemm.choose(big, big, big, 1, strict), gemm.CoopTiling)
     for m, n, k in [(small, big, big), (big, small, big), (big, big, small), (64, 64, 64)]:
         assert gemm.choose(m, n, k, 1, caps) == gemm.choose(m, n, k, 1, strict), (m, n, k)
+
+
+def test_split_products_are_tiled_as_the_split_stage_planned(device):
+    # the split stage counts its workgroups with the unsplit product's tiling; lowering once
+    # chose again over the split layers and took 128 x 128 tiles half empty at n = 64 (Whisper's
+    # attention times values, 2x slower on the H200: tools/KERNELS.md, v3)
+    from vkml.kernels import gemm
+    caps = dataclasses.replace(device.caps, device_type="discrete")
+    g = vkml.Graph()
+    p = g.input("p", (6, 1500, 1500))
+    v = g.input("v", (6, 1500, 64))
+    g.output("o", g.matmul(p, v))
+    kernels = [d.kernel.name for d in lower(g, caps).plan.dispatches if d.node.op == "matmul"]
+    planned = gemm.choose(1500, 64, 1500, 6, caps)
+    assert len(kernels) == 1 and "_split" in kernels[0], kernels
+    assert kernels[0].endswith(f"_{planned}"), (kernels, planned)
