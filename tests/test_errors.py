@@ -41,6 +41,18 @@ def test_token_ids_out_of_range_are_refused(device):
         session.set_input("ids", np.array([[0, 1, 2], [3, 4, 5]]))
 
 
+def test_one_hot_ids_out_of_range_are_refused(device):
+    g = vkml.Graph()
+    ids = g.input("ids", (3,), "i32")
+    g.output("h", g.one_hot(ids, 4))
+    session = vkml.compile(g, device=device)
+    with pytest.raises(vkml.InputError, match=r"'ids' holds -1 .* outside \[0, 4\)"):
+        session.set_input("ids", np.array([0, -1, 3]))
+    session.set_input("ids", np.array([0, 2, 3]))  # still usable
+    session.step()
+    np.testing.assert_array_equal(session.read("h"), np.eye(4, dtype=np.float32)[[0, 2, 3]])
+
+
 def test_reading_before_anything_was_computed_is_refused(device):
     _, session = classifier(device, vkml.SGD(lr=0.1))
     with pytest.raises(vkml.NotComputedError, match="run step"):

@@ -1,13 +1,17 @@
 """Reductions longer than a driver lets one shader invocation loop: lavapipe silently stops an
 invocation's loops after 65535 iterations in all, which made a 6.3M-element sum (SmolLM2's
-full-vocabulary loss) 34% low. Long reductions get more threads per workgroup."""
+full-vocabulary loss) 34% low. Long reductions get more threads per workgroup; kernels that
+cannot split their loops are refused at compile time, never run short."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 import vkml
+from vkml.compiler.stages import lower
 from vkml.kernels.reduce import WORKGROUP
 
 LAVAPIPE_LOOP_LIMIT = 65535  # what llvmpipe allows; GPUs have no limit
@@ -81,3 +85,48 @@ def test_embedding_gradient_over_many_positions(device):
     session.step()
     counts = np.bincount(ids, minlength=5).astype(np.float32)
     np.testing.assert_array_equal(session.grad("table"), np.repeat(counts[:, None], 2, 1))
+
+
+def limited(device):
+    if device.caps.max_loop_iterations is None:
+        pytest.skip(f"{device.caps.device_name} has no loop limit: nothing to refuse")
+
+
+def test_fused_attention_past_the_loop_limit_is_refused_and_unfused_computes(device):
+    limited(device)
+    v = np.zeros((1, 1, LONG, 1), np.float32)
+    v[..., -10000:, :] = 1.0  # the last keys: a loop stopped early would miss them
+    g = vkml.Graph()
+    q = g.input("q", (1, 1, 1, 4))
+    k = g.input("k", (1, 1, LONG, 4))
+    vi = g.input("v", (1, 1, LONG, 1))
+    g.output("o", g.scaled_dot_product_attention(q, k, vi, fused=False))
+    session = vkml.compile(g, device=device)
+    for name, value in (("q", np.zeros((1, 1, 1, 4))), ("k", np.zeros((1, 1, LONG, 4))),
+                        ("v", v)):
+        session.set_input(name, value.astype(np.float32))
+    session.step()
+    np.testing.assert_allclose(session.read("o"), 10000 / LONG, rtol=1e-4)
+    fused = vkml.Graph()
+    q, k, vi = (fused.input(n, t.shape) for n, t in (("q", q), ("k", k), ("v", vi)))
+    fused.output("o", fused.scaled_dot_product_attention(q, k, vi, fused=True))
+    with pytest.raises(vkml.GraphError, match=r"70000 trips.*fused=False"):
+        vkml.compile(fused, device=device)
+
+
+def test_cumsum_past_the_loop_limit_is_refused(device):
+    limited(device)
+    g = vkml.Graph()
+    g.output("c", g.cumsum(g.input("x", (LONG,)), 0))
+    with pytest.raises(vkml.GraphError, match=r"cumsum .*70000 trips.*shorter axis"):
+        vkml.compile(g, device=device)
+
+
+def test_a_reduction_too_long_for_the_widest_workgroup_is_refused(device):
+    # a device whose workgroups hold 64 threads: 64 x 65535 terms per output is its most
+    caps = dataclasses.replace(device.caps, max_loop_iterations=LAVAPIPE_LOOP_LIMIT,
+                               max_workgroup_invocations=WORKGROUP)
+    g = vkml.Graph()
+    g.output("s", g.input("x", (WORKGROUP * LAVAPIPE_LOOP_LIMIT + 1,)).sum())
+    with pytest.raises(vkml.GraphError, match=r"sum .*made at .*reduce in two steps"):
+        lower(g, caps)

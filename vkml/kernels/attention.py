@@ -19,7 +19,7 @@ import numpy as np
 
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
-from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, Buf, assemble, grid
+from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, Buf, assemble, check_loop, grid
 
 WORKGROUP = 64
 
@@ -50,6 +50,8 @@ def generate(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
     batch = int(np.prod(lead, dtype=np.int64))
     causal, scale = node.attrs["causal"], node.attrs["scale"]
     per_query = pass_ in ("forward", "lse", "dq")
+    check_loop(node, caps, s if per_query else rep * length,
+               "use scaled_dot_product_attention(..., fused=False) on this device")
     threads = batch * h * length if per_query else batch * hkv * s
     names = BINDINGS[pass_]
     lines = [f"fn main({ENTRY_ARGS}) {{",

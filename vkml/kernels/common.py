@@ -1,13 +1,18 @@
 """Pieces shared by the kernel generators: assembling a kernel from its bindings and entry
-point, the dispatch grid, workgroup reductions, index arithmetic."""
+point, the dispatch grid, workgroup reductions, index arithmetic, the loop-length limit."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from vkml.errors import GraphError
 from vkml.expr import Body
 from vkml.hal import Capabilities, Kernel
+
+if TYPE_CHECKING:
+    from vkml.graph import Tensor
 
 
 @dataclass(frozen=True)
@@ -17,6 +22,17 @@ class Buf:
     name: str
     dtype: str = "f32"
     writable: bool = False
+
+
+def check_loop(node: Tensor, caps: Capabilities, trips: int, fix: str) -> None:
+    """Refuse a kernel whose threads would loop more than the device runs: lavapipe stops an
+    invocation's loops after 65535 trips in all and keeps what it has, a silent wrong number.
+    `fix`: what the user can do instead."""
+    limit = caps.max_loop_iterations
+    if limit is not None and trips > limit:
+        raise GraphError(f"{node.op} {node.label} (made at {node.where}) needs loops of {trips} "
+                         f"trips per thread, and {caps.device_name} stops a shader's loops after "
+                         f"{limit}: {fix}")
 
 
 def assemble(name: str, caps: Capabilities, buffers: Sequence[Buf],

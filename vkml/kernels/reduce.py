@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vkml.errors import GraphError
 from vkml.expr import Arg, Body, contiguous_strides
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
@@ -31,7 +32,7 @@ SHORT = 64
 TERMS_PER_THREAD = 32
 
 
-def workgroup_for(iterations: int, caps: Capabilities, what: str) -> int:
+def workgroup_for(iterations: int, caps: Capabilities, node: Tensor) -> int:
     """The power-of-two workgroup (from WORKGROUP up) for a reduction of `iterations` terms per
     output: larger on GPUs for long ones, and large enough everywhere that no thread loops past
     the device's limit (lavapipe stops an invocation's loops after 65535 and keeps what it
@@ -43,8 +44,10 @@ def workgroup_for(iterations: int, caps: Capabilities, what: str) -> int:
             and 2 * size <= min(1024, caps.max_workgroup_invocations)):
         size *= 2
         if size > caps.max_workgroup_invocations:
-            raise ValueError(f"{what}: {iterations} loop trips exceed what "
-                             f"{caps.max_workgroup_invocations} threads may run on this device")
+            raise GraphError(f"{node.op} {node.label} (made at {node.where}): {iterations} "
+                             f"terms per output are more than {caps.max_workgroup_invocations} "
+                             f"threads can sum on {caps.device_name} without looping past its "
+                             "limit: reduce in two steps (reshape the axis into two, sum each)")
     return size
 
 
@@ -119,7 +122,7 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     setup, at = _input_offset(in_shape, axes)
     if reduced <= SHORT and outputs >= WORKGROUP:
         return _per_thread(node, caps, in_shape, axes, prologue, epilogue, n_prologue, combine)
-    wg = workgroup_for(reduced, caps, node.label)
+    wg = workgroup_for(reduced, caps, node)
     epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, fold,
                                            "partial[0]", "      ")
     entry = [f"fn main({ENTRY_ARGS}) {{",
@@ -200,7 +203,7 @@ def _rowwise(node: Tensor, caps: Capabilities, result: str) -> Kernel:
     (x,) = node.inputs
     length = x.shape[-1]
     rows = x.size // length
-    wg = workgroup_for(3 * length, caps, node.label)  # three passes over the row
+    wg = workgroup_for(3 * length, caps, node)  # three passes over the row
     entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let row = {LINEAR_WORKGROUP};",
              f"  let valid = row < {rows}u;",

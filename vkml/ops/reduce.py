@@ -11,6 +11,7 @@ from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather
 from vkml.kernels import reduce as kernels
+from vkml.kernels.common import check_loop
 from vkml.ops.pointwise import same_f32
 
 
@@ -113,9 +114,8 @@ def _cumsum_kernel(node: Tensor, caps: Capabilities) -> Kernel:
     sequential cumsum adds: O(n^2) work over an axis of n, meant for short axes."""
     axis, reverse = node.attrs["axis"], node.attrs["reverse"]
     n, stride = node.shape[axis], contiguous_strides(node.shape)[axis]
-    if caps.max_loop_iterations is not None and n > caps.max_loop_iterations:
-        raise GraphError(f"cumsum over an axis of {n} needs loops longer than this device runs "
-                         f"({caps.max_loop_iterations} iterations, {caps.device_name})")
+    check_loop(node, caps, n, "cumsum over a shorter axis (e.g. in parts, adding each part's "
+               "total to the next)")
     span = f"j = i{axis}; j < {n}u" if reverse else f"j = 0u; j <= i{axis}"
     return gather.generate(node, caps, [
         f"  let base = idx - i{axis} * {stride}u;", "  var acc = 0.0;",
