@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from vkml.errors import DeviceError
-from vkml.hal import Barrier, Binding, Capabilities, Copy, Dispatch, Kernel
+from vkml.hal import Barrier, Binding, Capabilities, Copy, Dispatch, HostWrite, Kernel
 from vkml.kernels.common import Buf, assemble
 from vkml.vk import VulkanBackend, memory_candidates, rank_devices, select_device
 from vkml.vk.buffers import DEVICE_LOCAL, HOST_CACHED, HOST_COHERENT, HOST_VISIBLE
@@ -114,6 +114,43 @@ def test_buffer_round_trip(backend, kind, staged):
         backend.write_buffer(buf, 8, b"12345")
     backend.free_buffer(buf)
     assert not any(key[0] == id(buf) for key in backend._readers)  # its read-backs went too
+    assert backend.validation_messages == []
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_many_writes_and_zeros_in_few_submissions(backend, staged, monkeypatch):
+    from vkml.vk import backend as vk_backend
+    monkeypatch.setattr(vk_backend, "STAGING_BATCH", 64)  # several batches from a few writes
+    bufs = [backend.create_buffer(400, "device", f"many-{i}") for i in range(2)]
+    if staged:  # the staging-copy path of discrete GPUs
+        for b in bufs:
+            b.host_read = b.host_write = False
+    expected = [np.full(100, np.nan, np.float32) for _ in bufs]
+    for b, e in zip(bufs, expected):
+        backend.write_buffer(b, 0, e.tobytes())  # garbage the zeros must overwrite
+    writes, rng = [], np.random.default_rng(0)
+    for at, n, zero in [(0, 10, False), (10, 30, True), (40, 20, False), (60, 40, True)]:
+        for b, e in zip(bufs, expected):
+            if zero:
+                writes.append(HostWrite(b, 4 * at, 4 * n))
+                e[at:at + n] = 0
+            else:
+                e[at:at + n] = rng.standard_normal(n)
+                writes.append(HostWrite.of(b, 4 * at, e[at:at + n].tobytes()))
+    submissions = []
+    monkeypatch.setattr(backend, "run_now", lambda cmds, f=backend.run_now: (
+        submissions.append(len(cmds)), f(cmds))[1])
+    backend.write_buffers(writes)
+    for b, e in zip(bufs, expected):
+        np.testing.assert_array_equal(floats(backend, b, 0, 100), e)
+    if staged:  # 4 data writes of 40 or 80 bytes, zeros from one 64-byte region
+        assert 1 < len(submissions) < len(writes), submissions
+    else:
+        assert submissions == []
+    with pytest.raises(DeviceError, match="does not fit"):
+        backend.write_buffers([HostWrite(bufs[0], 396, 8)])
+    for b in bufs:
+        backend.free_buffer(b)
     assert backend.validation_messages == []
 
 

@@ -287,7 +287,7 @@ def child_compile(spec: dict) -> dict:
     session_module.compile_plan = timed("lower", session_module.compile_plan)
     naga.compile_wgsl = timed("naga", naga.compile_wgsl)
     backend.create_pipeline = timed("pipelines", backend.create_pipeline)
-    bound.BoundPlan.write_slot = timed("upload", bound.BoundPlan.write_slot)
+    bound.BoundPlan.write_initial_values = timed("upload", bound.BoundPlan.write_initial_values)
     bound.BoundPlan.record = timed("record", bound.BoundPlan.record)
     t0 = time.perf_counter()
     device = vkml.Device()

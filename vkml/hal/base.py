@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from vkml.errors import DeviceError
 from vkml.hal.capabilities import Capabilities
 from vkml.hal.commands import Command, check_commands
-from vkml.hal.interface import HostRecording, TimelineSync, Timestamps
+from vkml.hal.interface import HostRecording, HostWrite, TimelineSync, Timestamps
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
@@ -52,6 +52,15 @@ class BackendBase:
 
     def wait(self) -> None:
         raise NotImplementedError
+
+    def write_buffer(self, buffer: Any, offset: int, data: bytes | memoryview) -> None:
+        raise NotImplementedError
+
+    def write_buffers(self, writes: Sequence[HostWrite]) -> None:
+        """One write_buffer per write where a backend has nothing better (wgpu's queue writes
+        are already batched into its next submission)."""
+        for w in writes:
+            self.write_buffer(w.buffer, w.offset, bytes(w.nbytes) if w.data is None else w.data)
 
     def submit_batch(self, programs: Sequence[Any]) -> None:
         """One submission per program where a backend has nothing better (same order)."""

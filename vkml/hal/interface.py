@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from vkml.hal.capabilities import Capabilities
@@ -51,6 +52,21 @@ class Timestamps(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class HostWrite:
+    """`nbytes` bytes from the host into `buffer` at `offset`: `data`, or zeros where it is None."""
+
+    buffer: object
+    offset: int
+    nbytes: int
+    data: memoryview | None = None
+
+    @classmethod
+    def of(cls, buffer: object, offset: int, data: bytes | memoryview) -> HostWrite:
+        view = memoryview(data)
+        return cls(buffer, offset, view.nbytes, view)
+
+
 class Backend(Protocol):
     caps: Capabilities
     owned: bool  # False: the device belongs to a host (Device.from_vulkan); nothing is destroyed
@@ -64,6 +80,11 @@ class Backend(Protocol):
     def create_buffer(self, nbytes: int, kind: BufferKind, label: str) -> object: ...
     def free_buffer(self, buffer: object) -> None: ...
     def write_buffer(self, buffer: object, offset: int, data: bytes | memoryview) -> None: ...
+    def write_buffers(self, writes: Sequence[HostWrite]) -> None:
+        """Many host -> buffer writes (a session's initial values and zeroed state), as
+        write_buffer would make them one by one, in as few submissions as the backend can."""
+        ...
+
     def read_buffer(self, buffer: object, offset: int, nbytes: int) -> bytes: ...
     def stage_reads(self, buffer: object) -> bool:
         """Whether what a program computes into `buffer` is better copied to host-readable

@@ -33,7 +33,7 @@ import numpy as np
 from vkml import naga
 from vkml.compiler.schedule import Plan, Slot
 from vkml.errors import InputError
-from vkml.hal import Barrier, Binding, Command, Copy, Dispatch
+from vkml.hal import Barrier, Binding, Command, Copy, Dispatch, HostWrite
 from vkml.runtime.device import Device
 
 NUMPY_DTYPE = {"f32": np.float32, "i32": np.int32}
@@ -86,13 +86,7 @@ class BoundPlan:
                 staged += -(-plan.slots[slot].nbytes // align) * align
             if device.backend_name == "vulkan":  # kernels no cache holds: naga works meanwhile
                 naga.prefetch((k.wgsl, k.name) for k in self._kernels)
-            for slot in plan.slots:
-                if slot.id in self.shared:
-                    continue  # the owner's memory, with the owner's values
-                if slot.id in plan.initial_values:
-                    self.write_slot(slot, plan.initial_values[slot.id])
-                elif slot.role == "optimizer_state":  # device memory starts undefined
-                    self.write_slot(slot, np.zeros(slot.shape, np.float32))
+            self.write_initial_values()
             for kernel in self._kernels:
                 self._pipelines[kernel.wgsl] = device.pipelines.acquire(kernel)
             if plan.inputs:
@@ -284,20 +278,45 @@ class BoundPlan:
         self._version[name] = self._version.get(name, 0) + 1
         self.unset_inputs.discard(name)
 
+    def write_initial_values(self) -> None:
+        """Parameters and constants from the plan, optimizer state zeroed (device memory starts
+        undefined); the owner's memory where parameters are shared keeps the owner's values."""
+        writes = []
+        for slot in self.plan.slots:
+            if slot.id in self.shared:
+                continue
+            if slot.id in self.plan.initial_values:
+                writes.append(HostWrite.of(*self.place(slot.id),
+                                           self._bytes(slot, self.plan.initial_values[slot.id])))
+            elif slot.role == "optimizer_state":
+                writes.append(HostWrite(*self.place(slot.id), slot.nbytes))
+        self.backend.write_buffers(writes)
+
     def write_slot(self, slot: Slot, array: np.ndarray) -> None:
-        if slot.id in self.shared:
-            raise InputError(f"'{slot.label}' belongs to the session this one shares its "
-                             "parameters with: write it there")
-        if slot.role == "param" and self.sharers:
+        self.write_slots([(slot, array)])
+
+    def write_slots(self, values: Sequence[tuple[Slot, np.ndarray]]) -> None:
+        """Host values into slots, in as few submissions as the backend can (a checkpoint's
+        hundreds of tensors)."""
+        for slot, _ in values:
+            if slot.id in self.shared:
+                raise InputError(f"'{slot.label}' belongs to the session this one shares its "
+                                 "parameters with: write it there")
+        params = [slot.label for slot, _ in values if slot.role == "param"]
+        if self.sharers and params:
             if any(s.mid_step for s in self.sharers):
-                raise InputError(f"cannot write parameter '{slot.label}' while a session "
+                raise InputError(f"cannot write parameter '{params[0]}' while a session "
                                  "sharing it is part-way through a chunked step")
-            for s in self.sharers:  # their submitted steps read the old value
+            for s in self.sharers:  # their submitted steps read the old values
                 s.wait()
-        buffer, offset = self.place(slot.id)
-        data = np.ascontiguousarray(array, dtype=NUMPY_DTYPE[slot.dtype])
+        self.backend.write_buffers([HostWrite.of(*self.place(slot.id), self._bytes(slot, array))
+                                    for slot, array in values])
+
+    @staticmethod
+    def _bytes(slot: Slot, array: np.ndarray) -> memoryview:
         # the array's own bytes: a model's parameters are not copied into a bytes object first
-        self.backend.write_buffer(buffer, offset, memoryview(data.reshape(-1).view(np.uint8)))
+        data = np.ascontiguousarray(array, dtype=NUMPY_DTYPE[slot.dtype])
+        return memoryview(data.reshape(-1).view(np.uint8))
 
     def read_output(self, slot: Slot) -> np.ndarray:
         """An output as of this session's latest step: from the readback buffer the step's

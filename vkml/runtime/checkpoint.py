@@ -203,16 +203,18 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
         raise CheckpointError(f"cannot load {path}: " + "; ".join(problems) + hint
                               + "; nothing was changed")
     bound.wait()
+    writes = []
     for name, value in values.items():
         if name in entries.extras:
             entries.extras[name] = value
         else:
-            bound.write_slot(targets[name], value)
+            writes.append((targets[name], value))
     if saved_hyperparams is not None and HYPERPARAMS in values:
-        for table, data in plan.optimizer.tables(saved_hyperparams).items():
-            bound.write_slot(plan.slots[plan.optimizer_tables[table]], data)
-        if hyperparams is not None:
-            hyperparams.update(saved_hyperparams)
+        writes += [(plan.slots[plan.optimizer_tables[table]], data)
+                   for table, data in plan.optimizer.tables(saved_hyperparams).items()]
+    bound.write_slots(writes)
+    if saved_hyperparams is not None and HYPERPARAMS in values and hyperparams is not None:
+        hyperparams.update(saved_hyperparams)
 
 
 def _as_float(name: str, entry: Mapping[str, Any], slot: Slot) -> tuple[np.ndarray, str]:

@@ -4,13 +4,14 @@ a timeline semaphore, recording into the host's command buffers, and device time
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vkml import naga
 from vkml.errors import DeviceError
-from vkml.hal import BackendBase, BackendTimestamps, BufferKind, Command, Copy, Kernel
+from vkml.hal import BackendBase, BackendTimestamps, BufferKind, Command, Copy, HostWrite, Kernel
 from vkml.vk.buffers import Buffer, allocate_buffer, free_buffer
 from vkml.vk.context import WAIT_TIMEOUT_NS, Adopted, Device, as_handle
 from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
@@ -24,6 +25,7 @@ from vkml.vk.programs import (
 )
 
 MAX_READERS = 256
+STAGING_BATCH = 64 << 20  # bytes staged per submission by write_buffers (larger writes: their own)
 
 
 class VulkanBackend(BackendBase):
@@ -136,18 +138,57 @@ class VulkanBackend(BackendBase):
 
     def write_buffer(self, buffer: Buffer, offset: int, data: bytes | memoryview) -> None:
         """Host -> buffer. Mapped buffers are written at once: wait() first if in use."""
-        n = memoryview(data).nbytes
-        if offset < 0 or offset + n > buffer.nbytes:
-            raise DeviceError(f"write of {n} bytes at offset {offset} does not fit in {buffer!r}")
-        if buffer.host_write:
-            self._ffi.memmove(buffer.pointer + offset, data, n)
-            return
-        if n == 0:
-            return
-        staging = self.create_buffer(n, "upload", "staging-write")
+        self.write_buffers([HostWrite.of(buffer, offset, data)])
+
+    def write_buffers(self, writes: Sequence[HostWrite]) -> None:
+        """Mapped buffers written at once; the others through staging buffers of about
+        STAGING_BATCH bytes, one submission each (not an allocation and a submission per
+        write: a model's initial values are hundreds of writes), zeros copied from one zeroed
+        region at the staging buffer's start."""
+        staged = []
+        for w in writes:
+            if w.offset < 0 or w.offset + w.nbytes > w.buffer.nbytes:
+                raise DeviceError(f"write of {w.nbytes} bytes at offset {w.offset} does not fit "
+                                  f"in {w.buffer!r}")
+            if w.nbytes and w.buffer.host_write:
+                self._host_write(w.buffer.pointer + w.offset, w)
+            elif w.nbytes:
+                staged.append(w)
+        zeros = min(max((w.nbytes for w in staged if w.data is None), default=0), STAGING_BATCH)
+        batch: list[HostWrite] = []
+        size = zeros
+        for w in staged:
+            if batch and w.data is not None and size + w.nbytes > STAGING_BATCH:
+                self._write_staged(batch, zeros)
+                batch, size = [], zeros
+            batch.append(w)
+            size += 0 if w.data is None else w.nbytes
+        if batch:
+            self._write_staged(batch, zeros)
+
+    def _host_write(self, pointer: Any, w: HostWrite) -> None:
+        if w.data is None:
+            ctypes.memset(int(self._ffi.cast("uintptr_t", pointer)), 0, w.nbytes)
+        else:
+            self._ffi.memmove(pointer, w.data, w.nbytes)
+
+    def _write_staged(self, batch: Sequence[HostWrite], zeros: int) -> None:
+        at = zeros
+        staging = self.create_buffer(
+            zeros + sum(w.nbytes for w in batch if w.data is not None), "upload", "staging-write")
         try:
-            self._ffi.memmove(staging.pointer, data, n)
-            self.run_now([Copy(staging, 0, buffer, offset, n)])
+            self._host_write(staging.pointer, HostWrite(staging, 0, zeros))
+            copies = []
+            for w in batch:
+                if w.data is None:
+                    copies += [Copy(staging, 0, w.buffer, w.offset + start,
+                                    min(zeros, w.nbytes - start))
+                               for start in range(0, w.nbytes, zeros)]
+                else:
+                    self._host_write(staging.pointer + at, w)
+                    copies.append(Copy(staging, at, w.buffer, w.offset, w.nbytes))
+                    at += w.nbytes
+            self.run_now(copies)
         finally:
             self.free_buffer(staging)
 
