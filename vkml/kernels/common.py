@@ -30,7 +30,7 @@ def check_loop(node: Tensor, caps: Capabilities, trips: int, fix: str) -> None:
     `fix`: what the user can do instead."""
     limit = caps.max_loop_iterations
     if limit is not None and trips > limit:
-        raise GraphError(f"{node.op} {node.label} (made at {node.where}) needs loops of {trips} "
+        raise GraphError(f"{node.label} (made at {node.where}) needs loops of {trips} "
                          f"trips per thread, and {caps.device_name} stops a shader's loops after "
                          f"{limit}: {fix}")
 

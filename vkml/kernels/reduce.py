@@ -44,7 +44,7 @@ def workgroup_for(iterations: int, caps: Capabilities, node: Tensor) -> int:
             and 2 * size <= min(1024, caps.max_workgroup_invocations)):
         size *= 2
         if size > caps.max_workgroup_invocations:
-            raise GraphError(f"{node.op} {node.label} (made at {node.where}): {iterations} "
+            raise GraphError(f"{node.label} (made at {node.where}): {iterations} "
                              f"terms per output are more than {caps.max_workgroup_invocations} "
                              f"threads can sum on {caps.device_name} without looping past its "
                              "limit: reduce in two steps (reshape the axis into two, sum each)")
