@@ -17,6 +17,7 @@ import numpy as np
 import vulkan as vk
 
 from vkml import naga
+from xr_demo import graphics
 from xr_demo.scene import FAR, SCENE_WGSL, SKY_CLEAR, VERTEX_FLOATS, Camera, Scene, push_constants
 from xr_demo.vkhost import HostError, VulkanHost
 
@@ -163,11 +164,6 @@ class SceneRenderer:
             sType=vk.VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, pushConstantRangeCount=1,
             pPushConstantRanges=[push]), None)
         # Every nested struct in a variable that outlives the call (cffi lifetime trap).
-        stages = [vk.VkPipelineShaderStageCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO, stage=stage,
-            module=self.module, pName=entry)
-            for stage, entry in ((vk.VK_SHADER_STAGE_VERTEX_BIT, "vs_main"),
-                                 (vk.VK_SHADER_STAGE_FRAGMENT_BIT, "fs_main"))]
         formats = [COLOR_FORMAT, DEPTH_TARGET_FORMAT]
         rendering = vk.VkPipelineRenderingCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_PIPELINE_RENDERING_CREATE_INFO, colorAttachmentCount=2,
@@ -188,39 +184,12 @@ class SceneRenderer:
             vertexBindingDescriptionCount=1, pVertexBindingDescriptions=[binding],
             vertexAttributeDescriptionCount=len(attributes),
             pVertexAttributeDescriptions=attributes)
-        assembly = vk.VkPipelineInputAssemblyStateCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_INPUT_ASSEMBLY_STATE_CREATE_INFO,
-            topology=vk.VK_PRIMITIVE_TOPOLOGY_TRIANGLE_LIST)
-        viewport = vk.VkViewport(0, 0, width, height, 0, 1)
-        scissor = vk.VkRect2D(vk.VkOffset2D(0, 0), vk.VkExtent2D(width, height))
-        viewports = vk.VkPipelineViewportStateCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_VIEWPORT_STATE_CREATE_INFO, viewportCount=1,
-            pViewports=[viewport], scissorCount=1, pScissors=[scissor])
-        # No culling: the procedural meshes' windings are not all alike, and the cost is small.
-        raster = vk.VkPipelineRasterizationStateCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_RASTERIZATION_STATE_CREATE_INFO,
-            polygonMode=vk.VK_POLYGON_MODE_FILL, cullMode=vk.VK_CULL_MODE_NONE,
-            frontFace=vk.VK_FRONT_FACE_COUNTER_CLOCKWISE, lineWidth=1.0)
-        multisample = vk.VkPipelineMultisampleStateCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_MULTISAMPLE_STATE_CREATE_INFO,
-            rasterizationSamples=vk.VK_SAMPLE_COUNT_1_BIT)
         depth = vk.VkPipelineDepthStencilStateCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_PIPELINE_DEPTH_STENCIL_STATE_CREATE_INFO,
             depthTestEnable=vk.VK_TRUE, depthWriteEnable=vk.VK_TRUE,
             depthCompareOp=vk.VK_COMPARE_OP_LESS)
-        attachments = [vk.VkPipelineColorBlendAttachmentState(colorWriteMask=0xF),
-                       vk.VkPipelineColorBlendAttachmentState(colorWriteMask=0xF)]
-        blend = vk.VkPipelineColorBlendStateCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_PIPELINE_COLOR_BLEND_STATE_CREATE_INFO,
-            attachmentCount=2, pAttachments=attachments)
-        info = vk.VkGraphicsPipelineCreateInfo(
-            sType=vk.VK_STRUCTURE_TYPE_GRAPHICS_PIPELINE_CREATE_INFO, pNext=rendering,
-            stageCount=2, pStages=stages, pVertexInputState=vertex,
-            pInputAssemblyState=assembly, pViewportState=viewports,
-            pRasterizationState=raster, pMultisampleState=multisample,
-            pDepthStencilState=depth, pColorBlendState=blend, layout=self.layout,
-            renderPass=vk.VK_NULL_HANDLE)
-        self.pipeline = vk.vkCreateGraphicsPipelines(d, vk.VK_NULL_HANDLE, 1, [info], None)[0]
+        self.pipeline = graphics.create_pipeline(d, self.module, self.layout, width, height,
+                                                 rendering, vertex, colors=2, depth=depth)
 
     def record(self, cb: Any, camera: Camera, time_s: float, readback: bool = True,
                timestamps: bool = True) -> None:
