@@ -116,3 +116,25 @@ def test_outputs_are_never_fused_away(device):
     session.step()
     np.testing.assert_allclose(session.read("h"), np.exp(xv), rtol=1e-6)
     np.testing.assert_allclose(session.read("y"), 24 * np.e, rtol=1e-6)
+
+
+def test_axes_of_size_one_do_not_stop_fusion(device, rng):
+    # at batch size 1 every activation has an axis of size 1, which broadcasting reads with
+    # stride 0: the chain x * r * w + 1 must still become one kernel (it was three, and the
+    # sum of squares two). The last sum stays apart: it would read r broadcast, which a
+    # reduction's prologue does not do.
+    g = vkml.Graph()
+    x = g.input("x", (1, 4, 8))
+    w = g.param("w", (8,), "normal")
+    r = g.rsqrt((x * x).mean(axis=-1, keepdims=True))
+    g.output("y", ((x * r) * w + 1.0).sum(axis=-1))
+    session = vkml.compile(g, device=device)
+    assert [d.node.op for d in session.plan.dispatches] == [
+        "fused_sum", "fused_pointwise", "fused_pointwise", "sum"], [
+        d.node.label for d in session.plan.dispatches]
+    xv = rng.standard_normal((1, 4, 8)).astype(np.float32)
+    session.set_input("x", xv)
+    session.step()
+    rv = 1 / np.sqrt((xv.astype(np.float64) ** 2).mean(-1, keepdims=True))
+    expected = ((xv * rv) * session.read("w") + 1.0).sum(-1)
+    assert rel_l2(session.read("y"), expected) < 1e-5

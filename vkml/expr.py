@@ -31,6 +31,14 @@ def contiguous_strides(shape: Shape) -> Shape:
     return tuple(reversed(strides))
 
 
+def in_order(strides: Shape, shape: Shape) -> bool:
+    """Whether `strides` read a tensor of `shape` at the reader's own flat index. A dimension
+    of size 1 may carry any stride (broadcast_strides gives it 0): at batch size 1 every
+    activation has one, and comparing strides exactly once left SmolLM2's chains unfused."""
+    return all(s == c or d == 1 for s, c, d in zip(strides, contiguous_strides(shape), shape,
+                                                   strict=True))
+
+
 def broadcast_strides(shape: Shape, out_shape: Shape) -> Shape:
     """Strides that read `shape` (numpy-broadcast to `out_shape`) at each output index."""
     own = contiguous_strides(shape)

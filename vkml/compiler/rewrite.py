@@ -21,7 +21,7 @@ from collections import Counter
 
 import numpy as np
 
-from vkml.expr import Arg, Body, Lazy, Lit, Shape, Subst, contiguous_strides, materialize
+from vkml.expr import Arg, Body, Lazy, Lit, Shape, Subst, contiguous_strides, in_order, materialize
 from vkml.graph import OPS, Graph, Tensor, body_of
 
 IDENTITY_EPILOGUE = Body(Arg(0), ((),))
@@ -136,7 +136,6 @@ def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor
 
 def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
     body = body_of(node)
-    identity = contiguous_strides(node.shape)
     builder = _BodyBuilder()
     args, changed = [], False
     for t, strides in zip(inputs, body.strides):
@@ -144,8 +143,8 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
         if literal is not None:
             args.append(literal)
             changed = True
-        elif (OPS[t.op].kind == "pointwise" and strides == identity
-              and t.shape == node.shape and absorbable(t)):
+        elif (OPS[t.op].kind == "pointwise" and t.shape == node.shape
+              and in_order(strides, node.shape) and absorbable(t)):
             producer = body_of(t)
             args.append(builder.inline(producer, [builder.input(x, s) for x, s in
                                                   zip(t.inputs, producer.strides)]))
@@ -156,8 +155,8 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
 
     # Now the whole computation may move into a matmul's or a sum's epilogue.
     for k, (t, strides) in enumerate(zip(builder.inputs, builder.strides)):
-        if (t.op in ("matmul", "fused_matmul", "sum", "fused_sum") and strides == identity
-                and t.shape == node.shape and absorbable(t)):
+        if (t.op in ("matmul", "fused_matmul", "sum", "fused_sum") and t.shape == node.shape
+                and in_order(strides, node.shape) and absorbable(t)):
             return _absorb_into_epilogue(node, t, k, builder.body(result), builder.inputs, emit)
     if not changed:
         return None
@@ -210,7 +209,7 @@ def _fuse_sum_prologue(node, inputs, absorbable, emit) -> Tensor | None:
         return None
     body = body_of(summand)
     # The prologue reads every input at the summand's own flat index.
-    if any(s != contiguous_strides(summand.shape) for s in body.strides):
+    if not all(in_order(s, summand.shape) for s in body.strides):
         return None
     attrs = {**_as_fused_sum(node), "prologue": body, "n_prologue": len(summand.inputs)}
     return emit(node, "fused_sum", list(summand.inputs), attrs)

@@ -23,7 +23,7 @@ import numpy as np
 
 from vkml.compiler.memory_plan import FOREVER, Lifetime, MemoryPlan, plan_memory
 from vkml.errors import GraphError
-from vkml.expr import contiguous_strides
+from vkml.expr import in_order
 from vkml.graph import OPS, Graph, Tensor, body_of
 from vkml.hal import Access, Capabilities, Kernel
 from vkml.optim import Optimizer
@@ -310,13 +310,12 @@ def _write_in_place(plan: Plan) -> dict[int, int]:
         if d.node is None or OPS[d.node.op].kind != "pointwise":
             continue
         out = plan.slots[d.slots[-1]]
-        same_index = contiguous_strides(d.node.shape)
-        strides = body_of(d.node).strides
+        strides, shape = body_of(d.node).strides, d.node.shape
         for k, s in enumerate(d.slots[:-1]):
             slot = plan.slots[s]
             if (slot.role in ("activation", "gradient") and s not in readable
                     and slot.nbytes == out.nbytes and slot.dtype == out.dtype
-                    and all(t == same_index for j, t in enumerate(strides) if d.slots[j] == s)
+                    and all(in_order(t, shape) for j, t in enumerate(strides) if d.slots[j] == s)
                     and last_read[s] == d.level and readers[s, d.level] == 1):
                 access = tuple("read_write" if j == k else "read" for j in range(len(d.slots) - 1))
                 plan.dispatches[i] = dataclasses.replace(d, slots=d.slots[:-1], access=access,

@@ -4,7 +4,7 @@ single generator."""
 
 from __future__ import annotations
 
-from vkml.expr import contiguous_strides
+from vkml.expr import in_order
 from vkml.graph import Tensor, body_of
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels.common import (
@@ -26,9 +26,8 @@ def generate(node: Tensor, caps: Capabilities, in_place: int | None = None) -> K
     """Bindings: the inputs, then the output; with `in_place` = k the result overwrites input k
     (read at the same index it is written) and there is no output binding."""
     body = body_of(node)
-    own = contiguous_strides(node.shape)
     index_names = [f"i{a}" for a in range(len(node.shape))]
-    reads = {k: f"in{k}[{'idx' if s == own else offset(index_names, s)}]"
+    reads = {k: f"in{k}[{'idx' if in_order(s, node.shape) else offset(index_names, s)}]"
              for k, s in enumerate(body.strides)}
     buffers = [Buf(f"in{k}", x.dtype, writable=k == in_place) for k, x in enumerate(node.inputs)]
     if in_place is None:
