@@ -264,6 +264,10 @@ class Body:
                 nodes.append(("axis", e.axis))
         return self.strides, tuple(nodes)
 
+    def reads_axes(self) -> bool:
+        """Whether the result uses an output index (`Axis`), which a kernel must then define."""
+        return any(isinstance(e, Axis) for e in _postorder(self.result))
+
     def helpers(self) -> list[str]:
         """The WGSL helper functions the body's calls need, each once, in first-use order."""
         found: dict[str, None] = {}

@@ -207,9 +207,7 @@ def _fuse_sum_prologue(node, inputs, absorbable, emit) -> Tensor | None:
     (summand,) = inputs
     if OPS[summand.op].kind != "pointwise" or not absorbable(summand):
         return None
-    body = body_of(summand)
-    # The prologue reads every input at the summand's own flat index.
-    if not all(in_order(s, summand.shape) for s in body.strides):
-        return None
-    attrs = {**_as_fused_sum(node), "prologue": body, "n_prologue": len(summand.inputs)}
+    # The prologue reads each input through the summand's strides (broadcast ones included).
+    attrs = {**_as_fused_sum(node), "prologue": body_of(summand),
+             "n_prologue": len(summand.inputs)}
     return emit(node, "fused_sum", list(summand.inputs), attrs)

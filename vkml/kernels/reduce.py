@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from vkml.errors import GraphError
-from vkml.expr import Arg, Body, contiguous_strides
+from vkml.expr import Arg, Body, contiguous_strides, in_order
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels.common import (
@@ -123,16 +123,18 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     if reduced <= SHORT and outputs >= WORKGROUP:
         return _per_thread(node, caps, in_shape, axes, prologue, epilogue, n_prologue, combine)
     wg = workgroup_for(reduced, caps, node)
-    epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, fold,
+    per_output, per_term, terms = _prologue_reads(in_shape, axes, prologue, n_prologue)
+    epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, terms, fold,
                                            "partial[0]", "      ")
     entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let o = {LINEAR_WORKGROUP};",
              f"  var acc = {start};",
              # Surplus workgroups of the 2-D grid skip the loads but join the barriers.
              f"  if (o < {outputs}u) {{",
-             *[line for line in setup if line.lstrip().startswith("let k")],
+             *[line for line in setup if line.lstrip().startswith("let k")], *per_output,
              f"    for (var r = lid; r < {reduced}u; r += {wg}u) {{",
              *["  " + line for line in setup if line.lstrip().startswith("let j")],
+             *["    " + line for line in per_term],
              f"      let at = {at};", *term,
              "    }", "  }",
              "  partial[lid] = acc;",
@@ -148,18 +150,38 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
                     flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
 
 
-def _parts(node: Tensor, prologue: Body, epilogue: Body, n_prologue: int, fold: str,
-           total: str, indent: str) -> tuple[dict[int, str], list[str], list[Buf]]:
+def _prologue_reads(in_shape: tuple[int, ...], axes: tuple[int, ...], prologue: Body,
+                    n_prologue: int) -> tuple[list[str], list[str], dict[int, str]]:
+    """WGSL lines once per output, lines per term, and each prologue input's read: at the
+    term's offset `at` where the input is laid out as the summand, else through its own strides
+    (a norm's statistics broadcast over the reduced axis) from the summand's index i0, i1, ...,
+    which a body that reads an axis (one_hot's comparison) gets too."""
+    terms = {k: f"in{k}[at]" for k in range(n_prologue) if in_order(prologue.strides[k], in_shape)}
+    if len(terms) == n_prologue and not prologue.reads_axes():
+        return [], [], terms
+    kept = [a for a in range(len(in_shape)) if a not in axes]
+    index = ({a: f"kx{n}" for n, a in enumerate(kept)}
+             | {a: f"jx{n}" for n, a in enumerate(axes)})
+    per_term = [*unflatten("r", tuple(in_shape[a] for a in axes), "jx"),
+                *[f"  let i{a} = {index[a]};" for a in range(len(in_shape))]]
+    names = [f"i{a}" for a in range(len(in_shape))]
+    return (unflatten("o", tuple(in_shape[a] for a in kept), "kx"), per_term,
+            terms | {k: f"in{k}[{offset(names, prologue.strides[k])}]"
+                     for k in range(n_prologue) if k not in terms})
+
+
+def _parts(node: Tensor, prologue: Body, epilogue: Body, n_prologue: int,
+           terms: dict[int, str], fold: str, total: str, indent: str
+           ) -> tuple[dict[int, str], list[str], list[Buf]]:
     """What both reduction kernels share: the epilogue's reads (x0 = `total`, the others at the
-    output index), the lines folding one term (the prologue at offset `at`) into `acc`, and the
-    bindings (the inputs, then the output)."""
+    output index), the lines folding one term (the prologue over the inputs' `terms`) into
+    `acc`, and the bindings (the inputs, then the output)."""
     out_index = [f"i{a}" for a in range(len(node.shape))]
     reads = {0: total} | {k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
                           for k in range(1, len(epilogue.strides))}
-    terms = {k: f"in{k}[at]" for k in range(n_prologue)}
     fold_lines = (body_lines(prologue, terms, indent, fold) if fold.endswith("+=")
                   else [*body_lines(prologue, terms, indent, "let term ="), f"{indent}{fold}"])
-    return reads, fold_lines, [*[Buf(f"in{k}") for k in range(len(node.inputs))],
+    return reads, fold_lines, [*[Buf(f"in{k}", x.dtype) for k, x in enumerate(node.inputs)],
                                Buf("out", writable=True)]
 
 
@@ -170,15 +192,17 @@ def _per_thread(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     start, fold, _ = _COMBINE[combine]
     reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     setup, at = _input_offset(in_shape, axes)
-    epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, fold, "acc",
-                                           "    ")
+    per_output, per_term, terms = _prologue_reads(in_shape, axes, prologue, n_prologue)
+    epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, terms, fold,
+                                           "acc", "    ")
     entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let o = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
              f"  if (o >= {node.size}u) {{ return; }}",
-             *[line for line in setup if line.lstrip().startswith("let k")],
+             *[line for line in setup if line.lstrip().startswith("let k")], *per_output,
              f"  var acc = {start};",
              f"  for (var r = 0u; r < {reduced}u; r++) {{",
              *[line for line in setup if line.lstrip().startswith("let j")],
+             *["  " + line for line in per_term],
              f"    let at = {at};", *term, "  }",
              *unflatten("o", node.shape, "i"),
              *body_lines(epilogue, epilogue_reads, "  ", "out[o] ="), "}"]
