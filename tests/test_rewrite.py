@@ -138,3 +138,29 @@ def test_axes_of_size_one_do_not_stop_fusion(device, rng):
     rv = 1 / np.sqrt((xv.astype(np.float64) ** 2).mean(-1, keepdims=True))
     expected = ((xv * rv) * session.read("w") + 1.0).sum(-1)
     assert rel_l2(session.read("y"), expected) < 1e-5
+
+
+def test_an_elementwise_op_read_by_several_fusing_consumers_is_computed_in_each(device, rng):
+    g = vkml.Graph()
+    x = g.input("x", (4, 8))
+    h = x * x.exp()  # one elementwise op (the exp fuses into it), read by three consumers
+    g.output("a", h + 1.0)
+    g.output("b", h.sum(axis=-1))
+    g.output("c", (h * 3.0).relu())
+    session = vkml.compile(g, device=device)
+    ops = Counter(d.node.op for d in session.plan.dispatches)
+    assert "mul" not in ops and sum(ops.values()) == 3, ops
+    kept = vkml.Graph()  # a matmul cannot absorb it: then it stays in memory for all of them
+    x2 = kept.input("x", (4, 8))
+    h2 = x2 * x2.exp()
+    kept.output("a", h2 + 1.0)
+    kept.output("m", h2 @ kept.param("w", (8, 3), "normal"))
+    assert any(d.node.op == "fused_pointwise" and d.node.shape == (4, 8) and len(
+        d.node.inputs) == 1 for d in vkml.compile(kept, device=device).plan.dispatches)
+    xv = rng.standard_normal((4, 8)).astype(np.float32)
+    session.set_input("x", xv)
+    session.step()
+    hv = xv.astype(np.float64) * np.exp(xv)
+    assert rel_l2(session.read("a"), hv + 1) < 1e-6
+    assert rel_l2(session.read("b"), hv.sum(-1)) < 1e-6
+    assert rel_l2(session.read("c"), np.maximum(3 * hv, 0)) < 1e-6

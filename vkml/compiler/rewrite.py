@@ -1,8 +1,8 @@
 """Fusion by rewriting: Graph -> Graph with fewer, larger kernels.
 
 Greedy rules, applied in topological order until nothing changes. A producer is absorbed into its
-consumer only when nothing else needs it in memory: it has exactly one consumer and is not a
-graph output or gradient.
+consumer only when nothing else needs it in memory: it is not a graph output or gradient, and it
+has exactly one consumer, or it is a single elementwise op every consumer of which absorbs it.
 - pointwise into pointwise: chains and DAGs of elementwise ops become one `fused_pointwise`;
   scalar constants become WGSL literals on the way.
 - pointwise into a matmul's epilogue: bias add, activation, scaling happen before the store.
@@ -25,6 +25,7 @@ from vkml.expr import Arg, Body, Lazy, Lit, Shape, Subst, contiguous_strides, in
 from vkml.graph import OPS, Graph, Tensor, body_of
 
 IDENTITY_EPILOGUE = Body(Arg(0), ((),))
+EPILOGUE_HOSTS = ("matmul", "fused_matmul", "sum", "fused_sum")  # ops a consumer may move into
 
 
 class _BodyBuilder:
@@ -96,6 +97,7 @@ def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor
     order = old.reachable(roots)
     pinned = {t.id for t in roots}
     consumers = Counter(i.id for t in order for i in {x.id: x for x in t.inputs}.values())
+    duplicable = _duplicable(order, pinned, consumers)
     new = Graph.__new__(Graph)
     new.nodes, new.outputs, new.rng, new.where = [], {}, old.rng, old.where
     new.initial_values = {}
@@ -105,7 +107,7 @@ def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor
 
     def absorbable(t: Tensor) -> bool:
         original = old_of[t.id]
-        return original not in pinned and consumers[original] == 1
+        return original not in pinned and (consumers[original] == 1 or original in duplicable)
 
     def emit(template: Tensor, op: str, inputs: list[Tensor], attrs: dict) -> Tensor:
         t = Tensor(new, len(new.nodes), op, tuple(inputs), template.shape, template.dtype, attrs,
@@ -134,6 +136,29 @@ def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor
     return new, new_of, changed
 
 
+def _duplicable(order: list[Tensor], pinned: set[int], consumers: Counter[int]) -> set[int]:
+    """Elementwise ops (not fused ones, which may have grown large) with several consumers,
+    every one of which would absorb them: computed again inside each, they need no kernel and
+    no memory of their own. A norm's normalized input, read by its scale and by its weight's
+    gradient, is the common case. Not one that reads a product or a sum nothing else reads:
+    that would move into its epilogue, and each copy would compute the product again."""
+    ok = {t.id: True for t in order if OPS[t.op].kind == "pointwise"
+          and t.op != "fused_pointwise" and t.id not in pinned
+          and not any(i.op in EPILOGUE_HOSTS and consumers[i.id] == 1 for i in t.inputs)}
+    seen: Counter[int] = Counter()
+    for c in order:
+        strides = body_of(c).strides if OPS[c.op].kind == "pointwise" else ()
+        for k, t in enumerate(c.inputs):
+            if t.id not in ok:
+                continue
+            seen[t.id] += 1
+            if OPS[c.op].kind == "pointwise":
+                ok[t.id] &= t.shape == c.shape and in_order(strides[k], c.shape)
+            else:
+                ok[t.id] &= c.op == "sum"
+    return {i for i, fits in ok.items() if fits and seen[i] > 1}
+
+
 def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
     body = body_of(node)
     builder = _BodyBuilder()
@@ -155,7 +180,7 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
 
     # Now the whole computation may move into a matmul's or a sum's epilogue.
     for k, (t, strides) in enumerate(zip(builder.inputs, builder.strides)):
-        if (t.op in ("matmul", "fused_matmul", "sum", "fused_sum") and t.shape == node.shape
+        if (t.op in EPILOGUE_HOSTS and t.shape == node.shape
                 and in_order(strides, node.shape) and absorbable(t)):
             return _absorb_into_epilogue(node, t, k, builder.body(result), builder.inputs, emit)
     if not changed:

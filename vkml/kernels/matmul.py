@@ -50,7 +50,8 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
         return [f"      let {ir} = {row}; let {ic} = {col};",
                 *body_lines(epilogue, reads, "      ", f"mat_c[c_base + {ir} * {n}u + {ic}] =")]
 
-    buffers = [Buf("mat_a"), Buf("mat_b"), *[Buf(f"ep{e + 1}") for e in range(len(extras))],
+    buffers = [Buf("mat_a"), Buf("mat_b"),
+               *[Buf(f"ep{e + 1}", x.dtype) for e, x in enumerate(extras)],
                Buf("mat_c", writable=True)]
     tag = ("t" if ta else "n") + ("t" if tb else "n")
     prefix = f"b{'x'.join(map(str, leading))}_" if leading else ""
