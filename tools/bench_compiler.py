@@ -23,9 +23,14 @@ plan), naga (WGSL to SPIR-V, cache lookups included),
 pipeline creation in the driver, the initial values' upload, recording, and the rest of binding.
 Graph building (inside the model's `build`) is timed too, outside the compile.
 
-    python tools/bench_compiler.py [--part fusion|scaling|models|all] [--sizes 1000,2000,4000,8000]
+    python tools/bench_compiler.py [--part fusion|scaling|models|plans|all]
+                                   [--sizes 1000,2000,4000,8000]
                                    [--families pointwise,transformer] [--models smollm2,...]
                                    [--phases train,infer] [--out PATH] [--markdown PATH]
+
+`plans`: the reference models at their full configs as planned for a discrete GPU (this
+device's capabilities as a GPU's: tiled kernels, split products, no loop limit), without any
+device work: dispatches, barriers and planned memory, the counts a GPU step pays for.
 
 `all` is fusion and scaling. Caches (naga's SPIR-V, the pipeline cache) go to a temporary
 VKML_CACHE_DIR unless one is set.
@@ -34,6 +39,7 @@ VKML_CACHE_DIR unless one is set.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -334,6 +340,35 @@ def models(names: list[str], phases: list[str], scratch: Path) -> list[dict]:
     return rows
 
 
+def plans(device: vkml.Device, names: list[str], phases: list[str]) -> list[dict]:
+    from bench import WORKLOADS, session_args
+
+    caps = dataclasses.replace(device.caps, device_type="discrete", max_loop_iterations=None)
+    rows = []
+    for name in names:
+        for phase in phases:
+            built = WORKLOADS[name].build(False, phase)
+            plan = lower(built.graph, caps, **session_args(vkml, built, phase)).plan
+            rows.append({"model": name, "phase": phase, "dispatches": len(plan.dispatches),
+                         "barriers": plan.barrier_count,
+                         "planned_mib": plan.memory_report()["physical"] / 2**20})
+            print(f"{name:16} {phase:5} {rows[-1]['dispatches']:6} dispatches "
+                  f"{rows[-1]['barriers']:6} barriers {rows[-1]['planned_mib']:8.1f} MiB",
+                  flush=True)
+    return rows
+
+
+def plans_markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# Reference models as planned for a discrete GPU ({meta['date']})", "",
+             f"vkml {meta['commit']}, full configs, `python tools/bench_compiler.py --part "
+             "plans`: dispatches and barriers per step, planned device memory.", "",
+             "| model | phase | dispatches | barriers | planned MiB |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    lines += [f"| {r['model']} | {r['phase']} | {r['dispatches']} | {r['barriers']} | "
+              f"{r['planned_mib']:.1f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def models_markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Full-config compile times, cold and warm ({meta['date']})", "",
              f"Device {meta['device']}, {meta['cpu']}, Python {meta['python']}, vkml "
@@ -365,7 +400,8 @@ def _commit() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("fusion", "scaling", "models", "all"), default="all")
+    parser.add_argument("--part", choices=("fusion", "scaling", "models", "plans", "all"),
+                        default="all")
     parser.add_argument("--models", default="smollm2,smolvla_expert,unet,resnet,whisper_encoder",
                         help="full-config workloads of the models part (tools/bench.py's)")
     parser.add_argument("--phases", default="train,infer", help="phases of the models part")
@@ -397,11 +433,15 @@ def main() -> int:
             print(scaling_header())
             result["scaling"] = scaling(device, opts.families.split(","),
                                         [int(n) for n in opts.sizes.split(",")], scratch)
+        if opts.part == "plans":
+            result["plans"] = plans(device, opts.models.split(","), opts.phases.split(","))
         device.close()  # the models part's children open their own
         markdown = scaling_markdown(result["scaling"], meta) if "scaling" in result else ""
         if opts.part == "models":
             result["models"] = models(opts.models.split(","), opts.phases.split(","), scratch)
             markdown += models_markdown(result["models"], meta)
+        if "plans" in result:
+            markdown += plans_markdown(result["plans"], meta)
         if opts.markdown is not None and markdown:
             opts.markdown.parent.mkdir(parents=True, exist_ok=True)
             opts.markdown.write_text(markdown)
