@@ -137,6 +137,8 @@ CASES = [
     Case("swiglu", [(4, 6), (4, 6)], lambda g, a, b: g.swiglu(a, b),
          lambda a, b: F.silu(a) * b),
     Case("rope", [(2, 3, 5, 8)], lambda g, x: g.rope(x, theta=10000.0), lambda x: rope_ref(x)),
+    Case("rotate_half", [(2, 3, 6)], lambda g, x: g.rotate_half(x),
+         lambda x: torch.cat([-x[..., 3:], x[..., :3]], -1)),
     Case("layer_norm", [(4, 6), (6,), (6,)], lambda g, x, w, b: g.layer_norm(x, 6, w, b),
          lambda x, w, b: F.layer_norm(x, (6,), w, b)),
     Case("layer_norm_2d", [(3, 4, 5), (4, 5), (4, 5)],

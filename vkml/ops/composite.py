@@ -180,9 +180,7 @@ def rope(g: Graph, x: Tensor, theta: float = 10000.0, offset: int = 0) -> Tensor
     if dim % 2:
         raise GraphError(f"rope: the last axis of {x.label} must be even")
     cos, sin = rope_tables(length, dim, theta, offset)
-    half = dim // 2
-    rotated = g.concat([g.neg(g.slice(x, -1, half, dim)), g.slice(x, -1, 0, half)], -1)
-    return g.add(g.mul(x, g.constant(cos)), g.mul(rotated, g.constant(sin)))
+    return g.add(g.mul(x, g.constant(cos)), g.mul(g.rotate_half(x), g.constant(sin)))
 
 
 @builder

@@ -135,6 +135,34 @@ def concat(g: Graph, xs: Sequence[Tensor], axis: int = 0) -> Tensor:
     return g.apply("concat", list(xs), axis=int(axis))
 
 
+def _rotate_half(inputs, attrs):
+    (x,) = inputs
+    if x.dtype != "f32" or not x.shape or x.shape[-1] % 2:
+        raise GraphError(f"rotate_half needs an f32 tensor with an even last axis, got {x.type}")
+    return x.shape, x.dtype
+
+
+def _rotate_half_grad(g, node, d):
+    # a quarter turn in each (x1, x2) plane: its transpose is the opposite turn
+    return [g.neg(g.rotate_half(d))]
+
+
+def _rotate_half_body(node: Tensor) -> list[str]:
+    half = node.shape[-1] // 2
+    return [f"  if (i{len(node.shape) - 1} < {half}u) {{ out[idx] = -in0[idx + {half}u]; }}"
+            f" else {{ out[idx] = in0[idx - {half}u]; }}"]
+
+
+register(OpDef("rotate_half", _rotate_half, "kernel", grad=_rotate_half_grad,
+               lower=gather.lowering(_rotate_half_body)))
+
+
+@builder(tensor=True)
+def rotate_half(g: Graph, x: Tensor) -> Tensor:
+    """concat([-x2, x1], -1) for x = concat([x1, x2], -1) (RoPE's rotation), one kernel."""
+    return g.apply("rotate_half", [x])
+
+
 def _embedding(inputs, attrs):
     weight, ids = inputs
     if len(weight.shape) != 2 or weight.dtype != "f32":
