@@ -178,15 +178,26 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
             args.append(builder.input(t, strides))
     result = builder.inline(body, args)
 
-    # Now the whole computation may move into a matmul's or a sum's epilogue.
+    # Now the whole computation may move into a matmul's or a sum's epilogue; a sum's seen
+    # through a reshape too (a norm's statistics, kept with keepdims), which it then has.
     for k, (t, strides) in enumerate(zip(builder.inputs, builder.strides)):
-        if (t.op in EPILOGUE_HOSTS and t.shape == node.shape
-                and in_order(strides, node.shape) and absorbable(t)):
-            return _absorb_into_epilogue(node, t, k, builder.body(result), builder.inputs, emit)
+        host = t.inputs[0] if t.op == "reshape" and absorbable(t) else t
+        if host is not t and not _sum_without_epilogue(host):
+            host = t
+        if (host.op in EPILOGUE_HOSTS and t.shape == node.shape
+                and in_order(strides, node.shape) and absorbable(host)):
+            inputs = [host if j == k else x for j, x in enumerate(builder.inputs)]
+            return _absorb_into_epilogue(node, host, k, builder.body(result), inputs, emit)
     if not changed:
         return None
     return emit(node, "fused_pointwise", [t for t in builder.inputs if t is not None],
                 {"body": builder.body(result), "shape": node.shape, "dtype": node.dtype})
+
+
+def _sum_without_epilogue(t: Tensor) -> bool:
+    """A sum whose result is stored as it is, so it may be stored in any shape of its size
+    (an epilogue's reads are laid out by the result's shape)."""
+    return t.op == "sum" or (t.op == "fused_sum" and t.attrs["epilogue"] is IDENTITY_EPILOGUE)
 
 
 def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
