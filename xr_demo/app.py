@@ -247,6 +247,7 @@ class Demo:
         self.latest: tuple[int, np.ndarray, np.ndarray] | None = None
         self._infer_input: tuple[int, np.ndarray, np.ndarray] | None = None
         self._infer_harvested = True
+        self._infer_due = False  # an inference frame came and its inference has not started
         self._infer_train_steps = 0  # training steps the inference in flight sees
         self._train_harvested = True
         self._train_steps_done = 0
@@ -397,15 +398,18 @@ class Demo:
             self._train_harvested = True
         # An inference reads the trainer's parameters in place: it may not start while the
         # trainer is part-way through its updates (it would see some layers updated, others
-        # not); it starts at the next frame where the updates are all submitted.
+        # not); a due one starts at the first frame where the updates are all submitted (on
+        # an inference frame alone, a trainer that is always busy could starve it).
         updating = self.train is not None and self.train.updating
-        if infer is not None and start_inference and n % self.opts.infer_every == 0 and \
-                self._infer_harvested and not infer.busy and self.latest is not None and \
-                not updating:
+        self._infer_due = infer is not None and start_inference and (
+            self._infer_due or n % self.opts.infer_every == 0)
+        if infer is not None and self._infer_due and self._infer_harvested and \
+                not infer.busy and self.latest is not None and not updating:
             self._infer_input = self.latest
             self._infer_train_steps = train.steps_submitted if train is not None else 0
             self.infer.set_input("image", to_input(self.latest[1]))
             self._infer_harvested = False
+            self._infer_due = False
             infer.begin(n)
         if train is not None and self._train_harvested and not train.busy and self.samples:
             _, rgb, depth = self.samples.popleft()
