@@ -164,3 +164,22 @@ def test_an_elementwise_op_read_by_several_fusing_consumers_is_computed_in_each(
     assert rel_l2(session.read("a"), hv + 1) < 1e-6
     assert rel_l2(session.read("b"), hv.sum(-1)) < 1e-6
     assert rel_l2(session.read("c"), np.maximum(3 * hv, 0)) < 1e-6
+
+
+def test_a_fused_kernel_never_binds_more_buffers_than_the_device_allows(device, rng):
+    n = device.caps.max_bindings_per_stage + 8
+    g = vkml.Graph()
+    xs = [g.input(f"x{k}", (4,)) for k in range(n)]
+    total = xs[0]
+    for x in xs[1:]:
+        total = total + x * 0.5
+    g.output("y", total)
+    session = vkml.compile(g, device=device)
+    assert all(len(d.slots) <= device.caps.max_bindings_per_stage
+               for d in session.plan.dispatches)
+    values = [rng.standard_normal(4).astype(np.float32) for _ in range(n)]
+    for k, v in enumerate(values):
+        session.set_input(f"x{k}", v)
+    session.step()
+    expected = values[0].astype(np.float64) + 0.5 * np.sum(values[1:], axis=0, dtype=np.float64)
+    assert rel_l2(session.read("y"), expected) < 1e-6

@@ -26,6 +26,7 @@ from vkml.graph import OPS, Graph, Tensor, body_of
 
 IDENTITY_EPILOGUE = Body(Arg(0), ((),))
 EPILOGUE_HOSTS = ("matmul", "fused_matmul", "sum", "fused_sum")  # ops a consumer may move into
+DUPLICATE_INPUTS = 6  # the most buffers an op computed again in each of its consumers reads
 
 
 class _BodyBuilder:
@@ -64,11 +65,14 @@ def _literal(t: Tensor, values: dict[int, np.ndarray]) -> Lit | None:
     return Lit(value) if np.isfinite(value) else None
 
 
-def fuse(graph: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor]]:
-    """The fused graph, and a map from the id of each node of `graph` kept to its new node."""
+def fuse(graph: Graph, roots: list[Tensor], max_inputs: int) -> tuple[Graph, dict[int, Tensor]]:
+    """The fused graph, and a map from the id of each node of `graph` kept to its new node.
+    `max_inputs`: the most buffers a fused kernel may read (the device's storage bindings per
+    stage, less the output)."""
     changed, mapping = True, {t.id: t for t in graph.reachable(roots)}
     while changed:
-        graph, step_mapping, changed = _fuse_once(graph, [mapping[r.id] for r in roots])
+        graph, step_mapping, changed = _fuse_once(graph, [mapping[r.id] for r in roots],
+                                                  max_inputs)
         mapping = {old: step_mapping[new.id] for old, new in mapping.items()
                    if new.id in step_mapping}
     _materialize_bodies(graph)
@@ -93,7 +97,8 @@ def _materialize_bodies(graph: Graph) -> None:
             t.attrs = {k: done.get(id(v), v) for k, v in t.attrs.items()}
 
 
-def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor], bool]:
+def _fuse_once(old: Graph, roots: list[Tensor], max_inputs: int
+               ) -> tuple[Graph, dict[int, Tensor], bool]:
     order = old.reachable(roots)
     pinned = {t.id for t in roots}
     consumers = Counter(i.id for t in order for i in {x.id: x for x in t.inputs}.values())
@@ -107,7 +112,13 @@ def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor
 
     def absorbable(t: Tensor) -> bool:
         original = old_of[t.id]
-        return original not in pinned and (consumers[original] == 1 or original in duplicable)
+        if original in pinned:
+            return False
+        # a copy goes into each consumer only while it reads few buffers: what it absorbed
+        # in this pass goes along, and a residual stream's adds, copied from layer to layer,
+        # would otherwise grow into every later kernel
+        return consumers[original] == 1 or (original in duplicable
+                                            and len(t.inputs) <= DUPLICATE_INPUTS)
 
     def emit(template: Tensor, op: str, inputs: list[Tensor], attrs: dict) -> Tensor:
         t = Tensor(new, len(new.nodes), op, tuple(inputs), template.shape, template.dtype, attrs,
@@ -119,9 +130,10 @@ def _fuse_once(old: Graph, roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor
         inputs = [new_of[i.id] for i in node.inputs]
         fused = None
         if OPS[node.op].kind == "pointwise":
-            fused = _fuse_pointwise(node, inputs, absorbable, new.initial_values, emit)
+            fused = _fuse_pointwise(node, inputs, absorbable, new.initial_values, emit,
+                                    max_inputs)
         elif node.op == "sum":
-            fused = _fuse_sum_prologue(node, inputs, absorbable, emit)
+            fused = _fuse_sum_prologue(node, inputs, absorbable, emit, max_inputs)
         if fused is None:
             fused = emit(node, node.op, inputs, node.attrs)
         else:
@@ -159,7 +171,7 @@ def _duplicable(order: list[Tensor], pinned: set[int], consumers: Counter[int]) 
     return {i for i, fits in ok.items() if fits and seen[i] > 1}
 
 
-def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
+def _fuse_pointwise(node, inputs, absorbable, values, emit, max_inputs) -> Tensor | None:
     body = body_of(node)
     builder = _BodyBuilder()
     args, changed = [], False
@@ -177,6 +189,8 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
         else:
             args.append(builder.input(t, strides))
     result = builder.inline(body, args)
+    if len(builder.inputs) > max_inputs:
+        return None
 
     # Now the whole computation may move into a matmul's or a sum's epilogue; a sum's seen
     # through a reshape too (a norm's statistics, kept with keepdims), which it then has.
@@ -187,7 +201,10 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit) -> Tensor | None:
         if (host.op in EPILOGUE_HOSTS and t.shape == node.shape
                 and in_order(strides, node.shape) and absorbable(host)):
             inputs = [host if j == k else x for j, x in enumerate(builder.inputs)]
-            return _absorb_into_epilogue(node, host, k, builder.body(result), inputs, emit)
+            absorbed = _absorb_into_epilogue(node, host, k, builder.body(result), inputs, emit,
+                                             max_inputs)
+            if absorbed is not None:
+                return absorbed
     if not changed:
         return None
     return emit(node, "fused_pointwise", [t for t in builder.inputs if t is not None],
@@ -201,9 +218,9 @@ def _sum_without_epilogue(t: Tensor) -> bool:
 
 
 def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
-                          body_inputs: list, emit) -> Tensor:
+                          body_inputs: list, emit, max_inputs: int) -> Tensor | None:
     """`node` (as `body` over `body_inputs`, of which input `slot` is `producer`) becomes
-    `producer`'s epilogue."""
+    `producer`'s epilogue; None where the kernel would read more than `max_inputs` buffers."""
     if producer.op in ("matmul", "fused_matmul"):
         leading = list(producer.inputs[:2])
         old_epilogue = producer.attrs.get("epilogue", IDENTITY_EPILOGUE)
@@ -220,6 +237,8 @@ def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
             for k, (t, s) in enumerate(zip(body_inputs, body.strides))]
     epilogue = builder.body(builder.inline(body, args))
     inputs = leading + [t for t in builder.inputs[1:] if t is not None]
+    if len(inputs) > max_inputs:
+        return None
     if producer.op in ("matmul", "fused_matmul"):
         attrs = {**producer.attrs, "epilogue": epilogue, "shape": node.shape, "dtype": node.dtype}
         return emit(node, "fused_matmul", inputs, attrs)
@@ -238,10 +257,11 @@ def _as_fused_sum(t: Tensor) -> dict:
             "epilogue": IDENTITY_EPILOGUE, "shape": t.shape, "dtype": t.dtype}
 
 
-def _fuse_sum_prologue(node, inputs, absorbable, emit) -> Tensor | None:
+def _fuse_sum_prologue(node, inputs, absorbable, emit, max_inputs) -> Tensor | None:
     """sum(pointwise(...)) -> one reduction whose summand is computed as it is read."""
     (summand,) = inputs
-    if OPS[summand.op].kind != "pointwise" or not absorbable(summand):
+    if (OPS[summand.op].kind != "pointwise" or not absorbable(summand)
+            or len(summand.inputs) > max_inputs):
         return None
     # The prologue reads each input through the summand's strides (broadcast ones included).
     attrs = {**_as_fused_sum(node), "prologue": body_of(summand),

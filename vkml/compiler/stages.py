@@ -267,7 +267,7 @@ def _lower(graph: Graph, caps: Capabilities, loss: Tensor | None,
     lap("autodiff")
     fused, fused_named, fused_grads = work, named, grads
     if rewrite == "greedy":
-        fused, new_of = fuse(work, roots)
+        fused, new_of = fuse(work, roots, caps.max_bindings_per_stage - 1)
         fused_named = {n: new_of[t.id] for n, t in named.items()}
         fused_grads = {n: new_of[t.id] for n, t in grads.items()}
     fused_roots = [*fused_named.values(), *fused_grads.values()]
