@@ -195,9 +195,8 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit, max_inputs) -> Tenso
     # Now the whole computation may move into a matmul's or a sum's epilogue; a sum's seen
     # through a reshape too (a norm's statistics, kept with keepdims), which it then has.
     for k, (t, strides) in enumerate(zip(builder.inputs, builder.strides)):
-        host = t.inputs[0] if t.op == "reshape" and absorbable(t) else t
-        if host is not t and not _sum_without_epilogue(host):
-            host = t
+        host = (t.inputs[0] if t.op == "reshape" and _sum_without_epilogue(t.inputs[0])
+                and absorbable(t) else t)
         if (host.op in EPILOGUE_HOSTS and t.shape == node.shape
                 and in_order(strides, node.shape) and absorbable(host)):
             inputs = [host if j == k else x for j, x in enumerate(builder.inputs)]

@@ -209,11 +209,12 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
             entries.extras[name] = value
         else:
             writes.append((targets[name], value))
-    if saved_hyperparams is not None and HYPERPARAMS in values:
+    restores = saved_hyperparams is not None and HYPERPARAMS in values
+    if restores:
         writes += [(plan.slots[plan.optimizer_tables[table]], data)
                    for table, data in plan.optimizer.tables(saved_hyperparams).items()]
     bound.write_slots(writes)
-    if saved_hyperparams is not None and HYPERPARAMS in values and hyperparams is not None:
+    if restores and hyperparams is not None:
         hyperparams.update(saved_hyperparams)
 
 
