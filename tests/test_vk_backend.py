@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vkml.errors import DeviceError
+from vkml.errors import DeviceError, NagaError
 from vkml.hal import Barrier, Binding, Capabilities, Copy, Dispatch, HostWrite, Kernel
 from vkml.kernels.common import Buf, assemble
 from vkml.vk import VulkanBackend, memory_candidates, rank_devices, select_device
@@ -237,6 +237,23 @@ def test_timestamps_one_per_dispatch(backend, axpb):
     assert len(times) == 2 and all(t >= 0 for t in times)
     backend.free_program(prog)
     assert backend.validation_messages == []
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_pipelines_made_together_in_order_and_none_left_by_a_failure(backend, threads,
+                                                                     monkeypatch):
+    monkeypatch.setattr(backend, "pipeline_threads", threads)
+    good = [axpb_kernel(backend.caps) for _ in range(3)]
+    before = backend.live_objects()["pipelines"]
+    made = backend.create_pipelines(good)
+    assert [p.name for p in made] == ["axpb"] * 3 and len(set(map(id, made))) == 3
+    assert backend.live_objects()["pipelines"] == before + 3
+    for p in made:
+        backend.free_pipeline(p)
+    broken = Kernel("broken", "fn main( {", (), (1, 1, 1), (1, 1, 1))
+    with pytest.raises(NagaError, match="naga rejected kernel 'broken'"):
+        backend.create_pipelines([good[0], broken, good[1], good[2]])
+    assert backend.live_objects()["pipelines"] == before
 
 
 def test_bad_bindings_are_refused(backend, axpb):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from vkml.errors import DeviceError
 from vkml.hal.capabilities import Capabilities
 from vkml.hal.commands import Command, check_commands
 from vkml.hal.interface import HostRecording, HostWrite, TimelineSync, Timestamps
+from vkml.hal.kernel import Kernel
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
@@ -36,6 +38,9 @@ class BackendBase:
     timeline: TimelineSync | None = None
     host_recording: HostRecording | None = None
     timestamps: Timestamps | None = None
+    # How many pipelines create_pipelines makes at once: more than one only where the driver's
+    # compiler runs outside Python's lock and may be called from several threads.
+    pipeline_threads = 1
 
     def __init__(self, queue_lock: Any = None) -> None:
         self._closed = False
@@ -61,6 +66,35 @@ class BackendBase:
         are already batched into its next submission)."""
         for w in writes:
             self.write_buffer(w.buffer, w.offset, bytes(w.nbytes) if w.data is None else w.data)
+
+    def create_pipeline(self, kernel: Kernel) -> Any:
+        raise NotImplementedError
+
+    def free_pipeline(self, pipeline: Any) -> None:
+        raise NotImplementedError
+
+    def create_pipelines(self, kernels: Sequence[Kernel]) -> list[Any]:
+        """create_pipeline of each kernel, `pipeline_threads` at a time; on a failure the
+        pipelines made are freed and the first failure in kernel order is raised."""
+        if self.pipeline_threads > 1 and len(kernels) > 1:
+            with ThreadPoolExecutor(min(len(kernels), self.pipeline_threads),
+                                    thread_name_prefix="vkml-pipelines") as pool:
+                futures = [pool.submit(self.create_pipeline, k) for k in kernels]
+            failures = [f.exception() for f in futures if f.exception() is not None]
+            made = [f.result() for f in futures if f.exception() is None]
+        else:
+            failures, made = [], []
+            for kernel in kernels:
+                try:
+                    made.append(self.create_pipeline(kernel))
+                except BaseException as e:
+                    failures.append(e)
+                    break
+        if failures:
+            for pipeline in made:
+                self.free_pipeline(pipeline)
+            raise failures[0]
+        return made
 
     def submit_batch(self, programs: Sequence[Any]) -> None:
         """One submission per program where a backend has nothing better (same order)."""

@@ -87,8 +87,8 @@ class BoundPlan:
             if device.backend_name == "vulkan":  # kernels no cache holds: naga works meanwhile
                 naga.prefetch((k.wgsl, k.name) for k in self._kernels)
             self.write_initial_values()
-            for kernel in self._kernels:
-                self._pipelines[kernel.wgsl] = device.pipelines.acquire(kernel)
+            pipelines = device.pipelines.acquire(self._kernels)
+            self._pipelines = {k.wgsl: p for k, p in zip(self._kernels, pipelines)}
             if plan.inputs:
                 for b in range(STAGING_BUFFERS):
                     staging = backend.create_buffer(max(staged, 4), "upload", f"inputs {b}")

@@ -4,6 +4,7 @@ both use is compiled once, and destroyed when its last user closes."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 from vkml.hal import Backend, Kernel
 
@@ -14,14 +15,17 @@ class PipelinePool:
         self._lock = threading.Lock()
         self._entries: dict[str, list] = {}  # wgsl -> [pipeline, users]
 
-    def acquire(self, kernel: Kernel) -> object:
-        """The pipeline for `kernel`, created on first use; pair each call with release()."""
+    def acquire(self, kernels: Sequence[Kernel]) -> list[object]:
+        """The pipelines of `kernels`, in order, those no session holds created (several at a
+        time where the backend can); pair each kernel with a release()."""
         with self._lock:
-            entry = self._entries.get(kernel.wgsl)
-            if entry is None:
-                entry = self._entries[kernel.wgsl] = [self._backend.create_pipeline(kernel), 0]
-            entry[1] += 1
-            return entry[0]
+            missing = list({k.wgsl: k for k in kernels if k.wgsl not in self._entries}.values())
+            for kernel, pipeline in zip(missing, self._backend.create_pipelines(missing)):
+                self._entries[kernel.wgsl] = [pipeline, 0]
+            entries = [self._entries[k.wgsl] for k in kernels]
+            for entry in entries:
+                entry[1] += 1
+            return [entry[0] for entry in entries]
 
     def release(self, kernel: Kernel) -> None:
         with self._lock:
