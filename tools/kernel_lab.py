@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -165,27 +164,15 @@ def rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
 
-def parse_tiling(name: str) -> gemm.Tiling:
-    """A staged tiling from its name (`s128x128k16r8x8`, `...b2` double-buffered), to try
-    one codegen does not list."""
-    found = re.fullmatch(r"s(\d+)x(\d+)k(\d+)r(\d+)x(\d+)(?:b(\d))?", name)
-    if found is None:
-        raise SystemExit(f"--tilings: {name!r} is neither a listed tiling nor a staged one "
-                         "like s128x128k16r8x8 or s64x64k16r4x4b2")
-    bm, bn, bk, tm, tn, buffers = (int(v) if v else 1 for v in found.groups())
-    return gemm.Tiling(bm, bn, tm, tn, bk, True, buffers)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tilings", default="all",
-                        help="'all', 'auto' or names like s64x64k16r4x4, or staged tilings "
-                             "codegen does not list, like s128x128k16r8x8b2 (codegen's own "
-                             "choice always runs first: 'auto', and 'auto-f16' for "
-                             "precision='f16' where the device has cooperative matrices)")
+                        help="'all', 'auto' or names like s64x64k16r4x4 (codegen's own choice "
+                             "always runs first: 'auto', and 'auto-f16' for precision='f16' "
+                             "where the device has cooperative matrices)")
     parser.add_argument("--splits", default="auto",
                         help="'auto' (the split stage's choice) or counts like 1,2,4,8")
     parser.add_argument("--cases", default="", help="only cases whose label has one of these")
@@ -194,16 +181,14 @@ def main() -> int:
     staged_caps = (dataclasses.replace(device.caps, device_type="discrete")
                    if opts.quick else device.caps)
     tilings: list = [t for t in gemm.STAGED if gemm._fits(t, staged_caps)]
-    tilings += [dataclasses.replace(t, buffers=2) for t in tilings]
     coop = device.caps.cooperative_matrix and device.caps.shader_f16
     if coop:
         tilings += list(gemm.COOP)
     if opts.tilings == "auto":
         tilings = []
     elif opts.tilings != "all":
-        wanted = opts.tilings.split(",")
-        known = {str(t): t for t in tilings}
-        tilings = [known.get(name) or parse_tiling(name) for name in wanted]
+        wanted = set(opts.tilings.split(","))
+        tilings = [t for t in tilings if str(t) in wanted]
     rng = np.random.default_rng(0)
     rows: list = []
     print(f"device: {device.name} ({device.caps.device_type})")

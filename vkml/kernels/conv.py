@@ -156,7 +156,7 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
     return gemm.generate(
         f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node), m, cols, chunk,
         groups * pieces, a, b, store,
-        tiling or gemm.pipelined(gemm.choose(m, cols, depth, groups, caps)),
+        tiling or gemm.choose(m, cols, depth, groups, caps),
         setup=[f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
         k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"),
         flops=2 * m * cols * depth * groups, nbytes=4 * (read + node.size))

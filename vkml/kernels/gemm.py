@@ -25,7 +25,6 @@ Two variants, chosen by the device:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -61,7 +60,6 @@ class Tiling:
     tn: int
     bk: int
     staged: bool
-    buffers: int = 1  # staged slices in workgroup memory: 2 overlaps writing one with reading one
 
     @property
     def wx(self) -> int:
@@ -76,8 +74,7 @@ class Tiling:
         return self.wx * self.wy
 
     def __str__(self) -> str:
-        return (f"{'s' if self.staged else 'd'}{self.bm}x{self.bn}k{self.bk}r{self.tm}x{self.tn}"
-                + (f"b{self.buffers}" if self.buffers > 1 else ""))
+        return f"{'s' if self.staged else 'd'}{self.bm}x{self.bn}k{self.bk}r{self.tm}x{self.tn}"
 
 
 # Staged tilings from the largest tile (most reuse per loaded value) to the smallest (most
@@ -150,18 +147,6 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities) -> Tiling | CoopT
     return middle[0] if middle and min(m, n) >= THIN else usable[-1]
 
 
-def pipelined(t: Tiling | CoopTiling) -> Tiling | CoopTiling:
-    """`t` for operands gathered by index arithmetic (convolutions as implicit GEMM): two
-    staged slices of half the depth, so the next slice's loads overlap the multiply. On an
-    H200 this made ResNet-50's 3x3 convolutions and their gradients 4-32% faster at 64 x 64
-    tiles, where plain matmuls ran 5-20% slower with it and 128 x 128 tiles gained nothing
-    (tools/KERNELS.md, v6); the split stage still plans with `t`."""
-    measured = (64, 64, 16, 1)
-    if isinstance(t, Tiling) and t.staged and (t.bm, t.bn, t.bk, t.buffers) == measured:
-        return dataclasses.replace(t, bk=t.bk // 2, buffers=2)
-    return t
-
-
 def splits(m: int, n: int, k: int, z: int, caps: Capabilities) -> int:
     """Into how many partial sums over splits of k an (m x n x k) product over `z` grid layers
     is cut (the split stage, compiler/split.py, makes them): on GPUs, where its tiles leave
@@ -186,7 +171,7 @@ MAX_SPLITS = 16
 
 
 def _fits(t: Tiling, caps: Capabilities) -> bool:
-    shared = 4 * t.bk * ((t.bm + PAD) + (t.bn + PAD)) * t.buffers
+    shared = 4 * t.bk * ((t.bm + PAD) + (t.bn + PAD))
     return (t.threads <= caps.max_workgroup_invocations and shared <= caps.max_shared_memory_bytes
             and t.wx <= caps.max_workgroup_size[0] and t.wy <= caps.max_workgroup_size[1])
 
@@ -212,9 +197,9 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
             f"  let tx = lid.x; let ty = lid.y; let tid = ty * {tiling.wx}u + tx;",
             f"  let row0 = wid.y * {tiling.bm}u; let col0 = wid.x * {tiling.bn}u; let z = wid.z;",
             *setup]
-    shared = ([f"var<workgroup> {tile}s: array<vec4<f32>, "
-               f"{tiling.buffers * tiling.bk * (extent + PAD) // 4}>;"
-               for tile, extent in (("A", tiling.bm), ("B", tiling.bn))] if tiling.staged else [])
+    shared = ([f"var<workgroup> As: array<vec4<f32>, {tiling.bk * (tiling.bm + PAD) // 4}>;",
+               f"var<workgroup> Bs: array<vec4<f32>, {tiling.bk * (tiling.bn + PAD) // 4}>;"]
+              if tiling.staged else [])
     return assemble(f"{name}_{tiling}", caps, buffers, (tiling.wx, tiling.wy),
                     [*head, *body, "}"], grid, prelude=[*prelude, *shared], flops=flops,
                     nbytes=nbytes)
@@ -229,25 +214,23 @@ def _element(load: Loader, row: str, depth: str, guard: str, target: str) -> str
 
 def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, begin: str,
             end: str) -> list[str]:
-    head, tail = _stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end, t.buffers,
-                        sizes=(t.bk * (t.bm + PAD), t.bk * (t.bn + PAD)),
-                        place=lambda tile, ii, kk: f"{kk} * {(t.bm if tile == 'a' else t.bn) + PAD}"
-                                                   f"u + {ii}",
-                        write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at} / 4u]"
-                                                  f"[{at} % 4u] = {v};")
-    lines = [*[f"  var c{i}_{j} = 0.0;" for i in range(t.tm) for j in range(t.tn)], *head]
-    ra, rb = ("ra / 4u + ", "rb / 4u + ") if t.buffers > 1 else ("", "")
+    lines = [*[f"  var c{i}_{j} = 0.0;" for i in range(t.tm) for j in range(t.tn)],
+             *_stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end,
+                     place=lambda tile, ii, kk: f"{kk} * {(t.bm if tile == 'a' else t.bn) + PAD}u"
+                                                f" + {ii}",
+                     write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at} / 4u]"
+                                               f"[{at} % 4u] = {v};")]
     comp = "xyzw"
     for kk in range(t.bk):
         lines.append("    {")
-        lines += [f"      let a{i4} = As[{ra}{kk * (t.bm + PAD) // 4}u + {i4 * t.wy}u + ty];"
+        lines += [f"      let a{i4} = As[{kk * (t.bm + PAD) // 4}u + {i4 * t.wy}u + ty];"
                   for i4 in range(t.tm // 4)]
-        lines += [f"      let b{j4} = Bs[{rb}{kk * (t.bn + PAD) // 4}u + {j4 * t.wx}u + tx];"
+        lines += [f"      let b{j4} = Bs[{kk * (t.bn + PAD) // 4}u + {j4 * t.wx}u + tx];"
                   for j4 in range(t.tn // 4)]
         lines += [f"      c{i}_{j} = fma(a{i // 4}.{comp[i % 4]}, b{j // 4}.{comp[j % 4]}, "
                   f"c{i}_{j});" for i in range(t.tm) for j in range(t.tn)]
         lines.append("    }")
-    lines += tail
+    lines += ["    workgroupBarrier();", "  }"]
     for i in range(t.tm):
         for j in range(t.tn):
             row = f"row0 + {4 * (i // 4) * t.wy + i % 4}u + 4u * ty"
@@ -258,17 +241,13 @@ def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
 
 
 def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, threads: int,
-           begin: str, end: str, buffers: int, sizes: tuple[int, int],
-           place: Callable[[str, str, str], str],
-           write: Callable[[str, str, str], str]) -> tuple[list[str], list[str]]:
+           begin: str, end: str, place: Callable[[str, str, str], str],
+           write: Callable[[str, str, str], str]) -> list[str]:
     """Lines staging A's BM x BK and B's BN x BK slices: per thread, the elements it loads (so
-    neighbouring threads read along each operand's contiguous index) and a register for each.
-    Returns the lines up to the loop body, where the caller multiplies the slice in workgroup
-    memory, and the lines closing the loop. The next slice is read from memory into registers
-    before the body. With one buffer the registers are written at the loop's head, between two
-    barriers; with two (each `sizes` elements: A's, B's) they are written after the body into
-    the buffer not being read, one barrier a slice, and `ra` / `rb` say where the slice being
-    read starts (`place` gives an element's index in a buffer, `write` the store)."""
+    neighbouring threads read along each operand's contiguous index), a register for each, the
+    first slice's loads, and the loop head that writes the registers into workgroup memory
+    (`place` gives an element's index there, `write` the store) and loads the next slice while
+    the caller's body multiplies this one. The caller closes the loop with a barrier."""
     lines: list[str] = []
     loads: list[str] = []
     fill: list[str] = []
@@ -285,21 +264,10 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
             loads.append("    " + _element(op.load, f"{tile}i{step}", f"(kn + {tile}k{step})",
                                            f"{tile}i{step} < {bound}u && kn + {tile}k{step} < "
                                            "kend", f"{tile}p{step}"))
-            fill.append((tile, f"{tile}s{step}", f"{tile}p{step}"))
-    lines += [f"  let kend = {end};", f"  var kn = {begin};", *loads]
-    if buffers == 1:
-        return ([*lines, f"  for (var k0 = {begin}; k0 < kend; k0 += {bk}u) {{",
-                 *[f"    {write(tile, at, v)}" for tile, at, v in fill],
-                 "    workgroupBarrier();", f"    kn = k0 + {bk}u;", *loads],
-                ["    workgroupBarrier();", "  }"])
-    head = [*lines, *[f"  {write(tile, at, v)}" for tile, at, v in fill], "  workgroupBarrier();",
-            "  var ra = 0u; var rb = 0u;",
-            f"  for (var k0 = {begin}; k0 < kend; k0 += {bk}u) {{", f"    kn = k0 + {bk}u;",
-            *loads]
-    tail = [f"    let wa = {sizes[0]}u - ra; let wb = {sizes[1]}u - rb;",
-            *[f"    {write(tile, f'({at} + w{tile})', v)}" for tile, at, v in fill],
-            "    workgroupBarrier();", "    ra = wa; rb = wb;", "  }"]
-    return head, tail
+            fill.append(f"    {write(tile, f'{tile}s{step}', f'{tile}p{step}')}")
+    return [*lines, f"  let kend = {end};", f"  var kn = {begin};", *loads,
+            f"  for (var k0 = {begin}; k0 < kend; k0 += {bk}u) {{", *fill,
+            "    workgroupBarrier();", f"    kn = k0 + {bk}u;", *loads]
 
 
 def _direct(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, begin: str,
@@ -345,13 +313,10 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
              f"  let sc = (sg % {t.sg_n}u) * {16 * t.fn}u;",
              *[f"  var acc{i}_{j} = coop_mat16x16<f32, C>();"
                for i in range(t.fm) for j in range(t.fn)]]
-    head, tail = _stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end, 1,
-                        sizes=(t.bm * sa, t.bk * sb),
-                        place=lambda tile, ii, kk: (f"{ii} * {sa}u + {kk}" if tile == "a"
-                                                    else f"{kk} * {sb}u + {ii}"),
-                        write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at}] = "
-                                                  f"f16({v});")
-    lines += head
+    lines += _stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end,
+                    place=lambda tile, ii, kk: (f"{ii} * {sa}u + {kk}" if tile == "a"
+                                                else f"{kk} * {sb}u + {ii}"),
+                    write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at}] = f16({v});")
     for kk in range(0, t.bk, 16):
         lines.append("    {")
         lines += [f"      let fa{i} = coopLoadT<coop_mat16x16<f16, A>>("
@@ -361,7 +326,7 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
         lines += [f"      acc{i}_{j} = coopMultiplyAdd(fa{i}, fb{j}, acc{i}_{j});"
                   for i in range(t.fm) for j in range(t.fn)]
         lines.append("    }")
-    lines += tail
+    lines += ["    workgroupBarrier();", "  }"]
     for i in range(t.fm):
         for j in range(t.fn):
             lines += [f"  coopStoreT(acc{i}_{j}, &Cs[sg * 256u], 16u);", "  workgroupBarrier();",
