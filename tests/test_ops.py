@@ -318,3 +318,34 @@ def test_pointwise_ops_propagate_nan_as_torch_does(device):
     for name, fn in expected.items():
         want = np.isnan(fn(t).numpy())
         assert np.array_equal(np.isnan(session.read(name)), want), name
+
+
+def test_gpu_reductions_read_several_terms_a_trip(device, rng):
+    # On GPUs each thread of a long reduction reads several terms a trip (kernels/reduce.py,
+    # unroll); lavapipe takes the CPU kernels, so that variant is checked here with a GPU's
+    # capabilities: batch norm's sums in training (prologues reading the broadcast statistics,
+    # forward and backward) and a maximum, 4092 terms each: 7 trips of 4 and a rest.
+    import dataclasses
+
+    from vkml.compiler.stages import lower
+    from vkml.session import Session
+    caps = dataclasses.replace(device.caps, device_type="discrete")
+    shape = (4, 6, 33, 31)
+    x = rng.standard_normal(shape).astype(np.float32)
+    weights = rng.standard_normal(shape).astype(np.float32)
+    g = vkml.Graph()
+    px = g.param("x", shape, init=x)
+    y = g.output("y", g.batch_norm(px, training=True))
+    g.output("m", g.amax(px, axis=(0, 2, 3)))
+    loss = g.sum(g.mul(y, g.constant(weights)))
+    plan = lower(g, caps, loss=loss).plan
+    assert any("rt +" in d.kernel.wgsl for d in plan.dispatches)
+    session = Session(plan, device)
+    session.step()
+    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    ty = F.batch_norm(tx, None, None, training=True)
+    (ty * torch.tensor(weights, dtype=torch.float64)).sum().backward()
+    assert rel_l2(session.read("y"), ty.detach().numpy()) < 1e-5
+    assert rel_l2(session.grad("x"), tx.grad.numpy()) < 1e-5
+    np.testing.assert_array_equal(session.read("m"), x.max(axis=(0, 2, 3)))
+    session.close()

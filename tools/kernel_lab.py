@@ -122,7 +122,11 @@ def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
     return session, times, profile.source
 
 
-WARM_S = 0.05
+# Seconds of steps before the timed ones. 0.05 was too short on the H200: the clocks dropped while
+# each variant compiled, and the same kernel timed 0.048 ms as "auto" and 0.104 ms forced a
+# moment later (4096^3: 4.26 and 14.5 ms), so variants timed later looked faster
+# (lab-20261201-h200-double-buffer).
+WARM_S = 0.5
 
 
 def report(rows: list, label: str, tiling: str, auto: bool, times: dict, errors: dict,

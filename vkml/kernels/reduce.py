@@ -30,6 +30,7 @@ SHORT = 64
 # On GPUs a long reduction's workgroup grows until each thread sums about this many terms (its
 # workgroups are few: one per output).
 TERMS_PER_THREAD = 32
+UNROLL = 4  # see unroll()
 
 
 def workgroup_for(iterations: int, caps: Capabilities, node: Tensor) -> int:
@@ -132,11 +133,11 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
              # Surplus workgroups of the 2-D grid skip the loads but join the barriers.
              f"  if (o < {outputs}u) {{",
              *[line for line in setup if line.lstrip().startswith("let k")], *per_output,
-             f"    for (var r = lid; r < {reduced}u; r += {wg}u) {{",
-             *["  " + line for line in setup if line.lstrip().startswith("let j")],
-             *["    " + line for line in per_term],
-             f"      let at = {at};", *term,
-             "    }", "  }",
+             *_term_loops(reduced, wg, unroll(reduced, wg, caps),
+                          [*["  " + line for line in setup if line.lstrip().startswith("let j")],
+                           *["    " + line for line in per_term], f"      let at = {at};",
+                           *term]),
+             "  }",
              "  partial[lid] = acc;",
              *tree_reduce("partial", wg, merge),
              f"  if (lid == 0u && o < {outputs}u) {{",
@@ -148,6 +149,28 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
                     prelude=[*helper_functions(prologue, epilogue),
                              f"var<workgroup> partial: array<f32, {wg}>;"],
                     flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
+
+
+def unroll(reduced: int, wg: int, caps: Capabilities) -> int:
+    """Terms a GPU thread reads per trip of its loop: a workgroup per output leaves few
+    workgroups when outputs are few (a batch norm's channels), so each thread's loads must be in
+    flight together (one a trip is a chain of memory latencies). CPU drivers keep one."""
+    return UNROLL if caps.device_type != "cpu" and reduced >= UNROLL * wg else 1
+
+
+def _term_loops(reduced: int, wg: int, times: int, body: list[str]) -> list[str]:
+    """The loop of a thread over terms r = lid, lid + wg, ... < `reduced`, `body` once per term
+    (it uses `r`), `times` terms a trip and then one a trip for the rest: the terms are folded
+    in the same order either way."""
+    loops = []
+    if times > 1:
+        loops = ["    var rt = lid;",
+                 f"    for (; rt + {(times - 1) * wg}u < {reduced}u; rt += {times * wg}u) {{",
+                 *[line for u in range(times)
+                   for line in ["      {", f"      let r = rt + {u * wg}u;",
+                                *["  " + b for b in body], "      }"]], "    }"]
+    start = "rt" if times > 1 else "lid"
+    return [*loops, f"    for (var r = {start}; r < {reduced}u; r += {wg}u) {{", *body, "    }"]
 
 
 def _prologue_reads(in_shape: tuple[int, ...], axes: tuple[int, ...], prologue: Body,
