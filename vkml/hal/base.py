@@ -77,14 +77,9 @@ class BackendBase:
         """create_pipeline of each kernel, `pipeline_threads` at a time; on a failure the
         pipelines made are freed and the first failure in kernel order is raised."""
         if self.pipeline_threads > 1 and len(kernels) > 1:
-            # Longest first: the large GEMM kernels take the driver longest, and started last
-            # they would leave one thread compiling after the others ran out of work.
-            longest_first = sorted(range(len(kernels)), key=lambda i: -len(kernels[i].wgsl))
             with ThreadPoolExecutor(min(len(kernels), self.pipeline_threads),
                                     thread_name_prefix="vkml-pipelines") as pool:
-                submitted = {i: pool.submit(self.create_pipeline, kernels[i])
-                             for i in longest_first}
-            futures = [submitted[i] for i in range(len(kernels))]
+                futures = [pool.submit(self.create_pipeline, k) for k in kernels]
             failures = [f.exception() for f in futures if f.exception() is not None]
             made = [f.result() for f in futures if f.exception() is None]
         else:

@@ -85,9 +85,7 @@ class BoundPlan:
                 self.staging_offsets[name] = staged
                 staged += -(-plan.slots[slot].nbytes // align) * align
             if device.backend_name == "vulkan":  # kernels no cache holds: naga works meanwhile
-                # in the order create_pipelines starts them: longest first
-                naga.prefetch((k.wgsl, k.name)
-                              for k in sorted(self._kernels, key=lambda k: -len(k.wgsl)))
+                naga.prefetch((k.wgsl, k.name) for k in self._kernels)
             self.write_initial_values()
             pipelines = device.pipelines.acquire(self._kernels)
             self._pipelines = {k.wgsl: p for k, p in zip(self._kernels, pipelines)}
