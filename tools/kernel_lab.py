@@ -7,8 +7,10 @@ numpy and timed with device timestamps, in one run, so one call on a lent GPU co
 
 Each case is a graph of one matmul or convolution (of the kind the models' forward and backward
 passes make) compiled as usual, whose kernel is then regenerated with each forced tiling; the
-"auto" row is what codegen chooses. A row reports the median GPU ms over --reps steps (the
-profile's timestamps), TFLOP/s and the relative L2 error against float64.
+"auto" row is what codegen chooses, timed again last ("auto-again": a change of more than 10%
+is printed as drift, the GPU's clocks having moved while the case ran). A row reports the
+median GPU ms over --reps steps (the profile's timestamps), TFLOP/s and the relative L2 error
+against float64.
 """
 
 from __future__ import annotations
@@ -142,6 +144,24 @@ def report(rows: list, label: str, tiling: str, auto: bool, times: dict, errors:
               flush=True)
 
 
+DRIFT = 0.1  # the largest change between the two timings of codegen's choice taken as noise
+
+
+def warn_drift(rows: list, label: str) -> None:
+    """Print where codegen's choice, timed first and again last, changed by more than DRIFT:
+    then the case's variants were timed at different clocks and compare only roughly."""
+    first = {(r["op"], r["splits"]): r["ms"] for r in rows
+             if r["case"] == label and r.get("tiling") == "auto"}
+    for r in rows:
+        key = (r.get("op"), r.get("splits"))
+        if r["case"] == label and r.get("tiling") == "auto-again" and first.get(key):
+            change = r["ms"] / first[key] - 1
+            if abs(change) > DRIFT:
+                print(f"{label[:22]:22} {key[0][:18]:18} drift: codegen's choice took "
+                      f"{first[key]:.4f} ms first and {r['ms']:.4f} ms last ({change:+.0%}): "
+                      "this case's variants ran at different clocks")
+
+
 def conv_case(a_shape, w_shape, stride, padding, rng):
     import torch
     import torch.nn.functional as F
@@ -208,14 +228,19 @@ def main() -> int:
             loss, flop = None, {"matmul": 2 * expected.size * (sa[-2] if p else sa[-1])}
         else:
             g, loss, conv_expected, flop = conv_case(sa, sb, p, q, rng)
+        # codegen's own choice runs first and again last: the two timings of one kernel say
+        # how far the GPU's clocks drifted while the case ran
         variants = [(None, "f32"), *([(None, "f16")] if coop else []),
-                    *[(t, "f16" if isinstance(t, gemm.CoopTiling) else "f32") for t in tilings]]
-        for (tiling, precision), splits in [(v, c) for v in variants for c in split_counts]:
+                    *[(t, "f16" if isinstance(t, gemm.CoopTiling) else "f32") for t in tilings],
+                    *([(None, "f32")] if tilings else [])]
+        runs = [(v, c) for v in variants for c in split_counts]
+        for i, ((tiling, precision), splits) in enumerate(runs):
             caps = dataclasses.replace(staged_caps if tiling is not None else device.caps,
                                        precision=precision)
             limit = 5e-3 if precision == "f16" else 1e-5
             name = str(tiling) if tiling is not None else (
-                "auto" if precision == "f32" else "auto-f16")
+                "auto-f16" if precision == "f16" else
+                "auto-again" if i >= len(runs) - len(split_counts) and tilings else "auto")
             try:
                 session, times, _ = run(device, g, loss, tiling, opts.reps, caps, splits)
                 if kind == "matmul":
@@ -233,6 +258,7 @@ def main() -> int:
                 print(f"{label[:22]:22} {'':18} {name:24} failed: {error[:60]}")
                 continue
             report(rows, label, name, tiling is None, times, errors, flop, limit, splits)
+        warn_drift(rows, label)
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
         (opts.out / "lab.json").write_text(json.dumps({"device": device.name, "rows": rows},
