@@ -778,7 +778,7 @@ class Report:
                 heights = [r["median_ms"] if r and r.get("median_ms") else np.nan for r in rows]
                 bars = ax.bar(x + (i - 1) * 0.27, heights, 0.27, label=engine)
                 ax.bar_label(bars, fmt="%.3g", fontsize=7)
-            ax.set_xticks(x, [f"{wl}\n{ph}" for wl, ph in keys])
+            ax.set_xticks(x, ["\n".join([*wl.split("_"), ph]) for wl, ph in keys], fontsize=8)
             ax.set_yscale("log")
             ax.set_ylabel("ms per step (median)")
             ax.set_title(f"{mode}: {self.meta['precision'][mode]}", fontsize=10)
