@@ -137,10 +137,14 @@ def test_many_writes_and_zeros_in_few_submissions(backend, staged, monkeypatch):
             else:
                 e[at:at + n] = rng.standard_normal(n)
                 writes.append(HostWrite.of(b, 4 * at, e[at:at + n].tobytes()))
-    submissions = []
+    submissions, staging = [], []
     monkeypatch.setattr(backend, "run_now", lambda cmds, f=backend.run_now: (
         submissions.append(len(cmds)), f(cmds))[1])
+    monkeypatch.setattr(backend, "create_buffer", lambda n, kind, label, f=backend.create_buffer:
+                        (staging.append(n), f(n, kind, label))[1])
     backend.write_buffers(writes)
+    # one staging buffer for every batch: the zeroed region and the largest batch
+    assert staging == ([64 + 80] if staged else []), staging
     for b, e in zip(bufs, expected):
         np.testing.assert_array_equal(floats(backend, b, 0, 100), e)
     if staged:  # 4 data writes of 40 or 80 bytes, zeros from one 64-byte region
