@@ -158,6 +158,38 @@ def test_many_writes_and_zeros_in_few_submissions(backend, staged, monkeypatch):
     assert backend.validation_messages == []
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_many_reads_in_few_submissions_keep_nothing(backend, staged, monkeypatch):
+    from vkml.vk import backend as vk_backend
+    monkeypatch.setattr(vk_backend, "STAGING_BATCH", 64)  # several batches from a few reads
+    bufs = [backend.create_buffer(400, "device", f"reads-{i}") for i in range(2)]
+    values = [np.arange(100, dtype=np.float32) + 1000 * i for i in range(2)]
+    for b, v in zip(bufs, values):
+        backend.write_buffer(b, 0, v.tobytes())
+        if staged:  # the staging-copy path of discrete GPUs
+            b.host_read = b.host_write = False
+    reads = [(b, 4 * at, 4 * n) for at, n in [(0, 10), (10, 30), (40, 0), (60, 40)]
+             for b in bufs]
+    submissions, staging = [], []
+    monkeypatch.setattr(backend, "run_now", lambda cmds, f=backend.run_now: (
+        submissions.append(len(cmds)), f(cmds))[1])
+    monkeypatch.setattr(backend, "create_buffer", lambda n, kind, label, f=backend.create_buffer:
+                        (staging.append(n), f(n, kind, label))[1])
+    before = backend.live_objects()
+    got = backend.read_buffers(reads)
+    assert got == [v[o // 4:(o + n) // 4].tobytes() for (_, o, n), v in zip(reads, values * 4)]
+    assert backend.live_objects() == before  # no staging buffer or program kept
+    if staged:  # 6 reads of 40, 120 or 160 bytes in batches of up to 64 bytes or one read
+        assert len(submissions) == 6 and staging == [160], (submissions, staging)
+    else:
+        assert submissions == [] and staging == []
+    with pytest.raises(DeviceError, match="does not fit"):
+        backend.read_buffers([(bufs[0], 396, 8)])
+    for b in bufs:
+        backend.free_buffer(b)
+    assert backend.validation_messages == []
+
+
 def test_dispatch_at_offsets_inside_one_buffer(backend, axpb):
     ox = aligned(backend, 64)
     ob = aligned(backend, ox + NBYTES + 4)

@@ -469,8 +469,9 @@ class Session:
 
     @_serialized
     def params(self) -> dict[str, np.ndarray]:
-        return {name: self._bound.read_slot(self.plan.slots[s])
-                for name, s in self.plan.params.items()}
+        names = list(self.plan.params)
+        return dict(zip(names, self._bound.read_slots(
+            [self.plan.slots[self.plan.params[n]] for n in names])))
 
     @_serialized
     def set_param(self, name: str, value: np.ndarray) -> None:

@@ -67,6 +67,13 @@ class BackendBase:
         for w in writes:
             self.write_buffer(w.buffer, w.offset, bytes(w.nbytes) if w.data is None else w.data)
 
+    def read_buffer(self, buffer: Any, offset: int, nbytes: int) -> bytes:
+        raise NotImplementedError
+
+    def read_buffers(self, reads: Sequence[tuple[Any, int, int]]) -> list[bytes]:
+        """One read_buffer per read where a backend has nothing better (wgpu maps each)."""
+        return [self.read_buffer(*r) for r in reads]
+
     def create_pipeline(self, kernel: Kernel) -> Any:
         raise NotImplementedError
 

@@ -86,6 +86,12 @@ class Backend(Protocol):
         ...
 
     def read_buffer(self, buffer: object, offset: int, nbytes: int) -> bytes: ...
+    def read_buffers(self, reads: Sequence[tuple[object, int, int]]) -> list[bytes]:
+        """Many (buffer, offset, nbytes) reads, as read_buffer would return them one by one,
+        in as few submissions as the backend can and keeping nothing for later reads (a
+        checkpoint's hundreds of tensors, read once)."""
+        ...
+
     def stage_reads(self, buffer: object) -> bool:
         """Whether what a program computes into `buffer` is better copied to host-readable
         memory by the program itself: read_buffer() of it would need a copy submitted

@@ -329,13 +329,26 @@ class BoundPlan:
         return np.frombuffer(raw, dtype=NUMPY_DTYPE[slot.dtype]).reshape(slot.shape).copy()
 
     def read_slot(self, slot: Slot) -> np.ndarray:
-        self.wait()
-        if slot.id in self.shared:
-            assert self.owner is not None
-            self.owner.wait()  # the owner's later updates write it
+        """One slot, through a read the backend keeps for reading it again (a value read every
+        frame)."""
+        self._wait_for_writers([slot])
         buffer, offset = self.place(slot.id)
         raw = self.backend.read_buffer(buffer, offset, slot.nbytes)
         return np.frombuffer(raw, dtype=NUMPY_DTYPE[slot.dtype]).reshape(slot.shape).copy()
+
+    def read_slots(self, slots: Sequence[Slot]) -> list[np.ndarray]:
+        """Many slots read once (a checkpoint, all parameters), in as few submissions as the
+        backend can."""
+        self._wait_for_writers(slots)
+        raws = self.backend.read_buffers([(*self.place(s.id), s.nbytes) for s in slots])
+        return [np.frombuffer(raw, dtype=NUMPY_DTYPE[s.dtype]).reshape(s.shape).copy()
+                for s, raw in zip(slots, raws)]
+
+    def _wait_for_writers(self, slots: Sequence[Slot]) -> None:
+        self.wait()
+        if any(s.id in self.shared for s in slots):
+            assert self.owner is not None
+            self.owner.wait()  # the owner's later updates write them
 
     # ---- teardown -----------------------------------------------------------------------------
     def close(self) -> None:

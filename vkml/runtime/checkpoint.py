@@ -47,7 +47,8 @@ class Entries:
 
 
 def state_dict(bound: BoundPlan, entries: Entries | None = None) -> dict[str, np.ndarray]:
-    tensors = {name: bound.read_slot(slot) for name, slot in _targets(bound).items()}
+    targets = _targets(bound)
+    tensors = dict(zip(targets, bound.read_slots(list(targets.values()))))
     if entries is not None:
         tensors |= {name: value.copy() for name, value in entries.extras.items()}
     return tensors

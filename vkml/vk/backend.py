@@ -221,6 +221,47 @@ class VulkanBackend(BackendBase):
         self.wait_for(program)
         return self._ffi.buffer(staging.pointer, nbytes)[:]
 
+    def read_buffers(self, reads: Sequence[tuple[Buffer, int, int]]) -> list[bytes]:
+        """Mapped buffers read in place; the others copied through one staging buffer in
+        batches of about STAGING_BATCH bytes, one submission a batch, and nothing kept (where
+        read_buffer keeps a staging buffer and a program per read for reading it again). Call
+        wait() first."""
+        results: list[bytes | None] = [None] * len(reads)
+        staged = []
+        for i, (buffer, offset, nbytes) in enumerate(reads):
+            if offset < 0 or nbytes < 0 or offset + nbytes > buffer.nbytes:
+                raise DeviceError(f"read of {nbytes} bytes at offset {offset} does not fit in "
+                                  f"{buffer!r}")
+            if buffer.host_read or nbytes == 0:
+                results[i] = self._ffi.buffer(buffer.pointer + offset, nbytes)[:] if nbytes else b""
+            else:
+                staged.append(i)
+        batches: list[list[int]] = []
+        size = STAGING_BATCH
+        for i in staged:
+            if size + reads[i][2] > STAGING_BATCH:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            size += reads[i][2]
+        if batches:
+            staging = self.create_buffer(max(sum(reads[i][2] for i in b) for b in batches),
+                                         "readback", "staging-reads")
+            try:
+                for batch in batches:
+                    at, copies, places = 0, [], []
+                    for i in batch:
+                        buffer, offset, nbytes = reads[i]
+                        copies.append(Copy(buffer, offset, staging, at, nbytes))
+                        places.append((i, at, nbytes))
+                        at += nbytes
+                    self.run_now(copies)
+                    for i, at, nbytes in places:
+                        results[i] = self._ffi.buffer(staging.pointer + at, nbytes)[:]
+            finally:
+                self.free_buffer(staging)
+        return [r if r is not None else b"" for r in results]
+
     def stage_reads(self, buffer: Buffer) -> bool:
         """Device memory the host cannot read in place (a discrete GPU's VRAM): reading it
         takes a copy on the queue, behind everything submitted before the read."""
