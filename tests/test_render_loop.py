@@ -8,6 +8,7 @@ instance gets a debug messenger, so the validation layer's messages about the ad
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import numpy as np
@@ -284,6 +285,9 @@ def test_adopted_device_gives_the_same_results_as_a_vkml_owned_one(device, host)
     dev = host.adopt()
     assert dev.adopted and dev.queue_lock is host.lock
     assert dev.caps == device.caps  # the host enabled what vkml would have
+    # compiles leave a core to the host's render thread (VKML_COMPILE_THREADS unset)
+    if "VKML_COMPILE_THREADS" not in os.environ:
+        assert dev.backend.pipeline_threads == max(1, (os.cpu_count() or 1) - 1)
     with mlp(dev) as s:
         for _ in range(3):
             s.step()

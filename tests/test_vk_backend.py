@@ -292,6 +292,21 @@ def test_pipelines_made_together_in_order_and_none_left_by_a_failure(backend, th
     assert backend.live_objects()["pipelines"] == before
 
 
+def test_compile_threads_from_the_environment(monkeypatch):
+    from vkml.errors import InputError
+    from vkml.threads import compile_threads
+    monkeypatch.delenv("VKML_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert compile_threads() == 6 and compile_threads(host_shares_device=True) == 5
+    monkeypatch.setenv("VKML_COMPILE_THREADS", "3")
+    with VulkanBackend() as b:
+        assert b.pipeline_threads == 3
+    for bad in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv("VKML_COMPILE_THREADS", bad)
+        with pytest.raises(InputError, match=f"VKML_COMPILE_THREADS={bad!r}: give a whole"):
+            VulkanBackend()
+
+
 def test_bad_bindings_are_refused(backend, axpb):
     buf = backend.create_buffer(3 * NBYTES, "device", "bad")
     align = backend.caps.min_storage_offset_alignment

@@ -22,6 +22,7 @@ import wasmtime
 from vkml.cachedir import cache_dir as default_cache_dir
 from vkml.cachedir import write_atomic
 from vkml.errors import NagaError
+from vkml.threads import compile_threads
 
 SPIRV_MAGIC = 0x07230203
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -175,8 +176,9 @@ def missing_wasm_advice() -> str:
 WASM_OPT_LEVEL = "none"
 # Threads translating at once for `prefetch`, each with its own naga instance (a few MB). Most of
 # a translation runs inside wasm, outside Python's lock (ResNet-50 training's 246 kernels on 2
-# cores: 0.66 s with one thread, 0.40 s with two), so threads scale with the cores, up to a few.
-PREFETCH_THREADS = min(os.cpu_count() or 1, 8)
+# cores: 0.66 s with one thread, 0.40 s with two), so threads scale with the cores
+# (vkml.threads), up to a few.
+PREFETCH_THREADS = 8
 
 
 class Compiler:
@@ -344,7 +346,7 @@ class Compiler:
                     jobs.append((key, wgsl, name, future))
         if not jobs:
             return
-        pool = ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1, PREFETCH_THREADS),
+        pool = ThreadPoolExecutor(min(len(jobs), compile_threads(), PREFETCH_THREADS),
                                   thread_name_prefix="vkml-naga")
         for job in jobs:
             pool.submit(self._produce, *job, prefetched=True)

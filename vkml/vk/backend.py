@@ -5,7 +5,6 @@ a timeline semaphore, recording into the host's command buffers, and device time
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 from vkml import naga
 from vkml.errors import DeviceError
 from vkml.hal import BackendBase, BackendTimestamps, BufferKind, Command, Copy, HostWrite, Kernel
+from vkml.threads import compile_threads
 from vkml.vk.buffers import Buffer, allocate_buffer, free_buffer
 from vkml.vk.context import WAIT_TIMEOUT_NS, Adopted, Device, as_handle
 from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
@@ -63,7 +63,7 @@ class VulkanBackend(BackendBase):
         self._pipelines: set[Pipeline] = set()
         # Drivers compile SPIR-V outside Python's lock and a VkPipelineCache takes concurrent
         # use: on the H200 one driver compile takes ~60 ms, 17 of ResNet-50's 18 s cold compile.
-        self.pipeline_threads = os.cpu_count() or 1
+        self.pipeline_threads = compile_threads(host_shares_device=not dev.owned)
         self._programs: set[Program] = set()
         self._in_flight: set[Program] = set()  # fence mode only
         self._timeline = dev.timeline
