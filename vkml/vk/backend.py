@@ -29,6 +29,21 @@ MAX_READERS = 256
 STAGING_BATCH = 64 << 20  # bytes staged per submission by write_buffers (larger writes: their own)
 
 
+def _batches(sizes: Sequence[int]) -> tuple[list[list[int]], int]:
+    """The indices of `sizes` in order, cut into batches of at most STAGING_BATCH bytes (an
+    item larger than that is a batch of its own; items of size 0 join the batch at hand), and
+    the largest batch's bytes: what a staging buffer reused for every batch must hold."""
+    batches: list[list[int]] = [[]]
+    size = 0
+    for i, n in enumerate(sizes):
+        if batches[-1] and n and size + n > STAGING_BATCH:
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += n
+    return batches, max(sum(sizes[i] for i in b) for b in batches)
+
+
 class VulkanBackend(BackendBase):
     """One Vulkan device and queue; buffers, pipelines and pre-recorded programs on it.
 
@@ -162,20 +177,12 @@ class VulkanBackend(BackendBase):
         if not staged:
             return
         zeros = min(max((w.nbytes for w in staged if w.data is None), default=0), STAGING_BATCH)
-        batches: list[list[HostWrite]] = [[]]
-        size = 0  # data bytes in the last batch (larger writes than a batch: a batch each)
-        for w in staged:
-            if batches[-1] and w.data is not None and size + w.nbytes > STAGING_BATCH:
-                batches.append([])
-                size = 0
-            batches[-1].append(w)
-            size += 0 if w.data is None else w.nbytes
-        room = max(sum(w.nbytes for w in b if w.data is not None) for b in batches)
+        batches, room = _batches([0 if w.data is None else w.nbytes for w in staged])
         staging = self.create_buffer(zeros + room, "upload", "staging-write")
         try:
             self._host_write(staging.pointer, HostWrite(staging, 0, zeros))
             for batch in batches:
-                self._write_staged(staging, batch, zeros)
+                self._write_staged(staging, [staged[i] for i in batch], zeros)
         finally:
             self.free_buffer(staging)
 
@@ -226,31 +233,23 @@ class VulkanBackend(BackendBase):
         batches of about STAGING_BATCH bytes, one submission a batch, and nothing kept (where
         read_buffer keeps a staging buffer and a program per read for reading it again). Call
         wait() first."""
-        results: list[bytes | None] = [None] * len(reads)
+        results = [b""] * len(reads)
         staged = []
         for i, (buffer, offset, nbytes) in enumerate(reads):
             if offset < 0 or nbytes < 0 or offset + nbytes > buffer.nbytes:
                 raise DeviceError(f"read of {nbytes} bytes at offset {offset} does not fit in "
                                   f"{buffer!r}")
-            if buffer.host_read or nbytes == 0:
-                results[i] = self._ffi.buffer(buffer.pointer + offset, nbytes)[:] if nbytes else b""
-            else:
+            if nbytes and buffer.host_read:
+                results[i] = self._ffi.buffer(buffer.pointer + offset, nbytes)[:]
+            elif nbytes:
                 staged.append(i)
-        batches: list[list[int]] = []
-        size = STAGING_BATCH
-        for i in staged:
-            if size + reads[i][2] > STAGING_BATCH:
-                batches.append([])
-                size = 0
-            batches[-1].append(i)
-            size += reads[i][2]
-        if batches:
-            staging = self.create_buffer(max(sum(reads[i][2] for i in b) for b in batches),
-                                         "readback", "staging-reads")
+        if staged:
+            batches, room = _batches([reads[i][2] for i in staged])
+            staging = self.create_buffer(room, "readback", "staging-reads")
             try:
                 for batch in batches:
                     at, copies, places = 0, [], []
-                    for i in batch:
+                    for i in (staged[j] for j in batch):
                         buffer, offset, nbytes = reads[i]
                         copies.append(Copy(buffer, offset, staging, at, nbytes))
                         places.append((i, at, nbytes))
@@ -260,7 +259,7 @@ class VulkanBackend(BackendBase):
                         results[i] = self._ffi.buffer(staging.pointer + at, nbytes)[:]
             finally:
                 self.free_buffer(staging)
-        return [r if r is not None else b"" for r in results]
+        return results
 
     def stage_reads(self, buffer: Buffer) -> bool:
         """Device memory the host cannot read in place (a discrete GPU's VRAM): reading it
