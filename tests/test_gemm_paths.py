@@ -57,6 +57,9 @@ CONVS = {  # name: (x shape, weight shape, stride, padding, dilation, groups)
     "3x3_pad": ((2, 3, 9, 7), (5, 3, 3, 3), 1, 1, 1, 1),
     "strided_grouped_dilated": ((2, 4, 11, 10), (6, 2, 3, 2), 2, (1, 2), (2, 1), 2),
     "1x1": ((2, 8, 5, 5), (4, 8, 1, 1), 1, 0, 1, 1),
+    # images of a multiple of 4 pixels: on GPUs every operand but the input gradient's weight
+    # is read 4 elements at a time (gemm.indexed)
+    "1x1_wide": ((3, 8, 4, 6), (12, 8, 1, 1), 1, 0, 1, 1),
     # 4096 products per weight element over few output tiles: on GPUs the weight gradient is
     # computed as partial sums over splits of them (compiler/split.py)
     "split_weight_grad": ((4, 2, 32, 32), (3, 2, 3, 3), 1, 1, 1, 1),
@@ -108,6 +111,11 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
             assert (d.kernel.wgsl == own[d.node.op](d.node, caps).wgsl) == (device_type == "cpu")
             assert ("var<workgroup>" in d.kernel.wgsl) == (device_type == "discrete" or (
                 device_type == "cpu" and d.node.op == "conv2d_weight_grad"))
+    if name == "1x1_wide":
+        wide = {d.node.op: d.kernel.wgsl.count("array<vec4<f32>>") for d in session.plan.dispatches
+                if d.node is not None and d.node.op.startswith("conv2d")}
+        assert wide == ({"conv2d": 2, "conv2d_input_grad": 1, "conv2d_weight_grad": 2}
+                        if device_type == "discrete" else dict.fromkeys(wide, 0))
     assert rel_l2(session.read("y"), ty.detach().numpy()) < 1e-5
     assert rel_l2(session.grad("x"), tx.grad.numpy()) < 1e-5
     assert rel_l2(session.grad("w"), tw.grad.numpy()) < 1e-5

@@ -78,6 +78,10 @@ QUICK = [
     ("tn", (200, 130), (200, 70), True, False),
     ("tt", (40, 70), (33, 40), True, True),
     ("batched", (3, 20, 17), (17, 18), False, False),
+    # multiples of 4 along memory: read four elements at a time (ragged tiles and k ranges)
+    ("wide nn", (68, 96), (96, 36), False, False),
+    ("wide tn", (40, 132), (40, 36), True, False),
+    ("wide nt batched", (2, 3, 36, 20), (2, 3, 44, 20), False, True),
 ]
 
 

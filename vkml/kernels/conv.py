@@ -21,9 +21,11 @@ from vkml.kernels import gather, gemm
 from vkml.kernels.common import Buf, split_index
 
 
-def buffers(node: Tensor) -> list[Buf]:
-    """The inputs in order, then the output."""
-    return [*[Buf(f"in{k}") for k in range(len(node.inputs))], Buf("out", writable=True)]
+def buffers(node: Tensor, wide: tuple[bool, ...] = ()) -> list[Buf]:
+    """The inputs in order (bound as vec4 arrays where `wide`, see gemm.indexed), then the
+    output."""
+    return [*[gemm.binding(f"in{k}", k < len(wide) and wide[k]) for k in range(len(node.inputs))],
+            Buf("out", writable=True)]
 
 
 def params(node: Tensor):
@@ -76,9 +78,15 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
         return [f"      out[s * {n * o * oh * ow}u + (({r} / {oh * ow}u) * {o}u + g * {opg}u "
                 f"+ {col}) * {oh * ow}u + {r} % {oh * ow}u] = {acc};"]
 
-    return _product(node, caps, m, cols, depth, groups, gemm.Operand(load_x, "row"),
-                     gemm.Operand(lambda j, d: [f"v = in1[(g * {opg}u + {j}) * {depth}u + {d}];"],
-                                  "depth"), store, tiling, x.size + w.size)
+    gpu, chunk = not gemm.on_cpu(caps), _chunk(node, depth)
+    # a 1x1 convolution without stride or padding reads its input as a plain matrix
+    wide = (gpu and pointwise(node) and (h * wd) % 4 == 0, gpu and depth % 4 == chunk % 4 == 0)
+    a = (gemm.indexed("in0", True, lambda i, d: f"(({i} / {h * wd}u) * {c}u + g * {cpg}u + {d}) "
+                                                f"* {h * wd}u + {i} % {h * wd}u", "row")
+         if wide[0] else gemm.Operand(load_x, "row"))
+    b = gemm.indexed("in1", wide[1], lambda j, d: f"(g * {opg}u + {j}) * {depth}u + {d}", "depth")
+    return _product(node, caps, m, cols, depth, groups, a, b, store, tiling, x.size + w.size,
+                    wide)
 
 
 def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
@@ -107,8 +115,12 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
         return [f"      out[s * {n * c * h * wd}u + (({r} / {h * wd}u) * {c}u + g * {cpg}u "
                 f"+ {col}) * {h * wd}u + {r} % {h * wd}u] = {acc};"]
 
-    return _product(node, caps, m, cols, depth, groups, gemm.Operand(load_dy, "row"),
-                    gemm.Operand(load_w, "depth"), store, tiling, d.size + w.size)
+    wide = (not gemm.on_cpu(caps) and pointwise(node) and (h * wd) % 4 == 0,)
+    a = (gemm.indexed("in0", True, lambda i, dd: f"(({i} / {h * wd}u) * {o}u + g * {opg}u + {dd})"
+                                                 f" * {h * wd}u + {i} % {h * wd}u", "row")
+         if wide[0] else gemm.Operand(load_dy, "row"))
+    return _product(node, caps, m, cols, depth, groups, a, gemm.Operand(load_w, "depth"), store,
+                    tiling, d.size + w.size, wide)
 
 
 def tap(coord: str, pad: int, stride: int, extent: int, name: str, k: str,
@@ -132,29 +144,50 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
     opg, taps = o // groups, kh * kw
     m, cols, depth = opg, cpg * taps, n * oh * ow
 
-    def load_dy(i: str, dd: str) -> list[str]:
-        return [_split(dd, (n, oh * ow), ("nb", "p")),
-                f"v = in1[(nb * {o}u + g * {opg}u + {i}) * {oh * ow}u + p];"]
-
     def load_x(j: str, dd: str) -> list[str]:
         return _im2col(node, x.shape, node.attrs["w_shape"], dd, j)
 
     def store(r: str, col: str, acc: str) -> list[str]:
         return [f"      out[s * {o * cols}u + (g * {opg}u + {r}) * {cols}u + {col}] = {acc};"]
 
-    return _product(node, caps, m, cols, depth, groups, gemm.Operand(load_dy, "depth"),
-                    gemm.Operand(load_x, "depth"), store, tiling, x.size + d.size)
+    # The sum runs over (image, pixel): four at a time where images hold multiples of 4 pixels.
+    gpu, chunk = not gemm.on_cpu(caps), _chunk(node, depth)
+    wide = (gpu and pointwise(node) and (h * wd) % 4 == chunk % 4 == 0,
+            gpu and (oh * ow) % 4 == chunk % 4 == 0)
+    a = gemm.indexed("in1", wide[1], lambda i, dd: f"(({dd} / {oh * ow}u) * {o}u + g * {opg}u "
+                                                   f"+ {i}) * {oh * ow}u + {dd} % {oh * ow}u",
+                     "depth")
+    b = (gemm.indexed("in0", True, lambda j, dd: f"(({dd} / {h * wd}u) * {c}u + g * {cpg}u + {j})"
+                                                 f" * {h * wd}u + {dd} % {h * wd}u", "depth")
+         if wide[0] else gemm.Operand(load_x, "depth"))
+    return _product(node, caps, m, cols, depth, groups, a, b, store, tiling, x.size + d.size,
+                    wide)
+
+
+def pointwise(node: Tensor) -> bool:
+    """Whether a convolution's window is one pixel, unstrided and unpadded: its input is then a
+    plain matrix of channels x pixels per image."""
+    kh, kw = (node.attrs["w_shape"] if node.op == "conv2d_weight_grad"
+              else node.inputs[1].shape)[-2:]
+    (sh, sw), (ph, pw), _, _ = params(node)
+    return (kh, kw, sh, sw, ph, pw) == (1, 1, 1, 1, 0, 0)
+
+
+def _chunk(node: Tensor, depth: int) -> int:
+    """The depth each split of the sum covers (all of it unsplit)."""
+    return -(-depth // node.attrs.get("splits", 1))
 
 
 def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, groups: int,
              a: gemm.Operand, b: gemm.Operand, store: gemm.Store,
-             tiling: gemm.Tiling | None, read: int) -> Kernel:
+             tiling: gemm.Tiling | None, read: int, wide: tuple[bool, ...]) -> Kernel:
     """The GEMM over grid layers z = group * splits + split (see OpDef.splits): split s sums its
-    own range of the depth into slice s of a result with a leading split axis."""
+    own range of the depth into slice s of a result with a leading split axis. `wide`: which
+    inputs are bound as vec4 arrays."""
     pieces = node.attrs.get("splits", 1)
-    chunk = -(-depth // pieces)
+    chunk = _chunk(node, depth)
     return gemm.generate(
-        f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node), m, cols, chunk,
+        f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node, wide), m, cols, chunk,
         groups * pieces, a, b, store,
         tiling or gemm.choose(m, cols, depth, groups, caps),
         setup=[f"  let g = z / {pieces}u; let s = z % {pieces}u;"],

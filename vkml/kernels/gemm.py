@@ -40,16 +40,37 @@ Loader = Callable[[str, str], list[str]]
 # called only inside the matrix.
 Store = Callable[[str, str, str], list[str]]
 
+def indexed(buffer: str, wide: bool, at: Callable[[str, str], str],
+            contiguous: Literal["row", "depth"]) -> Operand:
+    """An operand read from `buffer` at the flat index `at(row, depth)`. Where `wide` (the
+    caller guarantees Operand.wide's conditions) the buffer is bound as an array of vec4 (see
+    `binding`), so reads along the contiguous index are 16 bytes wide."""
+    if not wide:
+        return Operand(lambda i, d: [f"v = {buffer}[{at(i, d)}];"], contiguous)
+    return Operand(lambda i, d: [f"{{ let e = {at(i, d)}; v = {buffer}[e / 4u][e % 4u]; }}"],
+                   contiguous, lambda i, d: f"{buffer}[({at(i, d)}) / 4u]")
+
+
+def binding(name: str, wide: bool) -> Buf:
+    """The read-only binding of an operand made by `indexed`."""
+    return Buf(name, "vec4<f32>" if wide else "f32")
+
+
 PAD = 4  # floats added to each staged row: keeps the transposing stores off one bank
 
 
 @dataclass(frozen=True)
 class Operand:
     """A (rows x depth) or B (columns x depth), as the kernel reads it. `contiguous`: which
-    index runs along memory, so neighbouring threads read neighbouring addresses."""
+    index runs along memory, so neighbouring threads read neighbouring addresses. `wide`, where
+    the caller can offer it: (row, depth) -> a WGSL vec4<f32> expression of the four elements
+    from there along the contiguous index; the caller guarantees that the contiguous index
+    starts at a multiple of 4 there and that its extent (rows, or the ends of every k range) is
+    a multiple of 4, so four elements are all inside or all outside."""
 
     load: Loader
     contiguous: Literal["row", "depth"]
+    wide: Callable[[str, str], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +131,8 @@ class CoopTiling:
 
 
 # naga gives each accumulator a variable of its own; more than 16 a subgroup spills on NVIDIA.
+# Eight subgroups (256 x 128 or 128 x 256) ran 104-109 TFLOP/s at 4096^3 on an H200, four
+# 130 (tools/KERNELS.md, v7).
 COOP = (CoopTiling(2, 2, 4, 4), CoopTiling(2, 2, 2, 4), CoopTiling(2, 2, 2, 2),
         CoopTiling(2, 2, 1, 2), CoopTiling(2, 2, 1, 1))
 # Workgroups it takes to fill a large GPU (an H200 has 132 multiprocessors, two resident
@@ -138,7 +161,8 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities) -> Tiling | CoopT
     device unsplit by 2-4x on the models' shapes."""
     if on_cpu(caps):
         return direct_tiling(m, n)
-    usable = (list(COOP) if caps.precision == "f16" and min(m, n, k) >= COOP_MIN
+    usable = ([t for t in COOP if _fits(t, caps)]
+              if caps.precision == "f16" and min(m, n, k) >= COOP_MIN
               else [t for t in STAGED if _fits(t, caps)])
     largest = usable[0]
     if -(-m // largest.bm) * -(-n // largest.bn) * z >= FILL:
@@ -170,7 +194,10 @@ MIN_STEPS = 8  # k-steps a split keeps at the least
 MAX_SPLITS = 16
 
 
-def _fits(t: Tiling, caps: Capabilities) -> bool:
+def _fits(t: Tiling | CoopTiling, caps: Capabilities) -> bool:
+    if isinstance(t, CoopTiling):
+        return (t.threads <= min(caps.max_workgroup_invocations, caps.max_workgroup_size[0])
+                and _coop_bytes(t) <= caps.max_shared_memory_bytes)
     shared = 4 * t.bk * ((t.bm + PAD) + (t.bn + PAD))
     return (t.threads <= caps.max_workgroup_invocations and shared <= caps.max_shared_memory_bytes
             and t.wx <= caps.max_workgroup_size[0] and t.wy <= caps.max_workgroup_size[1])
@@ -219,7 +246,10 @@ def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
                      place=lambda tile, ii, kk: f"{kk} * {(t.bm if tile == 'a' else t.bn) + PAD}u"
                                                 f" + {ii}",
                      write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at} / 4u]"
-                                               f"[{at} % 4u] = {v};")]
+                                               f"[{at} % 4u] = {v};",
+                     fast=("row", "row"),
+                     write4=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at} / 4u] = "
+                                                f"{v};")]
     comp = "xyzw"
     for kk in range(t.bk):
         lines.append("    {")
@@ -242,29 +272,51 @@ def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
 
 def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, threads: int,
            begin: str, end: str, place: Callable[[str, str, str], str],
-           write: Callable[[str, str, str], str]) -> list[str]:
+           write: Callable[[str, str, str], str], fast: tuple[str, str],
+           write4: Callable[[str, str, str], str]) -> list[str]:
     """Lines staging A's BM x BK and B's BN x BK slices: per thread, the elements it loads (so
-    neighbouring threads read along each operand's contiguous index), a register for each, the
-    first slice's loads, and the loop head that writes the registers into workgroup memory
-    (`place` gives an element's index there, `write` the store) and loads the next slice while
-    the caller's body multiplies this one. The caller closes the loop with a barrier."""
+    neighbouring threads read along each operand's contiguous index; four at a time from an
+    operand that offers `wide` reads), a register for each, the first slice's loads, and the
+    loop head that writes the registers into workgroup memory (`place` gives an element's
+    index there, `write` the store; `fast`: which index runs along workgroup memory for A and
+    for B, so `write4` stores the four elements of a wide read along it at once) and loads the
+    next slice while the caller's body multiplies this one. The caller closes the loop with a
+    barrier."""
     lines: list[str] = []
     loads: list[str] = []
     fill: list[str] = []
-    for tile, op, extent, origin, bound in (("a", a, bm, "row0", m), ("b", b, bn, "col0", n)):
-        for step in range(extent * bk // threads):
+    for tile, op, extent, origin, bound, along_shared in (("a", a, bm, "row0", m, fast[0]),
+                                                          ("b", b, bn, "col0", n, fast[1])):
+        width = 4 if op.wide is not None and (extent * bk) % (4 * threads) == 0 else 1
+        along = extent if op.contiguous == "row" else bk  # elements along the contiguous index
+        for step in range(extent * bk // (width * threads)):
             e = f"(tid + {step * threads}u)"
             if op.contiguous == "depth":
-                ii, kk = f"{e} / {bk}u", f"{e} % {bk}u"
+                ii, kk = f"{e} / {along // width}u", f"{width}u * ({e} % {along // width}u)"
             else:
-                ii, kk = f"{e} % {extent}u", f"{e} / {extent}u"
-            lines += [f"  let {tile}i{step} = {origin} + {ii}; let {tile}k{step} = {kk};",
-                      f"  let {tile}s{step} = {place(tile, ii, kk)};",
-                      f"  var {tile}p{step} = 0.0;"]
-            loads.append("    " + _element(op.load, f"{tile}i{step}", f"(kn + {tile}k{step})",
-                                           f"{tile}i{step} < {bound}u && kn + {tile}k{step} < "
-                                           "kend", f"{tile}p{step}"))
-            fill.append(f"    {write(tile, f'{tile}s{step}', f'{tile}p{step}')}")
+                ii, kk = f"{width}u * ({e} % {along // width}u)", f"{e} / {along // width}u"
+            i, k, p = f"{tile}i{step}", f"{tile}k{step}", f"{tile}p{step}"
+            guard = f"{i} < {bound}u && kn + {k} < kend"
+            lines += [f"  let {i} = {origin} + {ii}; let {k} = {kk};",
+                      f"  let {tile}s{step} = {place(tile, ii, kk)};"]
+            if width == 1:
+                lines.append(f"  var {p} = 0.0;")
+                loads.append("    " + _element(op.load, i, f"(kn + {k})", guard, p))
+                fill.append(f"    {write(tile, f'{tile}s{step}', p)}")
+                continue
+            lines.append(f"  var {p} = vec4<f32>();")
+            # not select(): it would read the vector past the end too
+            loads.append(f"    if ({guard}) {{ {p} = {op.wide(i, f'(kn + {k})')}; }} "
+                         f"else {{ {p} = vec4<f32>(); }}")
+            if op.contiguous == along_shared:
+                fill.append(f"    {write4(tile, f'{tile}s{step}', p)}")
+                continue
+            for c in range(1, 4):
+                at = (place(tile, f"({ii} + {c}u)", kk) if op.contiguous == "row"
+                      else place(tile, ii, f"({kk} + {c}u)"))
+                lines.append(f"  let {tile}s{step}_{c} = {at};")
+            fill += [f"    {write(tile, f'{tile}s{step}' + (f'_{c}' if c else ''), f'{p}[{c}]')}"
+                     for c in range(4)]
     return [*lines, f"  let kend = {end};", f"  var kn = {begin};", *loads,
             f"  for (var k0 = {begin}; k0 < kend; k0 += {bk}u) {{", *fill,
             "    workgroupBarrier();", f"    kn = k0 + {bk}u;", *loads]
@@ -294,6 +346,10 @@ def _direct(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
 COOP_PAD = 8  # f16 elements added to each staged row (16 bytes: keeps rows off one bank)
 
 
+def _coop_bytes(t: CoopTiling) -> int:
+    return 2 * (t.bm * (t.bk + COOP_PAD) + t.bk * (t.bn + COOP_PAD)) + 4 * 256 * t.sg_m * t.sg_n
+
+
 def _coop_shared(t: CoopTiling) -> list[str]:
     return [f"var<workgroup> As: array<f16, {t.bm * (t.bk + COOP_PAD)}>;",  # row-major, k fast
             f"var<workgroup> Bs: array<f16, {t.bk * (t.bn + COOP_PAD)}>;",  # k rows, n fast
@@ -316,7 +372,11 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
     lines += _stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end,
                     place=lambda tile, ii, kk: (f"{ii} * {sa}u + {kk}" if tile == "a"
                                                 else f"{kk} * {sb}u + {ii}"),
-                    write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at}] = f16({v});")
+                    write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at}] = f16({v});",
+                    fast=("depth", "row"),
+                    write4=lambda tile, at, v: " ".join(
+                        f"{'As' if tile == 'a' else 'Bs'}[{at} + {c}u] = h.{'xyzw'[c]};"
+                        for c in range(4)).join((f"{{ let h = vec4<f16>({v}); ", " }")))
     for kk in range(0, t.bk, 16):
         lines.append("    {")
         lines += [f"      let fa{i} = coopLoadT<coop_mat16x16<f16, A>>("

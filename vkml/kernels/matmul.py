@@ -38,10 +38,14 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
         strides = broadcast_strides(x.shape[:-2], tuple(leading))
         setup.append(f"  let {src}_base = {offset(names[:-2], tuple(s * mat for s in strides))};")
     setup.append(f"  let c_base = z * {m * n}u;")
-    a_op = (gemm.Operand(lambda i, d: [f"v = mat_a[a_base + {d} * {m}u + {i}];"], "row") if ta
-            else gemm.Operand(lambda i, d: [f"v = mat_a[a_base + {i} * {k}u + {d}];"], "depth"))
-    b_op = (gemm.Operand(lambda j, d: [f"v = mat_b[b_base + {j} * {k}u + {d}];"], "depth") if tb
-            else gemm.Operand(lambda j, d: [f"v = mat_b[b_base + {d} * {n}u + {j}];"], "row"))
+    # Four elements a read where both ends of the contiguous index are multiples of 4 (then
+    # the binding is an array of vec4, which is what lets a read be 16 bytes wide).
+    wide = {"a": not gemm.on_cpu(caps) and (m % 4 == 0 if ta else k % 4 == chunk % 4 == 0),
+            "b": not gemm.on_cpu(caps) and (k % 4 == chunk % 4 == 0 if tb else n % 4 == 0)}
+    a_op = gemm.indexed("mat_a", wide["a"], (lambda i, d: f"a_base + {d} * {m}u + {i}") if ta
+                        else (lambda i, d: f"a_base + {i} * {k}u + {d}"), "row" if ta else "depth")
+    b_op = gemm.indexed("mat_b", wide["b"], (lambda j, d: f"b_base + {j} * {k}u + {d}") if tb
+                        else (lambda j, d: f"b_base + {d} * {n}u + {j}"), "depth" if tb else "row")
     ir, ic = names[-2], names[-1]
 
     def store(row: str, col: str, acc: str) -> list[str]:
@@ -50,7 +54,7 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
         return [f"      let {ir} = {row}; let {ic} = {col};",
                 *body_lines(epilogue, reads, "      ", f"mat_c[c_base + {ir} * {n}u + {ic}] =")]
 
-    buffers = [Buf("mat_a"), Buf("mat_b"),
+    buffers = [gemm.binding("mat_a", wide["a"]), gemm.binding("mat_b", wide["b"]),
                *[Buf(f"ep{e + 1}", x.dtype) for e, x in enumerate(extras)],
                Buf("mat_c", writable=True)]
     tag = ("t" if ta else "n") + ("t" if tb else "n")
