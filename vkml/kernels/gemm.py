@@ -153,34 +153,42 @@ def on_cpu(caps: Capabilities) -> bool:
     return caps.device_type == "cpu" and caps.precision != "f16"
 
 
-def choose(m: int, n: int, k: int, z: int, caps: Capabilities) -> Tiling | CoopTiling:
+def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
+           plain: bool = False) -> Tiling | CoopTiling:
     """The tiling for an (m x n x k) product over `z` grid layers on this device: the largest
-    when its tiles alone fill the device, else a 64 x 64 tile (32 x 32 for thin matrices) that
-    the split stage gives more workgroups by splitting k. Measured on an H200 (tools/
-    kernel_lab.py, tools/KERNELS.md): 64 x 64 with splits beat the smaller tiles that fill the
-    device unsplit by 2-4x on the models' shapes."""
+    when its tiles alone fill the device, else a 64 x 64 tile (32 x 32 for thin matrices, and
+    for `plain` products, whose operands are matrices in memory rather than gathered like a
+    convolution's patches, where 64 x 64 tiles do not fill it either) that the split stage
+    gives more workgroups by splitting k where it still needs them. Measured on an H200
+    (tools/kernel_lab.py, tools/KERNELS.md v2, v7): 64 x 64 with splits beat the smaller tiles
+    unsplit by 2-4x on the convolutions; on the transformers' products 32 x 32 tiles beat it by
+    10-24% in 10 of 14 shapes; at 2048^3, which 64 x 64 tiles fill, 32 x 32 lost 14%."""
     if on_cpu(caps):
         return direct_tiling(m, n)
-    usable = ([t for t in COOP if _fits(t, caps)]
-              if caps.precision == "f16" and min(m, n, k) >= COOP_MIN
+    coop = caps.precision == "f16" and min(m, n, k) >= COOP_MIN
+    usable = ([t for t in COOP if _fits(t, caps)] if coop
               else [t for t in STAGED if _fits(t, caps)])
     largest = usable[0]
     if -(-m // largest.bm) * -(-n // largest.bn) * z >= FILL:
         return largest
     middle = [t for t in usable if t.bm == t.bn == 64]
-    return middle[0] if middle and min(m, n) >= THIN else usable[-1]
+    if not middle or min(m, n) < THIN:
+        return usable[-1]
+    if plain and not coop and -(-m // 64) * -(-n // 64) * z < FILL:
+        return usable[-1]
+    return middle[0]
 
 
-def splits(m: int, n: int, k: int, z: int, caps: Capabilities) -> int:
+def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = False) -> int:
     """Into how many partial sums over splits of k an (m x n x k) product over `z` grid layers
     is cut (the split stage, compiler/split.py, makes them): on GPUs, where its tiles leave
     the device short of workgroups, enough for about twice the workgroups that fill it, each
     split at least 8 k-steps deep; everywhere, enough to keep a shader's loop within the
-    device's limit (the direct variant loops k times)."""
+    device's limit (the direct variant loops k times). `plain`: as for `choose`."""
     if on_cpu(caps):
         limit = caps.max_loop_iterations
         return -(-k // limit) if limit is not None and k > limit else 1
-    t = choose(m, n, k, z, caps)
+    t = choose(m, n, k, z, caps, plain)
     tiles = -(-m // t.bm) * -(-n // t.bn) * z
     steps = -(-k // t.bk)
     if tiles >= FILL:

@@ -63,7 +63,7 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
     layers = batch * pieces
     return gemm.generate(f"{node.op}_{tag}_{prefix}{m}x{n}x{k}{split}", caps, buffers, m, n,
                          chunk, layers, a_op, b_op, store,
-                         tiling or gemm.choose(m, n, k, batch, caps), setup=setup,
+                         tiling or gemm.choose(m, n, k, batch, caps, plain=True), setup=setup,
                          k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {k}u)"),
                          prelude=helper_functions(epilogue), flops=2 * batch * m * n * k,
                          nbytes=4 * (a.size + b.size + layers * m * n))
@@ -71,7 +71,7 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
 
 def splits(node: Tensor, caps: Capabilities) -> int:
     """Partial sums the split stage cuts a matmul node into (OpDef.splits)."""
-    return gemm.splits(*dims(node), caps)
+    return gemm.splits(*dims(node), caps, plain=True)
 
 
 def dims(node: Tensor) -> tuple[int, int, int, int]:
