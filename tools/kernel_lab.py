@@ -3,7 +3,7 @@ numpy and timed with device timestamps, in one run, so one call on a lent GPU co
 
     python tools/kernel_lab.py                      # the default shapes, every tiling
     python tools/kernel_lab.py --quick              # small shapes (lavapipe: correctness)
-    python tools/kernel_lab.py --out DIR            # also lab.json there
+    python tools/kernel_lab.py --out DIR            # also lab.json there (after every case)
 
 Each case is a graph of one matmul or convolution (of the kind the models' forward and backward
 passes make) compiled as usual, whose kernel is then regenerated with each forced tiling; the
@@ -263,10 +263,10 @@ def main() -> int:
                 continue
             report(rows, label, name, tiling is None, times, errors, flop, limit, splits)
         warn_drift(rows, label)
-    if opts.out:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        (opts.out / "lab.json").write_text(json.dumps({"device": device.name, "rows": rows},
-                                                      indent=1))
+        if opts.out:  # after every case: a run cut short by a time limit keeps what it timed
+            opts.out.mkdir(parents=True, exist_ok=True)
+            (opts.out / "lab.json").write_text(json.dumps({"device": device.name, "rows": rows},
+                                                          indent=1))
     bad = [r for r in rows if r.get("err", 0) > r.get("limit", 1e-5) or "error" in r]
     print(f"{len(rows)} runs, {len(bad)} failed or above 1e-5")
     return 1 if bad else 0
