@@ -151,3 +151,19 @@ def test_split_products_are_tiled_as_the_split_stage_planned(device):
     assert planned != gemm.choose(4 * 56 * 56, 64, 64 * 9, 3, caps)  # what choosing again gives
     assert len(kernels) == 1 and kernels[0].startswith("conv2d_3x"), kernels  # three splits
     assert kernels[0].endswith(f"_{planned}"), (kernels, planned)
+
+
+def test_wide_operands_bind_on_every_backend(device, rng):
+    # operands read four elements at a time are bound as arrays of vec4 (gemm.indexed); WebGPU
+    # checks a binding's size against its type, so the GPU variant runs on both backends here
+    a = rng.standard_normal((20, 24)).astype(np.float32)
+    b = rng.standard_normal((40, 24)).astype(np.float32)
+    g = vkml.Graph()
+    g.output("c", g.matmul(g.param("a", a.shape, init=a), g.param("b", b.shape, init=b),
+                           transpose_b=True))
+    caps = dataclasses.replace(device.caps, device_type="discrete")
+    session = Session(lower(g, caps).plan, device)
+    session.step()
+    assert any(d.kernel.wgsl.count("array<vec4<f32>>") == 2 for d in session.plan.dispatches)
+    assert rel_l2(session.read("c"), a.astype(np.float64) @ b.T.astype(np.float64)) < 1e-5
+    session.close()
