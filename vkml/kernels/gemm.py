@@ -8,9 +8,10 @@ Two variants, chosen by the device:
   of scalar accumulators (generated unrolled: a dynamically indexed local array would live in
   slow local memory). Every BK-deep slice of A and B goes through workgroup memory as vec4 rows,
   so a thread reads its TM + TN operands in (TM + TN) / 4 wide loads per step; the next slice is
-  read from memory into registers while this one is multiplied. Thread (tx, ty) owns rows
-  4 * (i4 * WY + ty) + 0..3 and columns 4 * (j4 * WX + tx) + 0..3, which keeps the vec4 reads of
-  a warp conflict-free and its stores contiguous.
+  read from memory into registers while this one is multiplied, four elements a load from
+  operands that run along memory in multiples of 4 (`indexed`, `Operand.wide`). Thread (tx, ty)
+  owns rows 4 * (i4 * WY + ty) + 0..3 and columns 4 * (j4 * WX + tx) + 0..3, which keeps the
+  vec4 reads of a warp conflict-free and its stores contiguous.
 - direct (CPU drivers, where staging gains nothing and barriers make the JIT slow): each thread
   reads its operands straight from memory, rows ty + WY * i and columns tx + WX * j.
 - cooperative (precision="f16" on devices with cooperative matrices, for products of at least
@@ -20,7 +21,8 @@ Two variants, chosen by the device:
   accumulators (`coop_mat16x16`, loaded transposed as naga needs for row-major data), and
   stores each accumulator through workgroup memory, where its lanes apply the store.
   Below COOP_MIN the staged f32 kernel is used even in accelerated mode: on an H200 it was as
-  fast or faster at every model shape measured (tools/KERNELS.md, v3), and it is exact.
+  fast or faster at nearly every model shape measured (tools/KERNELS.md, v3 and v7), and it is
+  exact.
 """
 
 from __future__ import annotations
@@ -161,8 +163,9 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     convolution's patches, where 64 x 64 tiles do not fill it either) that the split stage
     gives more workgroups by splitting k where it still needs them. Measured on an H200
     (tools/kernel_lab.py, tools/KERNELS.md v2, v7): 64 x 64 with splits beat the smaller tiles
-    unsplit by 2-4x on the convolutions; on the transformers' products 32 x 32 tiles beat it by
-    10-24% in 10 of 14 shapes; at 2048^3, which 64 x 64 tiles fill, 32 x 32 lost 14%."""
+    unsplit by 2-4x on the convolutions; on the transformers' products 32 x 32 tiles were
+    faster in 8 of 13 shapes (by 9-24%) and slower in one; at 2048^3, which 64 x 64 tiles
+    fill, 32 x 32 lost 14%."""
     if on_cpu(caps):
         return direct_tiling(m, n)
     coop = caps.precision == "f16" and min(m, n, k) >= COOP_MIN
