@@ -133,6 +133,11 @@ def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device
     assert not isinstance(gemm.choose(big, big, big, 1, strict), gemm.CoopTiling)
     for m, n, k in [(small, big, big), (big, small, big), (big, big, small), (64, 64, 64)]:
         assert gemm.choose(m, n, k, 1, caps) == gemm.choose(m, n, k, 1, strict), (m, n, k)
+    # a device with less workgroup memory gets the largest cooperative tile that fits in it
+    little = dataclasses.replace(caps, max_shared_memory_bytes=16384)
+    huge = 2 * big  # 128 x 128 tiles fill the device
+    assert gemm.choose(huge, huge, huge, 1, little) == gemm.CoopTiling(2, 2, 2, 2)
+    assert gemm.choose(huge, huge, huge, 1, caps) == gemm.COOP[0] != gemm.CoopTiling(2, 2, 2, 2)
 
 
 def test_split_products_are_tiled_as_the_split_stage_planned(device):

@@ -42,22 +42,6 @@ Loader = Callable[[str, str], list[str]]
 # called only inside the matrix.
 Store = Callable[[str, str, str], list[str]]
 
-def indexed(buffer: str, wide: bool, at: Callable[[str, str], str],
-            contiguous: Literal["row", "depth"]) -> Operand:
-    """An operand read from `buffer` at the flat index `at(row, depth)`. Where `wide` (the
-    caller guarantees Operand.wide's conditions) the buffer is bound as an array of vec4 (see
-    `binding`), so reads along the contiguous index are 16 bytes wide."""
-    if not wide:
-        return Operand(lambda i, d: [f"v = {buffer}[{at(i, d)}];"], contiguous)
-    return Operand(lambda i, d: [f"{{ let e = {at(i, d)}; v = {buffer}[e / 4u][e % 4u]; }}"],
-                   contiguous, lambda i, d: f"{buffer}[({at(i, d)}) / 4u]")
-
-
-def binding(name: str, wide: bool) -> Buf:
-    """The read-only binding of an operand made by `indexed`."""
-    return Buf(name, "vec4<f32>" if wide else "f32")
-
-
 PAD = 4  # floats added to each staged row: keeps the transposing stores off one bank
 
 
@@ -73,6 +57,22 @@ class Operand:
     load: Loader
     contiguous: Literal["row", "depth"]
     wide: Callable[[str, str], str] | None = None
+
+
+def indexed(buffer: str, wide: bool, at: Callable[[str, str], str],
+            contiguous: Literal["row", "depth"]) -> Operand:
+    """An operand read from `buffer` at the flat index `at(row, depth)`. Where `wide` (the
+    caller guarantees Operand.wide's conditions) the buffer is bound as an array of vec4 (see
+    `binding`), so reads along the contiguous index are 16 bytes wide."""
+    if not wide:
+        return Operand(lambda i, d: [f"v = {buffer}[{at(i, d)}];"], contiguous)
+    return Operand(lambda i, d: [f"{{ let e = {at(i, d)}; v = {buffer}[e / 4u][e % 4u]; }}"],
+                   contiguous, lambda i, d: f"{buffer}[({at(i, d)}) / 4u]")
+
+
+def binding(name: str, wide: bool) -> Buf:
+    """The read-only binding of an operand made by `indexed`."""
+    return Buf(name, "vec4<f32>" if wide else "f32")
 
 
 @dataclass(frozen=True)
@@ -385,9 +385,9 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
                                                 else f"{kk} * {sb}u + {ii}"),
                     write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at}] = f16({v});",
                     fast=("depth", "row"),
-                    write4=lambda tile, at, v: " ".join(
+                    write4=lambda tile, at, v: f"{{ let h = vec4<f16>({v}); " + " ".join(
                         f"{'As' if tile == 'a' else 'Bs'}[{at} + {c}u] = h.{'xyzw'[c]};"
-                        for c in range(4)).join((f"{{ let h = vec4<f16>({v}); ", " }")))
+                        for c in range(4)) + " }")
     for kk in range(0, t.bk, 16):
         lines.append("    {")
         lines += [f"      let fa{i} = coopLoadT<coop_mat16x16<f16, A>>("
