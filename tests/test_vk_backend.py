@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from vkml.errors import DeviceError, NagaError
-from vkml.hal import Barrier, Binding, Capabilities, Copy, Dispatch, HostWrite, Kernel
+from vkml.hal import Barrier, Binding, Capabilities, Copy, Dispatch, Fill, HostWrite, Kernel
 from vkml.kernels.common import Buf, assemble
 from vkml.vk import VulkanBackend, memory_candidates, rank_devices, select_device
 from vkml.vk.buffers import DEVICE_LOCAL, HOST_CACHED, HOST_COHERENT, HOST_VISIBLE
@@ -143,11 +143,12 @@ def test_many_writes_and_zeros_in_few_submissions(backend, staged, monkeypatch):
     monkeypatch.setattr(backend, "create_buffer", lambda n, kind, label, f=backend.create_buffer:
                         (staging.append(n), f(n, kind, label))[1])
     backend.write_buffers(writes)
-    # one staging buffer for every batch: the zeroed region and the largest batch
-    assert staging == ([64 + 80] if staged else []), staging
+    # one staging buffer for every batch, as large as the largest batch's data: the device
+    # fills the zeros
+    assert staging == ([80] if staged else []), staging
     for b, e in zip(bufs, expected):
         np.testing.assert_array_equal(floats(backend, b, 0, 100), e)
-    if staged:  # 4 data writes of 40 or 80 bytes, zeros from one 64-byte region
+    if staged:  # 4 data writes of 40 or 80 bytes in batches of up to 64 bytes, 4 fills
         assert 1 < len(submissions) < len(writes), submissions
     else:
         assert submissions == []
@@ -305,6 +306,29 @@ def test_compile_threads_from_the_environment(monkeypatch):
         monkeypatch.setenv("VKML_COMPILE_THREADS", bad)
         with pytest.raises(InputError, match=f"VKML_COMPILE_THREADS={bad!r}: give a whole"):
             VulkanBackend()
+
+
+def test_zeros_are_filled_by_the_device(backend, monkeypatch):
+    # a discrete GPU's buffer: zeros need no staging buffer (a zero write that is not in whole
+    # 4-byte words goes through one as data)
+    buf = backend.create_buffer(400, "device", "zeros")
+    backend.write_buffer(buf, 0, np.full(100, np.nan, np.float32).tobytes())
+    buf.host_read = buf.host_write = False
+    staging = []
+    monkeypatch.setattr(backend, "create_buffer", lambda n, kind, label, f=backend.create_buffer:
+                        (staging.append(n), f(n, kind, label))[1])
+    backend.write_buffers([HostWrite(buf, 0, 200), HostWrite(buf, 300, 100)])
+    assert staging == []
+    backend.write_buffers([HostWrite(buf, 202, 5)])
+    assert staging == [5]
+    got = np.frombuffer(backend.read_buffer(buf, 0, 400), np.float32)
+    assert (got[:50] == 0).all() and (got[75:] == 0).all() and np.isnan(got[52:75]).all()
+    nan = np.float32(np.nan).tobytes()
+    assert backend.read_buffer(buf, 200, 8) == nan[:2] + bytes(5) + nan[3:]
+    with pytest.raises(DeviceError, match="offset 2 and size 8 must be multiples of 4 bytes"):
+        backend.record([Fill(buf, 2, 8)], "misaligned fill")
+    backend.free_buffer(buf)
+    assert backend.validation_messages == []
 
 
 def test_bad_bindings_are_refused(backend, axpb):

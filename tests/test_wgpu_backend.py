@@ -16,7 +16,7 @@ from test_vk_backend import NBYTES, N, axpb_kernel
 
 import vkml
 from vkml.errors import DeviceError, NagaError
-from vkml.hal import Barrier, Binding, Copy, Dispatch, Kernel
+from vkml.hal import Barrier, Binding, Copy, Dispatch, Fill, Kernel
 
 pytest.importorskip("wgpu", reason="the wgpu backend needs `pip install vkml[wgpu]`")
 
@@ -140,6 +140,8 @@ def test_partial_words_and_readback_buffers(backend):
     readback = backend.create_buffer(16, "readback", "readback")
     backend.run_now([Copy(buf, 0, readback, 4, 8)])
     assert backend.read_buffer(readback, 5, 6) == bytes([1, 2, 0xFF, 0xFE, 5, 6])
+    backend.run_now([Fill(readback, 8, 4)])  # zeros written by the device
+    assert backend.read_buffer(readback, 4, 12) == bytes([0, 1, 2, 0xFF]) + bytes(8)
     for b in (buf, readback):
         backend.free_buffer(b)
 

@@ -4,10 +4,19 @@ concern a file; the Vulkan backend lives in vkml/vk/, the WebGPU one in vkml/web
 
 from vkml.hal.base import BackendBase, BackendTimestamps
 from vkml.hal.capabilities import Capabilities
-from vkml.hal.commands import Barrier, Binding, BufferKind, Command, Copy, Dispatch, check_commands
+from vkml.hal.commands import (
+    Barrier,
+    Binding,
+    BufferKind,
+    Command,
+    Copy,
+    Dispatch,
+    Fill,
+    check_commands,
+)
 from vkml.hal.interface import Backend, HostRecording, HostWrite, TimelineSync, Timestamps
 from vkml.hal.kernel import Access, Kernel
 
 __all__ = ["Access", "Backend", "BackendBase", "BackendTimestamps", "Barrier", "Binding",
-           "BufferKind", "Capabilities", "Command", "Copy", "Dispatch", "HostRecording",
+           "BufferKind", "Capabilities", "Command", "Copy", "Dispatch", "Fill", "HostRecording",
            "HostWrite", "Kernel", "TimelineSync", "Timestamps", "check_commands"]

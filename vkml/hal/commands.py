@@ -1,6 +1,6 @@
-"""What a backend records: storage-buffer dispatches, barriers between them, and buffer copies;
-and the checks every backend makes before recording them, so a bad command list fails with a
-message naming the command instead of a driver error or a crash."""
+"""What a backend records: storage-buffer dispatches, barriers between them, buffer copies and
+fills; and the checks every backend makes before recording them, so a bad command list fails
+with a message naming the command instead of a driver error or a crash."""
 
 from __future__ import annotations
 
@@ -45,7 +45,17 @@ class Copy:
     nbytes: int
 
 
-Command = Dispatch | Barrier | Copy
+@dataclass(frozen=True)
+class Fill:
+    """Zeros written by the device into a range of whole 4-byte words (Vulkan's and WebGPU's
+    rule for fills): no host memory crosses the bus, unlike a copy from a zeroed buffer."""
+
+    buffer: object
+    offset: int
+    nbytes: int
+
+
+Command = Dispatch | Barrier | Copy | Fill
 
 
 def check_commands(commands: Sequence[Command], label: str, caps: Capabilities,
@@ -82,6 +92,12 @@ def check_commands(commands: Sequence[Command], label: str, caps: Capabilities,
             _check_range(cmd.dst, cmd.dst_offset, cmd.nbytes, f"{what} destination", live_buffer)
             if cmd.src is cmd.dst and abs(cmd.src_offset - cmd.dst_offset) < cmd.nbytes:
                 raise DeviceError(f"{what}: source and destination ranges overlap")
+        elif isinstance(cmd, Fill):
+            what = f"program {label!r} command {n} (fill)"
+            _check_range(cmd.buffer, cmd.offset, cmd.nbytes, what, live_buffer)
+            if cmd.offset % 4 or cmd.nbytes % 4:
+                raise DeviceError(f"{what}: offset {cmd.offset} and size {cmd.nbytes} must be "
+                                  "multiples of 4 bytes")
         elif isinstance(cmd, Barrier):
             continue
         else:

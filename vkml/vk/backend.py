@@ -11,7 +11,16 @@ from typing import Any
 
 from vkml import naga
 from vkml.errors import DeviceError
-from vkml.hal import BackendBase, BackendTimestamps, BufferKind, Command, Copy, HostWrite, Kernel
+from vkml.hal import (
+    BackendBase,
+    BackendTimestamps,
+    BufferKind,
+    Command,
+    Copy,
+    Fill,
+    HostWrite,
+    Kernel,
+)
 from vkml.threads import compile_threads
 from vkml.vk.buffers import Buffer, allocate_buffer, free_buffer
 from vkml.vk.context import WAIT_TIMEOUT_NS, Adopted, Device, as_handle
@@ -160,11 +169,12 @@ class VulkanBackend(BackendBase):
         self.write_buffers([HostWrite.of(buffer, offset, data)])
 
     def write_buffers(self, writes: Sequence[HostWrite]) -> None:
-        """Mapped buffers written at once; the others through one staging buffer: zero writes
-        copy from a zeroed region at its start, data goes in batches of about STAGING_BATCH
-        bytes after it, one submission a batch. (When the zeroed region counted against every
-        batch and each batch had a staging buffer of its own, SmolLM2 training's 968 initial
-        writes took 424 allocations, 64 MiB zeroings and submissions; now one and 8.)"""
+        """Mapped buffers written at once; the others in batches of about STAGING_BATCH bytes of
+        data, one submission a batch: data through one staging buffer, zeros filled by the
+        device (a zero write that is not in whole 4-byte words goes as data). (Zeros were copied
+        from a zeroed region of the staging buffer: SmolLM2 training's Adam state, 1.1 GB,
+        crossed the bus; and before that each batch had a staging buffer of its own, 424
+        allocations and submissions where there are now 8.)"""
         staged = []
         for w in writes:
             if w.offset < 0 or w.offset + w.nbytes > w.buffer.nbytes:
@@ -173,18 +183,19 @@ class VulkanBackend(BackendBase):
             if w.nbytes and w.buffer.host_write:
                 self._host_write(w.buffer.pointer + w.offset, w)
             elif w.nbytes:
-                staged.append(w)
+                words = w.offset % 4 == 0 and w.nbytes % 4 == 0
+                staged.append(w if w.data is not None or words
+                              else HostWrite.of(w.buffer, w.offset, bytes(w.nbytes)))
         if not staged:
             return
-        zeros = min(max((w.nbytes for w in staged if w.data is None), default=0), STAGING_BATCH)
         batches, room = _batches([0 if w.data is None else w.nbytes for w in staged])
-        staging = self.create_buffer(zeros + room, "upload", "staging-write")
+        staging = self.create_buffer(room, "upload", "staging-write") if room else None
         try:
-            self._host_write(staging.pointer, HostWrite(staging, 0, zeros))
             for batch in batches:
-                self._write_staged(staging, [staged[i] for i in batch], zeros)
+                self._write_staged(staging, [staged[i] for i in batch])
         finally:
-            self.free_buffer(staging)
+            if staging is not None:
+                self.free_buffer(staging)
 
     def _host_write(self, pointer: Any, w: HostWrite) -> None:
         if w.data is None:
@@ -192,20 +203,20 @@ class VulkanBackend(BackendBase):
         else:
             self._ffi.memmove(pointer, w.data, w.nbytes)
 
-    def _write_staged(self, staging: Buffer, batch: Sequence[HostWrite], zeros: int) -> None:
-        """One batch through `staging` (the previous batch's copies have finished)."""
-        at = zeros
-        copies = []
+    def _write_staged(self, staging: Buffer | None, batch: Sequence[HostWrite]) -> None:
+        """One batch, its data through `staging` (the previous batch's copies have finished;
+        None when no write of the call has data)."""
+        at = 0
+        commands: list[Command] = []
         for w in batch:
             if w.data is None:
-                copies += [Copy(staging, 0, w.buffer, w.offset + start,
-                                min(zeros, w.nbytes - start))
-                           for start in range(0, w.nbytes, zeros)]
+                commands.append(Fill(w.buffer, w.offset, w.nbytes))
             else:
+                assert staging is not None
                 self._host_write(staging.pointer + at, w)
-                copies.append(Copy(staging, at, w.buffer, w.offset, w.nbytes))
+                commands.append(Copy(staging, at, w.buffer, w.offset, w.nbytes))
                 at += w.nbytes
-        self.run_now(copies)
+        self.run_now(commands)
 
     def read_buffer(self, buffer: Buffer, offset: int, nbytes: int) -> bytes:
         """Buffer -> host. Call wait() first so the work that writes `buffer` has finished."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vkml.errors import DeviceError
-from vkml.hal import Barrier, Command, Dispatch
+from vkml.hal import Barrier, Command, Dispatch, Fill
 
 
 class Program:
@@ -131,7 +131,7 @@ def prepare_program(dev: Any, commands: Sequence[Command], label: str) -> Progra
 
 
 def emit_commands(dev: Any, cb: Any, prog: Program) -> None:
-    """Record a program's commands (copies, barriers between levels, dispatches, and a
+    """Record a program's commands (copies, fills, barriers between levels, dispatches, and a
     timestamp after each dispatch when it has a query pool) into command buffer `cb`."""
     vk, ffi, lib = dev.vk, dev.ffi, dev.lib
     compute = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT
@@ -159,6 +159,8 @@ def emit_commands(dev: Any, cb: Any, prog: Program) -> None:
                 lib.vkCmdWriteTimestamp(cb, bottom, prog.query_pool, n_dispatch)
         elif isinstance(cmd, Barrier):
             _memory_barrier(dev, cb, compute | transfer, writes, compute | transfer, all_access)
+        elif isinstance(cmd, Fill):
+            lib.vkCmdFillBuffer(cb, cmd.buffer.handle, cmd.offset, cmd.nbytes, 0)
         else:
             region.srcOffset, region.dstOffset, region.size = (
                 cmd.src_offset, cmd.dst_offset, cmd.nbytes)

@@ -32,6 +32,7 @@ from vkml.hal import (
     Command,
     Copy,
     Dispatch,
+    Fill,
     Kernel,
 )
 
@@ -87,8 +88,8 @@ class Pipeline:
 
 class Program:
     """A recorded command list: `segments` alternate compute passes (lists of (pipeline handle,
-    bind group or None, x, y, z)) and copies ((src handle, src offset, dst handle, dst offset,
-    size)); the bind groups and any scratch buffer live as long as the program."""
+    bind group or None, x, y, z)) and the encoder's transfers ((method name, its arguments):
+    copies and fills); the bind groups and any scratch buffer live as long as the program."""
 
     __slots__ = ("label", "num_dispatches", "scratch", "segments", "queries", "resolved",
                  "timings")
@@ -349,11 +350,15 @@ class WgpuBackend(BackendBase):
             elif isinstance(cmd, Copy):
                 src, dst = cmd.src.handle, cmd.dst.handle
                 if cmd.src is cmd.dst:
-                    segments.append((src, cmd.src_offset, prog.scratch, 0, cmd.nbytes))
+                    segments.append(("copy_buffer_to_buffer",
+                                     (src, cmd.src_offset, prog.scratch, 0, cmd.nbytes)))
                     src, so = prog.scratch, 0
                 else:
                     so = cmd.src_offset
-                segments.append((src, so, dst, cmd.dst_offset, cmd.nbytes))
+                segments.append(("copy_buffer_to_buffer",
+                                 (src, so, dst, cmd.dst_offset, cmd.nbytes)))
+            elif isinstance(cmd, Fill):
+                segments.append(("clear_buffer", (cmd.buffer.handle, cmd.offset, cmd.nbytes)))
         prog.segments = segments
         self._programs.add(prog)
         return prog
@@ -398,7 +403,8 @@ class WgpuBackend(BackendBase):
                         compute.dispatch_workgroups(x, y, z)
                     compute.end()
             else:
-                encoder.copy_buffer_to_buffer(*seg)
+                method, args = seg
+                getattr(encoder, method)(*args)
         if timed:
             for k, queries in enumerate(program.queries):
                 first = k * QUERY_SET_SIZE
