@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import subprocess_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,3 +55,31 @@ def test_bench_tiny_smollm2(tmp_path):
     assert matmul["torch (CPU)", "tf32"]["reason"]
     assert {r["workload"] for r in data["ratios"]} == {"smollm2"}
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| 32 |")  # summary printed last
+
+
+def test_bench_compare_puts_runs_side_by_side(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_compare
+
+    old, new = (REPO / "tools" / "results" / f"bench-20261201-{t}-full-vulkan.json"
+                for t in ("224429", "225654"))
+    out = tmp_path / "compare.md"
+    assert bench_compare.main([str(old), str(new), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out
+    rows = {}
+    for path in (old, new):
+        for r in json.loads(path.read_text())["rows"]:
+            if r["status"] == "ok":
+                rows.setdefault((r["workload"], r["phase"], r["mode"], r["engine"]), []).append(r)
+    (a, b), (ga, gb) = rows["smollm2", "train", "strict", "vkml"], \
+        rows["smollm2", "train", "strict", "torch-graphs"]
+    cell = (f"{b['median_ms']:.3g} ({b['median_ms'] / a['median_ms'] - 1:+.1%}; "
+            f"{b['median_ms'] / b['min_ms'] - 1:.0%}; "
+            f"{gb['median_ms'] / ga['median_ms'] - 1:+.1%})")
+    assert f"| smollm2 | train | strict | {a['median_ms']:.3g} (" in text and cell in text
+    assert text.count("| 4096 | vkml | f32 |") == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match="not a bench result"):
+        bench_compare.main([str(old), str(bad)])
