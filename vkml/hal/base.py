@@ -58,6 +58,13 @@ class BackendBase:
     def wait(self) -> None:
         raise NotImplementedError
 
+    @staticmethod
+    def check_transfer(kind: str, buffer: Any, offset: int, nbytes: int) -> None:
+        """Raise DeviceError for a host `kind` ("read" or "write") outside `buffer`."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > buffer.nbytes:
+            raise DeviceError(f"{kind} of {nbytes} bytes at offset {offset} does not fit in "
+                              f"{buffer!r}")
+
     def write_buffer(self, buffer: Any, offset: int, data: bytes | memoryview) -> None:
         raise NotImplementedError
 

@@ -177,9 +177,7 @@ class VulkanBackend(BackendBase):
         allocations and submissions where there are now 8.)"""
         staged = []
         for w in writes:
-            if w.offset < 0 or w.offset + w.nbytes > w.buffer.nbytes:
-                raise DeviceError(f"write of {w.nbytes} bytes at offset {w.offset} does not fit "
-                                  f"in {w.buffer!r}")
+            self.check_transfer("write", w.buffer, w.offset, w.nbytes)
             if w.nbytes and w.buffer.host_write:
                 self._host_write(w.buffer.pointer + w.offset, w)
             elif w.nbytes:
@@ -220,9 +218,7 @@ class VulkanBackend(BackendBase):
 
     def read_buffer(self, buffer: Buffer, offset: int, nbytes: int) -> bytes:
         """Buffer -> host. Call wait() first so the work that writes `buffer` has finished."""
-        if offset < 0 or nbytes < 0 or offset + nbytes > buffer.nbytes:
-            raise DeviceError(f"read of {nbytes} bytes at offset {offset} does not fit in "
-                              f"{buffer!r}")
+        self.check_transfer("read", buffer, offset, nbytes)
         if buffer.host_read:
             return self._ffi.buffer(buffer.pointer + offset, nbytes)[:]
         if nbytes == 0:
@@ -247,9 +243,7 @@ class VulkanBackend(BackendBase):
         results = [b""] * len(reads)
         staged = []
         for i, (buffer, offset, nbytes) in enumerate(reads):
-            if offset < 0 or nbytes < 0 or offset + nbytes > buffer.nbytes:
-                raise DeviceError(f"read of {nbytes} bytes at offset {offset} does not fit in "
-                                  f"{buffer!r}")
+            self.check_transfer("read", buffer, offset, nbytes)
             if nbytes and buffer.host_read:
                 results[i] = self._ffi.buffer(buffer.pointer + offset, nbytes)[:]
             elif nbytes:

@@ -251,8 +251,7 @@ class WgpuBackend(BackendBase):
     def write_buffer(self, buffer: Buffer, offset: int, data: bytes | memoryview) -> None:
         """Host -> buffer, in queue order: it lands before any later submit runs."""
         n = memoryview(data).nbytes
-        if offset < 0 or offset + n > buffer.nbytes:
-            raise DeviceError(f"write of {n} bytes at offset {offset} does not fit in {buffer!r}")
+        self.check_transfer("write", buffer, offset, n)
         if n == 0:
             return
         start, size = _aligned_range(offset, n)
@@ -264,9 +263,7 @@ class WgpuBackend(BackendBase):
 
     def read_buffer(self, buffer: Buffer, offset: int, nbytes: int) -> bytes:
         """Buffer -> host, after all submitted work (wgpu waits for it)."""
-        if offset < 0 or nbytes < 0 or offset + nbytes > buffer.nbytes:
-            raise DeviceError(f"read of {nbytes} bytes at offset {offset} does not fit in "
-                              f"{buffer!r}")
+        self.check_transfer("read", buffer, offset, nbytes)
         return self._read(buffer, offset, nbytes) if nbytes else b""
 
     # -- pipelines ----------------------------------------------------------------------------
