@@ -158,6 +158,36 @@ def test_split_products_are_tiled_as_the_split_stage_planned(device):
     assert kernels[0].endswith(f"_{planned}"), (kernels, planned)
 
 
+def test_pointwise_convolutions_are_tiled_as_matmuls(device):
+    # a 1x1 convolution over images of a multiple of 4 pixels is a product of plain matrices
+    # (kernels/conv.py `plain`): tiled and split as a matmul of its shape is (32 x 32 tiles where
+    # 64 x 64 ones would not fill the GPU; ResNet-50 3.28 -> 3.04 ms inference on an H200,
+    # tools/KERNELS.md v8); a 3x3 one, or one over 7 x 7 pixels, keeps the convolutions' rule.
+    from vkml.kernels import gemm
+    caps = dataclasses.replace(device.caps, device_type="discrete")
+
+    def planned(x_shape, w_shape, padding=0):
+        g = vkml.Graph()
+        y = g.conv2d(g.param("x", x_shape), g.param("w", w_shape), padding=padding)
+        loss = g.sum(g.mul(y, y))
+        return {d.node.op: d.kernel.name for d in lower(g, caps, loss=loss).plan.dispatches
+                if d.node.op.startswith("conv2d")}
+
+    n, c, o, side = 4, 256, 64, 14  # ResNet-50's 1x1 reduction at 14 x 14: m = 784 pixels
+    kernels = planned((n, c, side, side), (o, c, 1, 1))
+    pixels = n * side * side
+    shapes = {"conv2d": (pixels, o, c), "conv2d_input_grad": (pixels, c, o),
+              "conv2d_weight_grad": (o, c, pixels)}
+    for op, (m, cols, depth) in shapes.items():
+        as_matmul = gemm.choose(m, cols, depth, 1, caps, plain=True)
+        assert as_matmul != gemm.choose(m, cols, depth, 1, caps), op  # the rules differ here
+        assert kernels[op].endswith(f"_{as_matmul}"), (op, kernels[op], as_matmul)
+    for x_shape, w_shape, padding in [((n, c, side, side), (o, c, 3, 3), 1),
+                                      ((n, c, 7, 7), (o, c, 1, 1), 0)]:
+        kernels = planned(x_shape, w_shape, padding)
+        assert all("s32x32" not in name for name in kernels.values()), kernels
+
+
 def test_wide_operands_bind_on_every_backend(device, rng):
     # operands read four elements at a time are bound as arrays of vec4 (gemm.indexed); WebGPU
     # checks a binding's size against its type, so the GPU variant runs on both backends here

@@ -173,6 +173,13 @@ def pointwise(node: Tensor) -> bool:
     return (kh, kw, sh, sw, ph, pw) == (1, 1, 1, 1, 0, 0)
 
 
+def plain(node: Tensor) -> bool:
+    """Whether a convolution is a product of plain matrices read four elements a load (a
+    pointwise one over images of a multiple of 4 pixels): tiled as a matmul is (gemm.choose)."""
+    h, w = node.inputs[0].shape[-2:]  # the input, or the input gradient's output gradient
+    return pointwise(node) and (h * w) % 4 == 0
+
+
 def _chunk(node: Tensor, depth: int) -> int:
     """The depth each split of the sum covers (all of it unsplit)."""
     return -(-depth // node.attrs.get("splits", 1))
@@ -189,7 +196,7 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
     return gemm.generate(
         f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node, wide), m, cols, chunk,
         groups * pieces, a, b, store,
-        tiling or gemm.choose(m, cols, depth, groups, caps),
+        tiling or gemm.choose(m, cols, depth, groups, caps, plain(node)),
         setup=[f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
         k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"),
         flops=2 * m * cols * depth * groups, nbytes=4 * (read + node.size))

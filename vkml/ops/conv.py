@@ -56,7 +56,8 @@ def _by_device(on_gemm, on_cpu, dims) -> dict:
         return (on_cpu if cpu_kernel(node, caps) else on_gemm)(node, caps)
 
     def splits(node: Tensor, caps) -> int:
-        return 1 if cpu_kernel(node, caps) else gemm.splits(*dims(node), caps)
+        return (1 if cpu_kernel(node, caps)
+                else gemm.splits(*dims(node), caps, plain=kernels.plain(node)))
 
     return {"lower": lower, "splits": splits}
 
