@@ -1,18 +1,18 @@
 """Fused (flash-style) attention: causal or full, cross, grouped-query; no additive mask. One
-kernel with an online softmax, and a backward that recomputes the scores from the row
-log-sum-exp (vkml/kernels/attention.py). `scaled_dot_product_attention(..., fused=True)` builds it
-(ops/composite.py); the default there is the composition of matmuls and a softmax."""
+kernel with an online softmax (vkml/kernels/attention.py), and a backward of products that
+recomputes the scores and takes P from the row log-sum-exp.
+`scaled_dot_product_attention(..., fused=True)` builds it (ops/composite.py); the default there
+is the composition of matmuls and a softmax."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import numpy as np
 
 from vkml.errors import GraphError
 from vkml.graph import OpDef, register
 from vkml.kernels import attention as kernels
+from vkml.ops.composite import MASKED
 
-if TYPE_CHECKING:
-    pass
 
 def _attention_dims(q, k, v):
     *lead, h, length, dim = q.shape
@@ -36,25 +36,37 @@ def _flash(inputs, attrs):
 
 
 def _flash_grad(g, node, d):
-    # FlashAttention-2's backward: the row log-sum-exp (a second pass over the keys, instead of
-    # a second output) and D = rowsum(dO * O) let each kernel recompute P one score at a time.
+    # The scores are recomputed as a product and P = exp(scores - lse) from the row
+    # log-sum-exp (so P costs no second reduction), then the backward runs as the composed
+    # attention's does, on the GEMM core: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)),
+    # dQ = dS K * scale, dK = dS^T Q * scale. P is held for the backward only. This replaced
+    # FlashAttention-2's backward as kernels of one thread a key (or query) row looping over every
+    # row of the other side, which never hold P; the two were not timed against each other.
     q, k, v = node.inputs
-    a = node.attrs
-    lse = g.apply("flash_attention_lse", [q, k], **a)
-    dsum = g.sum(g.mul(d, node), -1)
-    return [g.apply("flash_attention_dq", [q, k, v, d, lse, dsum], **a),
-            g.apply("flash_attention_dk", [q, k, v, d, lse, dsum], **a),
-            g.apply("flash_attention_dv", [q, k, d, lse], **a)]
+    *lead, h, length, dim = q.shape
+    hkv, s, dv = k.shape[-3], k.shape[-2], v.shape[-1]
+    rep, scale = h // hkv, node.attrs["scale"]
+    q5 = g.reshape(q, (*lead, hkv, rep, length, dim))
+    k5 = g.reshape(k, (*lead, hkv, 1, s, dim))
+    v5 = g.reshape(v, (*lead, hkv, 1, s, dv))
+    d5 = g.reshape(d, (*lead, hkv, rep, length, dv))
+    lse = g.reshape(g.apply("flash_attention_lse", [q, k], **node.attrs),
+                    (*lead, hkv, rep, length, 1))
+    scores = g.mul(g.matmul(q5, k5, transpose_b=True), scale)
+    if node.attrs["causal"]:
+        scores = g.add(scores, g.constant(np.triu(np.full((length, s), MASKED, np.float32), k=1)))
+    p = g.exp(g.sub(scores, lse))
+    row = g.reshape(g.sum(g.mul(d, node), -1, keepdims=True), (*lead, hkv, rep, length, 1))
+    ds = g.mul(p, g.sub(g.matmul(d5, v5, transpose_b=True), row))
+
+    def per_kv_head(x, width):  # (..., hkv, rep, s, width) summed over the heads sharing kv
+        return g.sum(x, -3) if rep > 1 else g.reshape(x, (*lead, hkv, s, width))
+    return [g.reshape(g.mul(g.matmul(ds, k5), scale), q.shape),
+            per_kv_head(g.mul(g.matmul(ds, q5, transpose_a=True), scale), dim),
+            per_kv_head(g.matmul(p, d5, transpose_a=True), dv)]
 
 
 register(OpDef("flash_attention", _flash, "kernel", grad=_flash_grad,
                lower=kernels.lowering("forward")))
 register(OpDef("flash_attention_lse", lambda inputs, attrs: (inputs[0].shape[:-1], "f32"),
                "kernel", lower=kernels.lowering("lse")))
-register(OpDef("flash_attention_dq", lambda inputs, attrs: (inputs[0].shape, "f32"), "kernel",
-               lower=kernels.lowering("dq")))
-register(OpDef("flash_attention_dk", lambda inputs, attrs: (inputs[1].shape, "f32"), "kernel",
-               lower=kernels.lowering("dk")))
-register(OpDef("flash_attention_dv",
-               lambda inputs, attrs: (inputs[1].shape[:-1] + inputs[2].shape[-1:], "f32"),
-               "kernel", lower=kernels.lowering("dv")))
