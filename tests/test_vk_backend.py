@@ -331,6 +331,29 @@ def test_zeros_are_filled_by_the_device(backend, monkeypatch):
     assert backend.validation_messages == []
 
 
+def test_zeros_into_uncached_mapped_memory_are_filled_by_the_device(backend, monkeypatch):
+    # VRAM mapped through a resizable BAR (host_write, not host_read): data is written in
+    # place, zeros are filled by the device instead of crossing the bus from the CPU
+    buf = backend.create_buffer(400, "device", "rebar")
+    assert buf.host_write  # lavapipe's device memory is mapped
+    backend.write_buffer(buf, 0, np.full(100, np.nan, np.float32).tobytes())
+    buf.host_read = False
+    fills = []
+    monkeypatch.setattr(backend, "run_now", lambda commands, f=backend.run_now:
+                        (fills.extend(c for c in commands if isinstance(c, Fill)), f(commands)))
+    backend.write_buffers([HostWrite(buf, 0, 200), HostWrite.of(buf, 200, bytes(range(8)))])
+    assert [(f.offset, f.nbytes) for f in fills] == [(0, 200)]
+    buf.host_read = True
+    got = np.frombuffer(backend.read_buffer(buf, 0, 400), np.uint8)
+    assert (got[:200] == 0).all() and list(got[200:208]) == list(range(8))
+    assert np.isnan(np.frombuffer(got[208:].tobytes(), np.float32)).all()
+    backend.write_buffers([HostWrite(buf, 300, 100)])  # host memory: the CPU writes the zeros
+    assert len(fills) == 1 and (np.frombuffer(backend.read_buffer(buf, 300, 100), np.uint8)
+                                == 0).all()
+    backend.free_buffer(buf)
+    assert backend.validation_messages == []
+
+
 def test_bad_bindings_are_refused(backend, axpb):
     buf = backend.create_buffer(3 * NBYTES, "device", "bad")
     align = backend.caps.min_storage_offset_alignment

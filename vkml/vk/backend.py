@@ -169,16 +169,20 @@ class VulkanBackend(BackendBase):
         self.write_buffers([HostWrite.of(buffer, offset, data)])
 
     def write_buffers(self, writes: Sequence[HostWrite]) -> None:
-        """Mapped buffers written at once; the others in batches of about STAGING_BATCH bytes of
-        data, one submission a batch: data through one staging buffer, zeros filled by the
-        device (a zero write that is not in whole 4-byte words goes as data). (Zeros were copied
+        """Data into mapped buffers written at once, and zeros into mapped host memory; the
+        others in batches of about STAGING_BATCH bytes of data, one submission a batch: data
+        through one staging buffer, zeros filled by the device (a zero write that is not in
+        whole 4-byte words goes as data). (Zeros were copied
         from a zeroed region of the staging buffer: SmolLM2 training's Adam state, 1.1 GB,
         crossed the bus; and before that each batch had a staging buffer of its own, 424
         allocations and submissions where there are now 8.)"""
         staged = []
         for w in writes:
             self.check_transfer("write", w.buffer, w.offset, w.nbytes)
-            if w.nbytes and w.buffer.host_write:
+            # Zeros go to the device where the mapping is uncached (VRAM behind a resizable BAR):
+            # writing them from the CPU crosses the bus (SmolLM2 training's Adam state, 1.1 GB,
+            # 0.2 s of its 0.7 s warm compile on an H200, tools/KERNELS.md v8).
+            if w.nbytes and w.buffer.host_write and (w.data is not None or w.buffer.host_read):
                 self._host_write(w.buffer.pointer + w.offset, w)
             elif w.nbytes:
                 words = w.offset % 4 == 0 and w.nbytes % 4 == 0
