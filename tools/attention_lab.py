@@ -16,17 +16,17 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kernel_lab import profiled  # noqa: E402  (tools/, the script's own folder)
+
 import vkml  # noqa: E402
 from vkml.compiler.stages import lower  # noqa: E402
 from vkml.kernels import attention  # noqa: E402
-from vkml.session import Session  # noqa: E402
 
 # (label, q shape, k/v shape, causal): Whisper-tiny's encoder, SmolLM2's grouped heads at 128
 # tokens, a longer sequence
@@ -37,7 +37,6 @@ QUICK = [("quick", (1, 2, 70, 8), (1, 2, 45, 8), False),
          ("quick causal", (2, 4, 37, 4), (2, 2, 37, 4), True)]
 SHAPES = [(32, 4, 32), (16, 8, 32), (64, 2, 32), (32, 8, 64), (32, 2, 32), (16, 4, 32),
           (64, 4, 32)]
-WARM_S = 0.5  # as tools/kernel_lab.py: the GPU's clocks up before the timed steps
 
 
 def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> np.ndarray:
@@ -56,13 +55,7 @@ def timed(device: vkml.Device, caps, operands, causal: bool, fused: bool, reps: 
     q, k, v = (g.param(n, x.shape, init=x) for n, x in zip("qkv", operands))
     g.output("o", g.scaled_dot_product_attention(q, k, v, causal=causal, fused=fused))
     plan = lower(g, caps).plan
-    session = Session(plan, device)
-    session.step()
-    start = time.perf_counter()
-    while time.perf_counter() - start < WARM_S:
-        session.step()
-        session.wait()
-    profile = session.profile(steps=reps)
+    session, profile = profiled(device, plan, reps)
     out = session.read("o")
     session.close()
     return (float(sum(profile.dispatch_ms)), out,

@@ -112,13 +112,7 @@ def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
         plan = dataclasses.replace(plan, dispatches=[
             dataclasses.replace(d, kernel=GEMM_OPS[d.node.op](d.node, caps, tiling))
             if d.node is not None and d.node.op in GEMM_OPS else d for d in plan.dispatches])
-    session = Session(plan, device)
-    session.step()
-    start = time.perf_counter()
-    while time.perf_counter() - start < WARM_S:
-        session.step()
-        session.wait()
-    profile = session.profile(steps=reps)
+    session, profile = profiled(device, plan, reps)
     times: dict = {}
     sums = {d.node.inputs[0].id: ms for d, ms in zip(plan.dispatches, profile.dispatch_ms)
             if d.node is not None and d.node.op == "fused_sum"}
@@ -126,6 +120,18 @@ def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
         if d.node is not None and d.node.op in GEMM_OPS:
             times[d.node.op] = (d.kernel.name, ms + sums.get(d.node.id, 0.0))
     return session, times, profile.source
+
+
+def profiled(device: vkml.Device, plan, reps: int) -> tuple[Session, object]:
+    """A session of `plan` after one step, a moment of steps to bring the GPU's clocks up, and
+    `reps` timestamped steps: the session and its profile."""
+    session = Session(plan, device)
+    session.step()
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_S:
+        session.step()
+        session.wait()
+    return session, session.profile(steps=reps)
 
 
 # Seconds of steps before the timed ones. 0.05 was too short on the H200: the clocks dropped while

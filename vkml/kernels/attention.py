@@ -80,7 +80,7 @@ def generate(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
     return assemble(f"{node.op}_{'x'.join(map(str, q.shape))}_{s}", caps,
                     [*map(Buf, BINDINGS[pass_]), Buf("out", writable=True)], (WORKGROUP,),
                     lines, grid(-(-threads // WORKGROUP), caps),
-                    flops=4 * batch * h * length * s * max(dim, dv),
+                    flops=2 * batch * h * length * s * (dim + dv),
                     nbytes=4 * (sum(x.size for x in node.inputs) + node.size))
 
 
@@ -99,9 +99,9 @@ def _tileable(node: Tensor, caps: Capabilities, pass_: Pass) -> bool:
 
 def _tiled(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
     """The GPU forward (`forward`) or log-sum-exp (`lse`) pass: see the module's docstring.
-    Thread lid takes query row lid % BLOCK_Q of its block and keys part * CHUNK + c (c < CHUNK)
-    of every tile, part = lid / BLOCK_Q; it folds its CHUNK scores into its running max and sum
-    at once (one rescale of the accumulator per CHUNK keys)."""
+    Thread lid takes query row lid % BLOCK_Q of its block and keys part * chunk + c (c < chunk =
+    KEY_TILE / PARTS) of every tile, part = lid / BLOCK_Q; it folds its chunk of scores into its
+    running max and sum at once (one rescale of the accumulator per chunk)."""
     q, k = node.inputs[0], node.inputs[1]
     *lead, h, length, dim = q.shape
     hkv, s = k.shape[-3], k.shape[-2]
@@ -197,5 +197,5 @@ def _tiled(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
                                                           writable=True)]
     return assemble(f"{node.op}_{'x'.join(map(str, q.shape))}_{s}_tiled", caps, buffers,
                     (threads,), lines, grid(batch * h * blocks, caps), prelude=prelude,
-                    flops=4 * batch * h * length * s * max(dim, dv),
+                    flops=2 * batch * h * length * s * (dim + dv),
                     nbytes=4 * (sum(x.size for x in node.inputs) + node.size))
