@@ -384,3 +384,23 @@ def test_gpu_flash_attention_is_tiled(causal, shapes, device, rng):
     for name, r in zip("qkv", ref):
         assert rel_l2(session.grad(name), r.grad.numpy()) < 1e-5
     session.close()
+
+
+@pytest.mark.parametrize("length", [1500, 2500])
+def test_softmax_rows_held_in_registers_or_passed_over(length, device, rng):
+    # a row of at most HELD elements a thread is held in registers (read once), a longer one is
+    # read in three passes (kernels/reduce.py); lavapipe's 64-thread workgroups hold 1500
+    from vkml.kernels import reduce
+    x = rng.standard_normal((3, length)).astype(np.float32) * 4
+    g = vkml.Graph()
+    px = g.param("x", x.shape, init=x)
+    g.output("s", px.softmax())
+    g.output("l", px.log_softmax())
+    session = vkml.compile(g, device=device)
+    session.step()
+    loops = ["for (var c" in d.kernel.wgsl for d in session.plan.dispatches]
+    assert loops == [length > reduce.HELD * reduce.WORKGROUP] * 2
+    t = torch.tensor(x, dtype=torch.float64)
+    assert rel_l2(session.read("s"), t.softmax(-1).numpy()) < 1e-6
+    assert rel_l2(session.read("l"), t.log_softmax(-1).numpy()) < 1e-6
+    session.close()
