@@ -46,13 +46,13 @@ def _flash_grad(g, node, d):
     *lead, h, length, dim = q.shape
     hkv, s, dv = k.shape[-3], k.shape[-2], v.shape[-1]
     rep, scale = h // hkv, node.attrs["scale"]
-    q5 = g.reshape(q, (*lead, hkv, rep, length, dim))
+    q5 = g.reshape(g.mul(q, scale), (*lead, hkv, rep, length, dim))  # scaled, as composed
     k5 = g.reshape(k, (*lead, hkv, 1, s, dim))
     v5 = g.reshape(v, (*lead, hkv, 1, s, dv))
     d5 = g.reshape(d, (*lead, hkv, rep, length, dv))
     lse = g.reshape(g.apply("flash_attention_lse", [q, k], **node.attrs),
                     (*lead, hkv, rep, length, 1))
-    scores = g.mul(g.matmul(q5, k5, transpose_b=True), scale)
+    scores = g.matmul(q5, k5, transpose_b=True)
     if node.attrs["causal"]:
         scores = g.add(scores, g.constant(np.triu(np.full((length, s), MASKED, np.float32), k=1)))
     p = g.exp(g.sub(scores, lse))
@@ -62,7 +62,7 @@ def _flash_grad(g, node, d):
     def per_kv_head(x, width):  # (..., hkv, rep, s, width) summed over the heads sharing kv
         return g.sum(x, -3) if rep > 1 else g.reshape(x, (*lead, hkv, s, width))
     return [g.reshape(g.mul(g.matmul(ds, k5), scale), q.shape),
-            per_kv_head(g.mul(g.matmul(ds, q5, transpose_a=True), scale), dim),
+            per_kv_head(g.matmul(ds, q5, transpose_a=True), dim),
             per_kv_head(g.matmul(p, d5, transpose_a=True), dv)]
 
 

@@ -172,10 +172,10 @@ class VulkanBackend(BackendBase):
         """Data into mapped buffers written at once, and zeros into mapped host memory; the
         others in batches of about STAGING_BATCH bytes of data, one submission a batch: data
         through one staging buffer, zeros filled by the device (a zero write that is not in
-        whole 4-byte words goes as data). (Zeros were copied
-        from a zeroed region of the staging buffer: SmolLM2 training's Adam state, 1.1 GB,
-        crossed the bus; and before that each batch had a staging buffer of its own, 424
-        allocations and submissions where there are now 8.)"""
+        whole 4-byte words goes as data). (Zeros were copied from a zeroed region of the
+        staging buffer: SmolLM2 training's Adam state, 1.1 GB, crossed the bus; and before that
+        each batch had a staging buffer of its own, 424 allocations and submissions where there
+        are now 8.)"""
         staged = []
         for w in writes:
             self.check_transfer("write", w.buffer, w.offset, w.nbytes)
