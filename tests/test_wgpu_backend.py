@@ -146,6 +146,25 @@ def test_partial_words_and_readback_buffers(backend):
         backend.free_buffer(b)
 
 
+def test_zeros_are_cleared_by_the_device(backend, monkeypatch):
+    # write_buffers clears zero ranges in whole words on the device (one submission); data and
+    # a zero range that is not in whole words go as bytes
+    from vkml.hal import HostWrite
+    buf = backend.create_buffer(400, "device", "zeros")
+    backend.write_buffer(buf, 0, np.full(100, np.nan, np.float32).tobytes())
+    sent = []
+    monkeypatch.setattr(backend, "write_buffer", lambda b, at, data, f=backend.write_buffer:
+                        (sent.append((at, memoryview(data).nbytes)), f(b, at, data)))
+    backend.write_buffers([HostWrite(buf, 0, 200), HostWrite.of(buf, 200, bytes(range(8))),
+                           HostWrite(buf, 302, 5)])
+    assert sent == [(200, 8), (302, 5)]
+    got = np.frombuffer(backend.read_buffer(buf, 0, 400), np.uint8)
+    assert (got[:200] == 0).all() and list(got[200:208]) == list(range(8))
+    assert (got[302:307] == 0).all()
+    assert np.isnan(np.frombuffer(got[208:300].tobytes(), np.float32)).all()
+    backend.free_buffer(buf)
+
+
 def test_bad_commands_raise_device_error_naming_the_problem(backend):
     pipe = backend.create_pipeline(axpb_kernel(backend.caps))
     buf = backend.create_buffer(4096, "device", "arena")
