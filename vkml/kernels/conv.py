@@ -80,7 +80,7 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
 
     gpu, chunk = not gemm.on_cpu(caps), _chunk(node, depth)
     # a 1x1 convolution without stride or padding reads its input as a plain matrix
-    wide = (gpu and pointwise(node) and (h * wd) % 4 == 0, gpu and depth % 4 == chunk % 4 == 0)
+    wide = (gpu and plain(node), gpu and depth % 4 == chunk % 4 == 0)
     a = (gemm.indexed("in0", True, lambda i, d: f"(({i} / {h * wd}u) * {c}u + g * {cpg}u + {d}) "
                                                 f"* {h * wd}u + {i} % {h * wd}u", "row")
          if wide[0] else gemm.Operand(load_x, "row"))
@@ -115,7 +115,7 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
         return [f"      out[s * {n * c * h * wd}u + (({r} / {h * wd}u) * {c}u + g * {cpg}u "
                 f"+ {col}) * {h * wd}u + {r} % {h * wd}u] = {acc};"]
 
-    wide = (not gemm.on_cpu(caps) and pointwise(node) and (h * wd) % 4 == 0,)
+    wide = (not gemm.on_cpu(caps) and plain(node),)
     a = (gemm.indexed("in0", True, lambda i, dd: f"(({i} / {h * wd}u) * {o}u + g * {opg}u + {dd})"
                                                  f" * {h * wd}u + {i} % {h * wd}u", "row")
          if wide[0] else gemm.Operand(load_dy, "row"))
@@ -152,7 +152,7 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
 
     # The sum runs over (image, pixel): four at a time where images hold multiples of 4 pixels.
     gpu, chunk = not gemm.on_cpu(caps), _chunk(node, depth)
-    wide = (gpu and pointwise(node) and (h * wd) % 4 == chunk % 4 == 0,
+    wide = (gpu and plain(node) and chunk % 4 == 0,
             gpu and (oh * ow) % 4 == chunk % 4 == 0)
     a = gemm.indexed("in1", wide[1], lambda i, dd: f"(({dd} / {oh * ow}u) * {o}u + g * {opg}u "
                                                    f"+ {i}) * {oh * ow}u + {dd} % {oh * ow}u",

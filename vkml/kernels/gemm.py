@@ -161,8 +161,8 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     when its tiles alone fill the device, else a 64 x 64 tile (32 x 32 for thin matrices, and
     for `plain` products, whose operands are matrices in memory rather than gathered like a
     convolution's patches: matmuls and pointwise convolutions, kernels/conv.py `plain`; where
-    64 x 64 tiles do not fill it either) that the split stage
-    gives more workgroups by splitting k where it still needs them. Measured on an H200
+    64 x 64 tiles do not fill it either) that the split stage gives more workgroups by
+    splitting k where it still needs them. Measured on an H200
     (tools/kernel_lab.py, tools/KERNELS.md v2, v7): 64 x 64 with splits beat the smaller tiles
     unsplit by 2-4x on the convolutions; on the transformers' products 32 x 32 tiles were
     faster in 8 of 13 shapes (by 9-24%) and slower in one; at 2048^3, which 64 x 64 tiles
