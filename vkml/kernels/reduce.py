@@ -256,57 +256,53 @@ def _rowwise(node: Tensor, caps: Capabilities, log: bool) -> Kernel:
     (x,) = node.inputs
     length = x.shape[-1]
     rows = x.size // length
-    held = -(-length // workgroup_for(length, caps, node))
-    wg = workgroup_for(length, caps, node) if held <= HELD else workgroup_for(3 * length, caps,
-                                                                              node)
-    head = [f"fn main({ENTRY_ARGS}) {{",
-            f"  let row = {LINEAR_WORKGROUP};",
-            f"  let valid = row < {rows}u;",
-            f"  let base = min(row, {rows - 1}u) * {length}u;"]
+    wg = workgroup_for(length, caps, node)
+    held = -(-length // wg)
     if held <= HELD:
         # element lid + i * wg of the row is v{i}; past the row's end it is the lowest float,
         # whose exponential is 0
         full = length // wg
-        entry = [*head,
-                 *[f"  let v{i} = inp[base + lid + {i * wg}u];" for i in range(full)],
-                 *[f"  let v{i} = select(-3.4028235e38, inp[base + min(lid + {i * wg}u, "
-                   f"{length - 1}u)], lid + {i * wg}u < {length}u);"
-                   for i in range(full, held)],
-                 f"  partial[lid] = {_fold('max', [f'v{i}' for i in range(held)])};",
-                 *tree_reduce("partial", wg, "max({a}, {b})"),
-                 "  let row_max = partial[0];",
-                 "  workgroupBarrier();",
-                 *[f"  let e{i} = exp(v{i} - row_max);" for i in range(held)],
-                 f"  partial[lid] = {' + '.join(f'e{i}' for i in range(held))};",
-                 *tree_reduce("partial", wg, "{a} + {b}"),
-                 "  let row_sum = partial[0];",
-                 "  if (!valid) { return; }",
-                 *(["  let log_sum = log(row_sum);"] if log else []),
-                 *[f"  {'' if i < full else f'if (lid + {i * wg}u < {length}u) '}"
-                   f"{{ out[base + lid + {i * wg}u] = "
-                   f"{f'v{i} - row_max - log_sum' if log else f'e{i} / row_sum'}; }}"
-                   for i in range(held)],
-                 "}"]
-    else:
-        result = ("inp[base + c] - row_max - log(row_sum)" if log
+        values = [f"v{i}" for i in range(held)]
+        read = [*[f"  let v{i} = inp[base + lid + {i * wg}u];" for i in range(full)],
+                *[f"  let v{i} = select(-3.4028235e38, inp[base + min(lid + {i * wg}u, "
+                  f"{length - 1}u)], lid + {i * wg}u < {length}u);" for i in range(full, held)]]
+        local_max = _fold("max", values)
+        exps = [f"  let e{i} = exp(v{i} - row_max);" for i in range(held)]
+        local_sum = " + ".join(f"e{i}" for i in range(held))
+        write = [f"  {'' if i < full else f'if (lid + {i * wg}u < {length}u) '}"
+                 f"{{ out[base + lid + {i * wg}u] = "
+                 f"{f'v{i} - row_max - log_sum' if log else f'e{i} / row_sum'}; }}"
+                 for i in range(held)]
+    else:  # three passes over the row
+        wg = workgroup_for(3 * length, caps, node)
+        result = ("inp[base + c] - row_max - log_sum" if log
                   else "exp(inp[base + c] - row_max) / row_sum")
-        entry = [*head,
-                 "  var m = -3.4028235e38;",
-                 f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
-                 "    m = max(m, inp[base + c]);", "  }",
-                 "  partial[lid] = m;",
-                 *tree_reduce("partial", wg, "max({a}, {b})"),
-                 "  let row_max = partial[0];",
-                 "  workgroupBarrier();",
-                 "  var s = 0.0;",
-                 f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
-                 "    s += exp(inp[base + c] - row_max);", "  }",
-                 "  partial[lid] = s;",
-                 *tree_reduce("partial", wg, "{a} + {b}"),
-                 "  let row_sum = partial[0];",
-                 "  if (!valid) { return; }",
-                 f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
-                 f"    out[base + c] = {result};", "  }", "}"]
+        read = ["  var m = -3.4028235e38;",
+                f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
+                "    m = max(m, inp[base + c]);", "  }"]
+        local_max = "m"
+        exps = ["  var s = 0.0;",
+                f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
+                "    s += exp(inp[base + c] - row_max);", "  }"]
+        local_sum = "s"
+        write = [f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
+                 f"    out[base + c] = {result};", "  }"]
+    entry = [f"fn main({ENTRY_ARGS}) {{",
+             f"  let row = {LINEAR_WORKGROUP};",
+             f"  let valid = row < {rows}u;",
+             f"  let base = min(row, {rows - 1}u) * {length}u;",
+             *read,
+             f"  partial[lid] = {local_max};",
+             *tree_reduce("partial", wg, "max({a}, {b})"),
+             "  let row_max = partial[0];",
+             "  workgroupBarrier();",
+             *exps,
+             f"  partial[lid] = {local_sum};",
+             *tree_reduce("partial", wg, "{a} + {b}"),
+             "  let row_sum = partial[0];",
+             "  if (!valid) { return; }",
+             *(["  let log_sum = log(row_sum);"] if log else []),
+             *write, "}"]
     return assemble(f"{node.op}_{rows}x{length}", caps, [Buf("inp"), Buf("out", writable=True)],
                     (wg,), entry, grid(rows, caps),
                     prelude=[f"var<workgroup> partial: array<f32, {wg}>;"],
