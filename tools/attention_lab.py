@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernel_lab import profiled  # noqa: E402  (tools/, the script's own folder)
+from kernel_lab import profiled, rel  # noqa: E402  (tools/, the script's own folder)
 
 import vkml  # noqa: E402
 from vkml.compiler.stages import lower  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> int:
             try:
                 ms, got, kernels = timed(device, caps, operands, causal, shape is not None,
                                          opts.reps)
-                err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                err = rel(got, want)
                 row = {"case": label, "variant": name, "ms": ms, "tflops": flop / ms / 1e9,
                        "err": err, "kernels": kernels}
                 print(f"{label:12} {name:14} {ms:8.4f} {row['tflops']:8.2f} {err:9.2e}  "

@@ -79,9 +79,7 @@ def generate(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
     lines.append("}")
     return assemble(f"{node.op}_{'x'.join(map(str, q.shape))}_{s}", caps,
                     [*map(Buf, BINDINGS[pass_]), Buf("out", writable=True)], (WORKGROUP,),
-                    lines, grid(-(-threads // WORKGROUP), caps),
-                    flops=2 * batch * h * length * s * (dim + dv),
-                    nbytes=4 * (sum(x.size for x in node.inputs) + node.size))
+                    lines, grid(-(-threads // WORKGROUP), caps), **_estimates(node, dv))
 
 
 def _shared_bytes(dim: int, dv: int) -> int:
@@ -197,5 +195,13 @@ def _tiled(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
                                                           writable=True)]
     return assemble(f"{node.op}_{'x'.join(map(str, q.shape))}_{s}_tiled", caps, buffers,
                     (threads,), lines, grid(batch * h * blocks, caps), prelude=prelude,
-                    flops=2 * batch * h * length * s * (dim + dv),
-                    nbytes=4 * (sum(x.size for x in node.inputs) + node.size))
+                    **_estimates(node, dv))
+
+
+def _estimates(node: Tensor, dv: int) -> dict[str, int]:
+    """The work of either pass (`dv` 0 for the log-sum-exp, which computes no output rows):
+    2 L S (D + Dv) flops a head, every input read and the output written once."""
+    *_, length, dim = node.inputs[0].shape
+    heads = node.inputs[0].size // (length * dim)
+    return {"flops": 2 * heads * length * node.inputs[1].shape[-2] * (dim + dv),
+            "nbytes": 4 * (sum(x.size for x in node.inputs) + node.size)}

@@ -6,12 +6,10 @@ is the composition of matmuls and a softmax."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from vkml.errors import GraphError
 from vkml.graph import OpDef, register
 from vkml.kernels import attention as kernels
-from vkml.ops.composite import MASKED
+from vkml.ops.composite import causal_mask, grouped_heads
 
 
 def _attention_dims(q, k, v):
@@ -46,15 +44,13 @@ def _flash_grad(g, node, d):
     *lead, h, length, dim = q.shape
     hkv, s, dv = k.shape[-3], k.shape[-2], v.shape[-1]
     rep, scale = h // hkv, node.attrs["scale"]
-    q5 = g.reshape(g.mul(q, scale), (*lead, hkv, rep, length, dim))  # scaled, as composed
-    k5 = g.reshape(k, (*lead, hkv, 1, s, dim))
-    v5 = g.reshape(v, (*lead, hkv, 1, s, dv))
+    q5, k5, v5 = grouped_heads(g, q, k, v, scale)
     d5 = g.reshape(d, (*lead, hkv, rep, length, dv))
     lse = g.reshape(g.apply("flash_attention_lse", [q, k], **node.attrs),
                     (*lead, hkv, rep, length, 1))
     scores = g.matmul(q5, k5, transpose_b=True)
     if node.attrs["causal"]:
-        scores = g.add(scores, g.constant(np.triu(np.full((length, s), MASKED, np.float32), k=1)))
+        scores = g.add(scores, g.constant(causal_mask(length, s)))
     p = g.exp(g.sub(scores, lse))
     row = g.reshape(g.sum(g.mul(d, node), -1, keepdims=True), (*lead, hkv, rep, length, 1))
     ds = g.mul(p, g.sub(g.matmul(d5, v5, transpose_b=True), row))

@@ -129,6 +129,24 @@ def batch_norm(g: Graph, x: Tensor, running_mean=None, running_var=None, weight=
 MASKED = -1e30  # exp(MASKED - max) is exactly 0 in f32, with no infinities in the arithmetic
 
 
+def grouped_heads(g: Graph, q: Tensor, k: Tensor, v: Tensor, scale: float
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """q (scaled) as (..., Hkv, H / Hkv, L, D), k as (..., Hkv, 1, S, D) and v as
+    (..., Hkv, 1, S, Dv), so batched products pair each query head with its key/value head.
+    The scale goes on q (L x D) rather than on the scores (L x S): a pass over the score
+    matrix fewer each way (on Whisper's 6 x 1500 x 1500 scores, 0.05 ms a layer on an H200)."""
+    *lead, h, length, dim = q.shape
+    hkv = k.shape[-3]
+    return (g.reshape(g.mul(q, scale), (*lead, hkv, h // hkv, length, dim)),
+            g.reshape(k, (*k.shape[:-3], hkv, 1, *k.shape[-2:])),
+            g.reshape(v, (*v.shape[:-3], hkv, 1, *v.shape[-2:])))
+
+
+def causal_mask(length: int, keys: int) -> np.ndarray:
+    """The additive mask by which query i sees keys j <= i (top-left aligned, as torch's)."""
+    return np.triu(np.full((length, keys), MASKED, np.float32), k=1)
+
+
 @builder
 def scaled_dot_product_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask=None,
                                  causal: bool = False, scale: float | None = None,
@@ -151,15 +169,10 @@ def scaled_dot_product_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask
         if mask is not None:
             raise GraphError("fused attention takes no additive mask (causal or full only)")
         return g.apply("flash_attention", [q, k, v], causal=bool(causal), scale=scale)
-    # The scale goes on q (L x D) rather than on the scores (L x S): a pass over the score
-    # matrix fewer each way (on Whisper's 6 x 1500 x 1500 scores, 0.05 ms a layer on an H200).
-    q5 = g.reshape(g.mul(q, scale), (*lead, hkv, rep, length, dim))
-    k5 = g.reshape(k, (*k.shape[:-3], hkv, 1, s, dim))
-    v5 = g.reshape(v, (*v.shape[:-3], hkv, 1, s, dv))
+    q5, k5, v5 = grouped_heads(g, q, k, v, scale)
     scores = g.reshape(g.matmul(q5, k5, transpose_b=True), (*lead, h, length, s))
     if causal:
-        tri = np.triu(np.full((length, s), MASKED, np.float32), k=1)
-        scores = g.add(scores, g.constant(tri))
+        scores = g.add(scores, g.constant(causal_mask(length, s)))
     if mask is not None:
         scores = g.add(scores, mask)
     probs = g.reshape(g.softmax(scores), (*lead, hkv, rep, length, s))
