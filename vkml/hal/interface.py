@@ -66,6 +66,11 @@ class HostWrite:
         view = memoryview(data)
         return cls(buffer, offset, view.nbytes, view)
 
+    @property
+    def fills(self) -> bool:
+        """Zeros in whole 4-byte words: what a device fill (hal.Fill) can write instead."""
+        return self.data is None and self.offset % 4 == 0 and self.nbytes % 4 == 0
+
 
 class Backend(Protocol):
     caps: Capabilities

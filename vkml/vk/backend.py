@@ -185,8 +185,7 @@ class VulkanBackend(BackendBase):
             if w.nbytes and w.buffer.host_write and (w.data is not None or w.buffer.host_read):
                 self._host_write(w.buffer.pointer + w.offset, w)
             elif w.nbytes:
-                words = w.offset % 4 == 0 and w.nbytes % 4 == 0
-                staged.append(w if w.data is not None or words
+                staged.append(w if w.data is not None or w.fills
                               else HostWrite.of(w.buffer, w.offset, bytes(w.nbytes)))
         if not staged:
             return

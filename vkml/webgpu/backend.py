@@ -266,14 +266,13 @@ class WgpuBackend(BackendBase):
         """Data as write_buffer writes it; zeros in whole words cleared by the device in one
         submission (a session's optimizer state: SmolLM2 training's 1.1 GB would otherwise
         cross the bus as bytes)."""
-        fills = [Fill(w.buffer, w.offset, w.nbytes) for w in writes if w.data is None
-                 and w.nbytes and w.offset % 4 == 0 and w.nbytes % 4 == 0]
         for w in writes:
             self.check_transfer("write", w.buffer, w.offset, w.nbytes)
+        fills = [Fill(w.buffer, w.offset, w.nbytes) for w in writes if w.nbytes and w.fills]
         if fills:
             self.run_now(fills)
         for w in writes:
-            if w.data is not None or w.offset % 4 or w.nbytes % 4:
+            if not w.fills:
                 self.write_buffer(w.buffer, w.offset, bytes(w.nbytes) if w.data is None
                                   else w.data)
 
