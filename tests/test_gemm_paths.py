@@ -112,10 +112,16 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
             assert ("var<workgroup>" in d.kernel.wgsl) == (device_type == "discrete" or (
                 device_type == "cpu" and d.node.op == "conv2d_weight_grad"))
     if name == "1x1_wide":
-        wide = {d.node.op: d.kernel.wgsl.count("array<vec4<f32>>") for d in session.plan.dispatches
+        # (vec4 inputs, vec4 output): the outputs run along memory in fours too (24 pixels an
+        # image, 8 taps a weight row), so GPUs store four at once (gemm.WideStore)
+        wide = {d.node.op: (d.kernel.wgsl.count("in0: array<vec4<f32>>")
+                            + d.kernel.wgsl.count("in1: array<vec4<f32>>"),
+                            d.kernel.wgsl.count("out: array<vec4<f32>>"))
+                for d in session.plan.dispatches
                 if d.node is not None and d.node.op.startswith("conv2d")}
-        assert wide == ({"conv2d": 2, "conv2d_input_grad": 1, "conv2d_weight_grad": 2}
-                        if device_type == "discrete" else dict.fromkeys(wide, 0))
+        assert wide == ({"conv2d": (2, 1), "conv2d_input_grad": (1, 1),
+                         "conv2d_weight_grad": (2, 1)}
+                        if device_type == "discrete" else dict.fromkeys(wide, (0, 0)))
     assert rel_l2(session.read("y"), ty.detach().numpy()) < 1e-5
     assert rel_l2(session.grad("x"), tx.grad.numpy()) < 1e-5
     assert rel_l2(session.grad("w"), tw.grad.numpy()) < 1e-5
@@ -189,8 +195,9 @@ def test_pointwise_convolutions_are_tiled_as_matmuls(device):
 
 
 def test_wide_operands_bind_on_every_backend(device, rng):
-    # operands read four elements at a time are bound as arrays of vec4 (gemm.indexed); WebGPU
-    # checks a binding's size against its type, so the GPU variant runs on both backends here
+    # operands read four elements at a time and a result stored four at a time are bound as
+    # arrays of vec4 (gemm.indexed, gemm.WideStore); WebGPU checks a binding's size against its
+    # type, so the GPU variant runs on both backends here
     a = rng.standard_normal((20, 24)).astype(np.float32)
     b = rng.standard_normal((40, 24)).astype(np.float32)
     g = vkml.Graph()
@@ -199,6 +206,28 @@ def test_wide_operands_bind_on_every_backend(device, rng):
     caps = dataclasses.replace(device.caps, device_type="discrete")
     session = Session(lower(g, caps).plan, device)
     session.step()
-    assert any(d.kernel.wgsl.count("array<vec4<f32>>") == 2 for d in session.plan.dispatches)
+    assert any(d.kernel.wgsl.count("array<vec4<f32>>") == 3 for d in session.plan.dispatches)
     assert rel_l2(session.read("c"), a.astype(np.float64) @ b.T.astype(np.float64)) < 1e-5
+    session.close()
+
+
+def test_matmul_epilogue_stores_four_columns_at_once(device, rng):
+    # rows of a multiple of 4 columns: GPUs store four outputs at once (gemm.WideStore), each
+    # through the fused epilogue with its own column index (a bias read along the columns, a
+    # term read along the rows, batched)
+    a = rng.standard_normal((2, 20, 24)).astype(np.float32)
+    b = rng.standard_normal((24, 36)).astype(np.float32)
+    bias = rng.standard_normal(36).astype(np.float32)
+    rows = rng.standard_normal((20, 1)).astype(np.float32)
+    g = vkml.Graph()
+    product = g.matmul(g.param("a", a.shape, init=a), g.param("b", b.shape, init=b))
+    g.output("c", g.add(g.add(product, g.param("bias", bias.shape, init=bias)),
+                        g.param("rows", rows.shape, init=rows)).relu())
+    caps = dataclasses.replace(device.caps, device_type="discrete")
+    session = Session(lower(g, caps).plan, device)
+    session.step()
+    (kernel,) = [d.kernel for d in session.plan.dispatches]
+    assert "mat_c: array<vec4<f32>>" in kernel.wgsl and "ep2" in kernel.wgsl
+    expected = np.maximum(a.astype(np.float64) @ b + bias + rows, 0)
+    assert rel_l2(session.read("c"), expected) < 1e-5
     session.close()

@@ -15,17 +15,21 @@ group (and, for the weight gradient, the split of its long sum).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather, gemm
 from vkml.kernels.common import Buf, split_index
 
 
-def buffers(node: Tensor, wide: tuple[bool, ...] = ()) -> list[Buf]:
+def buffers(node: Tensor, wide: tuple[bool, ...] = (), wide_out: bool = False) -> list[Buf]:
     """The inputs in order (bound as vec4 arrays where `wide`, see gemm.indexed), then the
-    output."""
+    output (a vec4 array where `wide_out`)."""
     return [*[gemm.binding(f"in{k}", k < len(wide) and wide[k]) for k in range(len(node.inputs))],
-            Buf("out", writable=True)]
+            Buf("out", "vec4<f32>" if wide_out else "f32", writable=True)]
 
 
 def params(node: Tensor):
@@ -74,9 +78,9 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
     def load_x(i: str, d: str) -> list[str]:
         return _im2col(node, x.shape, w.shape, i, d)
 
-    def store(r: str, col: str, acc: str) -> list[str]:
-        return [f"      out[s * {n * o * oh * ow}u + (({r} / {oh * ow}u) * {o}u + g * {opg}u "
-                f"+ {col}) * {oh * ow}u + {r} % {oh * ow}u] = {acc};"]
+    def at(r: str, col: str) -> str:
+        return (f"s * {n * o * oh * ow}u + (({r} / {oh * ow}u) * {o}u + g * {opg}u + {col}) "
+                f"* {oh * ow}u + {r} % {oh * ow}u")
 
     gpu, chunk = not gemm.on_cpu(caps), _chunk(node, depth)
     # a 1x1 convolution without stride or padding reads its input as a plain matrix
@@ -85,8 +89,8 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
                                                 f"* {h * wd}u + {i} % {h * wd}u", "row")
          if wide[0] else gemm.Operand(load_x, "row"))
     b = gemm.indexed("in1", wide[1], lambda j, d: f"(g * {opg}u + {j}) * {depth}u + {d}", "depth")
-    return _product(node, caps, m, cols, depth, groups, a, b, store, tiling, x.size + w.size,
-                    wide)
+    return _product(node, caps, m, cols, depth, groups, a, b, Output(at, "row", oh * ow),
+                    tiling, x.size + w.size, wide)
 
 
 def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
@@ -111,16 +115,16 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
         return [_split(dd, (opg, taps), ("ol", "t")),
                 f"v = in1[((g * {opg}u + ol) * {cpg}u + {j}) * {taps}u + t];"]
 
-    def store(r: str, col: str, acc: str) -> list[str]:
-        return [f"      out[s * {n * c * h * wd}u + (({r} / {h * wd}u) * {c}u + g * {cpg}u "
-                f"+ {col}) * {h * wd}u + {r} % {h * wd}u] = {acc};"]
+    def at(r: str, col: str) -> str:
+        return (f"s * {n * c * h * wd}u + (({r} / {h * wd}u) * {c}u + g * {cpg}u + {col}) "
+                f"* {h * wd}u + {r} % {h * wd}u")
 
     wide = (not gemm.on_cpu(caps) and plain(node),)
     a = (gemm.indexed("in0", True, lambda i, dd: f"(({i} / {h * wd}u) * {o}u + g * {opg}u + {dd})"
                                                  f" * {h * wd}u + {i} % {h * wd}u", "row")
          if wide[0] else gemm.Operand(load_dy, "row"))
-    return _product(node, caps, m, cols, depth, groups, a, gemm.Operand(load_w, "depth"), store,
-                    tiling, d.size + w.size, wide)
+    return _product(node, caps, m, cols, depth, groups, a, gemm.Operand(load_w, "depth"),
+                    Output(at, "row", h * wd), tiling, d.size + w.size, wide)
 
 
 def tap(coord: str, pad: int, stride: int, extent: int, name: str, k: str,
@@ -147,8 +151,8 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
     def load_x(j: str, dd: str) -> list[str]:
         return _im2col(node, x.shape, node.attrs["w_shape"], dd, j)
 
-    def store(r: str, col: str, acc: str) -> list[str]:
-        return [f"      out[s * {o * cols}u + (g * {opg}u + {r}) * {cols}u + {col}] = {acc};"]
+    def at(r: str, col: str) -> str:
+        return f"s * {o * cols}u + (g * {opg}u + {r}) * {cols}u + {col}"
 
     # The sum runs over (image, pixel): four at a time where images hold multiples of 4 pixels.
     gpu, chunk = not gemm.on_cpu(caps), _chunk(node, depth)
@@ -160,8 +164,8 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
     b = (gemm.indexed("in0", True, lambda j, dd: f"(({dd} / {h * wd}u) * {c}u + g * {cpg}u + {j})"
                                                  f" * {h * wd}u + {dd} % {h * wd}u", "depth")
          if wide[0] else gemm.Operand(load_x, "depth"))
-    return _product(node, caps, m, cols, depth, groups, a, b, store, tiling, x.size + d.size,
-                    wide)
+    return _product(node, caps, m, cols, depth, groups, a, b, Output(at, "col", cols), tiling,
+                    x.size + d.size, wide)
 
 
 def pointwise(node: Tensor) -> bool:
@@ -185,21 +189,41 @@ def _chunk(node: Tensor, depth: int) -> int:
     return -(-depth // node.attrs.get("splits", 1))
 
 
+@dataclass(frozen=True)
+class Output:
+    """Where the GEMM's C[r, col] lands in the output (`at`: its flat index) and which index of
+    C runs along memory (`along`) in runs of `run` elements (an image's pixels, a weight's
+    taps): where runs are multiples of 4, GPUs store four outputs at once."""
+
+    at: Callable[[str, str], str]
+    along: Literal["row", "col"]
+    run: int
+
+
 def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, groups: int,
-             a: gemm.Operand, b: gemm.Operand, store: gemm.Store,
+             a: gemm.Operand, b: gemm.Operand, output: Output,
              tiling: gemm.Tiling | None, read: int, wide: tuple[bool, ...]) -> Kernel:
     """The GEMM over grid layers z = group * splits + split (see OpDef.splits): split s sums its
     own range of the depth into slice s of a result with a leading split axis. `wide`: which
     inputs are bound as vec4 arrays."""
     pieces = node.attrs.get("splits", 1)
     chunk = _chunk(node, depth)
+    tiling = tiling or gemm.choose(m, cols, depth, groups, caps, plain(node))
+    wide_out = isinstance(tiling, gemm.Tiling) and tiling.staged and output.run % 4 == 0
+
+    def store(r: str, col: str, acc: str) -> list[str]:
+        return [f"      out[{output.at(r, col)}] = {acc};"]
+
+    def store4(r: str, col: str, accs: list[str]) -> list[str]:
+        return [f"      out[({output.at(r, col)}) / 4u] = vec4<f32>({', '.join(accs)});"]
+
     return gemm.generate(
-        f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node, wide), m, cols, chunk,
-        groups * pieces, a, b, store,
-        tiling or gemm.choose(m, cols, depth, groups, caps, plain(node)),
+        f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node, wide, wide_out), m,
+        cols, chunk, groups * pieces, a, b, store, tiling,
         setup=[f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
         k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"),
-        flops=2 * m * cols * depth * groups, nbytes=4 * (read + node.size))
+        flops=2 * m * cols * depth * groups, nbytes=4 * (read + node.size),
+        wide_store=gemm.WideStore(output.along, store4) if wide_out else None)
 
 
 def dims_conv2d(node: Tensor) -> tuple[int, int, int, int]:

@@ -48,25 +48,38 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
                         else (lambda j, d: f"b_base + {d} * {n}u + {j}"), "depth" if tb else "row")
     ir, ic = names[-2], names[-1]
 
-    def store(row: str, col: str, acc: str) -> list[str]:
-        reads = {0: acc} | {e: f"ep{e}[{offset(names, epilogue.strides[e])}]"
-                            for e in range(1, len(epilogue.strides))}
-        return [f"      let {ir} = {row}; let {ic} = {col};",
-                *body_lines(epilogue, reads, "      ", f"mat_c[c_base + {ir} * {n}u + {ic}] =")]
+    def reads(acc: str) -> dict[int, str]:
+        return {0: acc} | {e: f"ep{e}[{offset(names, epilogue.strides[e])}]"
+                           for e in range(1, len(epilogue.strides))}
 
+    def store(row: str, col: str, acc: str) -> list[str]:
+        return [f"      let {ir} = {row}; let {ic} = {col};",
+                *body_lines(epilogue, reads(acc), "      ",
+                            f"mat_c[c_base + {ir} * {n}u + {ic}] =")]
+
+    def store4(row: str, col: str, accs: list[str]) -> list[str]:
+        lines = [f"      let {ir} = {row}; var o = vec4<f32>();"]
+        for q, acc in enumerate(accs):
+            lines += [f"      {{ let {ic} = {col} + {q}u;",
+                      *body_lines(epilogue, reads(acc), "        ", f"o[{q}] ="), "      }"]
+        return [*lines, f"      mat_c[(c_base + {ir} * {n}u + {col}) / 4u] = o;"]
+
+    tiling = tiling or gemm.choose(m, n, k, batch, caps, plain=True)
+    # rows of C whose length is a multiple of 4 are stored four columns at a time
+    wide_c = isinstance(tiling, gemm.Tiling) and tiling.staged and n % 4 == 0
     buffers = [gemm.binding("mat_a", wide["a"]), gemm.binding("mat_b", wide["b"]),
                *[Buf(f"ep{e + 1}", x.dtype) for e, x in enumerate(extras)],
-               Buf("mat_c", writable=True)]
+               Buf("mat_c", "vec4<f32>" if wide_c else "f32", writable=True)]
     tag = ("t" if ta else "n") + ("t" if tb else "n")
     prefix = f"b{'x'.join(map(str, leading))}_" if leading else ""
     split = f"_split{pieces}" if pieces > 1 else ""
     layers = batch * pieces
     return gemm.generate(f"{node.op}_{tag}_{prefix}{m}x{n}x{k}{split}", caps, buffers, m, n,
-                         chunk, layers, a_op, b_op, store,
-                         tiling or gemm.choose(m, n, k, batch, caps, plain=True), setup=setup,
+                         chunk, layers, a_op, b_op, store, tiling, setup=setup,
                          k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {k}u)"),
                          prelude=helper_functions(epilogue), flops=2 * batch * m * n * k,
-                         nbytes=4 * (a.size + b.size + layers * m * n))
+                         nbytes=4 * (a.size + b.size + layers * m * n),
+                         wide_store=gemm.WideStore("col", store4) if wide_c else None)
 
 
 def splits(node: Tensor, caps: Capabilities) -> int:
