@@ -209,7 +209,7 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
     pieces = node.attrs.get("splits", 1)
     chunk = _chunk(node, depth)
     tiling = tiling or gemm.choose(m, cols, depth, groups, caps, plain(node))
-    wide_out = isinstance(tiling, gemm.Tiling) and tiling.staged and output.run % 4 == 0
+    wide_out = output.run % 4 == 0 and gemm.stores_wide(tiling, chunk)
 
     def store(r: str, col: str, acc: str) -> list[str]:
         return [f"      out[{output.at(r, col)}] = {acc};"]

@@ -66,7 +66,7 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
 
     tiling = tiling or gemm.choose(m, n, k, batch, caps, plain=True)
     # rows of C whose length is a multiple of 4 are stored four columns at a time
-    wide_c = isinstance(tiling, gemm.Tiling) and tiling.staged and n % 4 == 0
+    wide_c = n % 4 == 0 and gemm.stores_wide(tiling, chunk)
     buffers = [gemm.binding("mat_a", wide["a"]), gemm.binding("mat_b", wide["b"]),
                *[Buf(f"ep{e + 1}", x.dtype) for e, x in enumerate(extras)],
                Buf("mat_c", "vec4<f32>" if wide_c else "f32", writable=True)]
