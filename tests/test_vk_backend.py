@@ -425,3 +425,44 @@ def test_import_needs_no_loader_and_a_missing_loader_is_explained():
     done = _run_python("import sys\nsys.modules['vulkan'] = None\n" + _CONSTRUCT)
     assert done.returncode == 3, done.stderr
     assert "libvulkan.so.1" in done.stdout and "apt-get install libvulkan1" in done.stdout
+
+
+def test_workgroup_zeroing_is_dropped_and_the_kernel_still_runs(backend, monkeypatch):
+    # naga zero-initialises workgroup memory with stores of null constants from one invocation;
+    # vkml.vk.spirv drops exactly those (every vkml kernel writes its workgroup memory before
+    # reading it) and keeps the rest: a kernel passing values through workgroup memory still
+    # computes its result (the validation layer checks the module too)
+    import struct
+
+    from vkml.naga import compile_wgsl
+    from vkml.vk.spirv import _instructions, drop_workgroup_zeroing
+
+    entry = ["fn main(@builtin(local_invocation_index) lid: u32) {",
+             "  tile[lid] = f32(lid) * 2.0;", "  workgroupBarrier();",
+             "  out[lid] = tile[63u - lid];", "}"]
+    kernel = assemble("reverse", backend.caps, [Buf("out", writable=True)], (64,), entry,
+                      (1, 1, 1), prelude=["var<workgroup> tile: array<f32, 64>;"])
+    spirv = compile_wgsl(kernel.wgsl, kernel.name)
+
+    def stores(code: bytes) -> int:
+        words = struct.unpack(f"<{len(code) // 4}I", code)
+        return sum(op == 62 for op, _, _ in _instructions(words))
+
+    lean = drop_workgroup_zeroing(spirv)
+    assert stores(spirv) - stores(lean) == 1  # the one null store, into `tile`
+    assert drop_workgroup_zeroing(lean) == lean
+    from vkml.vk import pipelines
+    given: list[bytes] = []
+    monkeypatch.setattr(pipelines, "drop_workgroup_zeroing",
+                        lambda code: given.append(code) or drop_workgroup_zeroing(code))
+    pipe = backend.create_pipeline(kernel)
+    assert given == [spirv]  # the pass runs on what naga wrote, before the driver sees it
+    out = backend.create_buffer(64 * 4, "readback", "out")
+    prog = backend.record([Dispatch(pipe, (Binding(out, 0, 64 * 4, True),), (1, 1, 1))],
+                          "reverse")
+    backend.submit(prog)
+    backend.wait()
+    np.testing.assert_array_equal(floats(backend, out, 0, 64), (63 - np.arange(64)) * 2.0)
+    backend.free_program(prog)
+    backend.free_buffer(out)
+    assert backend.validation_messages == []
