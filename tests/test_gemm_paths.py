@@ -128,20 +128,29 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
 
 
 def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device):
-    # measured on an H200 (tools/KERNELS.md, v3): staged f32 was as fast or faster below
-    # gemm.COOP_MIN, so precision="f16" changes nothing there
-    from vkml.kernels import gemm
+    # measured on an H200 (tools/KERNELS.md, v3, v7, v9): staged f32 was as fast or faster
+    # below gemm.COOP_MIN (gemm.COOP_MIN_MATMUL for matmuls), so precision="f16" changes
+    # nothing there
+    from vkml.kernels import gemm, matmul
     caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
                                shader_f16=True, precision="f16")
     strict = dataclasses.replace(caps, precision="f32")
-    big, small = gemm.COOP_MIN, gemm.COOP_MIN // 2
-    assert isinstance(gemm.choose(big, big, big, 1, caps), gemm.CoopTiling)
-    assert not isinstance(gemm.choose(big, big, big, 1, strict), gemm.CoopTiling)
-    for m, n, k in [(small, big, big), (big, small, big), (big, big, small), (64, 64, 64)]:
-        assert gemm.choose(m, n, k, 1, caps) == gemm.choose(m, n, k, 1, strict), (m, n, k)
+    for least in (gemm.COOP_MIN, gemm.COOP_MIN_MATMUL):
+        big, small = least, least // 2
+        assert isinstance(gemm.choose(big, big, big, 1, caps, coop_min=least), gemm.CoopTiling)
+        assert not isinstance(gemm.choose(big, big, big, 1, strict, coop_min=least),
+                              gemm.CoopTiling)
+        for m, n, k in [(small, big, big), (big, small, big), (big, big, small), (64, 64, 64)]:
+            assert (gemm.choose(m, n, k, 1, caps, coop_min=least)
+                    == gemm.choose(m, n, k, 1, strict, coop_min=least)), (m, n, k)
+    # Whisper's FFN down projection: cooperative as a matmul, f32 as a convolution's GEMM
+    g = vkml.Graph()
+    product = g.matmul(g.param("a", (1500, 1536)), g.param("b", (1536, 384)))
+    assert "_c64x64" in matmul.generate(product, caps).name
+    assert not isinstance(gemm.choose(1500, 384, 1536, 1, caps), gemm.CoopTiling)
     # a device with less workgroup memory gets the largest cooperative tile that fits in it
     little = dataclasses.replace(caps, max_shared_memory_bytes=16384)
-    huge = 2 * big  # 128 x 128 tiles fill the device
+    huge = 2 * gemm.COOP_MIN  # 128 x 128 tiles fill the device
     assert gemm.choose(huge, huge, huge, 1, little) == gemm.CoopTiling(2, 2, 2, 2)
     assert gemm.choose(huge, huge, huge, 1, caps) == gemm.COOP[0] != gemm.CoopTiling(2, 2, 2, 2)
 

@@ -15,14 +15,18 @@ Two variants, chosen by the device:
 - direct (CPU drivers, where staging gains nothing and barriers make the JIT slow): each thread
   reads its operands straight from memory, rows ty + WY * i and columns tx + WX * j.
 - cooperative (precision="f16" on devices with cooperative matrices, for products of at least
-  COOP_MIN in every dimension): tensor-core tiles. The
+  COOP_MIN in every dimension, COOP_MIN_MATMUL for matmuls): tensor-core tiles. The
   operands are read as f32 like the staged variant's and converted to f16 as they are staged, so
   no f16 copy of any tensor exists; each subgroup multiplies FM x FN 16x16 fragments with f32
   accumulators (`coop_mat16x16`, loaded transposed as naga needs for row-major data), and
   stores each accumulator through workgroup memory, where its lanes apply the store.
-  Below COOP_MIN the staged f32 kernel is used even in accelerated mode: on an H200 it was as
-  fast or faster at nearly every model shape measured (tools/KERNELS.md, v3 and v7), and it is
-  exact.
+  Below those the staged f32 kernel is used even in accelerated mode. On an H200
+  (tools/KERNELS.md, v3, v7, v9): once naga's workgroup zeroing was dropped (vk/spirv.py) the
+  cooperative tiles beat f32 on the transformers' matmuls (Whisper's FFN down projection
+  0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017), and with COOP_MIN_MATMUL = 256 Whisper's
+  accelerated inference ran 2.37 -> 1.92 ms, its gates passing; on convolutions they ran
+  slower (U-Net, ResNet-50) and ResNet-50's accelerated training failed its gradient gates
+  (batch norm over f16 convolutions), so convolutions keep COOP_MIN.
 """
 
 from __future__ import annotations
@@ -180,7 +184,7 @@ def on_cpu(caps: Capabilities) -> bool:
 
 
 def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
-           plain: bool = False) -> Tiling | CoopTiling:
+           plain: bool = False, coop_min: int | None = None) -> Tiling | CoopTiling:
     """The tiling for an (m x n x k) product over `z` grid layers on this device: the largest
     when its tiles alone fill the device, else a 64 x 64 tile (32 x 32 for thin matrices, and
     for `plain` products, whose operands are matrices in memory rather than gathered like a
@@ -191,10 +195,11 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     unsplit by 2-4x on the convolutions; on the transformers' products 32 x 32 tiles were
     faster in 8 of 13 shapes (by 9-24%) and slower in one; at 2048^3, which 64 x 64 tiles
     fill, 32 x 32 lost 14%; taking the rule for ResNet-50's 1x1 convolutions ran its training
-    step 11.2 -> 10.8 ms and its inference 3.28 -> 3.04 (KERNELS.md v8)."""
+    step 11.2 -> 10.8 ms and its inference 3.28 -> 3.04 (KERNELS.md v8). `coop_min`: the
+    smallest dimension that takes cooperative tiles in accelerated mode (default COOP_MIN)."""
     if on_cpu(caps):
         return direct_tiling(m, n)
-    coop = caps.precision == "f16" and min(m, n, k) >= COOP_MIN
+    coop = caps.precision == "f16" and min(m, n, k) >= (coop_min or COOP_MIN)
     usable = ([t for t in COOP if _fits(t, caps)] if coop
               else [t for t in STAGED if _fits(t, caps)])
     largest = usable[0]
@@ -208,16 +213,17 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     return middle[0]
 
 
-def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = False) -> int:
+def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = False,
+           coop_min: int | None = None) -> int:
     """Into how many partial sums over splits of k an (m x n x k) product over `z` grid layers
     is cut (the split stage, compiler/split.py, makes them): on GPUs, where its tiles leave
     the device short of workgroups, enough for about twice the workgroups that fill it, each
     split at least 8 k-steps deep; everywhere, enough to keep a shader's loop within the
-    device's limit (the direct variant loops k times). `plain`: as for `choose`."""
+    device's limit (the direct variant loops k times). `plain`, `coop_min`: as for `choose`."""
     if on_cpu(caps):
         limit = caps.max_loop_iterations
         return -(-k // limit) if limit is not None and k > limit else 1
-    t = choose(m, n, k, z, caps, plain)
+    t = choose(m, n, k, z, caps, plain, coop_min)
     tiles = -(-m // t.bm) * -(-n // t.bn) * z
     steps = -(-k // t.bk)
     if tiles >= FILL:
@@ -227,6 +233,7 @@ def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = Fal
 
 WIDE_STORE_MAX_K = 256  # see stores_wide
 COOP_MIN = 2048  # the smallest product where cooperative tiles beat staged f32 on an H200
+COOP_MIN_MATMUL = 256  # the same for matmuls (see the module's docstring)
 THIN = 48  # below this many rows or columns a 64-wide tile is mostly idle
 MIN_STEPS = 8  # k-steps a split keeps at the least
 MAX_SPLITS = 16

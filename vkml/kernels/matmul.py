@@ -64,7 +64,8 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
                       *body_lines(epilogue, reads(acc), "        ", f"o[{q}] ="), "      }"]
         return [*lines, f"      mat_c[(c_base + {ir} * {n}u + {col}) / 4u] = o;"]
 
-    tiling = tiling or gemm.choose(m, n, k, batch, caps, plain=True)
+    tiling = tiling or gemm.choose(m, n, k, batch, caps, plain=True,
+                                   coop_min=gemm.COOP_MIN_MATMUL)
     # rows of C whose length is a multiple of 4 are stored four columns at a time
     wide_c = n % 4 == 0 and gemm.stores_wide(tiling, chunk)
     buffers = [gemm.binding("mat_a", wide["a"]), gemm.binding("mat_b", wide["b"]),
@@ -84,7 +85,7 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
 
 def splits(node: Tensor, caps: Capabilities) -> int:
     """Partial sums the split stage cuts a matmul node into (OpDef.splits)."""
-    return gemm.splits(*dims(node), caps, plain=True)
+    return gemm.splits(*dims(node), caps, plain=True, coop_min=gemm.COOP_MIN_MATMUL)
 
 
 def dims(node: Tensor) -> tuple[int, int, int, int]:
