@@ -23,10 +23,10 @@ Two variants, chosen by the device:
   Below those the staged f32 kernel is used even in accelerated mode. On an H200
   (tools/KERNELS.md, v3, v7, v9): once naga's workgroup zeroing was dropped (vk/spirv.py) the
   cooperative tiles beat f32 on the transformers' matmuls (Whisper's FFN down projection
-  0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017), and with COOP_MIN_MATMUL = 256 Whisper's
-  accelerated inference ran 2.37 -> 1.92 ms, its gates passing; on convolutions they ran
-  slower (U-Net, ResNet-50) and ResNet-50's accelerated training failed its gradient gates
-  (batch norm over f16 convolutions), so convolutions keep COOP_MIN.
+  0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017), and with cooperative tiles from 256 on every
+  product Whisper's accelerated inference ran 2.37 -> 1.92 ms, its gates passing; on
+  convolutions they ran slower (U-Net, ResNet-50) and ResNet-50's accelerated training failed
+  its gradient gates (batch norm over f16 convolutions), so convolutions keep COOP_MIN.
 """
 
 from __future__ import annotations
@@ -199,7 +199,8 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     smallest dimension that takes cooperative tiles in accelerated mode (default COOP_MIN)."""
     if on_cpu(caps):
         return direct_tiling(m, n)
-    coop = caps.precision == "f16" and min(m, n, k) >= (coop_min or COOP_MIN)
+    coop = caps.precision == "f16" and min(m, n, k) >= (
+        COOP_MIN if coop_min is None else coop_min)
     usable = ([t for t in COOP if _fits(t, caps)] if coop
               else [t for t in STAGED if _fits(t, caps)])
     largest = usable[0]
@@ -314,20 +315,13 @@ def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
         return [f"  {{ let r = row0 + {4 * (i // 4) * t.wy + i % 4}u + 4u * ty; "
                 f"let c = col0 + {4 * (j // 4) * t.wx + j % 4}u + 4u * tx;",
                 f"    if (r < {m}u && c < {n}u) {{"]
-    if wide_store is None:
-        for i in range(t.tm):
-            for j in range(t.tn):
-                lines += [*at(i, j), *store("r", "c", f"c{i}_{j}"), "  } }"]
-    elif wide_store.along == "col":
-        for i in range(t.tm):
-            for j in range(0, t.tn, 4):
-                accs = [f"c{i}_{j + q}" for q in range(4)]
-                lines += [*at(i, j), *wide_store.store("r", "c", accs), "  } }"]
-    else:
-        for i in range(0, t.tm, 4):
-            for j in range(t.tn):
-                accs = [f"c{i + q}_{j}" for q in range(4)]
-                lines += [*at(i, j), *wide_store.store("r", "c", accs), "  } }"]
+    # a thread's outputs one at a time, or four along the rows or the columns
+    di, dj = {None: (1, 1), "col": (1, 4), "row": (4, 1)}[wide_store and wide_store.along]
+    for i in range(0, t.tm, di):
+        for j in range(0, t.tn, dj):
+            body = (store("r", "c", f"c{i}_{j}") if wide_store is None else wide_store.store(
+                "r", "c", [f"c{i + q * (di > 1)}_{j + q * (dj > 1)}" for q in range(4)]))
+            lines += [*at(i, j), *body, "  } }"]
     return lines
 
 
