@@ -435,7 +435,7 @@ def test_workgroup_zeroing_is_dropped_and_the_kernel_still_runs(backend, monkeyp
     import struct
 
     from vkml.naga import compile_wgsl
-    from vkml.vk.spirv import _instructions, drop_workgroup_zeroing
+    from vkml.vk.spirv import drop_workgroup_zeroing, instructions
 
     entry = ["fn main(@builtin(local_invocation_index) lid: u32) {",
              "  tile[lid] = f32(lid) * 2.0;", "  workgroupBarrier();",
@@ -446,7 +446,7 @@ def test_workgroup_zeroing_is_dropped_and_the_kernel_still_runs(backend, monkeyp
 
     def stores(code: bytes) -> int:
         words = struct.unpack(f"<{len(code) // 4}I", code)
-        return sum(op == 62 for op, _, _ in _instructions(words))
+        return sum(op == 62 for op, _, _ in instructions(words))
 
     lean = drop_workgroup_zeroing(spirv)
     assert stores(spirv) - stores(lean) == 1  # the one null store, into `tile`

@@ -19,7 +19,7 @@ _WORKGROUP = 4  # StorageClass Workgroup
 _HEADER = 5  # words before the first instruction
 
 
-def _instructions(words: tuple[int, ...]) -> list[tuple[int, int, int]]:
+def instructions(words: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """(opcode, first word, word count) of each instruction."""
     found, at = [], _HEADER
     while at < len(words):
@@ -34,7 +34,7 @@ def _instructions(words: tuple[int, ...]) -> list[tuple[int, int, int]]:
 def drop_workgroup_zeroing(spirv: bytes) -> bytes:
     """`spirv` without its stores of null constants into workgroup variables."""
     words = struct.unpack(f"<{len(spirv) // 4}I", spirv)
-    found = _instructions(words)
+    found = instructions(words)
     shared = {words[at + 2] for op, at, _ in found if op == _OP_VARIABLE
               and words[at + 3] == _WORKGROUP}
     nulls = {words[at + 2] for op, at, _ in found if op == _OP_CONSTANT_NULL}
