@@ -45,13 +45,8 @@ def lowering(pass_: Pass) -> Callable[[Tensor, Capabilities], Kernel]:
 def generate(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
     if _tileable(node, caps, pass_):
         return _tiled(node, caps, pass_)
-    q, k = node.inputs[0], node.inputs[1]
-    *lead, h, length, dim = q.shape
-    hkv, s = k.shape[-3], k.shape[-2]
-    acc = pass_ == "forward"
-    dv = node.inputs[2].shape[-1] if acc else 0
-    rep = h // hkv
-    batch = int(np.prod(lead, dtype=np.int64))
+    batch, h, hkv, length, s, dim, dv = _dims(node, pass_)
+    acc, rep = pass_ == "forward", h // hkv
     causal, scale = node.attrs["causal"], node.attrs["scale"]
     check_loop(node, caps, s, "use scaled_dot_product_attention(..., fused=False) on this device")
     threads = batch * h * length
@@ -77,18 +72,26 @@ def generate(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
     else:
         lines += ["  }", "  out[idx] = m + log(l);"]
     lines.append("}")
-    return assemble(f"{node.op}_{'x'.join(map(str, q.shape))}_{s}", caps,
+    return assemble(f"{node.op}_{'x'.join(map(str, node.inputs[0].shape))}_{s}", caps,
                     [*map(Buf, BINDINGS[pass_]), Buf("out", writable=True)], (WORKGROUP,),
-                    lines, grid(-(-threads // WORKGROUP), caps), **_estimates(node, dv))
+                    lines, grid(-(-threads // WORKGROUP), caps), **_estimates(node, pass_))
 
 
 def _shared_bytes(dim: int, dv: int) -> int:
     return 4 * (KEY_TILE * (dim + dv) + BLOCK_Q * dv + 2 * PARTS * BLOCK_Q)
 
 
-def _tileable(node: Tensor, caps: Capabilities, pass_: Pass) -> bool:
-    dim = node.inputs[0].shape[-1]
+def _dims(node: Tensor, pass_: Pass) -> tuple[int, int, int, int, int, int, int]:
+    """(batch: the leading axes flattened, query heads, key/value heads, queries, keys, the
+    q/k width, the v width: 0 for the log-sum-exp pass, which reads no v)."""
+    q, k = node.inputs[0], node.inputs[1]
+    *lead, h, length, dim = q.shape
     dv = node.inputs[2].shape[-1] if pass_ == "forward" else 0
+    return int(np.prod(lead, dtype=np.int64)), h, k.shape[-3], length, k.shape[-2], dim, dv
+
+
+def _tileable(node: Tensor, caps: Capabilities, pass_: Pass) -> bool:
+    *_, dim, dv = _dims(node, pass_)
     return (not gemm.on_cpu(caps) and dim % 4 == 0 and dv % 4 == 0
             and BLOCK_Q * PARTS <= caps.max_workgroup_invocations
             and BLOCK_Q * PARTS <= caps.max_workgroup_size[0]
@@ -100,12 +103,8 @@ def _tiled(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
     Thread lid takes query row lid % BLOCK_Q of its block and keys part * chunk + c (c < chunk =
     KEY_TILE / PARTS) of every tile, part = lid / BLOCK_Q; it folds its chunk of scores into its
     running max and sum at once (one rescale of the accumulator per chunk)."""
-    q, k = node.inputs[0], node.inputs[1]
-    *lead, h, length, dim = q.shape
-    hkv, s = k.shape[-3], k.shape[-2]
-    acc = pass_ == "forward"
-    dv = node.inputs[2].shape[-1] if acc else 0
-    rep, batch = h // hkv, int(np.prod(lead, dtype=np.int64))
+    batch, h, hkv, length, s, dim, dv = _dims(node, pass_)
+    acc, rep = pass_ == "forward", h // hkv
     causal, scale = node.attrs["causal"], node.attrs["scale"]
     d4, v4, threads, chunk = dim // 4, dv // 4, BLOCK_Q * PARTS, KEY_TILE // PARTS
     blocks = -(-length // BLOCK_Q)
@@ -193,15 +192,14 @@ def _tiled(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
     names = BINDINGS[pass_]
     buffers = [Buf(n, "vec4<f32>") for n in names] + [Buf("out", "vec4<f32>" if acc else "f32",
                                                           writable=True)]
-    return assemble(f"{node.op}_{'x'.join(map(str, q.shape))}_{s}_tiled", caps, buffers,
-                    (threads,), lines, grid(batch * h * blocks, caps), prelude=prelude,
-                    **_estimates(node, dv))
+    return assemble(f"{node.op}_{'x'.join(map(str, node.inputs[0].shape))}_{s}_tiled", caps,
+                    buffers, (threads,), lines, grid(batch * h * blocks, caps),
+                    prelude=prelude, **_estimates(node, pass_))
 
 
-def _estimates(node: Tensor, dv: int) -> dict[str, int]:
-    """The work of either pass (`dv` 0 for the log-sum-exp, which computes no output rows):
-    2 L S (D + Dv) flops a head, every input read and the output written once."""
-    *_, length, dim = node.inputs[0].shape
-    heads = node.inputs[0].size // (length * dim)
-    return {"flops": 2 * heads * length * node.inputs[1].shape[-2] * (dim + dv),
+def _estimates(node: Tensor, pass_: Pass) -> dict[str, int]:
+    """The work of either pass (the log-sum-exp computes no output rows): 2 L S (D + Dv) flops
+    a head, every input read and the output written once."""
+    batch, h, _, length, s, dim, dv = _dims(node, pass_)
+    return {"flops": 2 * batch * h * length * s * (dim + dv),
             "nbytes": 4 * (sum(x.size for x in node.inputs) + node.size)}
