@@ -153,7 +153,7 @@ def test_zeros_are_cleared_by_the_device(backend, monkeypatch):
     buf = backend.create_buffer(400, "device", "zeros")
     backend.write_buffer(buf, 0, np.full(100, np.nan, np.float32).tobytes())
     sent = []
-    monkeypatch.setattr(backend, "write_buffer", lambda b, at, data, f=backend.write_buffer:
+    monkeypatch.setattr(backend, "_write", lambda b, at, data, f=backend._write:
                         (sent.append((at, memoryview(data).nbytes)), f(b, at, data)))
     backend.write_buffers([HostWrite(buf, 0, 200), HostWrite.of(buf, 200, bytes(range(8))),
                            HostWrite(buf, 302, 5)])

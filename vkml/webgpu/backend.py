@@ -251,8 +251,12 @@ class WgpuBackend(BackendBase):
 
     def write_buffer(self, buffer: Buffer, offset: int, data: bytes | memoryview) -> None:
         """Host -> buffer, in queue order: it lands before any later submit runs."""
+        self.check_transfer("write", buffer, offset, memoryview(data).nbytes)
+        self._write(buffer, offset, data)
+
+    def _write(self, buffer: Buffer, offset: int, data: bytes | memoryview) -> None:
+        """write_buffer after its range check."""
         n = memoryview(data).nbytes
-        self.check_transfer("write", buffer, offset, n)
         if n == 0:
             return
         start, size = _aligned_range(offset, n)
@@ -273,8 +277,7 @@ class WgpuBackend(BackendBase):
             self.run_now(fills)
         for w in writes:
             if not w.fills:
-                self.write_buffer(w.buffer, w.offset, bytes(w.nbytes) if w.data is None
-                                  else w.data)
+                self._write(w.buffer, w.offset, bytes(w.nbytes) if w.data is None else w.data)
 
     def read_buffer(self, buffer: Buffer, offset: int, nbytes: int) -> bytes:
         """Buffer -> host, after all submitted work (wgpu waits for it)."""
