@@ -320,6 +320,21 @@ def test_pointwise_ops_propagate_nan_as_torch_does(device):
         assert np.array_equal(np.isnan(session.read(name)), want), name
 
 
+def test_batch_norm_backward_sums_twice(device):
+    # Batch norm's training form has PyTorch's backward (ops/composite.py `normalized`): the
+    # sums of dy and of dy * xhat give the input's, the weight's and the bias's gradients, where
+    # differentiating its parts made four sums. Its values are checked against torch above.
+    from vkml.compiler.stages import lower
+    g = vkml.Graph()
+    x = g.param("x", (2, 3, 4, 5), init=np.ones((2, 3, 4, 5), np.float32))
+    y = g.batch_norm(x, weight=g.param("w", (3,), 1.0), bias=g.param("b", (3,), 0.0),
+                     training=True)
+    loss = g.sum(g.mul(y, g.constant(np.ones(y.shape, np.float32))))
+    ops = [d.node.op for d in lower(g, device.caps, loss=loss).plan.dispatches if d.node]
+    # forward: the mean, the variance and the loss; backward: two
+    assert sum(op in ("sum", "fused_sum") for op in ops) == 5, ops
+
+
 def test_gpu_reductions_read_several_terms_a_trip(device, rng):
     # On GPUs each thread of a long reduction reads several terms a trip (kernels/reduce.py,
     # unroll); lavapipe takes the CPU kernels, so that variant is checked here with a GPU's

@@ -1,8 +1,9 @@
 """Ops built from other ops: losses, normalisations, attention, rotary embedding, SwiGLU, 1-D
 convolution, pooling, upsampling, split, mean. Autodiff differentiates them through their parts
 and the rewrite stage fuses their pointwise parts into the reductions and matmuls around them, so
-none needs a gradient rule or a kernel of its own. PyTorch's conventions throughout (biased
-variance, eps inside the square root, affine parameters per normalised element or per channel)."""
+none needs a kernel of its own, and only batch norm's training form a gradient rule (`normalized`:
+two sums where its parts' rules make four). PyTorch's conventions throughout (biased variance,
+eps inside the square root, affine parameters per normalised element or per channel)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from vkml.errors import GraphError
-from vkml.graph import Graph, Tensor, builder, normalize_axes
+from vkml.expr import Arg, call
+from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
 from vkml.ops.conv import pair
+from vkml.ops.pointwise import broadcast_shapes, sum_to
 
 
 @builder(tensor=True)
@@ -108,6 +111,41 @@ def group_norm(g: Graph, x: Tensor, num_groups: int, weight=None, bias=None,
     return _affine(g, y, _per_channel(g, weight, x), _per_channel(g, bias, x))
 
 
+def _normalized_type(inputs, attrs):
+    x = inputs[0]
+    if any(t.dtype != "f32" for t in inputs):
+        raise GraphError("expects f32 operands")
+    for t in inputs[1:]:
+        kept = [1 if i in attrs["axes"] else d for i, d in enumerate(x.shape)]
+        if broadcast_shapes(tuple(kept), t.shape) != tuple(kept):
+            raise GraphError(f"{t.label} must broadcast to {tuple(kept)}: one value for all "
+                             f"of {x.label}'s normalised axes {attrs['axes']}")
+    return x.shape, "f32"
+
+
+def _normalized_grad(g: Graph, node: Tensor, dy: Tensor) -> list[Tensor | None]:
+    """The gradient through the batch statistics too (PyTorch's batch-norm backward): with
+    xhat = (x - mean) * rstd, t1 = sum(dy) and t2 = sum(dy * xhat) over the normalised axes,
+    dx = weight * rstd / n * (n dy - t1 - xhat t2), and t1, t2 are also the bias's and the
+    weight's gradients. So mean and rstd take no gradient of their own (None)."""
+    x, mean, rstd, weight, bias = node.inputs
+    axes, n = node.attrs["axes"], node.attrs["count"]
+    xhat = g.mul(g.sub(x, mean), rstd)
+    t1 = g.sum(dy, axes, keepdims=True)
+    t2 = g.sum(g.mul(dy, xhat), axes, keepdims=True)
+    dx = g.mul(g.mul(weight, g.mul(rstd, 1.0 / n)),
+               g.sub(g.sub(g.mul(dy, float(n)), t1), g.mul(xhat, t2)))
+    return [dx, None, None,
+            None if weight.op == "constant" else sum_to(g, t2, weight.shape),
+            None if bias.op == "constant" else sum_to(g, t1, bias.shape)]
+
+
+# (x - mean) * rstd * weight + bias, where mean, rstd, weight and bias are constant along `axes`
+register(OpDef("normalized", _normalized_type, "pointwise", grad=_normalized_grad,
+               expr=lambda node: call("({0} - {1}) * {2} * {3} + {4}",
+                                      *[Arg(i) for i in range(5)])))
+
+
 @builder
 def batch_norm(g: Graph, x: Tensor, running_mean=None, running_var=None, weight=None, bias=None,
                training: bool = False, eps: float = 1e-5) -> Tensor:
@@ -116,12 +154,17 @@ def batch_norm(g: Graph, x: Tensor, running_mean=None, running_var=None, weight=
     Inference form: the given running_mean / running_var (inputs or parameters, shape (C,))."""
     if training:
         axes = (0, *range(2, len(x.shape)))
-        y = _normalize(g, x, axes, eps)
-    else:
-        if running_mean is None or running_var is None:
-            raise GraphError("batch_norm in inference form needs running_mean and running_var")
-        mean, var = _per_channel(g, running_mean, x), _per_channel(g, running_var, x)
-        y = g.mul(g.sub(x, mean), g.rsqrt(g.add(var, float(eps))))
+        mean = g.mean(x, axes, keepdims=True)
+        var = g.mean(g.square(g.sub(x, mean)), axes, keepdims=True)
+        weight, bias = _per_channel(g, weight, x), _per_channel(g, bias, x)
+        return g.apply("normalized", [x, mean, g.rsqrt(g.add(var, float(eps))),
+                                      g.constant(1.0) if weight is None else weight,
+                                      g.constant(0.0) if bias is None else bias],
+                       axes=axes, count=int(np.prod([x.shape[a] for a in axes])))
+    if running_mean is None or running_var is None:
+        raise GraphError("batch_norm in inference form needs running_mean and running_var")
+    mean, var = _per_channel(g, running_mean, x), _per_channel(g, running_var, x)
+    y = g.mul(g.sub(x, mean), g.rsqrt(g.add(var, float(eps))))
     return _affine(g, y, _per_channel(g, weight, x), _per_channel(g, bias, x))
 
 
