@@ -128,21 +128,32 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
 
 
 def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device):
-    # measured on an H200 (tools/KERNELS.md, v3, v7, v9): staged f32 was as fast or faster
-    # below gemm.COOP_MIN (gemm.COOP_MIN_MATMUL for matmuls), so precision="f16" changes
-    # nothing there
+    # measured on an H200 (tools/KERNELS.md, v3, v7, v9, v10): staged f32 was as fast or faster
+    # below gemm.COOP_MIN in any dimension (for matmuls below gemm.COOP_MIN_MATMUL's rows and
+    # columns, or over a shorter depth), so precision="f16" changes nothing there
     from vkml.kernels import gemm, matmul
     caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
                                shader_f16=True, precision="f16")
     strict = dataclasses.replace(caps, precision="f32")
-    for least in (gemm.COOP_MIN, gemm.COOP_MIN_MATMUL):
-        big, small = least, least // 2
-        assert isinstance(gemm.choose(big, big, big, 1, caps, coop_min=least), gemm.CoopTiling)
-        assert not isinstance(gemm.choose(big, big, big, 1, strict, coop_min=least),
+    for outputs, depth in ((gemm.COOP_MIN, gemm.COOP_MIN), gemm.COOP_MIN_MATMUL):
+        least = (outputs, depth)
+        assert isinstance(gemm.choose(outputs, outputs, depth, 1, caps, coop_min=least),
+                          gemm.CoopTiling)
+        assert not isinstance(gemm.choose(outputs, outputs, depth, 1, strict, coop_min=least),
                               gemm.CoopTiling)
-        for m, n, k in [(small, big, big), (big, small, big), (big, big, small), (64, 64, 64)]:
+        for m, n, k in [(outputs // 2, outputs, depth), (outputs, outputs // 2, depth),
+                        (outputs, outputs, depth // 2), (32, 32, 32)]:
             assert (gemm.choose(m, n, k, 1, caps, coop_min=least)
                     == gemm.choose(m, n, k, 1, strict, coop_min=least)), (m, n, k)
+    # Whisper's attention: values (64 columns, 1500 deep) on cooperative tiles, the 64-deep
+    # scores in f32
+    g = vkml.Graph()
+    p = g.param("p", (6, 1500, 1500))
+    v, k = g.param("v", (6, 1500, 64)), g.param("k", (6, 1500, 64))
+    tiling = {name: matmul.generate(product, caps).name.rsplit("_", 1)[-1]
+              for name, product in (("values", g.matmul(p, v)),
+                                    ("scores", g.matmul(v, k, transpose_b=True)))}
+    assert tiling["values"].startswith("c") and tiling["scores"].startswith("s"), tiling
     # Whisper's FFN down projection: cooperative as a matmul, f32 as a convolution's GEMM
     g = vkml.Graph()
     product = g.matmul(g.param("a", (1500, 1536)), g.param("b", (1536, 384)))
@@ -150,9 +161,10 @@ def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device
     assert not isinstance(gemm.choose(1500, 384, 1536, 1, caps), gemm.CoopTiling)
     # a device with less workgroup memory gets the largest cooperative tile that fits in it
     little = dataclasses.replace(caps, max_shared_memory_bytes=16384)
-    huge = 2 * gemm.COOP_MIN  # 128 x 128 tiles fill the device
+    roomy = dataclasses.replace(caps, max_shared_memory_bytes=49152)  # an H200's
+    huge = 2 * gemm.COOP_MIN  # the largest tiles fill the device
     assert gemm.choose(huge, huge, huge, 1, little) == gemm.CoopTiling(2, 2, 2, 2)
-    assert gemm.choose(huge, huge, huge, 1, caps) == gemm.COOP[0] != gemm.CoopTiling(2, 2, 2, 2)
+    assert gemm.choose(huge, huge, huge, 1, roomy) == gemm.COOP[0] != gemm.CoopTiling(2, 2, 2, 2)
 
 
 def test_split_products_are_tiled_as_the_split_stage_planned(device):

@@ -15,18 +15,19 @@ Two variants, chosen by the device:
 - direct (CPU drivers, where staging gains nothing and barriers make the JIT slow): each thread
   reads its operands straight from memory, rows ty + WY * i and columns tx + WX * j.
 - cooperative (precision="f16" on devices with cooperative matrices, for products of at least
-  COOP_MIN in every dimension, COOP_MIN_MATMUL for matmuls): tensor-core tiles. The
-  operands are read as f32 like the staged variant's and converted to f16 as they are staged, so
-  no f16 copy of any tensor exists; each subgroup multiplies FM x FN 16x16 fragments with f32
-  accumulators (`coop_mat16x16`, loaded transposed as naga needs for row-major data), and
-  stores each accumulator through workgroup memory, where its lanes apply the store.
-  Below those the staged f32 kernel is used even in accelerated mode. On an H200
-  (tools/KERNELS.md, v3, v7, v9): once naga's workgroup zeroing was dropped (vk/spirv.py) the
-  cooperative tiles beat f32 on the transformers' matmuls (Whisper's FFN down projection
-  0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017), and with cooperative tiles from 256 on every
-  product Whisper's accelerated inference ran 2.37 -> 1.92 ms, its gates passing; on
-  convolutions they ran slower (U-Net, ResNet-50) and ResNet-50's accelerated training failed
-  its gradient gates (batch norm over f16 convolutions), so convolutions keep COOP_MIN.
+  COOP_MIN in every dimension, for matmuls of COOP_MIN_MATMUL rows and columns and depth):
+  tensor-core tiles. The operands are read as f32 like the staged variant's and converted to
+  f16 as they are staged, so no f16 copy of any tensor exists; each subgroup multiplies
+  FM x FN 16x16 fragments with f32 accumulators (`coop_mat16x16`, loaded transposed as naga
+  needs for row-major data), and stores each accumulator through workgroup memory, where its
+  lanes apply the store. Below those the staged f32 kernel is used even in accelerated mode.
+  On an H200 (tools/KERNELS.md, v3, v7, v9, v10): once naga's workgroup zeroing was dropped
+  (vk/spirv.py) the cooperative tiles beat f32 on the transformers' matmuls (Whisper's FFN
+  down projection 0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017, attention times values, 64
+  columns, 0.097 -> 0.050) but not over a short k (its 64-deep attention scores: 0.061 ->
+  0.063 at best in the lab, 0.23 -> 0.30 ms a step in the model); on convolutions they ran
+  slower (U-Net, ResNet-50) and ResNet-50's accelerated training failed its gradient gates
+  (batch norm over f16 convolutions), so convolutions keep COOP_MIN.
 """
 
 from __future__ import annotations
@@ -151,10 +152,11 @@ class CoopTiling:
 
 
 # naga gives each accumulator a variable of its own; more than 16 a subgroup spills on NVIDIA.
-# Eight subgroups (256 x 128 or 128 x 256) ran 104-109 TFLOP/s at 4096^3 on an H200, four
-# 130 (tools/KERNELS.md, v7).
-COOP = (CoopTiling(2, 2, 4, 4), CoopTiling(2, 2, 2, 4), CoopTiling(2, 2, 2, 2),
-        CoopTiling(2, 2, 1, 2), CoopTiling(2, 2, 1, 1))
+# At 4096^3 on an H200 (tools/KERNELS.md, v10) eight subgroups over 128 x 256 ran 203 TFLOP/s,
+# four over 128 x 128 188, eight over 256 x 128 164; deeper or shallower slices than 32 and
+# two slices staged in turn were slower.
+COOP = (CoopTiling(2, 4, 4, 4), CoopTiling(2, 2, 4, 4), CoopTiling(2, 2, 2, 4),
+        CoopTiling(2, 2, 2, 2), CoopTiling(2, 2, 1, 2), CoopTiling(2, 2, 1, 1))
 # Workgroups it takes to fill a large GPU (an H200 has 132 multiprocessors, two resident
 # workgroups each at these sizes); below this a smaller tile wins by keeping more of it busy.
 FILL = 264
@@ -184,7 +186,8 @@ def on_cpu(caps: Capabilities) -> bool:
 
 
 def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
-           plain: bool = False, coop_min: int | None = None) -> Tiling | CoopTiling:
+           plain: bool = False, coop_min: tuple[int, int] | None = None
+           ) -> Tiling | CoopTiling:
     """The tiling for an (m x n x k) product over `z` grid layers on this device: the largest
     when its tiles alone fill the device, else a 64 x 64 tile (32 x 32 for thin matrices, and
     for `plain` products, whose operands are matrices in memory rather than gathered like a
@@ -196,11 +199,12 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     faster in 8 of 13 shapes (by 9-24%) and slower in one; at 2048^3, which 64 x 64 tiles
     fill, 32 x 32 lost 14%; taking the rule for ResNet-50's 1x1 convolutions ran its training
     step 11.2 -> 10.8 ms and its inference 3.28 -> 3.04 (KERNELS.md v8). `coop_min`: the
-    smallest dimension that takes cooperative tiles in accelerated mode (default COOP_MIN)."""
+    fewest rows and columns, and the shallowest depth, that take cooperative tiles in
+    accelerated mode (default COOP_MIN for all three)."""
     if on_cpu(caps):
         return direct_tiling(m, n)
-    coop = caps.precision == "f16" and min(m, n, k) >= (
-        COOP_MIN if coop_min is None else coop_min)
+    outputs, depth = (COOP_MIN, COOP_MIN) if coop_min is None else coop_min
+    coop = caps.precision == "f16" and min(m, n) >= outputs and k >= depth
     usable = ([t for t in COOP if _fits(t, caps)] if coop
               else [t for t in STAGED if _fits(t, caps)])
     largest = usable[0]
@@ -215,7 +219,7 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
 
 
 def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = False,
-           coop_min: int | None = None) -> int:
+           coop_min: tuple[int, int] | None = None) -> int:
     """Into how many partial sums over splits of k an (m x n x k) product over `z` grid layers
     is cut (the split stage, compiler/split.py, makes them): on GPUs, where its tiles leave
     the device short of workgroups, enough for about twice the workgroups that fill it, each
@@ -234,7 +238,7 @@ def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = Fal
 
 WIDE_STORE_MAX_K = 256  # see stores_wide
 COOP_MIN = 2048  # the smallest product where cooperative tiles beat staged f32 on an H200
-COOP_MIN_MATMUL = 256  # the same for matmuls (see the module's docstring)
+COOP_MIN_MATMUL = (64, 256)  # rows and columns, depth: matmuls (see the module's docstring)
 THIN = 48  # below this many rows or columns a 64-wide tile is mostly idle
 MIN_STEPS = 8  # k-steps a split keeps at the least
 MAX_SPLITS = 16
