@@ -4,6 +4,7 @@ numpy and timed with device timestamps, in one run, so one call on a lent GPU co
     python tools/kernel_lab.py                      # the default shapes, every tiling
     python tools/kernel_lab.py --quick              # small shapes (lavapipe: correctness)
     python tools/kernel_lab.py --out DIR            # also lab.json there (after every case)
+    python tools/kernel_lab.py --tilings c128x256k32f4x4,s64x64k32r4x4   # any tiling by name
 
 Each case is a graph of one matmul or convolution (of the kind the models' forward and backward
 passes make) compiled as usual, whose kernel is then regenerated with each forced tiling; the
@@ -19,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -194,6 +196,25 @@ def conv_case(a_shape, w_shape, stride, padding, rng):
     return g, loss, expected, dict.fromkeys(expected, flop)
 
 
+def parse_tiling(name: str) -> gemm.Tiling | gemm.CoopTiling:
+    """A tiling from its name (as str() writes it), so a lab can time tilings no list holds."""
+    staged = re.fullmatch(r"s(\d+)x(\d+)k(\d+)r(\d+)x(\d+)", name)
+    coop = re.fullmatch(r"c(\d+)x(\d+)k(\d+)f(\d+)x(\d+)", name)
+    tiling: gemm.Tiling | gemm.CoopTiling | None = None
+    if staged:
+        bm, bn, bk, tm, tn = map(int, staged.groups())
+        if not (bm % tm or bn % tn or tm % 4 or tn % 4):
+            tiling = gemm.Tiling(bm, bn, tm, tn, bk, True)
+    elif coop:
+        bm, bn, bk, fm, fn = map(int, coop.groups())
+        tiling = gemm.CoopTiling(bm // (16 * fm), bn // (16 * fn), fm, fn, bk)
+    if tiling is None or str(tiling) != name:
+        raise SystemExit(f"--tilings: {name!r} is not a tiling: s<BM>x<BN>k<BK>r<TM>x<TN> (staged; "
+                         "TM, TN multiples of 4 dividing BM, BN) or c<BM>x<BN>k<BK>f<FM>x<FN> "
+                         "(cooperative; BM a multiple of 16 FM, BN of 16 FN)")
+    return tiling
+
+
 def rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
@@ -204,9 +225,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tilings", default="all",
-                        help="'all', 'auto' or names like s64x64k16r4x4 (codegen's own choice "
-                             "always runs first: 'auto', and 'auto-f16' for precision='f16' "
-                             "where the device has cooperative matrices)")
+                        help="'all' (gemm's lists), 'auto' or names like s64x64k16r4x4, "
+                             "c128x256k32f4x4, listed or not (codegen's own choice always runs "
+                             "first: 'auto', and 'auto-f16' for precision='f16' where the device "
+                             "has cooperative matrices)")
     parser.add_argument("--splits", default="auto",
                         help="'auto' (the split stage's choice) or counts like 1,2,4,8")
     parser.add_argument("--cases", default="", help="only cases whose label has one of these")
@@ -221,8 +243,9 @@ def main() -> int:
     if opts.tilings == "auto":
         tilings = []
     elif opts.tilings != "all":
-        wanted = set(opts.tilings.split(","))
-        tilings = [t for t in tilings if str(t) in wanted]
+        tilings = [parse_tiling(name) for name in opts.tilings.split(",")]
+        if not coop and any(isinstance(t, gemm.CoopTiling) for t in tilings):
+            raise SystemExit(f"--tilings: {device.name} has no cooperative matrices")
     rng = np.random.default_rng(0)
     rows: list = []
     print(f"device: {device.name} ({device.caps.device_type})")
