@@ -166,3 +166,12 @@ def test_an_explicit_device_no_backend_has_is_refused_with_the_lists():
     assert "DeviceError: no usable device" in done.stdout, done.stdout + done.stderr
     assert "no Vulkan device matches '99'" in done.stdout
     assert "Devices available" in done.stdout
+
+
+def test_batch_norm_training_refuses_one_value_per_channel():
+    # as F.batch_norm does: with one value per channel x - mean is 0 and the output is the
+    # bias, whatever x holds
+    g = vkml.Graph()
+    with pytest.raises(vkml.GraphError, match="more than one value per channel.*'x'"):
+        g.batch_norm(g.input("x", (1, 3, 1, 1)), training=True)
+    g.batch_norm(g.input("y", (2, 3, 1, 1)), training=True)  # two values: computed

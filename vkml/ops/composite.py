@@ -154,13 +154,18 @@ def batch_norm(g: Graph, x: Tensor, running_mean=None, running_var=None, weight=
     Inference form: the given running_mean / running_var (inputs or parameters, shape (C,))."""
     if training:
         axes = (0, *range(2, len(x.shape)))
+        count = int(np.prod([x.shape[a] for a in axes]))
+        if count == 1:  # PyTorch refuses it too: the output would be the bias whatever x is
+            raise GraphError(f"batch_norm in training form needs more than one value per "
+                             f"channel; {x.label} has one (batch 1, no spatial extent): use "
+                             "the inference form with running statistics, or a larger batch")
         mean = g.mean(x, axes, keepdims=True)
         var = g.mean(g.square(g.sub(x, mean)), axes, keepdims=True)
         weight, bias = _per_channel(g, weight, x), _per_channel(g, bias, x)
         return g.apply("normalized", [x, mean, g.rsqrt(g.add(var, float(eps))),
                                       g.constant(1.0) if weight is None else weight,
                                       g.constant(0.0) if bias is None else bias],
-                       axes=axes, count=int(np.prod([x.shape[a] for a in axes])))
+                       axes=axes, count=count)
     if running_mean is None or running_var is None:
         raise GraphError("batch_norm in inference form needs running_mean and running_var")
     mean, var = _per_channel(g, running_mean, x), _per_channel(g, running_var, x)
