@@ -466,3 +466,45 @@ def test_workgroup_zeroing_is_dropped_and_the_kernel_still_runs(backend, monkeyp
     backend.free_program(prog)
     backend.free_buffer(out)
     assert backend.validation_messages == []
+
+
+def test_f16_kernels_declare_only_the_16bit_capabilities_they_use(backend):
+    # naga gives a module that uses f16 anywhere every 16-bit storage capability; the device
+    # enables shaderFloat16 and storageBuffer16BitAccess only, so the validation layer refused
+    # the cooperative GEMM (f16 in workgroup memory) and any f16 storage binding until
+    # vkml.vk.spirv dropped UniformAndStorageBuffer16BitAccess and StorageInputOutput16
+    import struct
+
+    from vkml.naga import compile_wgsl
+    from vkml.vk.spirv import drop_unused_16bit_capabilities, instructions
+    if not backend.caps.shader_f16:
+        pytest.skip("the device has no f16")
+    entry = ["fn main(@builtin(local_invocation_index) lid: u32) {",
+             "  tile[lid] = h[lid / 4u][lid % 4u] * 2.0h;", "  workgroupBarrier();",
+             "  out[lid] = f32(tile[63u - lid]);", "}"]
+    kernel = assemble("halves", backend.caps, [Buf("h", "vec4<f16>"), Buf("out", writable=True)],
+                      (64,), entry, (1, 1, 1),
+                      prelude=["enable f16;", "var<workgroup> tile: array<f16, 64>;"])
+    spirv = compile_wgsl(kernel.wgsl, kernel.name)
+
+    def capabilities(code: bytes) -> set[int]:
+        words = struct.unpack(f"<{len(code) // 4}I", code)
+        return {words[at + 1] for op, at, _ in instructions(words) if op == 17}
+
+    lean = drop_unused_16bit_capabilities(spirv)
+    assert capabilities(spirv) - capabilities(lean) == {4434, 4436}  # uniform, input/output
+    assert {9, 4433} <= capabilities(lean)  # Float16, StorageBuffer16BitAccess
+    assert drop_unused_16bit_capabilities(lean) == lean
+    pipe = backend.create_pipeline(kernel)
+    h = backend.create_buffer(64 * 2, "upload", "h")
+    out = backend.create_buffer(64 * 4, "readback", "out")
+    backend.write_buffer(h, 0, np.arange(64, dtype=np.float16).tobytes())
+    prog = backend.record([Dispatch(pipe, (Binding(h, 0, 64 * 2, False),
+                                           Binding(out, 0, 64 * 4, True)), (1, 1, 1))], "halves")
+    backend.submit(prog)
+    backend.wait()
+    np.testing.assert_array_equal(floats(backend, out, 0, 64), (63 - np.arange(64)) * 2.0)
+    backend.free_program(prog)
+    for buf in (h, out):
+        backend.free_buffer(buf)
+    assert backend.validation_messages == []

@@ -1,22 +1,38 @@
-"""A pass over the SPIR-V naga writes, before the driver sees it.
+"""Passes over the SPIR-V naga writes, before the driver sees it.
 
-WGSL zero-initialises workgroup memory. naga's SPIR-V writer does it with a polyfill: invocation
-(0, 0, 0) stores a null constant to every workgroup variable, then the workgroup waits at a
-barrier. The driver expands that store into one element after another, all on one thread: for
-the GEMM core's 8-9 KB of staged tiles every workgroup starts with thousands of serial stores
-(and lavapipe's compiler takes tens of seconds over a 12 KB one). No vkml kernel reads workgroup
-memory it has not written first (each stages its tiles in full, padding included, and each
-tree reduction writes every slot), so the stores are dropped; the barrier stays. Dawn offers the
-same as its `disable_workgroup_init` toggle; naga's `ZeroInitializeWorkgroupMemoryMode::None` is
-not exposed by the naga-wasm build vkml ships."""
+Workgroup zeroing. WGSL zero-initialises workgroup memory. naga's SPIR-V writer does it with a
+polyfill: invocation (0, 0, 0) stores a null constant to every workgroup variable, then the
+workgroup waits at a barrier. The driver expands that store into one element after another, all
+on one thread: for the GEMM core's 8-9 KB of staged tiles every workgroup starts with thousands
+of serial stores (and lavapipe's compiler takes tens of seconds over a 12 KB one). No vkml kernel
+reads workgroup memory it has not written first (each stages its tiles in full, padding included,
+and each tree reduction writes every slot), so the stores are dropped; the barrier stays. Dawn
+offers the same as its `disable_workgroup_init` toggle; naga's
+`ZeroInitializeWorkgroupMemoryMode::None` is not exposed by the naga-wasm build vkml ships.
+
+16-bit capabilities. A module that uses f16 anywhere (the cooperative GEMM's staged tiles, in
+workgroup memory) gets every 16-bit storage capability from naga, among them
+UniformAndStorageBuffer16BitAccess and StorageInputOutput16, whose device features vkml does not
+enable (NVIDIA's driver has no storageInputOutput16): the validation layer refuses such a
+module. Those not used by any variable of their storage classes are dropped."""
 
 from __future__ import annotations
 
 import struct
 
-_OP_VARIABLE, _OP_STORE, _OP_CONSTANT_NULL = 59, 62, 46
+_OP_VARIABLE, _OP_STORE, _OP_CONSTANT_NULL, _OP_CAPABILITY = 59, 62, 46, 17
 _WORKGROUP = 4  # StorageClass Workgroup
 _HEADER = 5  # words before the first instruction
+# capability -> the storage classes whose 16-bit variables need it (Input, Output; Uniform;
+# PushConstant). StorageBuffer16BitAccess (storage buffers) is enabled with shader_f16 and kept.
+_STORAGE_16 = {4436: (1, 3), 4434: (2,), 4435: (9,)}
+_STORAGE_BUFFER_16 = 4433
+# opcode -> where in the instruction (word offsets) the types it is made of are: scalars
+# (OpTypeInt, OpTypeFloat: 16-bit where their width is), vectors, matrices, arrays, runtime
+# arrays, structs (all members), pointers, cooperative matrices
+_OP_TYPE_INT, _OP_TYPE_FLOAT = 21, 22
+_COMPOSITES = {23: (2, 3), 24: (2, 3), 28: (2, 3), 29: (2, 3), 32: (3, 4), 4456: (2, 3)}
+_OP_TYPE_STRUCT = 30
 
 
 def instructions(words: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -44,4 +60,29 @@ def drop_workgroup_zeroing(spirv: bytes) -> bytes:
         return spirv
     kept = [w for op, at, count in found if at not in dropped
             for w in words[at:at + count]]
+    return struct.pack(f"<{_HEADER + len(kept)}I", *words[:_HEADER], *kept)
+
+
+def drop_unused_16bit_capabilities(spirv: bytes) -> bytes:
+    """`spirv` without the 16-bit storage capabilities that no variable of theirs needs."""
+    words = struct.unpack(f"<{len(spirv) // 4}I", spirv)
+    found = instructions(words)
+    wide: set[int] = set()  # ids of types that hold a 16-bit scalar
+    for op, at, count in found:  # types are declared before their use
+        if op in (_OP_TYPE_INT, _OP_TYPE_FLOAT) and words[at + 2] == 16:
+            wide.add(words[at + 1])
+        elif op in _COMPOSITES or op == _OP_TYPE_STRUCT:
+            first, end = _COMPOSITES.get(op, (2, count))
+            if any(t in wide for t in words[at + first:at + end]):
+                wide.add(words[at + 1])
+    used = {words[at + 3] for op, at, _ in found if op == _OP_VARIABLE and words[at + 1] in wide}
+    declared = {words[at + 1] for op, at, _ in found if op == _OP_CAPABILITY}
+    needed = {cap for cap, classes in _STORAGE_16.items() if used & set(classes)}
+    if _STORAGE_BUFFER_16 not in declared:  # then UniformAndStorage... covers storage buffers
+        needed.add(4434)
+    dropped = {at for op, at, _ in found if op == _OP_CAPABILITY
+               and words[at + 1] in _STORAGE_16 and words[at + 1] not in needed}
+    if not dropped:
+        return spirv
+    kept = [w for op, at, count in found if at not in dropped for w in words[at:at + count]]
     return struct.pack(f"<{_HEADER + len(kept)}I", *words[:_HEADER], *kept)
