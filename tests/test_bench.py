@@ -87,13 +87,16 @@ def test_bench_compare_puts_runs_side_by_side(tmp_path, capsys):
 
 def test_kernel_lab_times_a_tiling_by_name():
     # tools/kernel_lab.py --tilings takes any tiling by its name, listed in gemm or not, and
-    # checks its result against float64; a name that is not a tiling stops it with the forms
+    # checks its result against float64, with forced split counts and with the operands in
+    # memory as f16 too; a name that is not a tiling stops it with the forms
     lab = [sys.executable, str(REPO / "tools" / "kernel_lab.py"), "--quick", "--reps", "1",
-           "--cases", "edges"]
-    proc = subprocess.run([*lab, "--tilings", "s64x32k8r8x4"], cwd=REPO, env=subprocess_env(),
+           "--cases", "wide nn"]
+    proc = subprocess.run([*lab, "--tilings", "s64x32k8r8x4", "--splits", "1,2",
+                           "--f16-operands"], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "s64x32k8r8x4 /a" in proc.stdout  # not in gemm.STAGED (its 64 x 32 is 16 deep)
+    for row in ("s64x32k8r8x4 /1", "s64x32k8r8x4 /2", "s64x32k8r8x4:f16mem /1"):
+        assert row in proc.stdout, row  # not in gemm.STAGED (its 64 x 32 is 16 deep)
     proc = subprocess.run([*lab, "--tilings", "s64x32k8r6x4"], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "s<BM>x<BN>k<BK>r<TM>x<TN>" in proc.stderr, proc.stderr

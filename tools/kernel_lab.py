@@ -1,10 +1,14 @@
 """Kernel lab: every GEMM tiling on the shapes the reference models run, checked against float64
 numpy and timed with device timestamps, in one run, so one call on a lent GPU compares them all.
+`--f16-operands` adds, for each given tiling on the 2-D matmul cases, the same product with A
+and B held in memory as f16 (what f16 copies of the operands would give the cooperative
+kernel: half the bytes read; checked against float64 of the f16-rounded operands).
 
     python tools/kernel_lab.py                      # the default shapes, every tiling
     python tools/kernel_lab.py --quick              # small shapes (lavapipe: correctness)
     python tools/kernel_lab.py --out DIR            # also lab.json there (after every case)
     python tools/kernel_lab.py --tilings c128x256k32f4x4,s64x64k32r4x4   # any tiling by name
+    python tools/kernel_lab.py --f16-operands ...   # also each tiling reading f16 from memory
 
 Each case is a graph of one matmul or convolution (of the kind the models' forward and backward
 passes make) compiled as usual, whose kernel is then regenerated with each forced tiling; the
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vkml  # noqa: E402
 from vkml.compiler.stages import lower  # noqa: E402
 from vkml.kernels import conv, gemm, matmul  # noqa: E402
+from vkml.kernels.common import Buf  # noqa: E402
 from vkml.session import Session  # noqa: E402
 
 # (label, a shape, b shape, transpose_a, transpose_b): SmolLM2/SmolVLA projections forward and
@@ -98,13 +103,54 @@ def matmul_case(device: vkml.Device, a_shape, b_shape, ta: bool, tb: bool, rng):
     return g, a64 @ b64
 
 
+def half_case(a_shape, b_shape, ta: bool, tb: bool, rng):
+    """matmul_case's graph with A and B rounded to f16 and packed into the first half of their
+    f32 parameters' bytes (the rest zero), for `half_matmul`; and float64 of the product."""
+    halves = [rng.standard_normal(shape).astype(np.float16) for shape in (a_shape, b_shape)]
+    g = vkml.Graph()
+    params = []
+    for name, h in zip("ab", halves):
+        packed = np.zeros(h.size, np.float32)
+        packed[:h.size // 2] = np.frombuffer(h.tobytes(), np.float32)
+        params.append(g.param(name, h.shape, init=packed.reshape(h.shape)))
+    g.output("c", g.matmul(*params, transpose_a=ta, transpose_b=tb))
+    a64, b64 = (h.astype(np.float64) for h in halves)
+    return g, (a64.T if ta else a64) @ (b64.T if tb else b64)
+
+
+def half_matmul(node, caps, tiling) -> vkml.hal.Kernel:
+    """The 2-D matmul `node` with `tiling`, its operands read from memory as f16 (four to a
+    load), as `half_case` packs them; the product stored plain."""
+    a, b = node.inputs
+    ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
+    m, n = node.shape
+    k = a.shape[0] if ta else a.shape[1]
+
+    def operand(buffer: str, at, contiguous) -> gemm.Operand:
+        return gemm.Operand(
+            lambda i, d: [f"{{ let e = {at(i, d)}; v = f32({buffer}[e / 4u][e % 4u]); }}"],
+            contiguous, lambda i, d: f"vec4<f32>({buffer}[({at(i, d)}) / 4u])")
+
+    a_op = operand("mat_a", (lambda i, d: f"{d} * {m}u + {i}") if ta
+                   else (lambda i, d: f"{i} * {k}u + {d}"), "row" if ta else "depth")
+    b_op = operand("mat_b", (lambda j, d: f"{j} * {k}u + {d}") if tb
+                   else (lambda j, d: f"{d} * {n}u + {j}"), "depth" if tb else "row")
+    return gemm.generate(
+        "matmul_f16_operands", caps,
+        [Buf("mat_a", "vec4<f16>"), Buf("mat_b", "vec4<f16>"), Buf("mat_c", writable=True)],
+        m, n, k, 1, a_op, b_op, lambda r, c, acc: [f"mat_c[{r} * {n}u + {c}] = {acc};"],
+        tiling, prelude=[] if isinstance(tiling, gemm.CoopTiling) else ["enable f16;"],
+        flops=2 * m * n * k, nbytes=2 * (a.size + b.size) + 4 * m * n)
+
+
 def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
-        splits: int | None = None) -> tuple:
-    """A session of `g` whose GEMM kernels use `tiling` (codegen's choice when None) and, with
-    `splits`, that many partial sums (the split stage's choice when None): the session after one
-    step, and per GEMM op its kernel's name and the median GPU ms of its dispatch plus the sum of
-    its partials. The GPU is kept busy for a moment first, so its clocks are up."""
-    forced = gemm.splits if splits is None else (lambda *args: splits)
+        splits: int | None = None, make=None) -> tuple:
+    """A session of `g` whose GEMM kernels use `tiling` (codegen's choice when None), or are
+    `make(node, caps, tiling)`, and, with `splits`, that many partial sums (the split stage's
+    choice when None): the session after one step, and per GEMM op its kernel's name and the
+    median GPU ms of its dispatch plus the sum of its partials. The GPU is kept busy for a
+    moment first, so its clocks are up."""
+    forced = gemm.splits if splits is None else (lambda *args, **kwargs: splits)
     original, gemm.splits = gemm.splits, forced
     try:
         plan = lower(g, caps, loss=loss, precision=caps.precision).plan
@@ -112,7 +158,7 @@ def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
         gemm.splits = original
     if tiling is not None:
         plan = dataclasses.replace(plan, dispatches=[
-            dataclasses.replace(d, kernel=GEMM_OPS[d.node.op](d.node, caps, tiling))
+            dataclasses.replace(d, kernel=(make or GEMM_OPS[d.node.op])(d.node, caps, tiling))
             if d.node is not None and d.node.op in GEMM_OPS else d for d in plan.dispatches])
     session, profile = profiled(device, plan, reps)
     times: dict = {}
@@ -215,6 +261,32 @@ def parse_tiling(name: str) -> gemm.Tiling | gemm.CoopTiling:
     return tiling
 
 
+def half_variants(device: vkml.Device, rows: list, label: str, case: tuple, tilings: list,
+                  staged_caps, reps: int, rng) -> None:
+    """Each of `tilings` on the matmul `case` with f16 operands in memory (`half_matmul`),
+    unsplit; rows named "<tiling>:f16mem"."""
+    a_shape, b_shape, ta, tb = case
+    if len(a_shape) != 2 or any(d % 4 for d in (*a_shape, *b_shape)):
+        print(f"{label[:22]:22} {'':18} f16 operands: 2-D matmuls of multiples of 4 only")
+        return
+    g, expected = half_case(a_shape, b_shape, ta, tb, rng)
+    flop = {"matmul": 2 * expected.size * (a_shape[0] if ta else a_shape[1])}
+    for tiling in tilings:
+        caps = dataclasses.replace(staged_caps, precision="f16" if isinstance(
+            tiling, gemm.CoopTiling) else "f32")
+        name = f"{tiling}:f16mem"
+        try:
+            session, times, _ = run(device, g, None, tiling, reps, caps, 1, half_matmul)
+            errors = {"matmul": rel(session.read("c"), expected)}
+            session.close()
+        except Exception as exc:  # a variant the device refuses is a result too
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append({"case": label, "tiling": name, "error": error})
+            print(f"{label[:22]:22} {'':18} {name:24} failed: {error[:60]}")
+            continue
+        report(rows, label, name, False, times, errors, flop, 5e-3, 1)
+
+
 def rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
@@ -232,6 +304,9 @@ def main() -> int:
     parser.add_argument("--splits", default="auto",
                         help="'auto' (the split stage's choice) or counts like 1,2,4,8")
     parser.add_argument("--cases", default="", help="only cases whose label has one of these")
+    parser.add_argument("--f16-operands", action="store_true",
+                        help="also each tiling with the operands in memory as f16 (2-D matmuls "
+                             "whose dimensions are multiples of 4; unsplit)")
     opts = parser.parse_args()
     device = vkml.Device()
     staged_caps = (dataclasses.replace(device.caps, device_type="discrete")
@@ -291,6 +366,9 @@ def main() -> int:
                 print(f"{label[:22]:22} {'':18} {name:24} failed: {error[:60]}")
                 continue
             report(rows, label, name, tiling is None, times, errors, flop, limit, splits)
+        if opts.f16_operands and kind == "matmul":
+            half_variants(device, rows, label, (sa, sb, p, q), tilings, staged_caps, opts.reps,
+                          rng)
         warn_drift(rows, label)
         if opts.out:  # after every case: a run cut short by a time limit keeps what it timed
             opts.out.mkdir(parents=True, exist_ok=True)
