@@ -13,8 +13,9 @@ offers the same as its `disable_workgroup_init` toggle; naga's
 16-bit capabilities. A module that uses f16 anywhere (the cooperative GEMM's staged tiles, in
 workgroup memory) gets every 16-bit storage capability from naga, among them
 UniformAndStorageBuffer16BitAccess and StorageInputOutput16, whose device features vkml does not
-enable (NVIDIA's driver has no storageInputOutput16): the validation layer refuses such a
-module. Those not used by any variable of their storage classes are dropped."""
+enable (NVIDIA's drivers report no storageInputOutput16: gfx-rs/wgpu#7656, where wgpu stopped
+requiring it): the validation layer refuses such a module. Those not used by any variable of
+their storage classes are dropped."""
 
 from __future__ import annotations
 
