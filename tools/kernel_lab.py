@@ -280,11 +280,16 @@ def half_variants(device: vkml.Device, rows: list, label: str, case: tuple, tili
             errors = {"matmul": rel(session.read("c"), expected)}
             session.close()
         except Exception as exc:  # a variant the device refuses is a result too
-            error = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append({"case": label, "tiling": name, "error": error})
-            print(f"{label[:22]:22} {'':18} {name:24} failed: {error[:60]}")
+            failed(rows, label, name, exc)
             continue
         report(rows, label, name, False, times, errors, flop, 5e-3, 1)
+
+
+def failed(rows: list, label: str, name: str, exc: Exception) -> None:
+    """Record and print a variant that raised (a tiling the device refuses is a result too)."""
+    error = f"{type(exc).__name__}: {exc}"[:300]
+    rows.append({"case": label, "tiling": name, "error": error})
+    print(f"{label[:22]:22} {'':18} {name:24} failed: {error[:60]}")
 
 
 def rel(got: np.ndarray, want: np.ndarray) -> float:
@@ -361,9 +366,7 @@ def main() -> int:
                                                         conv_expected["conv2d_weight_grad"])}
                 session.close()
             except Exception as exc:  # a variant the device refuses is a result too
-                error = f"{type(exc).__name__}: {exc}"[:300]
-                rows.append({"case": label, "tiling": name, "error": error})
-                print(f"{label[:22]:22} {'':18} {name:24} failed: {error[:60]}")
+                failed(rows, label, name, exc)
                 continue
             report(rows, label, name, tiling is None, times, errors, flop, limit, splits)
         if opts.f16_operands and kind == "matmul":
