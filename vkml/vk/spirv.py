@@ -26,8 +26,8 @@ _WORKGROUP = 4  # StorageClass Workgroup
 _HEADER = 5  # words before the first instruction
 # capability -> the storage classes whose 16-bit variables need it (Input, Output; Uniform;
 # PushConstant). StorageBuffer16BitAccess (storage buffers) is enabled with shader_f16 and kept.
-_STORAGE_16 = {4436: (1, 3), 4434: (2,), 4435: (9,)}
-_STORAGE_BUFFER_16 = 4433
+_STORAGE_BUFFER_16, _UNIFORM_AND_STORAGE_16, _PUSH_CONSTANT_16, _INPUT_OUTPUT_16 = range(4433, 4437)
+_STORAGE_16 = {_INPUT_OUTPUT_16: (1, 3), _UNIFORM_AND_STORAGE_16: (2,), _PUSH_CONSTANT_16: (9,)}
 # opcode -> where in the instruction (word offsets) the types it is made of are: scalars
 # (OpTypeInt, OpTypeFloat: 16-bit where their width is), vectors, matrices, arrays, runtime
 # arrays, structs (all members), pointers, cooperative matrices
@@ -79,8 +79,8 @@ def drop_unused_16bit_capabilities(spirv: bytes) -> bytes:
     used = {words[at + 3] for op, at, _ in found if op == _OP_VARIABLE and words[at + 1] in wide}
     declared = {words[at + 1] for op, at, _ in found if op == _OP_CAPABILITY}
     needed = {cap for cap, classes in _STORAGE_16.items() if used & set(classes)}
-    if _STORAGE_BUFFER_16 not in declared:  # then UniformAndStorage... covers storage buffers
-        needed.add(4434)
+    if _STORAGE_BUFFER_16 not in declared:  # then this one covers storage buffers too
+        needed.add(_UNIFORM_AND_STORAGE_16)
     dropped = {at for op, at, _ in found if op == _OP_CAPABILITY
                and words[at + 1] in _STORAGE_16 and words[at + 1] not in needed}
     if not dropped:
