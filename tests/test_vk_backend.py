@@ -427,39 +427,13 @@ def test_import_needs_no_loader_and_a_missing_loader_is_explained():
     assert "libvulkan.so.1" in done.stdout and "apt-get install libvulkan1" in done.stdout
 
 
-def test_workgroup_zeroing_is_dropped_and_the_kernel_still_runs(backend, monkeypatch):
-    # naga zero-initialises workgroup memory with stores of null constants from one invocation;
-    # vkml.vk.spirv drops exactly those (every vkml kernel writes its workgroup memory before
-    # reading it) and keeps the rest: a kernel passing values through workgroup memory still
-    # computes its result (the validation layer checks the module too)
-    import struct
-
-    from vkml.naga import compile_wgsl
-    from vkml.vk.spirv import drop_workgroup_zeroing, instructions
-
-    entry = ["fn main(@builtin(local_invocation_index) lid: u32) {",
-             "  tile[lid] = f32(lid) * 2.0;", "  workgroupBarrier();",
-             "  out[lid] = tile[63u - lid];", "}"]
-    kernel = assemble("reverse", backend.caps, [Buf("out", writable=True)], (64,), entry,
-                      (1, 1, 1), prelude=["var<workgroup> tile: array<f32, 64>;"])
-    spirv = compile_wgsl(kernel.wgsl, kernel.name)
-
-    def stores(code: bytes) -> int:
-        words = struct.unpack(f"<{len(code) // 4}I", code)
-        return sum(op == 62 for op, _, _ in instructions(words))
-
-    lean = drop_workgroup_zeroing(spirv)
-    assert stores(spirv) - stores(lean) == 1  # the one null store, into `tile`
-    assert drop_workgroup_zeroing(lean) == lean
-    from vkml.vk import pipelines
-    given: list[bytes] = []
-    monkeypatch.setattr(pipelines, "drop_workgroup_zeroing",
-                        lambda code: given.append(code) or drop_workgroup_zeroing(code))
+def _reversed_through_workgroup_memory(backend, kernel, inputs=()) -> None:
+    """Run `kernel` (one workgroup of 64; `inputs`: (buffer, bytes) bound before `out`) and
+    check `out` holds (63 - i) * 2, as both kernels below compute it."""
     pipe = backend.create_pipeline(kernel)
-    assert given == [spirv]  # the pass runs on what naga wrote, before the driver sees it
     out = backend.create_buffer(64 * 4, "readback", "out")
-    prog = backend.record([Dispatch(pipe, (Binding(out, 0, 64 * 4, True),), (1, 1, 1))],
-                          "reverse")
+    bindings = (*[Binding(b, 0, n, False) for b, n in inputs], Binding(out, 0, 64 * 4, True))
+    prog = backend.record([Dispatch(pipe, bindings, (1, 1, 1))], kernel.name)
     backend.submit(prog)
     backend.wait()
     np.testing.assert_array_equal(floats(backend, out, 0, 64), (63 - np.arange(64)) * 2.0)
@@ -468,15 +442,45 @@ def test_workgroup_zeroing_is_dropped_and_the_kernel_still_runs(backend, monkeyp
     assert backend.validation_messages == []
 
 
+def _instructions(code: bytes, opcode: int) -> list[int]:
+    """The first operand of each instruction `opcode` of a SPIR-V module."""
+    from vkml.vk.spirv import instructions, words
+    found = words(code)
+    return [found[at + 1] for op, at, _ in instructions(found) if op == opcode]
+
+
+def test_workgroup_zeroing_is_dropped_and_the_kernel_still_runs(backend, monkeypatch):
+    # naga zero-initialises workgroup memory with stores of null constants from one invocation;
+    # vkml.vk.spirv drops exactly those (every vkml kernel writes its workgroup memory before
+    # reading it) and keeps the rest: a kernel passing values through workgroup memory still
+    # computes its result (the validation layer checks the module too)
+    from vkml.naga import compile_wgsl
+    from vkml.vk import pipelines
+    from vkml.vk.spirv import prepare
+
+    entry = ["fn main(@builtin(local_invocation_index) lid: u32) {",
+             "  tile[lid] = f32(lid) * 2.0;", "  workgroupBarrier();",
+             "  out[lid] = tile[63u - lid];", "}"]
+    kernel = assemble("reverse", backend.caps, [Buf("out", writable=True)], (64,), entry,
+                      (1, 1, 1), prelude=["var<workgroup> tile: array<f32, 64>;"])
+    spirv = compile_wgsl(kernel.wgsl, kernel.name)
+    lean = prepare(spirv)
+    # the one null store, into `tile`
+    assert len(_instructions(spirv, 62)) - len(_instructions(lean, 62)) == 1
+    assert prepare(lean) == lean
+    given: list[bytes] = []
+    monkeypatch.setattr(pipelines, "prepare", lambda code: given.append(code) or prepare(code))
+    _reversed_through_workgroup_memory(backend, kernel)
+    assert given == [spirv]  # the pass runs on what naga wrote, before the driver sees it
+
+
 def test_f16_kernels_declare_only_the_16bit_capabilities_they_use(backend):
     # naga gives a module that uses f16 anywhere every 16-bit storage capability; the device
     # enables shaderFloat16 and storageBuffer16BitAccess only, so the validation layer refused
     # the cooperative GEMM (f16 in workgroup memory) and any f16 storage binding until
     # vkml.vk.spirv dropped UniformAndStorageBuffer16BitAccess and StorageInputOutput16
-    import struct
-
     from vkml.naga import compile_wgsl
-    from vkml.vk.spirv import drop_unused_16bit_capabilities, instructions
+    from vkml.vk.spirv import prepare
     if not backend.caps.shader_f16:
         pytest.skip("the device has no f16")
     entry = ["fn main(@builtin(local_invocation_index) lid: u32) {",
@@ -486,25 +490,12 @@ def test_f16_kernels_declare_only_the_16bit_capabilities_they_use(backend):
                       (64,), entry, (1, 1, 1),
                       prelude=["enable f16;", "var<workgroup> tile: array<f16, 64>;"])
     spirv = compile_wgsl(kernel.wgsl, kernel.name)
-
-    def capabilities(code: bytes) -> set[int]:
-        words = struct.unpack(f"<{len(code) // 4}I", code)
-        return {words[at + 1] for op, at, _ in instructions(words) if op == 17}
-
-    lean = drop_unused_16bit_capabilities(spirv)
-    assert capabilities(spirv) - capabilities(lean) == {4434, 4436}  # uniform, input/output
-    assert {9, 4433} <= capabilities(lean)  # Float16, StorageBuffer16BitAccess
-    assert drop_unused_16bit_capabilities(lean) == lean
-    pipe = backend.create_pipeline(kernel)
+    lean = prepare(spirv)
+    capabilities = {code: set(_instructions(code, 17)) for code in (spirv, lean)}
+    assert capabilities[spirv] - capabilities[lean] == {4434, 4436}  # uniform, input/output
+    assert {9, 4433} <= capabilities[lean]  # Float16, StorageBuffer16BitAccess
+    assert prepare(lean) == lean
     h = backend.create_buffer(64 * 2, "upload", "h")
-    out = backend.create_buffer(64 * 4, "readback", "out")
     backend.write_buffer(h, 0, np.arange(64, dtype=np.float16).tobytes())
-    prog = backend.record([Dispatch(pipe, (Binding(h, 0, 64 * 2, False),
-                                           Binding(out, 0, 64 * 4, True)), (1, 1, 1))], "halves")
-    backend.submit(prog)
-    backend.wait()
-    np.testing.assert_array_equal(floats(backend, out, 0, 64), (63 - np.arange(64)) * 2.0)
-    backend.free_program(prog)
-    for buf in (h, out):
-        backend.free_buffer(buf)
-    assert backend.validation_messages == []
+    _reversed_through_workgroup_memory(backend, kernel, [(h, 64 * 2)])
+    backend.free_buffer(h)

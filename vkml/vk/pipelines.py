@@ -7,7 +7,7 @@ from typing import Any
 
 from vkml.cachedir import cache_dir, write_atomic
 from vkml.errors import DeviceError
-from vkml.vk.spirv import drop_unused_16bit_capabilities, drop_workgroup_zeroing
+from vkml.vk.spirv import prepare
 
 
 class Pipeline:
@@ -77,7 +77,7 @@ def create_pipeline(dev: Any, cache: PipelineCache, name: str, spirv: bytes, num
         raise DeviceError(f"kernel {name!r} uses {num_bindings} storage buffers; the device "
                           f"allows {dev.caps.max_bindings_per_stage} per stage")
     pipe = Pipeline(name, num_bindings, tuple(bool(w) for w in writable))
-    spirv = drop_unused_16bit_capabilities(drop_workgroup_zeroing(spirv))
+    spirv = prepare(spirv)
     try:
         code = ffi.from_buffer(spirv)
         module_info = ffi.new("VkShaderModuleCreateInfo*", {

@@ -48,26 +48,39 @@ def instructions(words: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return found
 
 
-def drop_workgroup_zeroing(spirv: bytes) -> bytes:
-    """`spirv` without its stores of null constants into workgroup variables."""
-    words = struct.unpack(f"<{len(spirv) // 4}I", spirv)
-    found = instructions(words)
+def words(spirv: bytes) -> tuple[int, ...]:
+    """The module's 32-bit words."""
+    return struct.unpack(f"<{len(spirv) // 4}I", spirv)
+
+
+def prepare(spirv: bytes) -> bytes:
+    """`spirv` as the driver gets it: without naga's workgroup zeroing and without the 16-bit
+    capabilities it does not use (both passes over one parse of the module)."""
+    code = words(spirv)
+    found = instructions(code)
+    dropped = _workgroup_zeroing(code, found) | _unused_16bit_capabilities(code, found)
+    pieces, start = [], 0  # the bytes between the dropped instructions (a few)
+    for at in sorted(dropped):
+        pieces.append(spirv[start:4 * at])
+        start = 4 * (at + (code[at] >> 16))
+    return b"".join([*pieces, spirv[start:]]) if dropped else spirv
+
+
+def _workgroup_zeroing(words: tuple[int, ...], found: list[tuple[int, int, int]]) -> set[int]:
+    """Where the stores of null constants into workgroup variables are."""
     shared = {words[at + 2] for op, at, _ in found if op == _OP_VARIABLE
               and words[at + 3] == _WORKGROUP}
     nulls = {words[at + 2] for op, at, _ in found if op == _OP_CONSTANT_NULL}
-    dropped = {at for op, at, _ in found if op == _OP_STORE and words[at + 1] in shared
-               and words[at + 2] in nulls}
-    if not dropped:
-        return spirv
-    kept = [w for op, at, count in found if at not in dropped
-            for w in words[at:at + count]]
-    return struct.pack(f"<{_HEADER + len(kept)}I", *words[:_HEADER], *kept)
+    return {at for op, at, _ in found if op == _OP_STORE and words[at + 1] in shared
+            and words[at + 2] in nulls}
 
 
-def drop_unused_16bit_capabilities(spirv: bytes) -> bytes:
-    """`spirv` without the 16-bit storage capabilities that no variable of theirs needs."""
-    words = struct.unpack(f"<{len(spirv) // 4}I", spirv)
-    found = instructions(words)
+def _unused_16bit_capabilities(words: tuple[int, ...], found: list[tuple[int, int, int]]
+                               ) -> set[int]:
+    """Where the 16-bit storage capabilities are that no variable of theirs needs."""
+    declared = {words[at + 1] for op, at, _ in found if op == _OP_CAPABILITY}
+    if not declared & _STORAGE_16.keys():  # most modules: no f16 at all
+        return set()
     wide: set[int] = set()  # ids of types that hold a 16-bit scalar
     for op, at, count in found:  # types are declared before their use
         if op in (_OP_TYPE_INT, _OP_TYPE_FLOAT) and words[at + 2] == 16:
@@ -77,13 +90,8 @@ def drop_unused_16bit_capabilities(spirv: bytes) -> bytes:
             if any(t in wide for t in words[at + first:at + end]):
                 wide.add(words[at + 1])
     used = {words[at + 3] for op, at, _ in found if op == _OP_VARIABLE and words[at + 1] in wide}
-    declared = {words[at + 1] for op, at, _ in found if op == _OP_CAPABILITY}
     needed = {cap for cap, classes in _STORAGE_16.items() if used & set(classes)}
     if _STORAGE_BUFFER_16 not in declared:  # then this one covers storage buffers too
         needed.add(_UNIFORM_AND_STORAGE_16)
-    dropped = {at for op, at, _ in found if op == _OP_CAPABILITY
-               and words[at + 1] in _STORAGE_16 and words[at + 1] not in needed}
-    if not dropped:
-        return spirv
-    kept = [w for op, at, count in found if at not in dropped for w in words[at:at + count]]
-    return struct.pack(f"<{_HEADER + len(kept)}I", *words[:_HEADER], *kept)
+    return {at for op, at, _ in found if op == _OP_CAPABILITY
+            and words[at + 1] in _STORAGE_16 and words[at + 1] not in needed}
