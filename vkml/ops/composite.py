@@ -115,10 +115,10 @@ def _normalized_type(inputs, attrs):
     x = inputs[0]
     if any(t.dtype != "f32" for t in inputs):
         raise GraphError("expects f32 operands")
+    kept = tuple(1 if i in attrs["axes"] else d for i, d in enumerate(x.shape))
     for t in inputs[1:]:
-        kept = [1 if i in attrs["axes"] else d for i, d in enumerate(x.shape)]
-        if broadcast_shapes(tuple(kept), t.shape) != tuple(kept):
-            raise GraphError(f"{t.label} must broadcast to {tuple(kept)}: one value for all "
+        if broadcast_shapes(kept, t.shape) != kept:
+            raise GraphError(f"{t.label} must broadcast to {kept}: one value for all "
                              f"of {x.label}'s normalised axes {attrs['axes']}")
     return x.shape, "f32"
 
