@@ -366,6 +366,30 @@ def test_gpu_reductions_read_several_terms_a_trip(device, rng):
     session.close()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_causal_mask_is_added_by_the_scores_product(fused, device):
+    # the composed attention and the fused one's backward add the causal mask to the scores'
+    # product itself (ops/composite.py attention_scores), whose epilogue then adds it: no pass of
+    # its own over the scores (SmolLM2's training step 2592 -> 2562 dispatches); their values
+    # and gradients are the attention cases above
+    import dataclasses
+
+    from vkml.compiler.stages import lower
+    caps = dataclasses.replace(device.caps, device_type="discrete")
+    g = vkml.Graph()
+    q = g.param("q", (1, 4, 16, 8))
+    k, v = g.param("k", (1, 2, 16, 8)), g.param("v", (1, 2, 16, 8))
+    out = g.scaled_dot_product_attention(q, k, v, causal=True, fused=fused)
+    plan = lower(g, caps, loss=g.sum(g.mul(out, out))).plan
+    scores = 4 * 16 * 16
+    products = [d for d in plan.dispatches if d.node is not None and d.node.size == scores
+                and "matmul" in d.kernel.name and "ep1" in d.kernel.wgsl]
+    assert products, [d.kernel.name for d in plan.dispatches]
+    adds = [d.kernel.name for d in plan.dispatches
+            if d.node is not None and d.node.size == scores and d.kernel.name.startswith("add_")]
+    assert not adds, adds
+
+
 @pytest.mark.parametrize("causal,shapes", [
     # 70 queries and 45 keys: blocks of 32 queries and tiles of 32 keys end part-filled
     (False, [(1, 2, 70, 8), (1, 2, 45, 8), (1, 2, 45, 12)]),

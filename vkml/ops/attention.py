@@ -9,7 +9,7 @@ from __future__ import annotations
 from vkml.errors import GraphError
 from vkml.graph import OpDef, register
 from vkml.kernels import attention as kernels
-from vkml.ops.composite import causal_mask, grouped_heads
+from vkml.ops.composite import attention_scores, grouped_heads
 
 
 def _attention_dims(q, k, v):
@@ -48,10 +48,7 @@ def _flash_grad(g, node, d):
     d5 = g.reshape(d, (*lead, hkv, rep, length, dv))
     lse = g.reshape(g.apply("flash_attention_lse", [q, k], **node.attrs),
                     (*lead, hkv, rep, length, 1))
-    scores = g.matmul(q5, k5, transpose_b=True)
-    if node.attrs["causal"]:
-        scores = g.add(scores, g.constant(causal_mask(length, s)))
-    p = g.exp(g.sub(scores, lse))
+    p = g.exp(g.sub(attention_scores(g, q5, k5, node.attrs["causal"]), lse))
     row = g.reshape(g.sum(g.mul(d, node), -1, keepdims=True), (*lead, hkv, rep, length, 1))
     ds = g.mul(p, g.sub(g.matmul(d5, v5, transpose_b=True), row))
 
