@@ -5,6 +5,7 @@ drivers, so on lavapipe the GPU variant would otherwise go untested here."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -213,6 +214,31 @@ def test_pointwise_convolutions_are_tiled_as_matmuls(device):
                                       ((n, c, 7, 7), (o, c, 1, 1), 0)]:
         kernels = planned(x_shape, w_shape, padding)
         assert all("s32x32" not in name for name in kernels.values()), kernels
+
+
+@pytest.mark.parametrize("device_type", ["discrete", "cpu"])
+@pytest.mark.parametrize("shape,stores_checked,loads_checked", [
+    ((2, 64, 32, 64), False, False), ((2, 64, 32, 60), True, True),
+    ((2, 60, 32, 64), True, True), ((2, 64, 24, 64), False, True)])
+def test_bounds_checks_only_where_tiles_leave_an_edge(shape, stores_checked, loads_checked,
+                                                      device_type, device, rng):
+    # gemm.Edges: where the tiles divide rows, columns and depth the kernel loads and stores
+    # unchecked; one extent off the tiles brings its checks back, and the result is right
+    # either way
+    z, m, k, n = shape
+    a = rng.standard_normal((z, m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    g = vkml.Graph()
+    g.output("c", g.matmul(g.param("a", a.shape, init=a), g.param("b", b.shape, init=b)))
+    caps = dataclasses.replace(device.caps, device_type=device_type)
+    session = Session(lower(g, caps).plan, device)
+    session.step()
+    (kernel,) = [d.kernel for d in session.plan.dispatches]
+    assert ("if (true)" not in kernel.wgsl) == stores_checked, kernel.wgsl
+    loads = re.search(r"if \((?:[ab]i\d+ <|kn \+)", kernel.wgsl) is not None
+    assert loads == (loads_checked and device_type != "cpu"), kernel.wgsl  # direct: clamped
+    assert rel_l2(session.read("c"), a.astype(np.float64) @ b.astype(np.float64)) < 1e-5
+    session.close()
 
 
 def test_wide_operands_bind_on_every_backend(device, rng):

@@ -221,7 +221,7 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
         f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node, wide, wide_out), m,
         cols, chunk, groups * pieces, a, b, store, tiling,
         setup=[f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
-        k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"),
+        k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"), depth=depth,
         flops=2 * m * cols * depth * groups, nbytes=4 * (read + node.size),
         wide_store=gemm.WideStore(output.along, store4) if wide_out else None)
 

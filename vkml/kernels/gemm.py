@@ -253,16 +253,34 @@ def _fits(t: Tiling | CoopTiling, caps: Capabilities) -> bool:
             and t.wx <= caps.max_workgroup_size[0] and t.wy <= caps.max_workgroup_size[1])
 
 
+@dataclass(frozen=True)
+class Edges:
+    """Which extents the tiles do not divide (the depth: k-slices a layer's range, or ranges
+    the whole depth): only there do loads and stores need a bounds check, so a product whose
+    tiles divide it, as most large ones do, runs without them (the f32 kernels; the
+    cooperative one checks all, see COOP_EDGES)."""
+
+    rows: bool
+    cols: bool
+    depth: bool
+
+    def store_guard(self, m: int, n: int) -> str:
+        return " && ".join([*([f"r < {m}u"] if self.rows else []),
+                            *([f"c < {n}u"] if self.cols else [])]) or "true"
+
+
 def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: int, k: int,
              z: int, a: Operand, b: Operand, store: Store, tiling: Tiling | CoopTiling, *,
              setup: Sequence[str] = (), k_range: tuple[str, str] | None = None,
+             depth: int | None = None,
              prelude: Sequence[str] = (), flops: int = 0, nbytes: int = 0,
              wide_store: WideStore | None = None) -> Kernel:
     """A kernel over the grid (ceil(n / BN), ceil(m / BM), z). `setup`: WGSL lines run first,
     which may use `z` (the grid layer: a batch index, a group, a split of k) and define what
     the loaders and the store use; `k_range`: WGSL expressions of the first and end depth this
-    layer sums over (default 0 and k); `wide_store`: used by the staged variant in place of
-    `store` (the others store an element at a time)."""
+    layer sums over (default 0 and k), ranges of k over a whole `depth` (default k);
+    `wide_store`: used by the staged variant in place of `store` (the others store an element at
+    a time)."""
     begin, end = k_range or ("0u", f"{k}u")
     grid = (-(-n // tiling.bn), -(-m // tiling.bm), z)
     if isinstance(tiling, CoopTiling):
@@ -270,8 +288,10 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
                         _coop(m, n, a, b, store, tiling, begin, end, setup), grid,
                         prelude=["enable f16;", "enable wgpu_cooperative_matrix;", *prelude,
                                  *_coop_shared(tiling)], flops=flops, nbytes=nbytes)
-    body = (_staged(m, n, a, b, store, tiling, begin, end, wide_store) if tiling.staged
-            else _direct(m, n, a, b, store, tiling, begin, end))
+    edges = Edges(m % tiling.bm != 0, n % tiling.bn != 0,
+                  k % tiling.bk != 0 or (depth or k) % k != 0)
+    body = (_staged(m, n, a, b, store, tiling, begin, end, wide_store, edges) if tiling.staged
+            else _direct(m, n, a, b, store, tiling, begin, end, edges))
     head = ["fn main(@builtin(local_invocation_id) lid: vec3<u32>, "
             "@builtin(workgroup_id) wid: vec3<u32>) {",
             f"  let tx = lid.x; let ty = lid.y; let tid = ty * {tiling.wx}u + tx;",
@@ -293,9 +313,9 @@ def _element(load: Loader, row: str, depth: str, guard: str, target: str) -> str
 
 
 def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, begin: str,
-            end: str, wide_store: WideStore | None) -> list[str]:
+            end: str, wide_store: WideStore | None, edges: Edges) -> list[str]:
     lines = [*[f"  var c{i}_{j} = 0.0;" for i in range(t.tm) for j in range(t.tn)],
-             *_stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end,
+             *_stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end, edges,
                      place=lambda tile, ii, kk: f"{kk} * {(t.bm if tile == 'a' else t.bn) + PAD}u"
                                                 f" + {ii}",
                      write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at} / 4u]"
@@ -318,7 +338,7 @@ def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
     def at(i: int, j: int) -> list[str]:
         return [f"  {{ let r = row0 + {4 * (i // 4) * t.wy + i % 4}u + 4u * ty; "
                 f"let c = col0 + {4 * (j // 4) * t.wx + j % 4}u + 4u * tx;",
-                f"    if (r < {m}u && c < {n}u) {{"]
+                f"    if ({edges.store_guard(m, n)}) {{"]
     # a thread's outputs one at a time, or four along the rows or the columns
     di, dj = {None: (1, 1), "col": (1, 4), "row": (4, 1)}[wide_store and wide_store.along]
     for i in range(0, t.tm, di):
@@ -330,7 +350,7 @@ def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
 
 
 def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, threads: int,
-           begin: str, end: str, place: Callable[[str, str, str], str],
+           begin: str, end: str, edges: Edges, place: Callable[[str, str, str], str],
            write: Callable[[str, str, str], str], fast: tuple[str, str],
            write4: Callable[[str, str, str], str]) -> list[str]:
     """Lines staging A's BM x BK and B's BN x BK slices: per thread, the elements it loads (so
@@ -344,8 +364,9 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
     lines: list[str] = []
     loads: list[str] = []
     fill: list[str] = []
-    for tile, op, extent, origin, bound, along_shared in (("a", a, bm, "row0", m, fast[0]),
-                                                          ("b", b, bn, "col0", n, fast[1])):
+    for tile, op, extent, origin, bound, along_shared, edge in (
+            ("a", a, bm, "row0", m, fast[0], edges.rows),
+            ("b", b, bn, "col0", n, fast[1], edges.cols)):
         width = 4 if op.wide is not None and (extent * bk) % (4 * threads) == 0 else 1
         along = extent if op.contiguous == "row" else bk  # elements along the contiguous index
         for step in range(extent * bk // (width * threads)):
@@ -355,7 +376,8 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
             else:
                 ii, kk = f"{width}u * ({e} % {along // width}u)", f"{e} / {along // width}u"
             i, k, p = f"{tile}i{step}", f"{tile}k{step}", f"{tile}p{step}"
-            guard = f"{i} < {bound}u && kn + {k} < kend"
+            guard = " && ".join([*([f"{i} < {bound}u"] if edge else []),
+                                 *([f"kn + {k} < kend"] if edges.depth else [])])
             lines += [f"  let {i} = {origin} + {ii}; let {k} = {kk};",
                       f"  let {tile}s{step} = {place(tile, ii, kk)};"]
             if width == 1:
@@ -365,8 +387,9 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
                 continue
             lines.append(f"  var {p} = vec4<f32>();")
             # not select(): it would read the vector past the end too
-            loads.append(f"    if ({guard}) {{ {p} = {op.wide(i, f'(kn + {k})')}; }} "
-                         f"else {{ {p} = vec4<f32>(); }}")
+            wide = f"{p} = {op.wide(i, f'(kn + {k})')};"
+            loads.append(f"    if ({guard}) {{ {wide} }} else {{ {p} = vec4<f32>(); }}" if guard
+                         else f"    {wide}")
             if op.contiguous == along_shared:
                 fill.append(f"    {write4(tile, f'{tile}s{step}', p)}")
                 continue
@@ -382,7 +405,7 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
 
 
 def _direct(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, begin: str,
-            end: str) -> list[str]:
+            end: str, edges: Edges) -> list[str]:
     # Rows and columns past the edge compute on a clamped (valid) index; their sums are dropped.
     lines = [*[f"  let r{i} = min(row0 + ty + {t.wy * i}u, {m - 1}u);" for i in range(t.tm)],
              *[f"  let q{j} = min(col0 + tx + {t.wx * j}u, {n - 1}u);" for j in range(t.tn)],
@@ -398,7 +421,8 @@ def _direct(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
     for i in range(t.tm):
         for j in range(t.tn):
             lines += [f"  {{ let r = row0 + ty + {t.wy * i}u; let c = col0 + tx + {t.wx * j}u;",
-                      f"    if (r < {m}u && c < {n}u) {{", *store("r", "c", f"c{i}_{j}"), "  } }"]
+                      f"    if ({edges.store_guard(m, n)}) {{", *store("r", "c", f"c{i}_{j}"),
+                      "  } }"]
     return lines
 
 
@@ -415,6 +439,12 @@ def _coop_shared(t: CoopTiling) -> list[str]:
             f"var<workgroup> Cs: array<f32, {256 * t.sg_m * t.sg_n}>;"]  # a fragment a subgroup
 
 
+# The cooperative kernel checks every edge, needed or not: without the checks its 4096^3
+# product ran 168 against 203 TFLOP/s on an H200 (tools/KERNELS.md v11), where the f32 kernels
+# gained from dropping them.
+COOP_EDGES = Edges(True, True, True)
+
+
 def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, begin: str,
           end: str, setup: Sequence[str]) -> list[str]:
     sa, sb = t.bk + COOP_PAD, t.bn + COOP_PAD
@@ -428,7 +458,7 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
              f"  let sc = (sg % {t.sg_n}u) * {16 * t.fn}u;",
              *[f"  var acc{i}_{j} = coop_mat16x16<f32, C>();"
                for i in range(t.fm) for j in range(t.fn)]]
-    lines += _stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end,
+    lines += _stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end, COOP_EDGES,
                     place=lambda tile, ii, kk: (f"{ii} * {sa}u + {kk}" if tile == "a"
                                                 else f"{kk} * {sb}u + {ii}"),
                     write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at}] = f16({v});",
@@ -452,7 +482,7 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
                       "  for (var e = lane; e < 256u; e += 32u) {",
                       f"    let r = row0 + sr + {16 * i}u + e / 16u; "
                       f"let c = col0 + sc + {16 * j}u + e % 16u;",
-                      f"    if (r < {m}u && c < {n}u) {{",
+                      f"    if ({COOP_EDGES.store_guard(m, n)}) {{",
                       *["  " + line for line in store("r", "c", "Cs[sg * 256u + e]")],
                       "    }", "  }", "  workgroupBarrier();"]
     return [*lines, "}"]

@@ -78,6 +78,7 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
     return gemm.generate(f"{node.op}_{tag}_{prefix}{m}x{n}x{k}{split}", caps, buffers, m, n,
                          chunk, layers, a_op, b_op, store, tiling, setup=setup,
                          k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {k}u)"),
+                         depth=k,
                          prelude=helper_functions(epilogue), flops=2 * batch * m * n * k,
                          nbytes=4 * (a.size + b.size + layers * m * n),
                          wide_store=gemm.WideStore("col", store4) if wide_c else None)
