@@ -121,7 +121,8 @@ class Tiling:
 
 # Staged tilings from the largest tile (most reuse per loaded value) to the smallest (most
 # workgroups for small matrices). Thread counts are 256 or 64.
-STAGED = (Tiling(128, 128, 8, 8, 8, True), Tiling(128, 64, 8, 4, 8, True),
+STAGED = (Tiling(256, 128, 16, 8, 8, True), Tiling(128, 128, 8, 8, 8, True),
+          Tiling(128, 64, 8, 4, 8, True),
           Tiling(64, 128, 4, 8, 8, True), Tiling(64, 64, 4, 4, 16, True),
           Tiling(64, 32, 8, 4, 16, True), Tiling(32, 64, 4, 8, 16, True),
           Tiling(32, 32, 4, 4, 16, True))
@@ -189,27 +190,34 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
            plain: bool = False, coop_min: tuple[int, int] | None = None
            ) -> Tiling | CoopTiling:
     """The tiling for an (m x n x k) product over `z` grid layers on this device: the largest
-    when its tiles alone fill the device, else a 64 x 64 tile (32 x 32 for thin matrices, and
-    for `plain` products, whose operands are matrices in memory rather than gathered like a
-    convolution's patches: matmuls and pointwise convolutions, kernels/conv.py `plain`; where
-    64 x 64 tiles do not fill it either) that the split stage gives more workgroups by
-    splitting k where it still needs them. Measured on an H200
-    (tools/kernel_lab.py, tools/KERNELS.md v2, v7): 64 x 64 with splits beat the smaller tiles
-    unsplit by 2-4x on the convolutions; on the transformers' products 32 x 32 tiles were
-    faster in 8 of 13 shapes (by 9-24%) and slower in one; at 2048^3, which 64 x 64 tiles
-    fill, 32 x 32 lost 14%; taking the rule for ResNet-50's 1x1 convolutions ran its training
-    step 11.2 -> 10.8 ms and its inference 3.28 -> 3.04 (KERNELS.md v8). `coop_min`: the
-    fewest rows and columns, and the shallowest depth, that take cooperative tiles in
-    accelerated mode (default COOP_MIN for all three)."""
+    when its tiles alone fill the device (of those above 128 x 128 outputs only over long sums,
+    LARGE_TILE_MIN_K, and the next largest where the largest would pad the matrix more), else a
+    64 x 64 tile (32 x 32 for thin matrices, and for `plain` products, whose operands are
+    matrices in memory rather than gathered like a convolution's patches: matmuls and pointwise
+    convolutions, kernels/conv.py `plain`; where 64 x 64 tiles do not fill it either) that the
+    split stage gives more workgroups by splitting k where it still needs them. Measured on an
+    H200 (tools/kernel_lab.py, tools/KERNELS.md v2, v7): 64 x 64 with splits beat the smaller
+    tiles unsplit by 2-4x on the convolutions; on the transformers' products 32 x 32 tiles were
+    faster in 8 of 13 shapes (by 9-24%) and slower in one; at 2048^3, which 64 x 64 tiles fill,
+    32 x 32 lost 14%; taking the rule for ResNet-50's 1x1 convolutions ran its training step
+    11.2 -> 10.8 ms and its inference 3.28 -> 3.04 (KERNELS.md v8). `coop_min`: the fewest rows
+    and columns, and the shallowest depth, that take cooperative tiles in accelerated mode
+    (default COOP_MIN for all three)."""
     if on_cpu(caps):
         return direct_tiling(m, n)
     outputs, depth = (COOP_MIN, COOP_MIN) if coop_min is None else coop_min
     coop = caps.precision == "f16" and min(m, n) >= outputs and k >= depth
     usable = ([t for t in COOP if _fits(t, caps)] if coop
               else [t for t in STAGED if _fits(t, caps)])
-    largest = usable[0]
-    if -(-m // largest.bm) * -(-n // largest.bn) * z >= FILL:
-        return largest
+
+    def tiles(t: Tiling | CoopTiling) -> int:
+        return -(-m // t.bm) * -(-n // t.bn) * z
+
+    top = (usable[:2] if k >= LARGE_TILE_MIN_K
+           else [t for t in usable if t.bm * t.bn <= 128 * 128][:1])
+    for t in top:  # the largest only where it pads the matrix no more than the next
+        if tiles(t) >= FILL and tiles(t) * t.bm * t.bn <= tiles(top[-1]) * top[-1].bm * top[-1].bn:
+            return t
     middle = [t for t in usable if t.bm == t.bn == 64]
     if not middle or min(m, n) < THIN:
         return usable[-1]
@@ -237,6 +245,10 @@ def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = Fal
 
 
 WIDE_STORE_MAX_K = 256  # see stores_wide
+# Tiles of more than 128 x 128 outputs only over sums this long: on an H200 (tools/KERNELS.md
+# v11) 256 x 128 f32 tiles ran the 4096^3 product 5% faster than 128 x 128 ones and Whisper's
+# 64-deep attention scores 25% slower (0.084 against 0.063 ms); depths between, unmeasured.
+LARGE_TILE_MIN_K = 1024
 COOP_MIN = 2048  # the smallest product where cooperative tiles beat staged f32 on an H200
 COOP_MIN_MATMUL = (64, 256)  # rows and columns, depth: matmuls (see the module's docstring)
 THIN = 48  # below this many rows or columns a 64-wide tile is mostly idle
