@@ -267,10 +267,11 @@ def _fits(t: Tiling | CoopTiling, caps: Capabilities) -> bool:
 
 @dataclass(frozen=True)
 class Edges:
-    """Which extents the tiles do not divide (the depth: k-slices a layer's range, or ranges
-    the whole depth): only there do loads and stores need a bounds check, so a product whose
-    tiles divide it, as most large ones do, runs without them (the f32 kernels; the
-    cooperative one checks all, see COOP_EDGES)."""
+    """Which extents leave the tiles an edge: rows or columns that the tile does not divide,
+    and a depth whose layers' ranges are not whole k-slices (or do not cover the whole depth
+    evenly). Only there do loads and stores need a bounds check, so a product that the tiles
+    divide, as most large ones are, runs without any (the f32 kernels; the cooperative one
+    checks everything, see COOP_EDGES)."""
 
     rows: bool
     cols: bool
