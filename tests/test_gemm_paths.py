@@ -168,6 +168,30 @@ def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device
     assert gemm.choose(huge, huge, huge, 1, roomy) == gemm.COOP[0] != gemm.CoopTiling(2, 2, 2, 2)
 
 
+def test_cooperative_tiles_store_plain_products_straight_to_memory(device):
+    # gemm.PlainStore: in a product stored as computed (no epilogue) the workgroups whose tile
+    # lies inside C store each fragment straight there (4096^3 203 -> 216 TFLOP/s on an H200,
+    # tools/KERNELS.md v11); edge tiles, and products with an epilogue, go through workgroup
+    # memory. Lavapipe has no cooperative matrices: the kernels are translated to SPIR-V here,
+    # not run (the H200's lab and bench gates check their values).
+    from vkml import naga
+    caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
+                               shader_f16=True)
+
+    def planned(relu: bool):
+        g = vkml.Graph()
+        product = g.matmul(g.param("a", (1500, 384)), g.param("b", (384, 384)))
+        g.output("c", g.relu(product) if relu else product)
+        (kernel,) = [d.kernel for d in lower(g, caps, precision="f16").plan.dispatches]
+        naga.compile_wgsl(kernel.wgsl, kernel.name)  # barriers in uniform control flow only
+        return kernel
+
+    plain, fused = planned(False), planned(True)
+    assert "_c" in plain.name and "coopStoreT(acc0_0, &mat_c[" in plain.wgsl
+    assert "coopStoreT(acc0_0, &Cs[" in plain.wgsl  # 1500 rows: the last tiles' path
+    assert "_c" in fused.name and "&mat_c[" not in fused.wgsl
+
+
 def test_split_products_are_tiled_as_the_split_stage_planned(device):
     # the split stage counts its workgroups with the unsplit product's tiling; lowering once
     # chose again over the split layers and took 128 x 128 tiles half empty at n = 64 (Whisper's

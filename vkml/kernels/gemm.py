@@ -20,7 +20,8 @@ Two variants, chosen by the device:
   f16 as they are staged, so no f16 copy of any tensor exists; each subgroup multiplies
   FM x FN 16x16 fragments with f32 accumulators (`coop_mat16x16`, loaded transposed as naga
   needs for row-major data), and stores each accumulator through workgroup memory, where its
-  lanes apply the store. Below those the staged f32 kernel is used even in accelerated mode.
+  lanes apply the store (a product without an epilogue stores its inner tiles' fragments
+  straight to C: `PlainStore`). Below those the staged f32 kernel is used even in accelerated mode.
   On an H200 (tools/KERNELS.md, v3, v7, v9, v10): once naga's workgroup zeroing was dropped
   (vk/spirv.py) the cooperative tiles beat f32 on the transformers' matmuls (Whisper's FFN
   down projection 0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017, attention times values, 64
@@ -266,6 +267,15 @@ def _fits(t: Tiling | CoopTiling, caps: Capabilities) -> bool:
 
 
 @dataclass(frozen=True)
+class PlainStore:
+    """C stored as it is computed, row-major: `at(row, column)` gives the WGSL element of an
+    f32 array where C[row, column] goes, `stride` the elements from one row to the next."""
+
+    at: Callable[[str, str], str]
+    stride: int
+
+
+@dataclass(frozen=True)
 class Edges:
     """Which extents leave the tiles an edge: rows or columns that the tile does not divide,
     and a depth whose layers' ranges are not whole k-slices (or do not cover the whole depth
@@ -287,18 +297,20 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
              setup: Sequence[str] = (), k_range: tuple[str, str] | None = None,
              depth: int | None = None,
              prelude: Sequence[str] = (), flops: int = 0, nbytes: int = 0,
-             wide_store: WideStore | None = None) -> Kernel:
+             wide_store: WideStore | None = None, plain_store: PlainStore | None = None
+             ) -> Kernel:
     """A kernel over the grid (ceil(n / BN), ceil(m / BM), z). `setup`: WGSL lines run first,
     which may use `z` (the grid layer: a batch index, a group, a split of k) and define what
     the loaders and the store use; `k_range`: WGSL expressions of the first and end depth this
     layer sums over (default 0 and k), ranges of k over a whole `depth` (default k);
     `wide_store`: used by the staged variant in place of `store` (the others store an element at
-    a time)."""
+    a time); `plain_store`: where the store is a plain write, the cooperative variant's way to
+    store whole fragments."""
     begin, end = k_range or ("0u", f"{k}u")
     grid = (-(-n // tiling.bn), -(-m // tiling.bm), z)
     if isinstance(tiling, CoopTiling):
         return assemble(f"{name}_{tiling}", caps, buffers, (tiling.threads,),
-                        _coop(m, n, a, b, store, tiling, begin, end, setup), grid,
+                        _coop(m, n, a, b, store, tiling, begin, end, setup, plain_store), grid,
                         prelude=["enable f16;", "enable wgpu_cooperative_matrix;", *prelude,
                                  *_coop_shared(tiling)], flops=flops, nbytes=nbytes)
     edges = Edges(m % tiling.bm != 0, n % tiling.bn != 0,
@@ -459,7 +471,7 @@ COOP_EDGES = Edges(True, True, True)
 
 
 def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, begin: str,
-          end: str, setup: Sequence[str]) -> list[str]:
+          end: str, setup: Sequence[str], plain_store: PlainStore | None) -> list[str]:
     sa, sb = t.bk + COOP_PAD, t.bn + COOP_PAD
     lines = ["fn main(@builtin(local_invocation_index) tid: u32, "
              "@builtin(workgroup_id) wid: vec3<u32>) {",
@@ -489,13 +501,23 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
                   for i in range(t.fm) for j in range(t.fn)]
         lines.append("    }")
     lines += ["    workgroupBarrier();", "  }"]
+    through_shared = []
     for i in range(t.fm):
         for j in range(t.fn):
-            lines += [f"  coopStoreT(acc{i}_{j}, &Cs[sg * 256u], 16u);", "  workgroupBarrier();",
-                      "  for (var e = lane; e < 256u; e += 32u) {",
-                      f"    let r = row0 + sr + {16 * i}u + e / 16u; "
-                      f"let c = col0 + sc + {16 * j}u + e % 16u;",
-                      f"    if ({COOP_EDGES.store_guard(m, n)}) {{",
-                      *["  " + line for line in store("r", "c", "Cs[sg * 256u + e]")],
-                      "    }", "  }", "  workgroupBarrier();"]
-    return [*lines, "}"]
+            through_shared += [
+                f"  coopStoreT(acc{i}_{j}, &Cs[sg * 256u], 16u);", "  workgroupBarrier();",
+                "  for (var e = lane; e < 256u; e += 32u) {",
+                f"    let r = row0 + sr + {16 * i}u + e / 16u; "
+                f"let c = col0 + sc + {16 * j}u + e % 16u;",
+                f"    if ({COOP_EDGES.store_guard(m, n)}) {{",
+                *["  " + line for line in store("r", "c", "Cs[sg * 256u + e]")],
+                "    }", "  }", "  workgroupBarrier();"]
+    if plain_store is None:
+        return [*lines, *through_shared, "}"]
+    # A workgroup whose tile lies inside C (a uniform condition, so the other branch keeps its
+    # barriers) stores each fragment straight to C.
+    direct = [f"    coopStoreT(acc{i}_{j}, "
+              f"&{plain_store.at(f'row0 + sr + {16 * i}u', f'col0 + sc + {16 * j}u')}, "
+              f"{plain_store.stride}u);" for i in range(t.fm) for j in range(t.fn)]
+    return [*lines, f"  if (row0 + {t.bm}u <= {m}u && col0 + {t.bn}u <= {n}u) {{", *direct,
+            "  } else {", *["  " + line for line in through_shared], "  }", "}"]

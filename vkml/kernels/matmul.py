@@ -71,6 +71,10 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
     buffers = [gemm.binding("mat_a", wide["a"]), gemm.binding("mat_b", wide["b"]),
                *[Buf(f"ep{e + 1}", x.dtype) for e, x in enumerate(extras)],
                Buf("mat_c", "vec4<f32>" if wide_c else "f32", writable=True)]
+    # no epilogue: the cooperative variant may store fragments straight to C (rows of a
+    # multiple of 4 elements, so each fragment starts 16-byte aligned: the layouts measured)
+    plain = (gemm.PlainStore(lambda r, c: f"mat_c[c_base + ({r}) * {n}u + {c}]", n)
+             if "epilogue" not in node.attrs and not wide_c and n % 4 == 0 else None)
     tag = ("t" if ta else "n") + ("t" if tb else "n")
     prefix = f"b{'x'.join(map(str, leading))}_" if leading else ""
     split = f"_split{pieces}" if pieces > 1 else ""
@@ -81,7 +85,8 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
                          depth=k,
                          prelude=helper_functions(epilogue), flops=2 * batch * m * n * k,
                          nbytes=4 * (a.size + b.size + layers * m * n),
-                         wide_store=gemm.WideStore("col", store4) if wide_c else None)
+                         wide_store=gemm.WideStore("col", store4) if wide_c else None,
+                         plain_store=plain)
 
 
 def splits(node: Tensor, caps: Capabilities) -> int:
