@@ -501,7 +501,7 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
                   for i in range(t.fm) for j in range(t.fn)]
         lines.append("    }")
     lines += ["    workgroupBarrier();", "  }"]
-    through_shared = []
+    through_shared: list[str] = []
     for i in range(t.fm):
         for j in range(t.fn):
             through_shared += [
