@@ -48,6 +48,9 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
                         else (lambda j, d: f"b_base + {d} * {n}u + {j}"), "depth" if tb else "row")
     ir, ic = names[-2], names[-1]
 
+    def c_at(row: str, col: str) -> str:  # C[row, col]'s flat index, in every store below
+        return f"c_base + {row} * {n}u + {col}"
+
     def reads(acc: str) -> dict[int, str]:
         return {0: acc} | {e: f"ep{e}[{offset(names, epilogue.strides[e])}]"
                            for e in range(1, len(epilogue.strides))}
@@ -55,14 +58,14 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
     def store(row: str, col: str, acc: str) -> list[str]:
         return [f"      let {ir} = {row}; let {ic} = {col};",
                 *body_lines(epilogue, reads(acc), "      ",
-                            f"mat_c[c_base + {ir} * {n}u + {ic}] =")]
+                            f"mat_c[{c_at(ir, ic)}] =")]
 
     def store4(row: str, col: str, accs: list[str]) -> list[str]:
         lines = [f"      let {ir} = {row}; var o = vec4<f32>();"]
         for q, acc in enumerate(accs):
             lines += [f"      {{ let {ic} = {col} + {q}u;",
                       *body_lines(epilogue, reads(acc), "        ", f"o[{q}] ="), "      }"]
-        return [*lines, f"      mat_c[(c_base + {ir} * {n}u + {col}) / 4u] = o;"]
+        return [*lines, f"      mat_c[({c_at(ir, col)}) / 4u] = o;"]
 
     tiling = tiling or gemm.choose(m, n, k, batch, caps, plain=True,
                                    coop_min=gemm.COOP_MIN_MATMUL)
@@ -73,7 +76,7 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
                Buf("mat_c", "vec4<f32>" if wide_c else "f32", writable=True)]
     # no epilogue: the cooperative variant may store fragments straight to C (rows of a
     # multiple of 4 elements, so each fragment starts 16-byte aligned: the layouts measured)
-    plain = (gemm.PlainStore(lambda r, c: f"mat_c[c_base + ({r}) * {n}u + {c}]", n)
+    plain = (gemm.PlainStore(lambda r, c: f"mat_c[{c_at(f'({r})', c)}]", n)
              if "epilogue" not in node.attrs and not wide_c and n % 4 == 0 else None)
     tag = ("t" if ta else "n") + ("t" if tb else "n")
     prefix = f"b{'x'.join(map(str, leading))}_" if leading else ""
