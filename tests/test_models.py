@@ -114,8 +114,9 @@ def check(built, module, device, rng, lr=1e-2, forward_tol=FORWARD_TOL, grad_tol
     if whole_trajectory:  # tools/PROTOCOL.md: parameters after N steps within 1%
         flat = np.concatenate([trained[n].ravel() for n in param_errors])
         want = np.concatenate([torch_params[n].detach().numpy().ravel() for n in param_errors])
-        print(f"all parameters as one vector: {rel_l2(flat, want):.1e}")
-        assert rel_l2(flat, want) < 1e-2, (trajectory, rel_l2(flat, want), worst_after)
+        whole = rel_l2(flat, want)
+        print(f"all parameters as one vector: {whole:.1e}")
+        assert whole < 1e-2, (trajectory, whole, worst_after)
     for n, err in param_errors.items():
         assert whole_trajectory or err < 1e-2, (n, trajectory, err)
     assert sum(b < a for a, b in zip(losses, losses[1:])) >= (STEPS - 1) * 2 // 3, losses
