@@ -19,7 +19,8 @@ raise SystemExit("dump must stop the script at vkml.compile")
 EXPECTED = {
     "graph": ["= param()  # fc.weight", "= log_softmax(", "grad of"],
     "rewritten": ["fused_matmul(", "fused_sum(", "epilogue={"],
-    "plan": ["-- barrier --", "[update  ] sgd_update_18", "arena 0"],
+    "plan": ["-- barrier --", "[update  ] sgd_update_24", "# update fc.bias .. fc.weight (2)",
+             "arena 0"],
     "memory": ["pinned", "levels", "bytes allocated"],
     "wgsl": ["// ---- kernel fused_matmul", "@compute @workgroup_size"],
     "spirv": ["bytes of SPIR-V"],

@@ -7,10 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import subprocess_env
 
 import vkml
+from vkml.compiler import schedule
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,16 +62,20 @@ def test_tensors_sharing_memory_never_live_at_the_same_time(plan):
     forever = float("inf")
     readable = {v.slot for v in plan.outputs.values()} | {v.slot for v in plan.grads.values()}
 
+    packed_in = {s: pack for pack, held in plan.packs.items() for s, _ in held}
+
     def span(slot):
         if slot.role in ("param", "constant", "optimizer_state", "hyperparams"):
             return -1, forever
+        if slot.role == "pack":  # its bytes are its slots': their spans count
+            return forever, -1
         start = -1 if slot.role == "input" else first[slot.id]
         return start, forever if slot.id in readable else last.get(slot.id, start)
 
     def root(slot_id):  # a pointwise op writing in place takes over its input's bytes
         while slot_id in plan.aliases:
             slot_id = plan.aliases[slot_id]
-        return slot_id
+        return packed_in.get(slot_id, slot_id)  # a pack's slots lie inside it
 
     def group_span(slot):  # the bytes of a tensor and of those written in place over it
         spans = [span(o) for o in plan.slots if root(o.id) == root(slot.id)]
@@ -85,6 +91,45 @@ def test_tensors_sharing_memory_never_live_at_the_same_time(plan):
                 assert s1 < t0 or t1 < s0, (s.label, t.label)
     report = plan.memory_report()
     assert report["physical"] < report["logical"]
+
+
+def test_updates_run_a_pack_of_parameters_at_a_time(plan, monkeypatch):
+    updates = [d for d in plan.dispatches if d.update is not None and d.update.size]
+    assert len(updates) == 1 and len(plan.packs) == 2 + len(vkml.Adam.state_names)
+    (update,) = updates
+    for binding, held in zip(update.slots, update.covers):
+        pack = plan.packs.get(binding)
+        assert [s for s, _ in pack or ()] == list(held)
+        if pack:  # each slot at its offset inside the pack, in the order the gradients come
+            arena, start = plan.memory.placement[binding]
+            assert all(plan.memory.placement[s] == (arena, start + at) for s, at in pack)
+            ends = [at + plan.slots[s].nbytes for s, at in pack]
+            assert all(e <= at for e, (_, at) in zip(ends, pack[1:]))
+            assert ends[-1] <= plan.slots[binding].nbytes
+    fc = [name for name in plan.params if name.startswith("fc")]
+    assert update.label.startswith(f"update {fc[-1]}")  # the last layer's gradients first
+
+
+def test_packed_updates_change_parameters_as_single_updates_do(device, monkeypatch):
+    def trained(pack_bytes):
+        monkeypatch.setattr(schedule, "PACK_BYTES", pack_bytes)
+        g, loss = training_graph()
+        with vkml.compile(g, loss=loss, optimizer=vkml.AdamW(lr=1e-2), device=device) as s:
+            rng = np.random.default_rng(0)
+            for _ in range(3):
+                s.set_input("x", rng.standard_normal((16, 32)).astype(np.float32))
+                s.set_input("labels", rng.integers(0, 5, 16).astype(np.int32))
+                s.step()
+            updates = sum(1 for d in s.plan.dispatches if d.update and d.update.size)
+            return updates, {n: s.read(n) for n in s.plan.params}
+
+    monkeypatch.setenv("VKML_PLAN_CACHE", "0")  # the plan depends on PACK_BYTES
+    default = schedule.PACK_BYTES
+    alone, packed, split = trained(1), trained(default), trained(10_000)
+    assert (alone[0], packed[0], split[0]) == (6, 1, 3)  # fc1's weight alone is 6144 bytes
+    for name, value in alone[1].items():
+        np.testing.assert_array_equal(packed[1][name], value)
+        np.testing.assert_array_equal(split[1][name], value)
 
 
 def test_in_place_writes_reuse_an_input_that_dies_there(plan):

@@ -41,18 +41,21 @@ class MemoryPlan:
 
 
 def plan_memory(lifetimes: dict[int, Lifetime], alignment: int, max_binding_bytes: int,
-                aliases: dict[int, int] | None = None) -> MemoryPlan:
+                aliases: dict[int, int] | None = None,
+                packs: dict[int, tuple[tuple[int, int], ...]] | None = None) -> MemoryPlan:
     """`aliases`: slot -> slot it overwrites in place; the two share one range, which must hold
-    for both lifetimes. Raises ValueError for a tensor too large to bind."""
+    for both lifetimes. `packs`: slot -> (slot, byte offset) of the slots laid out inside it
+    (its lifetime covers theirs). Raises ValueError for a tensor too large to bind."""
     aliases = aliases or {}
+    inside = {s: (pack, offset) for pack, held in (packs or {}).items() for s, offset in held}
 
     def root(slot: int) -> int:
         while slot in aliases:
             slot = aliases[slot]
         return slot
 
-    logical = sum(lt.nbytes for lt in lifetimes.values())
-    merged = {s: lt for s, lt in lifetimes.items() if s not in aliases}
+    logical = sum(lt.nbytes for s, lt in lifetimes.items() if s not in (packs or {}))
+    merged = {s: lt for s, lt in lifetimes.items() if s not in aliases and s not in inside}
     for slot, life in lifetimes.items():
         if slot in aliases:
             r = merged[root(slot)]
@@ -76,6 +79,9 @@ def plan_memory(lifetimes: dict[int, Lifetime], alignment: int, max_binding_byte
                 arena.add(offset, offset + size, life)
                 placement[slot] = (index, offset)
                 break
+    for slot, (pack, offset) in inside.items():
+        arena, start = placement[pack]
+        placement[slot] = (arena, start + offset)
     for slot in aliases:
         placement[slot] = placement[root(slot)]
     return MemoryPlan(placement, [arena.end for arena in arenas], logical)

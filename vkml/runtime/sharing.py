@@ -27,7 +27,7 @@ update fully submitted before its first piece.
 from __future__ import annotations
 
 from vkml.compiler.memory_plan import MemoryPlan, plan_memory
-from vkml.compiler.schedule import Plan
+from vkml.compiler.schedule import Plan, alignment
 from vkml.errors import GraphError
 from vkml.hal import Capabilities
 
@@ -63,8 +63,8 @@ def memory_without(plan: Plan, shared: dict[int, int], caps: Capabilities) -> Me
     their placement shows arena ELSEWHERE)."""
     lifetimes = {s: lt for s, lt in plan.lifetimes.items() if s not in shared}
     aliases = {k: v for k, v in plan.aliases.items() if k not in shared and v not in shared}
-    memory = plan_memory(lifetimes, max(caps.min_storage_offset_alignment, 16),
-                         caps.max_storage_buffer_range, aliases)
+    memory = plan_memory(lifetimes, alignment(caps), caps.max_storage_buffer_range, aliases,
+                         plan.packs)
     placement = dict(memory.placement)
     for slot in shared:
         placement[slot] = (ELSEWHERE, 0)
