@@ -178,18 +178,20 @@ def test_cooperative_tiles_store_plain_products_straight_to_memory(device):
     caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
                                shader_f16=True)
 
-    def planned(relu: bool):
+    def planned(relu: bool, rows: int = 1500):
         g = vkml.Graph()
-        product = g.matmul(g.param("a", (1500, 384)), g.param("b", (384, 384)))
+        product = g.matmul(g.param("a", (rows, 384)), g.param("b", (384, 1024)))
         g.output("c", g.relu(product) if relu else product)
         (kernel,) = [d.kernel for d in lower(g, caps, precision="f16").plan.dispatches]
         naga.compile_wgsl(kernel.wgsl, kernel.name)  # barriers in uniform control flow only
         return kernel
 
-    plain, fused = planned(False), planned(True)
+    plain, fused, divided = planned(False), planned(True), planned(False, rows=1024)
     assert "_c" in plain.name and "coopStoreT(acc0_0, &mat_c[" in plain.wgsl
     assert "coopStoreT(acc0_0, &Cs[" in plain.wgsl  # 1500 rows: the last tiles' path
     assert "_c" in fused.name and "&mat_c[" not in fused.wgsl
+    # tiles that divide C (1024 x 1024: every cooperative tiling does) need no other path
+    assert "coopStoreT(acc0_0, &mat_c[" in divided.wgsl and "&Cs[" not in divided.wgsl
 
 
 def test_split_products_are_tiled_as_the_split_stage_planned(device):

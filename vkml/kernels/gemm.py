@@ -515,9 +515,11 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
     if plain_store is None:
         return [*lines, *through_shared, "}"]
     # A workgroup whose tile lies inside C (a uniform condition, so the other branch keeps its
-    # barriers) stores each fragment straight to C.
+    # barriers) stores each fragment straight to C; where the tiles divide C, every one does.
     direct = [f"    coopStoreT(acc{i}_{j}, "
               f"&{plain_store.at(f'row0 + sr + {16 * i}u', f'col0 + sc + {16 * j}u')}, "
               f"{plain_store.stride}u);" for i in range(t.fm) for j in range(t.fn)]
+    if m % t.bm == 0 and n % t.bn == 0:
+        return [*lines, *direct, "}"]
     return [*lines, f"  if (row0 + {t.bm}u <= {m}u && col0 + {t.bn}u <= {n}u) {{", *direct,
             "  } else {", *["  " + line for line in through_shared], "  }", "}"]
