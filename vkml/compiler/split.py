@@ -11,6 +11,7 @@ Which products qualify, and into how many splits, is each op's `OpDef.splits` fo
 from __future__ import annotations
 
 from vkml.compiler.codegen import phase_target
+from vkml.compiler.rebuild import Emit, rebuild
 from vkml.expr import Arg, Body, contiguous_strides
 from vkml.graph import OPS, Graph, Tensor
 from vkml.hal import Capabilities
@@ -19,37 +20,21 @@ from vkml.hal import Capabilities
 def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
                forward_roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor]]:
     """The graph with long sums split, and a map from the id of each kept node to its new node.
-    Nodes `forward_roots` depend on are the forward pass, whose products may be f16 (see
-    codegen.phase_target); the others are split as the f32 kernels they become."""
+    Nodes `forward_roots` depend on are the forward pass; the others are split as the kernels
+    the backward pass's target makes of them (codegen.phase_target: scaled operands)."""
     forward = {t.id for t in old.reachable(forward_roots)}
-    new = Graph.__new__(Graph)
-    new.nodes, new.rng, new.initial_values, new.where = [], old.rng, {}, old.where
-    new_of: dict[int, Tensor] = {}
 
-    def emit(op: str, inputs: list[Tensor], shape: tuple[int, ...], attrs: dict,
-             template: Tensor) -> Tensor:
-        t = Tensor(new, len(new.nodes), op, tuple(inputs), shape, template.dtype, attrs,
-                   template.name, template.where)
-        new.nodes.append(t)
-        return t
-
-    for node in old.reachable(roots):
-        inputs = [new_of[i.id] for i in node.inputs]
+    def make(node: Tensor, inputs: list[Tensor], emit: Emit) -> Tensor:
         rule = OPS[node.op].splits
         pieces = rule(node, phase_target(caps, node.id in forward)) if rule is not None else 1
         if pieces > 1:
-            new_of[node.id] = _split(node, inputs, pieces, emit)
-        else:
-            new_of[node.id] = emit(node.op, inputs, node.shape, node.attrs, node)
-        if node.id in old.initial_values:
-            new.initial_values[new_of[node.id].id] = old.initial_values[node.id]
-    new.inputs = {n: new_of[t.id] for n, t in old.inputs.items() if t.id in new_of}
-    new.params = {n: new_of[t.id] for n, t in old.params.items() if t.id in new_of}
-    new.outputs = {n: new_of[t.id] for n, t in old.outputs.items() if t.id in new_of}
-    return new, new_of
+            return _split(node, inputs, pieces, emit)
+        return emit(node.op, inputs, node.shape, node.attrs, node)
+
+    return rebuild(old, roots, make)
 
 
-def _split(node: Tensor, inputs: list[Tensor], pieces: int, emit) -> Tensor:
+def _split(node: Tensor, inputs: list[Tensor], pieces: int, emit: Emit) -> Tensor:
     """Partial sums (a leading axis of `pieces`), then their sum through the node's epilogue."""
     if node.op == "fused_matmul":  # the product alone; the sum takes over the epilogue
         op, operands, extras = "matmul", inputs[:2], inputs[2:]
