@@ -194,6 +194,39 @@ def test_cooperative_tiles_store_plain_products_straight_to_memory(device):
     assert "coopStoreT(acc0_0, &mat_c[" in divided.wgsl and "&Cs[" not in divided.wgsl
 
 
+def test_backward_products_scale_their_operands_on_cooperative_tiles(device):
+    # Gradients often lie far below f16's smallest normal (Whisper's attention gradients around
+    # 1e-7), so the backward pass's cooperative products scale the rows of a gradient operand
+    # by powers of two first, from its largest magnitudes (compiler/scale.py), and undo it as
+    # they store; before this the whole backward pass stayed f32. Convolutions' gradients stay
+    # f32. Translated to SPIR-V here, not run (lavapipe has no cooperative matrices; the
+    # H200's bench gates check the gradients).
+    from vkml import naga
+    caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
+                               shader_f16=True, max_shared_memory_bytes=49152)
+    g = vkml.Graph()
+    x = g.input("x", (1, 256, 48, 48))
+    h = g.conv2d(x, g.param("w", (2048, 256, 3, 3)), padding=1)
+    y = g.matmul(g.reshape(h, (2048, 2304)), g.param("v", (512, 2304)), transpose_b=True)
+    plan = lower(g, caps, loss=g.mean(g.square(y)), precision="f16").plan
+    kernels = {(d.phase, d.node.op if d.node is not None else "update"): d.kernel
+               for d in plan.dispatches}
+    assert "_c" in kernels["forward", "matmul"].name  # cooperative, unscaled
+    assert "_scaled" not in kernels["forward", "matmul"].name
+    assert "_c" in kernels["forward", "conv2d"].name
+    # dH = dY V: dY's rows scale A's rows; dV = dY^T H: dY's rows run along the sum
+    assert "abs_max" in kernels["backward", "abs_max"].name
+    products = [d for d in plan.dispatches if d.phase == "backward" and d.node.op == "matmul"]
+    modes = sorted(d.node.attrs["scales"] for d in products)
+    assert modes == [("depth", None), ("rows", None)], modes
+    for d in products:
+        assert d.kernel.name.endswith("_scaled") and "a_scale[a_scale_base" in d.kernel.wgsl
+        assert "ldexp(Cs[" in d.kernel.wgsl and "&mat_c[" not in d.kernel.wgsl  # undone
+        naga.compile_wgsl(d.kernel.wgsl, d.kernel.name)
+    weight_grad = kernels["backward", "conv2d_weight_grad"].name  # 2048 x 2304 x 2304: f32
+    assert weight_grad.rsplit("_", 1)[-1].startswith("s"), weight_grad
+
+
 def test_split_products_are_tiled_as_the_split_stage_planned(device):
     # the split stage counts its workgroups with the unsplit product's tiling; lowering once
     # chose again over the split layers and took 128 x 128 tiles half empty at n = 64 (Whisper's

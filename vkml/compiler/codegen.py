@@ -86,12 +86,12 @@ def _value_key(v: Any) -> Any:
 
 
 def phase_target(caps: Capabilities, forward: bool) -> Capabilities:
-    """Accelerated (f16) products in the forward pass only: gradients are often far below f16's
-    smallest normal (6e-5) and would be flushed without loss scaling, so the backward pass and
-    the update stay f32."""
+    """Accelerated (f16) products in the backward pass scale their operands: gradients are
+    often far below f16's smallest normal (6e-5) and would be flushed without it
+    (Capabilities.scaled_operands)."""
     if forward or caps.precision == "f32":
         return caps
-    return dataclasses.replace(caps, precision="f32")
+    return dataclasses.replace(caps, scaled_operands=True)
 
 
 def lower_dispatch(d: PlannedDispatch, plan: Plan, caps: Capabilities) -> Kernel:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from vkml import naga
 from vkml.compiler import autodiff, codegen, plan_cache
 from vkml.compiler.rewrite import fuse
+from vkml.compiler.scale import scale_operands
 from vkml.compiler.schedule import Plan, make_plan
 from vkml.compiler.split import split_sums
 from vkml.errors import DeviceError, GraphError, VkmlError
@@ -76,7 +77,9 @@ class Stages:
     roots: list[Tensor]  # outputs and gradients in `graph`
     rewritten: Graph
     rewritten_roots: list[Tensor]
-    split: Graph  # long sums split for the device (compiler/split.py)
+    # long sums split, and the backward pass's f16 products scaled, for the device
+    # (compiler/split.py, compiler/scale.py)
+    split: Graph
     split_roots: list[Tensor]
     plan: Plan
     # Seconds per stage of this lowering: autodiff, rewrite, split, schedule, memory, codegen
@@ -273,6 +276,10 @@ def _lower(graph: Graph, caps: Capabilities, loss: Tensor | None,
     fused_roots = [*fused_named.values(), *fused_grads.values()]
     lap("rewrite")
     split, new_of = split_sums(fused, fused_roots, caps, list(fused_named.values()))
+    if caps.precision == "f16":
+        split, scaled_of = scale_operands(split, [new_of[t.id] for t in fused_roots], caps,
+                                          [new_of[t.id] for t in fused_named.values()])
+        new_of = {i: scaled_of[t.id] for i, t in new_of.items() if t.id in scaled_of}
     split_named = {n: new_of[t.id] for n, t in fused_named.items()}
     split_grads = {n: new_of[t.id] for n, t in fused_grads.items()}
     lap("split")

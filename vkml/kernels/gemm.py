@@ -21,7 +21,9 @@ Two variants, chosen by the device:
   FM x FN 16x16 fragments with f32 accumulators (`coop_mat16x16`, loaded transposed as naga
   needs for row-major data), and stores each accumulator through workgroup memory, where its
   lanes apply the store (a product without an epilogue stores its inner tiles' fragments
-  straight to C: `PlainStore`). Below those the staged f32 kernel is used even in accelerated mode.
+  straight to C: `PlainStore`). In the backward pass (Capabilities.scaled_operands) each row of
+  A and column of B is first scaled by a power of two into f16's range (`_scales`), undone as
+  C is stored. Below those the staged f32 kernel is used even in accelerated mode.
   On an H200 (tools/KERNELS.md, v3, v7, v9, v10): once naga's workgroup zeroing was dropped
   (vk/spirv.py) the cooperative tiles beat f32 on the transformers' matmuls (Whisper's FFN
   down projection 0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017, attention times values, 64
@@ -207,7 +209,10 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     if on_cpu(caps):
         return direct_tiling(m, n)
     outputs, depth = (COOP_MIN, COOP_MIN) if coop_min is None else coop_min
-    coop = caps.precision == "f16" and min(m, n) >= outputs and k >= depth
+    # scaled operands (the backward pass) only in matmuls of many rows: convolutions'
+    # gradients stay f32, see SCALED_MIN_ROWS
+    coop = (caps.precision == "f16" and min(m, n) >= outputs and k >= depth
+            and (not caps.scaled_operands or coop_min is not None and m >= SCALED_MIN_ROWS))
     usable = ([t for t in COOP if _fits(t, caps)] if coop
               else [t for t in STAGED if _fits(t, caps)])
 
@@ -252,6 +257,10 @@ WIDE_STORE_MAX_K = 256  # see stores_wide
 LARGE_TILE_MIN_K = 1024
 COOP_MIN = 2048  # the smallest product where cooperative tiles beat staged f32 on an H200
 COOP_MIN_MATMUL = (64, 256)  # rows and columns, depth: matmuls (see the module's docstring)
+# Backward products (scaled operands) take cooperative tiles from this many rows: SmolLM2's, of
+# 128 rows, ran its accelerated training step 10.3 -> 11.5 ms on an H200 that way (the largest
+# magnitudes a dispatch and a level before each product; tools/KERNELS.md v12).
+SCALED_MIN_ROWS = 256
 THIN = 48  # below this many rows or columns a 64-wide tile is mostly idle
 MIN_STEPS = 8  # k-steps a split keeps at the least
 MAX_SPLITS = 16
@@ -260,7 +269,7 @@ MAX_SPLITS = 16
 def _fits(t: Tiling | CoopTiling, caps: Capabilities) -> bool:
     if isinstance(t, CoopTiling):
         return (t.threads <= min(caps.max_workgroup_invocations, caps.max_workgroup_size[0])
-                and _coop_bytes(t) <= caps.max_shared_memory_bytes)
+                and _coop_bytes(t, caps.scaled_operands) <= caps.max_shared_memory_bytes)
     shared = 4 * t.bk * ((t.bm + PAD) + (t.bn + PAD))
     return (t.threads <= caps.max_workgroup_invocations and shared <= caps.max_shared_memory_bytes
             and t.wx <= caps.max_workgroup_size[0] and t.wy <= caps.max_workgroup_size[1])
@@ -273,6 +282,17 @@ class PlainStore:
 
     at: Callable[[str, str], str]
     stride: int
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Where the cooperative kernel finds the largest magnitudes it scales an operand by
+    (Capabilities.scaled_operands, compiler/scale.py): `read(index)` is a WGSL expression of
+    one; `per_row`: there is one for each row of the operand (A's rows, B's columns), else one
+    for each index of the sum, of which the kernel takes the largest over its range of k."""
+
+    read: Callable[[str], str]
+    per_row: bool
 
 
 @dataclass(frozen=True)
@@ -297,22 +317,26 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
              setup: Sequence[str] = (), k_range: tuple[str, str] | None = None,
              depth: int | None = None,
              prelude: Sequence[str] = (), flops: int = 0, nbytes: int = 0,
-             wide_store: WideStore | None = None, plain_store: PlainStore | None = None
-             ) -> Kernel:
+             wide_store: WideStore | None = None, plain_store: PlainStore | None = None,
+             scales: tuple[Scale | None, Scale | None] = (None, None)) -> Kernel:
     """A kernel over the grid (ceil(n / BN), ceil(m / BM), z). `setup`: WGSL lines run first,
     which may use `z` (the grid layer: a batch index, a group, a split of k) and define what
     the loaders and the store use; `k_range`: WGSL expressions of the first and end depth this
     layer sums over (default 0 and k), ranges of k over a whole `depth` (default k);
     `wide_store`: used by the staged variant in place of `store` (the others store an element at
     a time); `plain_store`: where the store is a plain write, the cooperative variant's way to
-    store whole fragments."""
+    store whole fragments; `scales`: for A and for B, the cooperative variant's scaling of a
+    backward product's operands, if any."""
     begin, end = k_range or ("0u", f"{k}u")
     grid = (-(-n // tiling.bn), -(-m // tiling.bm), z)
     if isinstance(tiling, CoopTiling):
-        return assemble(f"{name}_{tiling}", caps, buffers, (tiling.threads,),
-                        _coop(m, n, a, b, store, tiling, begin, end, setup, plain_store), grid,
+        scaled = any(scales)
+        return assemble(f"{name}_{tiling}{'_scaled' if scaled else ''}", caps, buffers,
+                        (tiling.threads,),
+                        _coop(m, n, a, b, store, tiling, begin, end, setup,
+                              None if scaled else plain_store, scales), grid,
                         prelude=["enable f16;", "enable wgpu_cooperative_matrix;", *prelude,
-                                 *_coop_shared(tiling)], flops=flops, nbytes=nbytes)
+                                 *_coop_shared(tiling, scales)], flops=flops, nbytes=nbytes)
     edges = Edges(m % tiling.bm != 0, n % tiling.bn != 0,
                   k % tiling.bk != 0 or (depth or k) % k != 0)
     body = (_staged(m, n, a, b, store, tiling, begin, end, wide_store, edges) if tiling.staged
@@ -377,15 +401,17 @@ def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
 def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, threads: int,
            begin: str, end: str, edges: Edges, place: Callable[[str, str, str], str],
            write: Callable[[str, str, str], str], fast: tuple[str, str],
-           write4: Callable[[str, str, str], str]) -> list[str]:
+           write4: Callable[[str, str, str], str],
+           scale: Callable[[str, str], str | None] | None = None) -> list[str]:
     """Lines staging A's BM x BK and B's BN x BK slices: per thread, the elements it loads (so
     neighbouring threads read along each operand's contiguous index; four at a time from an
     operand that offers `wide` reads), a register for each, the first slice's loads, and the
     loop head that writes the registers into workgroup memory (`place` gives an element's
     index there, `write` the store; `fast`: which index runs along workgroup memory for A and
     for B, so `write4` stores the four elements of a wide read along it at once) and loads the
-    next slice while the caller's body multiplies this one. The caller closes the loop with a
-    barrier."""
+    next slice while the caller's body multiplies this one. `scale(tile, row in the tile)`:
+    the factor each element is multiplied by as it is written (None: none). The caller closes
+    the loop with a barrier."""
     lines: list[str] = []
     loads: list[str] = []
     fill: list[str] = []
@@ -405,10 +431,22 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
                                  *([f"kn + {k} < kend"] if edges.depth else [])])
             lines += [f"  let {i} = {origin} + {ii}; let {k} = {kk};",
                       f"  let {tile}s{step} = {place(tile, ii, kk)};"]
+            # the tile rows of the elements in `p`: four of them where a wide read runs along
+            rows = [f"({ii} + {c}u)" if width == 4 and op.contiguous == "row" else ii
+                    for c in range(width)]
+            # their scale factors, read once (the rows stay), one or four: p's, p[c]'s
+            f, factor = f"{tile}f{step}", [""] * width
+            scaled = scale is not None and scale(tile, ii) is not None
+            if scaled:
+                uniform = len(set(rows)) == 1
+                lines.append(f"  let {f} = {scale(tile, ii)};" if uniform else
+                             f"  let {f} = vec4<f32>({', '.join(scale(tile, r) for r in rows)});")
+                factor = [f" * {f}" if uniform else f" * {f}[{c}]" for c in range(width)]
+            whole = f" * {f}" if scaled else ""
             if width == 1:
                 lines.append(f"  var {p} = 0.0;")
                 loads.append("    " + _element(op.load, i, f"(kn + {k})", guard, p))
-                fill.append(f"    {write(tile, f'{tile}s{step}', p)}")
+                fill.append(f"    {write(tile, f'{tile}s{step}', p + factor[0])}")
                 continue
             lines.append(f"  var {p} = vec4<f32>();")
             # not select(): it would read the vector past the end too
@@ -416,14 +454,14 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
             loads.append(f"    if ({guard}) {{ {wide} }} else {{ {p} = vec4<f32>(); }}" if guard
                          else f"    {wide}")
             if op.contiguous == along_shared:
-                fill.append(f"    {write4(tile, f'{tile}s{step}', p)}")
+                fill.append(f"    {write4(tile, f'{tile}s{step}', p + whole)}")
                 continue
             for c in range(1, 4):
-                at = (place(tile, f"({ii} + {c}u)", kk) if op.contiguous == "row"
+                at = (place(tile, rows[c], kk) if op.contiguous == "row"
                       else place(tile, ii, f"({kk} + {c}u)"))
                 lines.append(f"  let {tile}s{step}_{c} = {at};")
-            fill += [f"    {write(tile, f'{tile}s{step}' + (f'_{c}' if c else ''), f'{p}[{c}]')}"
-                     for c in range(4)]
+            fill += [f"    {write(tile, f'{tile}s{step}' + (f'_{c}' if c else ''), value)}"
+                     for c, value in enumerate(f"{p}[{c}]{factor[c]}" for c in range(4))]
     return [*lines, f"  let kend = {end};", f"  var kn = {begin};", *loads,
             f"  for (var k0 = {begin}; k0 < kend; k0 += {bk}u) {{", *fill,
             "    workgroupBarrier();", f"    kn = k0 + {bk}u;", *loads]
@@ -454,14 +492,58 @@ def _direct(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
 COOP_PAD = 8  # f16 elements added to each staged row (16 bytes: keeps rows off one bank)
 
 
-def _coop_bytes(t: CoopTiling) -> int:
-    return 2 * (t.bm * (t.bk + COOP_PAD) + t.bk * (t.bn + COOP_PAD)) + 4 * 256 * t.sg_m * t.sg_n
+def _coop_bytes(t: CoopTiling, scaled: bool) -> int:
+    return (2 * (t.bm * (t.bk + COOP_PAD) + t.bk * (t.bn + COOP_PAD)) + 4 * 256 * t.sg_m * t.sg_n
+            + (8 * (t.bm + t.bn) + 4 * t.threads if scaled else 0))
 
 
-def _coop_shared(t: CoopTiling) -> list[str]:
-    return [f"var<workgroup> As: array<f16, {t.bm * (t.bk + COOP_PAD)}>;",  # row-major, k fast
-            f"var<workgroup> Bs: array<f16, {t.bk * (t.bn + COOP_PAD)}>;",  # k rows, n fast
-            f"var<workgroup> Cs: array<f32, {256 * t.sg_m * t.sg_n}>;"]  # a fragment a subgroup
+def _coop_shared(t: CoopTiling, scales: tuple[Scale | None, Scale | None]) -> list[str]:
+    lines = [f"var<workgroup> As: array<f16, {t.bm * (t.bk + COOP_PAD)}>;",  # row-major, k fast
+             f"var<workgroup> Bs: array<f16, {t.bk * (t.bn + COOP_PAD)}>;",  # k rows, n fast
+             f"var<workgroup> Cs: array<f32, {256 * t.sg_m * t.sg_n}>;"]  # a fragment a subgroup
+    for tile, extent, scale in (("a", t.bm, scales[0]), ("b", t.bn, scales[1])):
+        if scale is not None:  # per row of the tile: the exponent applied, its power of two
+            lines += [f"var<workgroup> Exp{tile}: array<i32, {extent}>;",
+                      f"var<workgroup> Pow{tile}: array<f32, {extent}>;",
+                      *([] if scale.per_row else
+                        [f"var<workgroup> Top{tile}: array<f32, {t.threads}>;"])]
+    return lines
+
+
+def _scales(m: int, n: int, t: CoopTiling, begin: str, end: str,
+            scales: tuple[Scale | None, Scale | None]) -> list[str]:
+    """Lines choosing, for each row of A and column of B in the tile, the power of two 2^e
+    that brings its largest magnitude into [2^13, 2^14) (f16 holds up to 65504), so a row of
+    gradients around 1e-7 keeps its 11 bits instead of flushing to zero; the product of a row
+    and a column is then 2^(ea + eb) too large, and the store multiplies by 2^-(ea + eb),
+    exactly. An operand without a magnitude per row takes the largest over the layer's range
+    of k (a tree reduction in workgroup memory)."""
+    tiles = [(tile, extent, origin, bound, scale)
+             for tile, extent, origin, bound, scale in (("a", t.bm, "row0", m, scales[0]),
+                                                        ("b", t.bn, "col0", n, scales[1]))
+             if scale is not None]
+    whole = [(tile, scale) for tile, _, _, _, scale in tiles if not scale.per_row]
+    lines = []
+    for tile, scale in whole:
+        lines += ["  {", "    var top = 0.0;",
+                  f"    for (var d = {begin} + tid; d < {end}; d += {t.threads}u) {{",
+                  f"      top = max(top, {scale.read('d')});", "    }",
+                  f"    Top{tile}[tid] = top;", "  }"]
+    width = t.threads // 2
+    while whole and width:
+        lines += ["  workgroupBarrier();", f"  if (tid < {width}u) {{",
+                  *[f"    Top{tile}[tid] = max(Top{tile}[tid], Top{tile}[tid + {width}u]);"
+                    for tile, _ in whole], "  }"]
+        width //= 2
+    if whole:
+        lines.append("  workgroupBarrier();")
+    for tile, extent, origin, bound, scale in tiles:
+        top = (f"select(0.0, {scale.read(f'{origin} + i')}, {origin} + i < {bound}u)"
+               if scale.per_row else f"Top{tile}[0]")
+        lines += [f"  for (var i = tid; i < {extent}u; i += {t.threads}u) {{",
+                  f"    let e = min(14 - frexp({top}).exp, 126);",
+                  f"    Exp{tile}[i] = e; Pow{tile}[i] = ldexp(1.0, e);", "  }"]
+    return [*lines, "  workgroupBarrier();"]
 
 
 # The cooperative kernel checks every edge, needed or not: without the checks its 4096^3
@@ -471,7 +553,8 @@ COOP_EDGES = Edges(True, True, True)
 
 
 def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, begin: str,
-          end: str, setup: Sequence[str], plain_store: PlainStore | None) -> list[str]:
+          end: str, setup: Sequence[str], plain_store: PlainStore | None,
+          scales: tuple[Scale | None, Scale | None]) -> list[str]:
     sa, sb = t.bk + COOP_PAD, t.bn + COOP_PAD
     lines = ["fn main(@builtin(local_invocation_index) tid: u32, "
              "@builtin(workgroup_id) wid: vec3<u32>) {",
@@ -482,7 +565,8 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
              f"  let sr = (sg / {t.sg_n}u) * {16 * t.fm}u;",
              f"  let sc = (sg % {t.sg_n}u) * {16 * t.fn}u;",
              *[f"  var acc{i}_{j} = coop_mat16x16<f32, C>();"
-               for i in range(t.fm) for j in range(t.fn)]]
+               for i in range(t.fm) for j in range(t.fn)],
+             *(_scales(m, n, t, begin, end, scales) if any(scales) else [])]
     lines += _stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end, COOP_EDGES,
                     place=lambda tile, ii, kk: (f"{ii} * {sa}u + {kk}" if tile == "a"
                                                 else f"{kk} * {sb}u + {ii}"),
@@ -490,7 +574,9 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
                     fast=("depth", "row"),
                     write4=lambda tile, at, v: f"{{ let h = vec4<f16>({v}); " + " ".join(
                         f"{'As' if tile == 'a' else 'Bs'}[{at} + {c}u] = h.{'xyzw'[c]};"
-                        for c in range(4)) + " }")
+                        for c in range(4)) + " }",
+                    scale=lambda tile, row: (f"Pow{tile}[{row}]" if scales["ab".index(tile)]
+                                             else None))
     for kk in range(0, t.bk, 16):
         lines.append("    {")
         lines += [f"      let fa{i} = coopLoadT<coop_mat16x16<f16, A>>("
@@ -504,13 +590,19 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
     through_shared: list[str] = []
     for i in range(t.fm):
         for j in range(t.fn):
+            value = "Cs[sg * 256u + e]"
+            exps = [f"Exp{tile}[{at}]" for tile, at, scale in (
+                ("a", f"sr + {16 * i}u + e / 16u", scales[0]),
+                ("b", f"sc + {16 * j}u + e % 16u", scales[1])) if scale is not None]
+            if exps:
+                value = f"ldexp({value}, -({' + '.join(exps)}))"
             through_shared += [
                 f"  coopStoreT(acc{i}_{j}, &Cs[sg * 256u], 16u);", "  workgroupBarrier();",
                 "  for (var e = lane; e < 256u; e += 32u) {",
                 f"    let r = row0 + sr + {16 * i}u + e / 16u; "
                 f"let c = col0 + sc + {16 * j}u + e % 16u;",
                 f"    if ({COOP_EDGES.store_guard(m, n)}) {{",
-                *["  " + line for line in store("r", "c", "Cs[sg * 256u + e]")],
+                *["  " + line for line in store("r", "c", value)],
                 "    }", "  }", "  workgroupBarrier();"]
     if plain_store is None:
         return [*lines, *through_shared, "}"]

@@ -16,7 +16,10 @@ from vkml.kernels.common import Buf, body_lines, helper_functions, offset, unfla
 
 def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None) -> Kernel:
     """Bindings: A, B, the epilogue's extra inputs, C. In the epilogue x0 is the accumulator."""
-    a, b, *extras = node.inputs
+    modes = node.attrs.get("scales", (None, None))  # compiler/scale.py
+    a, b, *rest = node.inputs
+    scaled = [x for x, mode in zip(("a", "b"), modes) if mode]
+    extras = rest[len(scaled):]
     ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
     epilogue: Body = node.attrs.get("epilogue", Body(Arg(0), ((),)))
     *leading, m, n = node.shape
@@ -37,6 +40,10 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
         mat = x.shape[-2] * x.shape[-1]
         strides = broadcast_strides(x.shape[:-2], tuple(leading))
         setup.append(f"  let {src}_base = {offset(names[:-2], tuple(s * mat for s in strides))};")
+        if src in scaled:  # its largest magnitudes: one for each of its rows in memory
+            rows = x.shape[-2]
+            setup.append(f"  let {src}_scale_base = "
+                         f"{offset(names[:-2], tuple(s * rows for s in strides))};")
     setup.append(f"  let c_base = z * {m * n}u;")
     # Four elements a read where both ends of the contiguous index are multiples of 4 (then
     # the binding is an array of vec4, which is what lets a read be 16 bytes wide).
@@ -67,11 +74,11 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
                       *body_lines(epilogue, reads(acc), "        ", f"o[{q}] ="), "      }"]
         return [*lines, f"      mat_c[({c_at(ir, col)}) / 4u] = o;"]
 
-    tiling = tiling or gemm.choose(m, n, k, batch, caps, plain=True,
-                                   coop_min=gemm.COOP_MIN_MATMUL)
+    tiling = tiling or choose(node, caps)
     # rows of C whose length is a multiple of 4 are stored four columns at a time
     wide_c = n % 4 == 0 and gemm.stores_wide(tiling, chunk)
     buffers = [gemm.binding("mat_a", wide["a"]), gemm.binding("mat_b", wide["b"]),
+               *[Buf(f"{src}_scale") for src in scaled],
                *[Buf(f"ep{e + 1}", x.dtype) for e, x in enumerate(extras)],
                Buf("mat_c", "vec4<f32>" if wide_c else "f32", writable=True)]
     # no epilogue: the cooperative variant may store fragments straight to C (rows of a
@@ -89,7 +96,18 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
                          prelude=helper_functions(epilogue), flops=2 * batch * m * n * k,
                          nbytes=4 * (a.size + b.size + layers * m * n),
                          wide_store=gemm.WideStore("col", store4) if wide_c else None,
-                         plain_store=plain)
+                         plain_store=plain,
+                         scales=tuple(None if mode is None else gemm.Scale(
+                             lambda i, src=src: f"{src}_scale[{src}_scale_base + {i}]",
+                             per_row=mode == "rows") for src, mode in zip("ab", modes)))
+
+
+def choose(node: Tensor, caps: Capabilities) -> gemm.Tiling | gemm.CoopTiling:
+    """The tiling `generate` takes for a matmul node (split or not) on `caps`."""
+    m, n, k, batch = dims(node)
+    pieces = node.attrs.get("splits", 1)
+    return gemm.choose(m, n, k, batch // pieces, caps, plain=True,
+                       coop_min=gemm.COOP_MIN_MATMUL)
 
 
 def splits(node: Tensor, caps: Capabilities) -> int:

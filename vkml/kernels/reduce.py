@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from vkml.errors import GraphError
-from vkml.expr import Arg, Body, contiguous_strides, in_order
+from vkml.expr import Arg, Body, call, contiguous_strides, in_order
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels.common import (
@@ -101,10 +101,12 @@ def generate_fused_sum(node: Tensor, caps: Capabilities) -> Kernel:
                       a["n_prologue"], "sum")
 
 
-def generate_amax(node: Tensor, caps: Capabilities) -> Kernel:
+def generate_amax(node: Tensor, caps: Capabilities, magnitude: bool = False) -> Kernel:
+    """The maximum, or with `magnitude` the largest absolute value, over the node's axes."""
     (x,) = node.inputs
+    term = call("abs({0})", Arg(0)) if magnitude else Arg(0)
     return _reduction(node, caps, x.shape, node.attrs["axes"],
-                      Body(Arg(0), (contiguous_strides(x.shape),)), Body(Arg(0), ((),)), 1, "max")
+                      Body(term, (contiguous_strides(x.shape),)), Body(Arg(0), ((),)), 1, "max")
 
 
 # combine -> (the accumulator's start, folding one term in, folding two partial results)

@@ -65,6 +65,10 @@ def _amax_grad(g, node, d):
 
 
 register(OpDef("amax", _reduced, "kernel", grad=_amax_grad, lower=kernels.generate_amax))
+# The largest magnitude, which the backward pass's f16 products scale by (compiler/scale.py);
+# made after differentiation, so it has no gradient.
+register(OpDef("abs_max", _reduced, "kernel",
+               lower=lambda node, caps: kernels.generate_amax(node, caps, magnitude=True)))
 
 
 @builder

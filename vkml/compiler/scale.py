@@ -1,0 +1,52 @@
+"""Scale the backward pass's f16 products (accelerated mode; it runs after the split stage, before
+scheduling): gradients often lie far below f16's smallest normal (6e-5), Whisper's attention
+gradients around 1e-7, and converting them to f16 as they are would flush them to zero. So each
+matrix product of the backward pass that takes cooperative tiles gets, for each operand that
+is not a forward-pass tensor, the largest magnitude of each of its rows in memory (one
+`abs_max` over its last axis, read along memory, shared by every product that reads the same
+tensor) as an extra input, attribute "scales" saying how the kernel reads them: "rows" where
+the operand's rows in memory are the product's rows (A) or columns (B), so each gets a power
+of two of its own; "depth" where they run along the sum, so the kernel takes the largest over
+its range of k (vkml/kernels/gemm.py `Scale`). The forward pass's operands are left as they
+are: activations and parameters sit well inside f16's range.
+"""
+
+from __future__ import annotations
+
+from vkml.compiler.codegen import phase_target
+from vkml.compiler.rebuild import Emit, rebuild
+from vkml.graph import Graph, Tensor
+from vkml.hal import Capabilities
+from vkml.kernels import gemm, matmul
+
+PRODUCTS = ("matmul", "fused_matmul")
+
+
+def scale_operands(old: Graph, roots: list[Tensor], caps: Capabilities,
+                   forward_roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor]]:
+    """The graph with the backward pass's cooperative products scaled, and a map from the id of
+    each kept node to its new node."""
+    forward = {t.id for t in old.reachable(forward_roots)}
+    backward = phase_target(caps, False)
+    magnitudes: dict[int, Tensor] = {}  # new tensor id -> the largest magnitude of each row
+
+    def magnitude(x: Tensor, emit: Emit) -> Tensor:
+        if x.id not in magnitudes:
+            magnitudes[x.id] = emit("abs_max", [x], x.shape[:-1], {"axes": (len(x.shape) - 1,)},
+                                    x)
+        return magnitudes[x.id]
+
+    def make(node: Tensor, inputs: list[Tensor], emit: Emit) -> Tensor:
+        if (node.op in PRODUCTS and node.id not in forward and backward.scaled_operands
+                and isinstance(matmul.choose(node, backward), gemm.CoopTiling)):
+            ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
+            modes = tuple(None if x.id in forward else "rows" if per_row else "depth"
+                          for x, per_row in zip(node.inputs[:2], (not ta, tb)))
+            if any(modes):
+                a, b, *extras = inputs
+                scales = [magnitude(x, emit) for x, mode in zip((a, b), modes) if mode]
+                return emit(node.op, [a, b, *scales, *extras], node.shape,
+                            {**node.attrs, "scales": modes}, node)
+        return emit(node.op, inputs, node.shape, node.attrs, node)
+
+    return rebuild(old, roots, make)
