@@ -365,6 +365,24 @@ def test_gpu_reductions_read_several_terms_a_trip(device, rng):
     np.testing.assert_array_equal(session.read("m"), x.max(axis=(0, 2, 3)))
     session.close()
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_abs_max_is_the_largest_magnitude_along_the_last_axis(gpu, device, rng):
+    # What the backward pass's f16 products scale their gradient operands by
+    # (compiler/scale.py); tiny values as gradients are, and the GPU kernel's variant too.
+    import dataclasses
+
+    from vkml.compiler.stages import lower
+    from vkml.session import Session
+    caps = dataclasses.replace(device.caps, device_type="discrete") if gpu else device.caps
+    for shape in [(37, 300), (3, 20, 64)]:
+        x = (rng.standard_normal(shape) * 1e-7).astype(np.float32)
+        g = vkml.Graph()
+        g.output("m", g.apply("abs_max", [g.param("x", shape, init=x)], axes=(len(shape) - 1,)))
+        session = Session(lower(g, caps).plan, device)
+        session.step()
+        np.testing.assert_array_equal(session.read("m"), np.abs(x).max(axis=-1))
+        session.close()
+
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_causal_mask_is_added_by_the_scores_product(fused, device):

@@ -93,7 +93,7 @@ def test_tensors_sharing_memory_never_live_at_the_same_time(plan):
     assert report["physical"] < report["logical"]
 
 
-def test_updates_run_a_pack_of_parameters_at_a_time(plan, monkeypatch):
+def test_updates_run_a_pack_of_parameters_at_a_time(plan):
     updates = [d for d in plan.dispatches if d.update is not None and d.update.size]
     assert len(updates) == 1 and len(plan.packs) == 2 + len(vkml.Adam.state_names)
     (update,) = updates

@@ -82,8 +82,9 @@ class PlannedDispatch:
 
     @property
     def writes(self) -> set[int]:
-        return {s for i, (s, a) in enumerate(zip(self.slots, self.access)) if a == "read_write"
-                for s in (s, *(self.covers[i] if self.covers else ()))}
+        held = self.covers or ((),) * len(self.slots)
+        return {t for s, a, inner in zip(self.slots, self.access, held) if a == "read_write"
+                for t in (s, *inner)}
 
     @property
     def reads(self) -> set[int]:

@@ -35,7 +35,7 @@ class Capabilities:
     # option rather than a device property, carried here because codegen reads it with the rest.
     precision: str = "f32"
     # Products whose operands may lie far below f16's smallest normal (6e-5), as the backward
-    # pass's gradients do: at precision "f16" their cooperative kernels scale each row of A and
-    # each column of B by the power of two that brings its largest magnitude to [2^13, 2^14)
-    # before converting to f16, and undo it exactly as they store (gemm.py, `_scales`).
+    # pass's gradients do: at precision "f16" their cooperative kernels scale each row of such
+    # an operand by the power of two that brings its largest magnitude to [2^13, 2^14) before
+    # converting to f16, and undo it exactly as they store (compiler/scale.py, gemm `_scales`).
     scaled_operands: bool = False

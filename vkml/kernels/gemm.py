@@ -22,8 +22,9 @@ Two variants, chosen by the device:
   needs for row-major data), and stores each accumulator through workgroup memory, where its
   lanes apply the store (a product without an epilogue stores its inner tiles' fragments
   straight to C: `PlainStore`). In the backward pass (Capabilities.scaled_operands) each row of
-  A and column of B is first scaled by a power of two into f16's range (`_scales`), undone as
-  C is stored. Below those the staged f32 kernel is used even in accelerated mode.
+  a gradient operand is first scaled by a power of two into f16's range (`_scales`, from the
+  largest magnitudes compiler/scale.py provides), undone as C is stored. Below those the
+  staged f32 kernel is used even in accelerated mode.
   On an H200 (tools/KERNELS.md, v3, v7, v9, v10): once naga's workgroup zeroing was dropped
   (vk/spirv.py) the cooperative tiles beat f32 on the transformers' matmuls (Whisper's FFN
   down projection 0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017, attention times values, 64
@@ -538,10 +539,12 @@ def _scales(m: int, n: int, t: CoopTiling, begin: str, end: str,
     if whole:
         lines.append("  workgroupBarrier();")
     for tile, extent, origin, bound, scale in tiles:
-        top = (f"select(0.0, {scale.read(f'{origin} + i')}, {origin} + i < {bound}u)"
-               if scale.per_row else f"Top{tile}[0]")
-        lines += [f"  for (var i = tid; i < {extent}u; i += {t.threads}u) {{",
-                  f"    let e = min(14 - frexp({top}).exp, 126);",
+        # not select(): it would read past the end of the magnitudes too
+        top = ([f"    var top = 0.0; if ({origin} + i < {bound}u) "
+                f"{{ top = {scale.read(f'{origin} + i')}; }}"] if scale.per_row
+               else [f"    let top = Top{tile}[0];"])
+        lines += [f"  for (var i = tid; i < {extent}u; i += {t.threads}u) {{", *top,
+                  "    let e = min(14 - frexp(top).exp, 126);",
                   f"    Exp{tile}[i] = e; Pow{tile}[i] = ldexp(1.0, e);", "  }"]
     return [*lines, "  workgroupBarrier();"]
 

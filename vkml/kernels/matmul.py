@@ -15,7 +15,9 @@ from vkml.kernels.common import Buf, body_lines, helper_functions, offset, unfla
 
 
 def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None) -> Kernel:
-    """Bindings: A, B, the epilogue's extra inputs, C. In the epilogue x0 is the accumulator."""
+    """Bindings: A, B, the largest magnitudes of each scaled operand (attribute "scales", made
+    by compiler/scale.py), the epilogue's extra inputs, C. In the epilogue x0 is the
+    accumulator."""
     modes = node.attrs.get("scales", (None, None))  # compiler/scale.py
     a, b, *rest = node.inputs
     scaled = [x for x, mode in zip(("a", "b"), modes) if mode]
