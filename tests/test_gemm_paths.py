@@ -225,6 +225,20 @@ def test_backward_products_scale_their_operands_on_cooperative_tiles(device):
         naga.compile_wgsl(d.kernel.wgsl, d.kernel.name)
     weight_grad = kernels["backward", "conv2d_weight_grad"].name  # 2048 x 2304 x 2304: f32
     assert weight_grad.rsplit("_", 1)[-1].startswith("s"), weight_grad
+    # x used twice: its gradient's second product adds the first in an epilogue, whose input
+    # is bound after the magnitudes; the weights' gradients scale B along the sum
+    g = vkml.Graph()
+    x = g.param("x", (512, 384))
+    y = g.add(g.matmul(x, g.param("w1", (384, 384))), g.matmul(x, g.param("w2", (384, 384))))
+    plan = lower(g, caps, loss=g.mean(g.square(g.relu(y))), precision="f16").plan
+    backward = [d for d in plan.dispatches
+                if d.phase == "backward" and d.node.op in ("matmul", "fused_matmul")]
+    (fused,) = [d for d in backward if d.node.op == "fused_matmul"]
+    assert fused.node.attrs["scales"] == ("rows", None) and len(fused.node.inputs) == 4
+    assert fused.kernel.wgsl.index("a_scale") < fused.kernel.wgsl.index("ep1")
+    assert {d.node.attrs["scales"] for d in backward} == {("rows", None), (None, "depth")}
+    for d in backward:
+        naga.compile_wgsl(d.kernel.wgsl, d.kernel.name)
 
 
 def test_split_products_are_tiled_as_the_split_stage_planned(device):
