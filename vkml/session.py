@@ -50,9 +50,10 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     `trainable`: which parameters get gradients and updates: by default those built with
     `trainable=True` (the default of `graph.param`); or a collection of names, or a predicate
     on the name (e.g. `lambda n: n.startswith("decoder.")`). The others are frozen.
-    `precision`: "f32" (strict: f32 arithmetic everywhere) or "f16" (accelerated: matrix
-    products and convolutions take f16 inputs on the device's cooperative matrices (tensor
-    cores), accumulating in f32; everything else stays f32, parameters and optimizer state
+    `precision`: "f32" (strict: f32 arithmetic everywhere) or "f16" (accelerated: large
+    matrix products and convolutions take f16 inputs on the device's cooperative matrices
+    (tensor cores), accumulating in f32, the backward pass's gradients first scaled by powers
+    of two into f16's range; everything else stays f32, parameters and optimizer state
     included). "f16" needs a device with cooperative matrices, else a DeviceError.
     `check_finite`: like torch's anomaly detection, a step whose loss is NaN or infinite
     changes nothing (the optimizer's kernels read the loss and skip) and raises
