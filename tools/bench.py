@@ -230,14 +230,22 @@ def gate_text(g: dict[str, Any] | None) -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit ("-dirty" where tracked files differ from it) and the sha256 of
+    vkml's sources, which the plan cache keys on: a copy of the checkout whose git metadata is
+    stale (the lent GPU's copy keeps the session's first index) still names the code that ran.
+    `python -c "from vkml.compiler.plan_cache import source_fingerprint as f; print(f()[:12])"`
+    gives it for any checkout."""
+    from vkml.compiler.plan_cache import source_fingerprint
+
+    sources = f"sources {source_fingerprint()[:12]}"
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        return head + ("-dirty" if dirty else "")
+        return f"{head}{'-dirty' if dirty else ''}, {sources}"
     except (OSError, subprocess.SubprocessError):
-        return "unknown (no git metadata in this copy)"
+        return f"unknown commit (no git metadata in this copy), {sources}"
 
 
 def nvidia_smi() -> dict[str, str]:

@@ -392,14 +392,6 @@ def models_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -426,9 +418,10 @@ def main() -> int:
         os.environ.setdefault("VKML_CACHE_DIR", str(scratch / "cache"))
         device = vkml.Device()
         print(f"device: {device.name}")
+        from bench import git_commit
         meta = {"device": device.name, "date": time.strftime("%Y-%m-%d %H:%M"),
                 "cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-                "python": platform.python_version(), "commit": _commit()}
+                "python": platform.python_version(), "commit": git_commit()}
         result: dict = {"device": device.name, "meta": meta}
         if opts.part in ("fusion", "all"):
             result["rows"] = fusion(device, opts.reps)
