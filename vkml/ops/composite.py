@@ -59,10 +59,18 @@ def mse(g: Graph, prediction: Tensor, target: Tensor) -> Tensor:
 
 
 # ---- normalisations -----------------------------------------------------------------------------
-def _normalize(g: Graph, x: Tensor, axes: tuple[int, ...], eps: float) -> Tensor:
-    centred = g.sub(x, g.mean(x, axes, keepdims=True))
+def _statistics(g: Graph, x: Tensor, axes: tuple[int, ...], eps: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """The mean over `axes`, x minus it, and 1 / sqrt(biased variance + eps)."""
+    mean = g.mean(x, axes, keepdims=True)
+    centred = g.sub(x, mean)
     var = g.mean(g.square(centred), axes, keepdims=True)
-    return g.mul(centred, g.rsqrt(g.add(var, float(eps))))
+    return mean, centred, g.rsqrt(g.add(var, float(eps)))
+
+
+def _normalize(g: Graph, x: Tensor, axes: tuple[int, ...], eps: float) -> Tensor:
+    _, centred, rstd = _statistics(g, x, axes, eps)
+    return g.mul(centred, rstd)
 
 
 def _affine(g: Graph, y: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
@@ -159,10 +167,9 @@ def batch_norm(g: Graph, x: Tensor, running_mean=None, running_var=None, weight=
             raise GraphError(f"batch_norm in training form needs more than one value per "
                              f"channel; {x.label} has one (batch 1, no spatial extent): use "
                              "the inference form with running statistics, or a larger batch")
-        mean = g.mean(x, axes, keepdims=True)
-        var = g.mean(g.square(g.sub(x, mean)), axes, keepdims=True)
+        mean, _, rstd = _statistics(g, x, axes, eps)
         weight, bias = _per_channel(g, weight, x), _per_channel(g, bias, x)
-        return g.apply("normalized", [x, mean, g.rsqrt(g.add(var, float(eps))),
+        return g.apply("normalized", [x, mean, rstd,
                                       g.constant(1.0) if weight is None else weight,
                                       g.constant(0.0) if bias is None else bias],
                        axes=axes, count=count)
