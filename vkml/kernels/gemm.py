@@ -218,7 +218,7 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
               else [t for t in STAGED if _fits(t, caps)])
 
     def tiles(t: Tiling | CoopTiling) -> int:
-        return -(-m // t.bm) * -(-n // t.bn) * z
+        return _workgroups(t, m, n, z)
 
     top = (usable[:2] if k >= LARGE_TILE_MIN_K
            else [t for t in usable if t.bm * t.bn <= 128 * 128][:1])
@@ -228,9 +228,14 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     middle = [t for t in usable if t.bm == t.bn == 64]
     if not middle or min(m, n) < THIN:
         return usable[-1]
-    if plain and not coop and -(-m // 64) * -(-n // 64) * z < FILL:
+    if plain and not coop and tiles(middle[0]) < FILL:
         return usable[-1]
     return middle[0]
+
+
+def _workgroups(t: Tiling | CoopTiling, m: int, n: int, z: int) -> int:
+    """The workgroups (output tiles) of an (m x n) product over `z` grid layers in `t`."""
+    return -(-m // t.bm) * -(-n // t.bn) * z
 
 
 def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = False,
@@ -244,7 +249,7 @@ def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = Fal
         limit = caps.max_loop_iterations
         return -(-k // limit) if limit is not None and k > limit else 1
     t = choose(m, n, k, z, caps, plain, coop_min)
-    tiles = -(-m // t.bm) * -(-n // t.bn) * z
+    tiles = _workgroups(t, m, n, z)
     steps = -(-k // t.bk)
     if tiles >= FILL:
         return 1
