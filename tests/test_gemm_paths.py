@@ -128,13 +128,19 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
     assert rel_l2(session.grad("w"), tw.grad.numpy()) < 1e-5
 
 
+def with_cooperative_matrices(device, **changes):
+    """This device's capabilities as a discrete GPU's with cooperative matrices (lavapipe has
+    none: kernels made for them are generated and translated here, not run)."""
+    return dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
+                               shader_f16=True, **changes)
+
+
 def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device):
     # measured on an H200 (tools/KERNELS.md, v3, v7, v9, v10): staged f32 was as fast or faster
     # below gemm.COOP_MIN in any dimension (for matmuls below gemm.COOP_MIN_MATMUL's rows and
     # columns, or over a shorter depth), so precision="f16" changes nothing there
     from vkml.kernels import gemm, matmul
-    caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
-                               shader_f16=True, precision="f16")
+    caps = with_cooperative_matrices(device, precision="f16")
     strict = dataclasses.replace(caps, precision="f32")
     for outputs, depth in ((gemm.COOP_MIN, gemm.COOP_MIN), gemm.COOP_MIN_MATMUL):
         least = (outputs, depth)
@@ -175,8 +181,7 @@ def test_cooperative_tiles_store_plain_products_straight_to_memory(device):
     # memory. Lavapipe has no cooperative matrices: the kernels are translated to SPIR-V here,
     # not run (the H200's lab and bench gates check their values).
     from vkml import naga
-    caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
-                               shader_f16=True)
+    caps = with_cooperative_matrices(device)
 
     def planned(relu: bool, rows: int = 1500):
         g = vkml.Graph()
@@ -202,8 +207,7 @@ def test_backward_products_scale_their_operands_on_cooperative_tiles(device):
     # f32. Translated to SPIR-V here, not run (lavapipe has no cooperative matrices; the
     # H200's bench gates check the gradients).
     from vkml import naga
-    caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
-                               shader_f16=True, max_shared_memory_bytes=49152)
+    caps = with_cooperative_matrices(device, max_shared_memory_bytes=49152)
     g = vkml.Graph()
     x = g.input("x", (1, 256, 48, 48))
     h = g.conv2d(x, g.param("w", (2048, 256, 3, 3)), padding=1)
