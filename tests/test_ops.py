@@ -365,6 +365,47 @@ def test_gpu_reductions_read_several_terms_a_trip(device, rng):
     np.testing.assert_array_equal(session.read("m"), x.max(axis=(0, 2, 3)))
     session.close()
 
+@pytest.mark.parametrize("shape, axes", [((50, 72), (0,)), ((1500, 24), (0,)),
+                                         ((3, 5), (0,)), ((6000, 7), (0,)),
+                                         ((4, 6, 33, 2), (0, 1)), ((20000, 3), (0,))])
+def test_gpu_sums_over_leading_axes_read_along_rows(shape, axes, device, rng):
+    # On GPUs sums over leading axes (bias gradients) take the column kernel (kernels/reduce.py
+    # _columns): columns side by side, rows spread over lanes, 6000 rows with the lanes
+    # doubled; 3 rows keep a thread per output and 20000 the workgroup per output. A plain
+    # sum, a maximum, and a bias's gradient (a fused sum with a prologue and an epilogue).
+    import dataclasses
+
+    from vkml.compiler.stages import lower
+    from vkml.kernels.reduce import _column_layout
+    from vkml.session import Session
+    caps = dataclasses.replace(device.caps, device_type="discrete")
+    x = rng.standard_normal(shape).astype(np.float32)
+    weights = rng.standard_normal(shape).astype(np.float32)
+    kept = shape[len(axes):]
+    g = vkml.Graph()
+    px = g.param("x", shape, init=x)
+    b = rng.standard_normal(kept).astype(np.float32)
+    bias = g.param("b", kept, init=b)
+    g.output("s", g.sum(px, axis=axes))
+    g.output("m", g.amax(px, axis=axes))
+    loss = g.sum(g.mul(g.tanh(g.add(px, bias)), g.constant(weights)))
+    plan = lower(g, caps, loss=loss).plan
+    columns = [d for d in plan.dispatches if "lane = lid" in d.kernel.wgsl]
+    assert len(columns) == (3 if _column_layout(shape, axes, caps) else 0), \
+        [d.kernel.name for d in plan.dispatches]
+    session = Session(plan, device)
+    session.step()
+    # f32 sums of thousands of terms in another order: within a few ulps of the magnitudes
+    np.testing.assert_allclose(session.read("s"), x.astype(np.float64).sum(axis=axes),
+                               rtol=0, atol=1e-6 * np.abs(x).sum(axis=axes).max())
+    np.testing.assert_array_equal(session.read("m"), x.max(axis=axes))
+    tx = torch.tensor(x, dtype=torch.float64)
+    tbias = torch.tensor(b, dtype=torch.float64, requires_grad=True)
+    (torch.tanh(tx + tbias) * torch.tensor(weights, dtype=torch.float64)).sum().backward()
+    assert rel_l2(session.grad("b"), tbias.grad.numpy()) < 1e-5
+    session.close()
+
+
 @pytest.mark.parametrize("gpu", [False, True])
 def test_abs_max_is_the_largest_magnitude_along_the_last_axis(gpu, device, rng):
     # What the backward pass's f16 products scale their gradient operands by

@@ -66,12 +66,13 @@ ENTRY_ARGS = ("@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
               "@builtin(local_invocation_index) lid: u32")
 
 
-def tree_reduce(scratch: str, size: int, combine: str) -> list[str]:
-    """WGSL lines folding `scratch[0..size)` into `scratch[0]` across the workgroup; `combine`
-    is a format string of `a` and `b` (e.g. "{a} + {b}"). Unrolled: naga does not unroll loops."""
+def tree_reduce(scratch: str, size: int, combine: str, kept: int = 1) -> list[str]:
+    """WGSL lines folding `scratch[0..size)` into `scratch[0..kept)` across the workgroup:
+    entry i gets the entries i + kept, i + 2 kept, ...; `combine` is a format string of `a` and
+    `b` (e.g. "{a} + {b}"). Unrolled: naga does not unroll loops."""
     lines = ["  workgroupBarrier();"]
     step = size // 2
-    while step >= 1:
+    while step >= kept:
         merged = combine.format(a=f"{scratch}[lid]", b=f"{scratch}[lid + {step}u]")
         lines.append(f"  if (lid < {step}u) {{ {scratch}[lid] = {merged}; }}")
         lines.append("  workgroupBarrier();")

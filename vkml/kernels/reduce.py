@@ -123,6 +123,10 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     outputs = node.size
     setup, at = _input_offset(in_shape, axes)
+    layout = _column_layout(in_shape, axes, caps)
+    if layout is not None:
+        return _columns(node, caps, in_shape, axes, prologue, epilogue, n_prologue, combine,
+                        layout)
     if reduced <= SHORT and outputs >= WORKGROUP:
         return _per_thread(node, caps, in_shape, axes, prologue, epilogue, n_prologue, combine)
     wg = workgroup_for(reduced, caps, node)
@@ -160,19 +164,90 @@ def unroll(reduced: int, wg: int, caps: Capabilities) -> int:
     return UNROLL if caps.device_type != "cpu" and reduced >= UNROLL * wg else 1
 
 
-def _term_loops(reduced: int, wg: int, times: int, body: list[str]) -> list[str]:
-    """The loop of a thread over terms r = lid, lid + wg, ... < `reduced`, `body` once per term
-    (it uses `r`), `times` terms a trip and then one a trip for the rest: the terms are folded
-    in the same order either way."""
+def _term_loops(reduced: int, wg: int, times: int, body: list[str], first: str = "lid"
+                ) -> list[str]:
+    """The loop of a thread over terms r = first, first + wg, ... < `reduced`, `body` once per
+    term (it uses `r`), `times` terms a trip and then one a trip for the rest: the terms are
+    folded in the same order either way."""
     loops = []
     if times > 1:
-        loops = ["    var rt = lid;",
+        loops = [f"    var rt = {first};",
                  f"    for (; rt + {(times - 1) * wg}u < {reduced}u; rt += {times * wg}u) {{",
                  *[line for u in range(times)
                    for line in ["      {", f"      let r = rt + {u * wg}u;",
                                 *["  " + b for b in body], "      }"]], "    }"]
-    start = "rt" if times > 1 else "lid"
+    start = "rt" if times > 1 else first
     return [*loops, f"    for (var r = {start}; r < {reduced}u; r += {wg}u) {{", *body, "    }"]
+
+
+# Sums over leading axes on GPUs (the columns of a matrix: a bias's gradient over 1500 tokens)
+# take a workgroup of COLUMNS neighbouring columns x LANES rows at a time, so a warp reads whole
+# 32-byte sectors along each row and each thread only a few terms; one workgroup per column,
+# its threads reading down the column, touched a sector for each 4 bytes and chained its
+# loads (Whisper's bias gradients took 17 us each on an H200, tools/KERNELS.md v12).
+COLUMN_THREADS = 256
+COLUMNS = 8
+COLUMN_TERMS = 64  # terms a thread sums at most; longer columns take the workgroup per output
+# Shorter columns (the split stage's partial sums: at most 16) keep a thread per output, which
+# reads them along rows too and needs no workgroup memory.
+COLUMN_MIN_ROWS = 32
+
+
+def _column_layout(in_shape: tuple[int, ...], axes: tuple[int, ...], caps: Capabilities
+                   ) -> tuple[int, int] | None:
+    """(columns, lanes) of the column kernel for this reduction, or None where it does not
+    apply: on CPU drivers, for reductions over other than leading axes, and for columns too
+    short (COLUMN_MIN_ROWS) or too long for the largest workgroup's lanes to sum in
+    COLUMN_TERMS each."""
+    shape, reduced = canonical(in_shape, axes)
+    if (caps.device_type == "cpu" or len(shape) != 2 or reduced != (0,)
+            or shape[0] < COLUMN_MIN_ROWS):
+        return None
+    rows, columns = shape[0], COLUMNS
+    lanes = COLUMN_THREADS // COLUMNS
+    while rows > COLUMN_TERMS * lanes:
+        if 2 * lanes * columns > min(1024, caps.max_workgroup_invocations):
+            return None
+        lanes *= 2
+    return columns, lanes
+
+
+def _columns(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
+             axes: tuple[int, ...], prologue: Body, epilogue: Body, n_prologue: int,
+             combine: str, layout: tuple[int, int]) -> Kernel:
+    """A workgroup per `columns` neighbouring outputs of a reduction over leading axes: thread
+    lid sums column lid % columns over rows lid / columns, + lanes, ...; the lanes' partial
+    results are folded in workgroup memory, column by column."""
+    start, fold, merge = _COMBINE[combine]
+    columns, lanes = layout
+    reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
+    outputs = node.size
+    _, at = _input_offset(in_shape, axes)
+    per_output, per_term, terms = _prologue_reads(in_shape, axes, prologue, n_prologue)
+    epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, terms, fold,
+                                           "partial[lid]", "      ")
+    threads = columns * lanes
+    entry = [f"fn main({ENTRY_ARGS}) {{",
+             f"  let o = ({LINEAR_WORKGROUP}) * {columns}u + lid % {columns}u;",
+             f"  let lane = lid / {columns}u;",
+             f"  var acc = {start};",
+             # Columns past the end skip the loads but join the barriers.
+             f"  if (o < {outputs}u) {{", *per_output,
+             *_term_loops(reduced, lanes, unroll(reduced, lanes, caps),
+                          [*["    " + line for line in per_term], f"      let at = {at};",
+                           *term], first="lane"),
+             "  }",
+             "  partial[lid] = acc;",
+             *tree_reduce("partial", threads, merge, kept=columns),
+             f"  if (lid < {columns}u && o < {outputs}u) {{",
+             *unflatten("o", node.shape, "i"),
+             *body_lines(epilogue, epilogue_reads, "    ", "out[o] ="), "  }", "}"]
+    total = outputs * reduced
+    return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
+                    caps, buffers, (threads,), entry, grid(-(-outputs // columns), caps),
+                    prelude=[*helper_functions(prologue, epilogue),
+                             f"var<workgroup> partial: array<f32, {threads}>;"],
+                    flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
 
 
 def _prologue_reads(in_shape: tuple[int, ...], axes: tuple[int, ...], prologue: Body,
