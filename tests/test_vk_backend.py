@@ -117,10 +117,15 @@ def test_buffer_round_trip(backend, kind, staged):
     assert backend.validation_messages == []
 
 
-@pytest.mark.parametrize("staged", [False, True])
-def test_many_writes_and_zeros_in_few_submissions(backend, staged, monkeypatch):
+@pytest.mark.parametrize("staged, pieces", [(False, False), (False, True), (True, False)])
+def test_many_writes_and_zeros_in_few_submissions(backend, staged, pieces, monkeypatch):
     from vkml.vk import backend as vk_backend
     monkeypatch.setattr(vk_backend, "STAGING_BATCH", 64)  # several batches from a few writes
+    pools = []
+    if pieces:  # mapped writes cut into 24-byte pieces (across writes' ends) on threads
+        monkeypatch.setattr(vk_backend, "HOST_PIECE", 24)
+        monkeypatch.setattr(vk_backend, "ThreadPoolExecutor", lambda n, f=vk_backend.
+                            ThreadPoolExecutor: (pools.append(n), f(n))[1])
     bufs = [backend.create_buffer(400, "device", f"many-{i}") for i in range(2)]
     if staged:  # the staging-copy path of discrete GPUs
         for b in bufs:
@@ -142,6 +147,7 @@ def test_many_writes_and_zeros_in_few_submissions(backend, staged, monkeypatch):
         submissions.append(len(cmds)), f(cmds))[1])
     monkeypatch.setattr(backend, "create_buffer", lambda n, kind, label, f=backend.create_buffer:
                         (staging.append(n), f(n, kind, label))[1])
+    pools.clear()
     backend.write_buffers(writes)
     # one staging buffer for every batch, as large as the largest batch's data: the device
     # fills the zeros
@@ -152,6 +158,7 @@ def test_many_writes_and_zeros_in_few_submissions(backend, staged, monkeypatch):
         assert 1 < len(submissions) < len(writes), submissions
     else:
         assert submissions == []
+    assert len(pools) == int(pieces), pools
     with pytest.raises(DeviceError, match="does not fit"):
         backend.write_buffers([HostWrite(bufs[0], 396, 8)])
     for b in bufs:
