@@ -181,13 +181,13 @@ def _term_loops(reduced: int, wg: int, times: int, body: list[str], first: str =
 
 
 # Sums over leading axes on GPUs (the columns of a matrix: a bias's gradient over 1500 tokens)
-# take a workgroup of neighbouring columns x lanes of rows, so a warp reads along each row and
-# each thread sums only a few terms; one workgroup per column, its threads reading down the
-# column, touched a sector for each 4 bytes and chained its loads (Whisper's bias gradients
-# took 17 us each on an H200, tools/KERNELS.md v12).
-COLUMNS = 8  # at most: 32 bytes of a row
-COLUMN_TERMS = 8  # terms a thread sums, as far as a workgroup's threads allow
-COLUMN_MAX_TERMS = 64  # longer columns than this many terms a thread take a workgroup per output
+# take a workgroup of COLUMNS neighbouring columns x LANES rows at a time, so a warp reads whole
+# 32-byte sectors along each row and each thread only a few terms; one workgroup per column,
+# its threads reading down the column, touched a sector for each 4 bytes and chained its
+# loads (Whisper's bias gradients took 17 us each on an H200, tools/KERNELS.md v12).
+COLUMN_THREADS = 256
+COLUMNS = 8
+COLUMN_TERMS = 64  # terms a thread sums at most; longer columns take the workgroup per output
 # Shorter columns (the split stage's partial sums: at most 16) keep a thread per output, which
 # reads them along rows too and needs no workgroup memory.
 COLUMN_MIN_ROWS = 32
@@ -195,20 +195,21 @@ COLUMN_MIN_ROWS = 32
 
 def _column_layout(in_shape: tuple[int, ...], axes: tuple[int, ...], caps: Capabilities
                    ) -> tuple[int, int] | None:
-    """(columns, lanes) of the column kernel for this reduction: lanes enough for about
-    COLUMN_TERMS rows each (at least a warp), and as many of the COLUMNS as fit beside them in
-    a workgroup. None where the kernel does not apply: on CPU drivers, for reductions over
-    other than leading axes, and for columns too short (COLUMN_MIN_ROWS) or too long for a
-    workgroup's threads to sum in COLUMN_MAX_TERMS each."""
+    """(columns, lanes) of the column kernel for this reduction, or None where it does not
+    apply: on CPU drivers, for reductions over other than leading axes, and for columns too
+    short (COLUMN_MIN_ROWS) or too long for the largest workgroup's lanes to sum in
+    COLUMN_TERMS each."""
     shape, reduced = canonical(in_shape, axes)
     if (caps.device_type == "cpu" or len(shape) != 2 or reduced != (0,)
             or shape[0] < COLUMN_MIN_ROWS):
         return None
-    rows, threads = shape[0], min(1024, caps.max_workgroup_invocations)
-    lanes = min(threads, max(32, 1 << (-(-rows // COLUMN_TERMS) - 1).bit_length()))
-    if rows > COLUMN_MAX_TERMS * lanes:
-        return None
-    return max(1, min(COLUMNS, threads // lanes)), lanes
+    rows, columns = shape[0], COLUMNS
+    lanes = COLUMN_THREADS // COLUMNS
+    while rows > COLUMN_TERMS * lanes:
+        if 2 * lanes * columns > min(1024, caps.max_workgroup_invocations):
+            return None
+        lanes *= 2
+    return columns, lanes
 
 
 def _columns(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
