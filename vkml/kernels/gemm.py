@@ -157,10 +157,11 @@ class CoopTiling:
 
 
 # naga gives each accumulator a variable of its own; more than 16 a subgroup spills on NVIDIA.
-# At 4096^3 on an H200 (tools/KERNELS.md, v10) eight subgroups over 128 x 256 ran 203 TFLOP/s,
-# four over 128 x 128 188, eight over 256 x 128 164; deeper or shallower slices than 32 and
-# two slices staged in turn were slower.
-COOP = (CoopTiling(2, 4, 4, 4), CoopTiling(2, 2, 4, 4), CoopTiling(2, 2, 2, 4),
+# At 4096^3 on an H200 (tools/KERNELS.md, v10, v13) sixteen subgroups of 4 x 2 fragments over
+# 128 x 256 ran 235 TFLOP/s, eight of 4 x 4 221, four over 128 x 128 196 (sixteen of 2 x 2
+# there: 125); deeper or shallower slices than 32, two slices staged in turn, and the staged
+# slice held as f16 from its loads were slower.
+COOP = (CoopTiling(2, 8, 4, 2), CoopTiling(2, 2, 4, 4), CoopTiling(2, 2, 2, 4),
         CoopTiling(2, 2, 2, 2), CoopTiling(2, 2, 1, 2), CoopTiling(2, 2, 1, 1))
 # Workgroups it takes to fill a large GPU (an H200 has 132 multiprocessors, two resident
 # workgroups each at these sizes); below this a smaller tile wins by keeping more of it busy.
