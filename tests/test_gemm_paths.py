@@ -152,15 +152,23 @@ def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device
                         (outputs, outputs, depth // 2), (32, 32, 32)]:
             assert (gemm.choose(m, n, k, 1, caps, coop_min=least)
                     == gemm.choose(m, n, k, 1, strict, coop_min=least)), (m, n, k)
-    # Whisper's attention: values (64 columns, 1500 deep) on cooperative tiles, the 64-deep
-    # scores in f32
+    # Whisper's attention: values (64 columns, 1500 deep) on cooperative tiles, and the 64-deep
+    # scores too, as a product stored straight to memory (matmul.COOP_MIN_DIRECT_DEPTH), on
+    # 64 x 64 tiles (gemm's SHALLOW); f32 in the backward pass (scaled operands) and with an
+    # epilogue (a mask added by the rewrite stage)
     g = vkml.Graph()
     p = g.param("p", (6, 1500, 1500))
     v, k = g.param("v", (6, 1500, 64)), g.param("k", (6, 1500, 64))
+    scores = g.matmul(v, k, transpose_b=True)
     tiling = {name: matmul.generate(product, caps).name.rsplit("_", 1)[-1]
-              for name, product in (("values", g.matmul(p, v)),
-                                    ("scores", g.matmul(v, k, transpose_b=True)))}
-    assert tiling["values"].startswith("c") and tiling["scores"].startswith("s"), tiling
+              for name, product in (("values", g.matmul(p, v)), ("scores", scores))}
+    assert tiling["values"].startswith("c") and tiling["scores"] == "c64x64k32f2x2", tiling
+    backward = dataclasses.replace(caps, scaled_operands=True)
+    assert isinstance(matmul.choose(scores, backward), gemm.Tiling)
+    g.output("masked", g.add(scores, g.constant(np.zeros((1500, 1500), np.float32))))
+    fused = [d for d in lower(g, caps).plan.dispatches if "matmul" in d.kernel.name]
+    assert fused and all("epilogue" in d.node.attrs and "_s" in d.kernel.name
+                         for d in fused), [d.kernel.name for d in fused]
     # Whisper's FFN down projection: cooperative as a matmul, f32 as a convolution's GEMM
     g = vkml.Graph()
     product = g.matmul(g.param("a", (1500, 1536)), g.param("b", (1536, 384)))

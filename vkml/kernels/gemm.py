@@ -222,6 +222,7 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
         return _workgroups(t, m, n, z)
 
     top = (usable[:2] if k >= LARGE_TILE_MIN_K
+           else [] if coop and k < COOP_MIN_MATMUL[1]  # see SHALLOW
            else [t for t in usable if t.bm * t.bn <= 128 * 128][:1])
     for t in top:  # the largest only where it pads the matrix no more than the next
         if tiles(t) >= FILL and tiles(t) * t.bm * t.bn <= tiles(top[-1]) * top[-1].bm * top[-1].bn:
@@ -264,6 +265,9 @@ WIDE_STORE_MAX_K = 256  # see stores_wide
 LARGE_TILE_MIN_K = 1024
 COOP_MIN = 2048  # the smallest product where cooperative tiles beat staged f32 on an H200
 COOP_MIN_MATMUL = (64, 256)  # rows and columns, depth: matmuls (see the module's docstring)
+# SHALLOW: cooperative tiles over sums shallower than COOP_MIN_MATMUL's depth (kernels/matmul.py
+# takes them for plain products from 64) are 64 x 64: Whisper's 64-deep attention scores ran
+# 0.047 ms on them, 0.057 on 128 x 128 ones and 0.063 on f32 tiles (H200, tools/KERNELS.md v13).
 # Backward products (scaled operands) take cooperative tiles from this many rows: SmolLM2's, of
 # 128 rows, ran its accelerated training step 10.3 -> 11.5 ms on an H200 that way (the largest
 # magnitudes a dispatch and a level before each product; tools/KERNELS.md v12).

@@ -108,13 +108,28 @@ def choose(node: Tensor, caps: Capabilities) -> gemm.Tiling | gemm.CoopTiling:
     """The tiling `generate` takes for a matmul node (split or not) on `caps`."""
     m, n, k, batch = dims(node)
     pieces = node.attrs.get("splits", 1)
-    return gemm.choose(m, n, k, batch // pieces, caps, plain=True,
-                       coop_min=gemm.COOP_MIN_MATMUL)
+    return gemm.choose(m, n, k, batch // pieces, caps, plain=True, coop_min=_coop_min(node, caps))
 
 
 def splits(node: Tensor, caps: Capabilities) -> int:
     """Partial sums the split stage cuts a matmul node into (OpDef.splits)."""
-    return gemm.splits(*dims(node), caps, plain=True, coop_min=gemm.COOP_MIN_MATMUL)
+    return gemm.splits(*dims(node), caps, plain=True, coop_min=_coop_min(node, caps))
+
+
+# Products whose cooperative fragments store straight to C (no epilogue, outside the backward
+# pass, whose products may be scaled) take cooperative tiles from this depth: Whisper's 64-deep
+# attention scores on an H200 (tools/KERNELS.md v11, v13) 0.047 ms against 0.063 on f32 tiles;
+# through workgroup memory (an epilogue: SmolLM2's causal mask) they lost.
+COOP_MIN_DIRECT_DEPTH = 64
+
+
+def _coop_min(node: Tensor, caps: Capabilities) -> tuple[int, int]:
+    """The fewest rows and columns, and the shallowest depth, of a matmul on cooperative
+    tiles (gemm.choose's `coop_min`)."""
+    direct = ("epilogue" not in node.attrs and not caps.scaled_operands
+              and node.shape[-1] % 4 == 0)
+    outputs, depth = gemm.COOP_MIN_MATMUL
+    return outputs, COOP_MIN_DIRECT_DEPTH if direct else depth
 
 
 def dims(node: Tensor) -> tuple[int, int, int, int]:
