@@ -15,7 +15,8 @@ Two variants, chosen by the device:
 - direct (CPU drivers, where staging gains nothing and barriers make the JIT slow): each thread
   reads its operands straight from memory, rows ty + WY * i and columns tx + WX * j.
 - cooperative (precision="f16" on devices with cooperative matrices, for products of at least
-  COOP_MIN in every dimension, for matmuls of COOP_MIN_MATMUL rows and columns and depth):
+  COOP_MIN in every dimension, for matmuls of COOP_MIN_MATMUL rows and columns and depth, plain
+  ones from a shallower depth: kernels/matmul.py):
   tensor-core tiles. The operands are read as f32 like the staged variant's and converted to
   f16 as they are staged, so no f16 copy of any tensor exists; each subgroup multiplies
   FM x FN 16x16 fragments with f32 accumulators (`coop_mat16x16`, loaded transposed as naga
@@ -28,8 +29,9 @@ Two variants, chosen by the device:
   On an H200 (tools/KERNELS.md, v3, v7, v9, v10): once naga's workgroup zeroing was dropped
   (vk/spirv.py) the cooperative tiles beat f32 on the transformers' matmuls (Whisper's FFN
   down projection 0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017, attention times values, 64
-  columns, 0.097 -> 0.050) but not over a short k (its 64-deep attention scores: 0.061 ->
-  0.063 at best in the lab, 0.23 -> 0.30 ms a step in the model); on convolutions they ran
+  columns, 0.097 -> 0.050), over a short k only where fragments store straight to C (its
+  64-deep attention scores: 0.061 -> 0.063 through workgroup memory, 0.063 -> 0.047 stored
+  straight, v13); on convolutions they ran
   slower (U-Net, ResNet-50) and ResNet-50's accelerated training failed its gradient gates
   (batch norm over f16 convolutions), so convolutions keep COOP_MIN.
 """
