@@ -66,15 +66,21 @@ ENTRY_ARGS = ("@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) n
               "@builtin(local_invocation_index) lid: u32")
 
 
-def tree_reduce(scratch: str, size: int, combine: str, kept: int = 1) -> list[str]:
-    """WGSL lines folding `scratch[0..size)` into `scratch[0..kept)` across the workgroup:
-    entry i gets the entries i + kept, i + 2 kept, ...; `combine` is a format string of `a` and
-    `b` (e.g. "{a} + {b}"). Unrolled: naga does not unroll loops."""
+def tree_reduce(scratch: str | Sequence[str], size: int, combine: str, kept: int = 1,
+                index: str = "lid") -> list[str]:
+    """WGSL lines folding `scratch[0..size)` into `scratch[0..kept)` across the workgroup
+    (several arrays at once, sharing the barriers, where `scratch` names several): entry i gets
+    the entries i + kept, i + 2 kept, ...; `combine` is a format string of `a` and `b` (e.g.
+    "{a} + {b}"); `index`: the invocation's index in the workgroup. Unrolled: naga does not
+    unroll loops."""
+    arrays = [scratch] if isinstance(scratch, str) else list(scratch)
     lines = ["  workgroupBarrier();"]
     step = size // 2
     while step >= kept:
-        merged = combine.format(a=f"{scratch}[lid]", b=f"{scratch}[lid + {step}u]")
-        lines.append(f"  if (lid < {step}u) {{ {scratch}[lid] = {merged}; }}")
+        folds = " ".join(f"{s}[{index}] = "
+                         f"{combine.format(a=f'{s}[{index}]', b=f'{s}[{index} + {step}u]')};"
+                         for s in arrays)
+        lines.append(f"  if ({index} < {step}u) {{ {folds} }}")
         lines.append("  workgroupBarrier();")
         step //= 2
     return lines

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vkml.hal import Capabilities, Kernel
-from vkml.kernels.common import Buf, assemble
+from vkml.kernels.common import Buf, assemble, tree_reduce
 
 # A loader: (row variable, depth variable) -> WGSL lines assigning the element to `v` (a var
 # declared 0.0 by the caller), leaving it 0 where the element is padding. The caller guarantees
@@ -542,14 +542,9 @@ def _scales(m: int, n: int, t: CoopTiling, begin: str, end: str,
                   f"    for (var d = {begin} + tid; d < {end}; d += {t.threads}u) {{",
                   f"      top = max(top, {scale.read('d')});", "    }",
                   f"    Top{tile}[tid] = top;", "  }"]
-    width = t.threads // 2
-    while whole and width:
-        lines += ["  workgroupBarrier();", f"  if (tid < {width}u) {{",
-                  *[f"    Top{tile}[tid] = max(Top{tile}[tid], Top{tile}[tid + {width}u]);"
-                    for tile, _ in whole], "  }"]
-        width //= 2
     if whole:
-        lines.append("  workgroupBarrier();")
+        lines += tree_reduce([f"Top{tile}" for tile, _ in whole], t.threads, "max({a}, {b})",
+                             index="tid")
     for tile, extent, origin, bound, scale in tiles:
         # not select(): it would read past the end of the magnitudes too
         top = ([f"    var top = 0.0; if ({origin} + i < {bound}u) "
