@@ -302,7 +302,7 @@ def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_
             bound, covers = tuple(c[0] for c in columns), ()
             label, size = f"update {pack[0]}", plan.slots[bound[0]].nbytes // 4
         else:
-            offsets = np.cumsum([0] + [-(-plan.slots[s].nbytes // align) * align
+            offsets = np.cumsum([0] + [_padded(plan.slots[s].nbytes, align)
                                        for s in columns[0]])
             label, size = f"update {pack[0]} .. {pack[-1]} ({len(pack)})", int(offsets[-1]) // 4
             bound = tuple(new_slot(f"pack of {what}: {pack[0]} .. {pack[-1]}", (size,), "f32",
@@ -335,13 +335,18 @@ def _packs(plan: Plan, grads: dict[str, int], align: int, pack_bytes: int) -> li
     runs: list[list[str]] = [[n] for n in grads if n not in packable]
     used = pack_bytes
     for name in packable:
-        nbytes = -(-plan.slots[plan.params[name]].nbytes // align) * align
+        nbytes = _padded(plan.slots[plan.params[name]].nbytes, align)
         if used + nbytes > pack_bytes:
             runs.append([])
             used = 0
         runs[-1].append(name)
         used += nbytes
     return runs
+
+
+def _padded(nbytes: int, align: int) -> int:
+    """The bytes a tensor takes inside a pack: its own, rounded up to the alignment."""
+    return -(-nbytes // align) * align
 
 
 def _schedule(dispatches: list[PlannedDispatch]) -> list[PlannedDispatch]:
