@@ -369,8 +369,8 @@ def test_gpu_reductions_read_several_terms_a_trip(device, rng):
                                          ((3, 5), (0,)), ((6000, 7), (0,)),
                                          ((4, 6, 33, 2), (0, 1)), ((20000, 3), (0,))])
 def test_gpu_sums_over_leading_axes_read_along_rows(shape, axes, device, rng):
-    # On GPUs sums over leading axes (bias gradients) take the column kernel (kernels/reduce.py
-    # _columns): columns side by side, rows spread over lanes, 6000 rows with the lanes
+    # On GPUs sums over leading axes (bias gradients) take the column layout (kernels/reduce.py
+    # _column_layout): columns side by side, rows spread over lanes, 6000 rows with the lanes
     # doubled; 3 rows keep a thread per output and 20000 the workgroup per output. A plain
     # sum, a maximum, and a bias's gradient (a fused sum with a prologue and an epilogue).
     import dataclasses

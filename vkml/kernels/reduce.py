@@ -1,6 +1,6 @@
 """Reduction archetypes: one workgroup per output element (sum or max over any axes, a sum with a
-fused prologue and epilogue), and one workgroup per row for softmax / log-softmax (max, sum of
-exponentials, write)."""
+fused prologue and epilogue; on GPUs one per few neighbouring outputs of a sum over leading
+axes), and one workgroup per row for softmax / log-softmax (max, sum of exponentials, write)."""
 
 from __future__ import annotations
 
@@ -117,43 +117,49 @@ _COMBINE = {"sum": ("0.0", "acc +=", "{a} + {b}"),
 def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
                axes: tuple[int, ...], prologue: Body, epilogue: Body, n_prologue: int,
                combine: str) -> Kernel:
-    """One workgroup per output element: its threads stride over the reduced elements (the
-    prologue computing each term as it is read), then a tree reduction and the epilogue."""
+    """A workgroup per output element, or on GPUs per `columns` neighbouring ones of a sum over
+    leading axes (`_column_layout`): each output's threads (lanes) stride over the reduced
+    elements (the prologue computing each term as it is read), then a tree reduction of the
+    lanes, column by column, and the epilogue. Short reductions into many outputs take a
+    thread per output instead (`_per_thread`)."""
     start, fold, merge = _COMBINE[combine]
     reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     outputs = node.size
     setup, at = _input_offset(in_shape, axes)
     layout = _column_layout(in_shape, axes, caps)
-    if layout is not None:
-        return _columns(node, caps, in_shape, axes, prologue, epilogue, n_prologue, combine,
-                        layout)
-    if reduced <= SHORT and outputs >= WORKGROUP:
+    if layout is None and reduced <= SHORT and outputs >= WORKGROUP:
         return _per_thread(node, caps, in_shape, axes, prologue, epilogue, n_prologue, combine)
-    wg = workgroup_for(reduced, caps, node)
+    columns, lanes = layout or (1, workgroup_for(reduced, caps, node))
+    threads = columns * lanes
     per_output, per_term, terms = _prologue_reads(in_shape, axes, prologue, n_prologue)
     epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, terms, fold,
-                                           "partial[0]", "      ")
-    entry = [f"fn main({ENTRY_ARGS}) {{",
-             f"  let o = {LINEAR_WORKGROUP};",
+                                           "partial[0]" if columns == 1 else "partial[lid]",
+                                           "      ")
+    # thread lid sums output o over the terms lane, lane + lanes, ...
+    index = ([f"  let o = {LINEAR_WORKGROUP};"] if columns == 1 else
+             [f"  let o = ({LINEAR_WORKGROUP}) * {columns}u + lid % {columns}u;",
+              f"  let lane = lid / {columns}u;"])
+    entry = [f"fn main({ENTRY_ARGS}) {{", *index,
              f"  var acc = {start};",
-             # Surplus workgroups of the 2-D grid skip the loads but join the barriers.
+             # Surplus workgroups of the 2-D grid, and columns past the end, skip the loads but
+             # join the barriers.
              f"  if (o < {outputs}u) {{",
              *[line for line in setup if line.lstrip().startswith("let k")], *per_output,
-             *_term_loops(reduced, wg, unroll(reduced, wg, caps),
+             *_term_loops(reduced, lanes, unroll(reduced, lanes, caps),
                           [*["  " + line for line in setup if line.lstrip().startswith("let j")],
                            *["    " + line for line in per_term], f"      let at = {at};",
-                           *term]),
+                           *term], first="lid" if columns == 1 else "lane"),
              "  }",
              "  partial[lid] = acc;",
-             *tree_reduce("partial", wg, merge),
-             f"  if (lid == 0u && o < {outputs}u) {{",
+             *tree_reduce("partial", threads, merge, kept=columns),
+             f"  if ({'lid == 0u' if columns == 1 else f'lid < {columns}u'} && o < {outputs}u) {{",
              *unflatten("o", node.shape, "i"),
              *body_lines(epilogue, epilogue_reads, "    ", "out[o] ="), "  }", "}"]
     total = outputs * reduced
     return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
-                    caps, buffers, (wg,), entry, grid(outputs, caps),
+                    caps, buffers, (threads,), entry, grid(-(-outputs // columns), caps),
                     prelude=[*helper_functions(prologue, epilogue),
-                             f"var<workgroup> partial: array<f32, {wg}>;"],
+                             f"var<workgroup> partial: array<f32, {threads}>;"],
                     flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
 
 
@@ -211,44 +217,6 @@ def _column_layout(in_shape: tuple[int, ...], axes: tuple[int, ...], caps: Capab
             return None
         lanes *= 2
     return columns, lanes
-
-
-def _columns(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
-             axes: tuple[int, ...], prologue: Body, epilogue: Body, n_prologue: int,
-             combine: str, layout: tuple[int, int]) -> Kernel:
-    """A workgroup per `columns` neighbouring outputs of a reduction over leading axes: thread
-    lid sums column lid % columns over rows lid / columns, + lanes, ...; the lanes' partial
-    results are folded in workgroup memory, column by column."""
-    start, fold, merge = _COMBINE[combine]
-    columns, lanes = layout
-    reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
-    outputs = node.size
-    _, at = _input_offset(in_shape, axes)
-    per_output, per_term, terms = _prologue_reads(in_shape, axes, prologue, n_prologue)
-    epilogue_reads, term, buffers = _parts(node, prologue, epilogue, n_prologue, terms, fold,
-                                           "partial[lid]", "      ")
-    threads = columns * lanes
-    entry = [f"fn main({ENTRY_ARGS}) {{",
-             f"  let o = ({LINEAR_WORKGROUP}) * {columns}u + lid % {columns}u;",
-             f"  let lane = lid / {columns}u;",
-             f"  var acc = {start};",
-             # Columns past the end skip the loads but join the barriers.
-             f"  if (o < {outputs}u) {{", *per_output,
-             *_term_loops(reduced, lanes, unroll(reduced, lanes, caps),
-                          [*["    " + line for line in per_term], f"      let at = {at};",
-                           *term], first="lane"),
-             "  }",
-             "  partial[lid] = acc;",
-             *tree_reduce("partial", threads, merge, kept=columns),
-             f"  if (lid < {columns}u && o < {outputs}u) {{",
-             *unflatten("o", node.shape, "i"),
-             *body_lines(epilogue, epilogue_reads, "    ", "out[o] ="), "  }", "}"]
-    total = outputs * reduced
-    return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
-                    caps, buffers, (threads,), entry, grid(-(-outputs // columns), caps),
-                    prelude=[*helper_functions(prologue, epilogue),
-                             f"var<workgroup> partial: array<f32, {threads}>;"],
-                    flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
 
 
 def _prologue_reads(in_shape: tuple[int, ...], axes: tuple[int, ...], prologue: Body,
