@@ -3,6 +3,7 @@ outputs and gradients as the unfused one."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import numpy as np
@@ -164,6 +165,34 @@ def test_an_elementwise_op_read_by_several_fusing_consumers_is_computed_in_each(
     assert rel_l2(session.read("a"), hv + 1) < 1e-6
     assert rel_l2(session.read("b"), hv.sum(-1)) < 1e-6
     assert rel_l2(session.read("c"), np.maximum(3 * hv, 0)) < 1e-6
+
+
+def test_a_linear_layer_over_a_batch_of_one_takes_what_follows_into_its_product(device, rng):
+    # nn.Linear flattens (1, rows, in) to (rows, in) and gives the batch back with a reshape;
+    # through it the GELU moves into the product's epilogue (Whisper's FFN), and the residual
+    # add after the next product too, which a norm's two sums and its scale then read: that add
+    # is not copied into each of them, which would compute the product three times
+    g = vkml.Graph()
+    x = g.input("x", (1, 6, 8))
+    h = vkml.nn.Linear(g, "fc1", 8, 12)(x).gelu()
+    y = x + vkml.nn.Linear(g, "fc2", 12, 8)(h)
+    mean = y.mean(axis=-1, keepdims=True)
+    scale = g.rsqrt(((y - mean) * (y - mean)).mean(axis=-1, keepdims=True) + 1e-5)
+    g.output("out", (y - mean) * scale)
+    session = vkml.compile(g, device=device)
+    ops = [d.node.op for d in session.plan.dispatches]
+    assert ops[:2] == ["fused_matmul", "fused_matmul"] and ops.count("fused_matmul") == 2, ops
+    assert "gelu" not in ops and "fused_pointwise" in ops
+    xv = rng.standard_normal((1, 6, 8)).astype(np.float64)
+    session.set_input("x", xv.astype(np.float32))
+    session.step()
+    w1, b1, w2, b2 = (session.read(n).astype(np.float64)
+                      for n in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"))
+    pre = xv @ w1.T + b1
+    yv = xv + (0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))) @ w2.T + b2
+    centered = yv - yv.mean(-1, keepdims=True)
+    want = centered / np.sqrt((centered ** 2).mean(-1, keepdims=True) + 1e-5)
+    assert rel_l2(session.read("out"), want) < 1e-5
 
 
 def test_a_fused_kernel_never_binds_more_buffers_than_the_device_allows(device, rng):
