@@ -1,8 +1,8 @@
 """The compiler's stages in order, each a function of the previous one's output:
 
     Graph --autodiff--> Graph --rewrite--> Graph --split--> Graph --schedule--> Plan
-          (compiler/autodiff)  (compiler/rewrite)  (compiler/split) (compiler/schedule,
-                                                                     compiler/memory_plan)
+          (compiler/autodiff)  (compiler/attention, (compiler/split) (compiler/schedule,
+                                compiler/rewrite)                     compiler/memory_plan)
     Plan --codegen--> Plan + Kernels (compiler/codegen, vkml/kernels/)
 
 `lower()` runs them all and keeps every intermediate, so `python -m vkml dump` and tests can print
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from vkml import naga
 from vkml.compiler import autodiff, codegen, plan_cache
+from vkml.compiler.attention import fuse_attention
 from vkml.compiler.rewrite import fuse
 from vkml.compiler.scale import scale_operands
 from vkml.compiler.schedule import Plan, make_plan
@@ -270,9 +271,11 @@ def _lower(graph: Graph, caps: Capabilities, loss: Tensor | None,
     lap("autodiff")
     fused, fused_named, fused_grads = work, named, grads
     if rewrite == "greedy":
-        fused, new_of = fuse(work, roots, caps.max_bindings_per_stage - 1)
-        fused_named = {n: new_of[t.id] for n, t in named.items()}
-        fused_grads = {n: new_of[t.id] for n, t in grads.items()}
+        attended, attended_of = fuse_attention(work, roots, caps)
+        fused, fused_of = fuse(attended, [attended_of[t.id] for t in roots],
+                               caps.max_bindings_per_stage - 1)
+        fused_named = {n: fused_of[attended_of[t.id].id] for n, t in named.items()}
+        fused_grads = {n: fused_of[attended_of[t.id].id] for n, t in grads.items()}
     fused_roots = [*fused_named.values(), *fused_grads.values()]
     lap("rewrite")
     split, new_of = split_sums(fused, fused_roots, caps, list(fused_named.values()))

@@ -14,7 +14,16 @@ softmax, merged through workgroup memory at the end. One thread a row alone woul
 H200 9000 threads for Whisper's 6 x 1500 queries (about two warps a multiprocessor). On the
 H200 this runs Whisper's attention at 11 TFLOP/s, level with the composed attention's products
 and softmax (tools/KERNELS.md, v8), so the composition stays the default; a register-tiled
-variant (4 x 2 scores and 4 x 4 outputs a thread, as the GEMM core) measured slower still."""
+variant (4 x 2 scores and 4 x 4 outputs a thread, as the GEMM core) measured slower still.
+
+At precision "f16" the forward pass runs on cooperative matrices (`_cooperative`): 16 query
+rows a subgroup, keys COOP_KEYS a tile, f16 operands and f32 accumulators, in two passes over
+the keys: the first finds each row's max and sum of exponentials, the second adds P V with P
+already normalized, so the output's fragments never need rescaling (a fragment's elements are
+opaque to the threads that hold it: rescaling rows as the max grows would cost a trip through
+workgroup memory a tile). The scores are computed as S^T = K Q^T, so keys and values are staged
+as they lie in memory and only Q, once, transposed. The compiler's rewrite
+(compiler/attention.py) puts the composed attention of an inference on it."""
 
 from __future__ import annotations
 
@@ -34,7 +43,8 @@ BLOCK_Q, PARTS, KEY_TILE = 32, 4, 32  # a workgroup: 32 query rows x 4 threads, 
 
 # pass -> its input bindings
 BINDINGS = {"forward": ["q", "k", "v"], "lse": ["q", "k"]}
-Pass = Literal["forward", "lse"]
+# "parts" and "combine": the cooperative forward pass over parts of the keys, then their sum
+Pass = Literal["forward", "lse", "parts", "combine"]
 
 
 def lowering(pass_: Pass) -> Callable[[Tensor, Capabilities], Kernel]:
@@ -43,6 +53,11 @@ def lowering(pass_: Pass) -> Callable[[Tensor, Capabilities], Kernel]:
 
 
 def generate(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
+    if pass_ == "combine":
+        return _combine(node, caps)
+    if pass_ == "parts" or (pass_ == "forward"
+                            and cooperative(*(x.shape for x in node.inputs), caps)):
+        return _cooperative(node, caps)
     if _tileable(node, caps, pass_):
         return _tiled(node, caps, pass_)
     batch, h, hkv, length, s, dim, dv = _dims(node, pass_)
@@ -85,9 +100,27 @@ def _dims(node: Tensor, pass_: Pass) -> tuple[int, int, int, int, int, int, int]
     """(batch: the leading axes flattened, query heads, key/value heads, queries, keys, the
     q/k width, the v width: 0 for the log-sum-exp pass, which reads no v)."""
     q, k = node.inputs[0], node.inputs[1]
-    *lead, h, length, dim = q.shape
+    inner_q, inner_k = heads_inner(node)[:2]
+    *lead, h, length, dim = (*q.shape[:-3], q.shape[-2], q.shape[-3], q.shape[-1]) if inner_q \
+        else q.shape
+    hkv, s = (k.shape[-2], k.shape[-3]) if inner_k else (k.shape[-3], k.shape[-2])
     dv = node.inputs[2].shape[-1] if pass_ == "forward" else 0
-    return int(np.prod(lead, dtype=np.int64)), h, k.shape[-3], length, k.shape[-2], dim, dv
+    return int(np.prod(lead, dtype=np.int64)), h, hkv, length, s, dim, dv
+
+
+def heads_inner(node: Tensor) -> tuple[bool, bool, bool, bool]:
+    """For q, k, v and the output: whether it lies (..., rows, heads, width), as the heads'
+    projections and their merge do, instead of (..., heads, rows, width): compiler/attention.py
+    reads and writes those directly rather than through the heads' transposes."""
+    return node.attrs.get("heads_inner", (False, False, False, False))
+
+
+def _row(inner: bool, heads: int, rows: int, bh: str, row: str) -> str:
+    """WGSL: the index, in rows of one head's width, of row `row` of head `bh` (batch x heads +
+    head) of a tensor laid out as `heads_inner` says."""
+    if not inner:
+        return f"({bh} * {rows}u + {row})"
+    return f"((({bh}) / {heads}u * {rows}u + {row}) * {heads}u + ({bh}) % {heads}u)"
 
 
 def _tileable(node: Tensor, caps: Capabilities, pass_: Pass) -> bool:
@@ -203,3 +236,246 @@ def _estimates(node: Tensor, pass_: Pass) -> dict[str, int]:
     batch, h, _, length, s, dim, dv = _dims(node, pass_)
     return {"flops": 2 * batch * h * length * s * (dim + dv),
             "nbytes": 4 * (sum(x.size for x in node.inputs) + node.size)}
+
+
+COOP_SUBGROUPS, COOP_KEYS = 4, 64  # a workgroup: 4 subgroups of 16 query rows; keys a tile
+COOP_PAD, COOP_SCORES = 8, 20  # f16 added to staged rows; f32 a row of a subgroup's S^T
+# The keys are cut into parts, a workgroup each, until the workgroups reach COOP_FILL (at most
+# COOP_MAX_PARTS parts of two tiles or more): one workgroup a block of 64 queries left Whisper's
+# attention 144 workgroups of 4 subgroups, each a chain of 48 tiles, and ran it at 0.22 ms a
+# layer on an H200, slower than the composition's 0.15 (tools/KERNELS.md v14).
+COOP_FILL, COOP_MAX_PARTS = 512, 8
+MASKED = -3.4028235e38  # a masked score; a row's running max starts at -1e30, above it
+
+
+def _coop_layout(dim: int, dv: int) -> dict[str, int]:
+    """Row strides (elements) and sizes of the cooperative kernel's workgroup arrays: Ks, Vs the
+    key and value tiles (f16, as in memory), Ss each subgroup's S^T (f32: keys x its 16 rows),
+    Ps each subgroup's P (f16: rows x keys), which first holds Q^T (dim x the block's rows)."""
+    block = 16 * COOP_SUBGROUPS
+    strides = {"k": dim + COOP_PAD, "v": dv + COOP_PAD, "s": COOP_SCORES,
+               "p": COOP_KEYS + COOP_PAD, "qt": block + COOP_PAD}
+    sizes = {"Ks": COOP_KEYS * strides["k"], "Vs": COOP_KEYS * strides["v"],
+             "Ss": COOP_SUBGROUPS * COOP_KEYS * COOP_SCORES,
+             "Ps": max(block * strides["p"], dim * strides["qt"])}
+    return {**strides, **sizes, "bytes": 2 * (sizes["Ks"] + sizes["Vs"] + sizes["Ps"])
+            + 4 * sizes["Ss"]}
+
+
+def cooperative(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
+                caps: Capabilities) -> bool:
+    """Whether the forward pass of attention over q, k, v shapes runs on cooperative matrices:
+    at precision "f16" on a device with them, 32-wide subgroups (two threads a row of each
+    subgroup's 16), head widths in whole fragments, and the tiles within workgroup memory."""
+    dim, dv = q[-1], v[-1]
+    return (caps.precision == "f16" and caps.cooperative_matrix and caps.shader_f16
+            and caps.subgroup_size == 32 and dim % 16 == 0 and dv % 16 == 0
+            and 32 * COOP_SUBGROUPS <= min(caps.max_workgroup_invocations,
+                                           caps.max_workgroup_size[0])
+            and _coop_layout(dim, dv)["bytes"] <= caps.max_shared_memory_bytes)
+
+
+def key_parts(q: tuple[int, ...], k: tuple[int, ...]) -> tuple[int, int]:
+    """(parts, keys a part) for the cooperative kernel over q, k shapes: see COOP_FILL."""
+    workgroups = int(np.prod(q[:-2], dtype=np.int64)) * -(-q[-2] // (16 * COOP_SUBGROUPS))
+    tiles, parts = -(-k[-2] // COOP_KEYS), 1
+    while (workgroups * parts < COOP_FILL and 2 * parts <= COOP_MAX_PARTS
+           and tiles >= 4 * parts):
+        parts *= 2
+    return parts, -(-tiles // parts) * COOP_KEYS
+
+
+def _cooperative(node: Tensor, caps: Capabilities) -> Kernel:
+    """The forward pass on cooperative matrices (see the module's docstring): the output, or
+    for `flash_attention_parts` each part's output over its keys and log-sum-exp. Subgroup sg
+    takes query rows first + 16 sg ..; of its 32 threads, thread lane takes row lane % 16 and
+    the keys of parity lane / 16 of each tile in the softmax."""
+    batch, h, hkv, length, s, dim, dv = _dims(node, "forward")
+    rep, causal, scale = h // hkv, node.attrs["causal"], node.attrs["scale"]
+    parts, chunk = (node.attrs["parts"], node.attrs["chunk"]) if "parts" in node.attrs else (1, s)
+    inner_q, inner_k, inner_v, inner_out = heads_inner(node)
+    lay = _coop_layout(dim, dv)
+    ks, vs, ss, ps, qts = lay["k"], lay["v"], lay["s"], lay["p"], lay["qt"]
+    block, threads, keys = 16 * COOP_SUBGROUPS, 32 * COOP_SUBGROUPS, COOP_KEYS
+    blocks, d4, v4 = -(-length // block), dim // 4, dv // 4
+    heads = batch * h * blocks  # workgroups a part
+    check_loop(node, caps, -(-chunk // keys),
+               "use scaled_dot_product_attention(..., fused=False) on this device")
+    prelude = ["enable f16;", "enable wgpu_cooperative_matrix;",
+               *[f"var<workgroup> {name}: array<{'f32' if name == 'Ss' else 'f16'}, "
+                 f"{lay[name]}>;" for name in ("Ks", "Vs", "Ss", "Ps")]]
+
+    def rounds(width: int) -> list[tuple[int, bool]]:  # (first element, past the tile's end?)
+        return [(r * threads, (r + 1) * threads > keys * width)
+                for r in range(-(-keys * width // threads))]
+
+    def fetch(name: str, width: int, tile: str) -> list[str]:
+        """The tile of k or v rows from key `tile` on into this thread's registers, four
+        elements a read; rows past the part's keys as zeros. Fetched a tile ahead, so the
+        reads' latency overlaps the tile before."""
+        at_row = _row(inner_k if name == "k" else inner_v, hkv, s, "kv", "j")
+        return [f"    {{ let e = lid + {at}u; let j = {tile} + e / {width}u; {name}x{r} = "
+                f"vec4<f32>(); if ({f'e < {keys * width}u && ' if partial else ''}j < kend) "
+                f"{{ {name}x{r} = {name}[{at_row} * {width}u + e % {width}u]; }} }}"
+                for r, (at, partial) in enumerate(rounds(width))]
+
+    def stage(name: str, width: int, stride: int) -> list[str]:
+        """The fetched tile into workgroup memory as f16, rows as in memory."""
+        lines = []
+        for r, (at, partial) in enumerate(rounds(width)):
+            lines += [f"    {{ let e = lid + {at}u;" + (f" if (e < {keys * width}u) {{"
+                                                         if partial else " {"),
+                      f"      let h = vec4<f16>({name}x{r}); let at = (e / {width}u) * "
+                      f"{stride}u + (e % {width}u) * 4u;",
+                      *[f"      {name.upper()}s[at + {c}u] = h.{'xyzw'[c]};" for c in range(4)],
+                      "    } }"]
+        return lines
+
+    def scores() -> list[str]:  # S^T = K Q^T for the tile, into the subgroup's Ss
+        lines = []
+        for jf in range(keys // 16):
+            lines.append(f"    var st{jf} = coop_mat16x16<f32, C>();")
+            for df in range(dim // 16):
+                lines += [f"    st{jf} = coopMultiplyAdd(coopLoadT<coop_mat16x16<f16, A>>("
+                          f"&Ks[{16 * jf * ks + 16 * df}u], {ks}u), qf{df}, st{jf});"]
+            lines.append(f"    coopStoreT(st{jf}, &Ss[sgs + {16 * jf * ss}u], {ss}u);")
+        return lines
+
+    def score(c: int) -> str:  # this thread's c-th score of the tile, or the mask's value
+        key = f"{2 * c}u + parity"
+        return f"select({MASKED}, Ss[sgs + ({key}) * {ss}u + row], t0 + {key} < seen)"
+
+    def passes(body: list[str], values: bool) -> list[str]:
+        tensors = [("k", d4, ks), *([("v", v4, vs)] if values else [])]
+        return [*[line for name, width, _ in tensors for line in fetch(name, width, "kbegin")],
+                f"  for (var t0 = kbegin; t0 < kstop; t0 += {keys}u) {{",
+                "    workgroupBarrier();",  # the previous tile's reads are done
+                *[line for t in tensors for line in stage(*t)],
+                *[line for name, width, _ in tensors
+                  for line in fetch(name, width, f"t0 + {keys}u")],
+                "    workgroupBarrier();", *scores(), "    workgroupBarrier();", *body, "  }"]
+
+    per_thread = keys // 2
+    top = "m"
+    for c in range(per_thread):
+        top = f"max({top}, sc{c})"
+    first_pass = [*[f"    let sc{c} = {score(c)};" for c in range(per_thread)],
+                  f"    let mn = {top};",
+                  "    l = l * exp(m - mn) + " + " + ".join(
+                      f"exp(sc{c} - mn)" for c in range(per_thread)) + "; m = mn;"]
+    second_pass = [*[f"    Ps[sgp + row * {ps}u + {2 * c}u + parity] = "
+                     f"f16(exp({score(c)} - top) * inv);" for c in range(per_thread)],
+                   "    workgroupBarrier();"]
+    for jf in range(keys // 16):
+        second_pass.append(f"    {{ let pa = coopLoadT<coop_mat16x16<f16, A>>("
+                           f"&Ps[sgp + {16 * jf}u], {ps}u);")
+        second_pass += [f"      o{ef} = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>("
+                        f"&Vs[{16 * jf * vs + 16 * ef}u], {vs}u), o{ef});"
+                        for ef in range(dv // 16)]
+        second_pass.append("    }")
+    lines = [f"fn main({ENTRY_ARGS}) {{",
+             f"  let wg = {LINEAR_WORKGROUP};",
+             f"  if (wg >= {heads * parts}u) {{ return; }}",
+             f"  let bh = (wg % {heads}u) / {blocks}u; let first = (wg % {blocks}u) * {block}u;",
+             f"  let kbegin = (wg / {heads}u) * {chunk}u; let kend = min(kbegin + {chunk}u, "
+             f"{s}u);",
+             f"  let kv = (bh / {h}u) * {hkv}u + (bh % {h}u) / {rep}u;",
+             "  let sg = lid / 32u; let row = lid % 16u; let parity = (lid / 16u) % 2u;",
+             f"  let sgs = sg * {keys * ss}u; let sgp = sg * {16 * ps}u;",
+             "  let i = first + sg * 16u + row;",
+             f"  let seen = {'min(i + 1u, kend)' if causal else 'kend'};",
+             f"  let kstop = {f'min(first + {block}u, kend)' if causal else 'kend'};"]
+    q_row = _row(inner_q, h, length, "bh", "first + qi")
+    for r in range(-(-block * d4 // threads)):  # Q^T, scaled, into Ps
+        lines += [f"  {{ let e = lid + {r * threads}u; let qi = e % {block}u; "
+                  f"let c = e / {block}u;",
+                  f"    if (e < {block * d4}u) {{ var x = vec4<f32>();",
+                  f"      if (first + qi < {length}u) {{ x = q[{q_row} * {d4}u + c] * "
+                  f"{scale!r}; }}",
+                  "      let h = vec4<f16>(x);",
+                  *[f"      Ps[(c * 4u + {j}u) * {qts}u + qi] = h.{'xyzw'[j]};"
+                    for j in range(4)],
+                  "  } }"]
+    lines += ["  workgroupBarrier();",
+              *[f"  let qf{df} = coopLoadT<coop_mat16x16<f16, B>>(&Ps[{16 * df * qts}u + "
+                f"sg * 16u], {qts}u);" for df in range(dim // 16)],
+              # masked scores lie far below the start of the max: their exponentials are 0
+              "  var m = -1e30; var l = 0.0;",
+              *[f"  var {name}x{r} = vec4<f32>();" for name, width in (("k", d4), ("v", v4))
+                for r in range(len(rounds(width)))],
+              *passes(first_pass, values=False),
+              # the row's two threads' maxima and sums, through Ss: every read of it is done
+              "  workgroupBarrier();",
+              f"  Ss[lid] = m; Ss[lid + {threads}u] = l;",
+              "  workgroupBarrier();",
+              "  let mo = Ss[lid ^ 16u]; let top = max(m, mo);",
+              f"  let total = l * exp(m - top) + Ss[(lid ^ 16u) + {threads}u] * exp(mo - top);",
+              # a row of a part whose keys it may not see at all: no keys, no weight
+              "  let inv = select(0.0, 1.0 / total, total > 0.0);",
+              *[f"  var o{ef} = coop_mat16x16<f32, C>();" for ef in range(dv // 16)],
+              *passes(second_pass, values=True)]
+    if parts == 1:
+        width, stride = dv, dv * (h if inner_out else 1)
+
+        def out_row(row: str) -> str:
+            return _row(inner_out, h, length, "bh", row)
+    else:  # each row's output, then its log-sum-exp, in (parts, batch x heads, rows, dv + 1)
+        width = stride = dv + 1
+
+        def out_row(row: str) -> str:
+            return _row(False, h, length, f"(wg / {heads}u) * {batch * h}u + bh", row)
+    direct = [f"    coopStoreT(o{ef}, &out[{out_row('first + sg * 16u')} * {width}u + "
+              f"{16 * ef}u], {stride}u);" for ef in range(dv // 16)]
+    through = []
+    for ef in range(dv // 16):
+        through += ["    workgroupBarrier();", f"    coopStoreT(o{ef}, &Ss[sgs], 16u);",
+                    "    workgroupBarrier();",
+                    "    for (var e = lid % 32u; e < 256u; e += 32u) {",
+                    "      let qi = first + sg * 16u + e / 16u;",
+                    f"      if (qi < {length}u) {{ out[{out_row('qi')} * {width}u + "
+                    f"{16 * ef}u + e % 16u] = Ss[sgs + e]; }}", "    }"]
+    if parts == 1:
+        lines += [f"  if (first + {block}u <= {length}u) {{", *direct, "  } else {", *through,
+                  "  }", "}"]
+    else:  # rows of dv + 1 elements: fragments go through workgroup memory
+        lines += [*through,
+                  f"  if (parity == 0u && i < {length}u) {{ out[{out_row('i')} * "
+                  f"{width}u + {dv}u] = select({MASKED}, top + log(total), total > 0.0); }}",
+                  "}"]
+    buffers = [Buf(n, "vec4<f32>") for n in BINDINGS["forward"]] + [Buf("out", writable=True)]
+    suffix = f"_parts{parts}" if parts > 1 else ""
+    return assemble(f"{node.op}_{'x'.join(map(str, node.inputs[0].shape))}_{s}{suffix}_c", caps,
+                    buffers, (threads,), lines, grid(heads * parts, caps),
+                    prelude=prelude, **_estimates(node, "forward"))
+
+
+def _combine(node: Tensor, caps: Capabilities) -> Kernel:
+    """The attention's output from its key parts' (`flash_attention_parts`): each part's rows
+    weighted by exp(its log-sum-exp - the row's over all parts), a thread an output element."""
+    (partial,) = node.inputs
+    parts, dv = partial.shape[0], node.shape[-1]
+    heads, rows = partial.shape[-3], partial.shape[-2]
+    threads = node.size
+    width, stride = dv + 1, partial.size // parts
+    # the part's row (batch x heads + head) x rows + row of output element idx
+    row = (f"((idx / {dv}u / {heads}u / {rows}u * {heads}u + idx / {dv}u % {heads}u) * {rows}u"
+           f" + idx / {dv}u / {heads}u % {rows}u)" if heads_inner(node)[3] else f"idx / {dv}u")
+    lines = [f"fn main({ENTRY_ARGS}) {{",
+             f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
+             f"  if (idx >= {threads}u) {{ return; }}",
+             f"  let r = {row}; let e = idx % {dv}u;",
+             *[f"  let lse{p} = part[{p * stride}u + r * {width}u + {dv}u];"
+               for p in range(parts)]]
+    top = "lse0"
+    for p in range(1, parts):
+        top = f"max({top}, lse{p})"
+    lines += [f"  let top = {top};",
+              *[f"  let w{p} = exp(lse{p} - top);" for p in range(parts)],
+              "  out[idx] = (" + " + ".join(f"w{p} * part[{p * stride}u + r * {width}u + e]"
+                                            for p in range(parts))
+              + f") / ({' + '.join(f'w{p}' for p in range(parts))});",
+              "}"]
+    return assemble(f"{node.op}_{parts}x{'x'.join(map(str, node.shape))}", caps,
+                    [Buf("part"), Buf("out", writable=True)], (WORKGROUP,), lines,
+                    grid(-(-threads // WORKGROUP), caps), flops=3 * parts * node.size,
+                    nbytes=4 * (partial.size + node.size))
