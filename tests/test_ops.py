@@ -484,30 +484,26 @@ def test_gpu_flash_attention_is_tiled(causal, shapes, device, rng):
     session.close()
 
 
-COOPERATIVE_ATTENTION = {  # q, k, v shapes, causal, key parts (kernels/attention.py key_parts)
+COOPERATIVE_ATTENTION = {  # q, k, v shapes, causal
     # 150 queries and keys: the last block of 64 rows and the last tile of 64 keys part-filled
-    "edges": ([(1, 2, 150, 64), (1, 2, 150, 64), (1, 2, 150, 64)], False, 1),
-    "grouped_causal_narrow_values": ([(2, 4, 100, 64), (2, 2, 100, 64), (2, 2, 100, 32)], True,
-                                     1),
-    "cross_few_keys": ([(1, 3, 64, 32), (1, 3, 16, 32), (1, 3, 16, 48)], False, 1),
-    # the second part's keys lie past the first 192 rows, which see none of them
-    "key_parts_causal": ([(1, 4, 300, 64), (1, 2, 300, 64), (1, 2, 300, 32)], True, 2),
-    "key_parts_cross": ([(1, 2, 100, 32), (1, 2, 600, 32), (1, 2, 600, 48)], False, 4),
+    "edges": ([(1, 2, 150, 64), (1, 2, 150, 64), (1, 2, 150, 64)], False),
+    "grouped_causal_narrow_values": ([(2, 4, 100, 64), (2, 2, 100, 64), (2, 2, 100, 32)], True),
+    "cross_few_keys": ([(1, 3, 64, 32), (1, 3, 16, 32), (1, 3, 16, 48)], False),
 }
 # cases whose q, k, v are the heads' transposes of (batch, rows, heads, width) projections and
-# whose output is merged back by the transpose: the kernels read and write those layouts
-HEADS_INNER = {"edges", "grouped_causal_narrow_values", "key_parts_causal"}
+# whose output is merged back by the transpose: the kernel reads and writes those layouts
+HEADS_INNER = {"edges", "grouped_causal_narrow_values"}
 
 
 @pytest.mark.parametrize("name", COOPERATIVE_ATTENTION)
 def test_accelerated_inference_runs_composed_attention_on_cooperative_matrices(name, device,
                                                                                 rng):
     # compiler/attention.py replaces the composed attention of an inference at precision "f16"
-    # by the fused kernel on cooperative matrices (kernels/attention.py `_cooperative`), over
-    # parts of the keys and their combination where the blocks of queries alone are few; a
-    # training step (its backward reads the probabilities) and strict precision keep the
-    # composition. Lavapipe has no cooperative matrices: there the kernels are translated to
-    # SPIR-V, not run; a device with them runs them against float64 torch.
+    # by the fused kernel on cooperative matrices (kernels/attention.py `_cooperative`) where
+    # the keys are few (COOP_MAX_KEYS); a training step (its backward reads the probabilities),
+    # strict precision and longer sequences keep the composition. Lavapipe has no cooperative
+    # matrices: there the kernel is translated to SPIR-V, not run; a device with them runs it
+    # against float64 torch.
     import dataclasses
 
     from vkml import naga
@@ -515,7 +511,7 @@ def test_accelerated_inference_runs_composed_attention_on_cooperative_matrices(n
     from vkml.session import Session
     if device.backend_name != "vulkan":
         pytest.skip("a codegen choice; one backend is enough to check it")
-    shapes, causal, parts = COOPERATIVE_ATTENTION[name]
+    shapes, causal = COOPERATIVE_ATTENTION[name]
     inner = name in HEADS_INNER
     swap = (0, 2, 1, 3)
     operands = [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -529,26 +525,24 @@ def test_accelerated_inference_runs_composed_attention_on_cooperative_matrices(n
     out = g.output("out", g.transpose(out, swap) if inner else out)
     caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
                                shader_f16=True, subgroup_size=32, max_shared_memory_bytes=49152)
-    fused = (["flash_attention"] if parts == 1
-             else ["flash_attention_parts", "flash_attention_combine"])
-
     def ops(plan):
         return [d.node.op for d in plan.dispatches if d.node is not None]
 
-    plan = lower(g, caps, precision="f16").plan
-    assert ops(plan) == fused
-    layouts = [d.node.attrs["heads_inner"] for d in plan.dispatches]  # q, k, v, the output
-    assert layouts == ([(inner,) * 4] if parts == 1
-                       else [(inner,) * 3 + (False,), (False,) * 3 + (inner,)])
-    assert plan.dispatches[0].kernel.name.endswith(f"{f'_parts{parts}' if parts > 1 else ''}_c")
-    for d in plan.dispatches:
-        naga.compile_wgsl(d.kernel.wgsl, d.kernel.name)  # barriers in uniform control flow only
+    (fused,) = lower(g, caps, precision="f16").plan.dispatches
+    assert fused.node.op == "flash_attention" and fused.kernel.name.endswith("_c")
+    assert fused.node.attrs["heads_inner"] == (inner,) * 4  # q, k, v, the output
+    naga.compile_wgsl(fused.kernel.wgsl, fused.kernel.name)  # barriers in uniform control flow
     assert "flash_attention" not in ops(lower(g, caps).plan)
     assert "flash_attention" not in ops(lower(g, caps, loss=g.sum(out), precision="f16").plan)
+    g_long = vkml.Graph()  # past COOP_MAX_KEYS keys the composition ran faster on an H200
+    long_k = g_long.input("k", (1, 2, 300, 64))
+    g_long.output("o", g_long.scaled_dot_product_attention(
+        g_long.input("q", (1, 2, 8, 64)), long_k, long_k))
+    assert "flash_attention" not in ops(lower(g_long, caps, precision="f16").plan)
     if not device.caps.cooperative_matrix:
         return
     session = Session(lower(g, device.caps, precision="f16").plan, device)
-    assert ops(session.plan) == fused
+    assert ops(session.plan) == ["flash_attention"]
     session.step()
     ref = [torch.tensor(x, dtype=torch.float64) for x in operands]
     if inner:
@@ -557,33 +551,6 @@ def test_accelerated_inference_runs_composed_attention_on_cooperative_matrices(n
     if inner:
         want = want.permute(swap)
     assert rel_l2(session.read("out"), want.numpy()) < 2e-3  # f16 operands, f32 sums
-    session.close()
-
-
-@pytest.mark.parametrize("inner", [False, True])
-def test_attention_key_parts_combine_by_their_log_sum_exp(inner, device, rng):
-    # the cooperative attention's parts (run only where there are cooperative matrices): each
-    # part's rows over its keys, normalized, then their log-sum-exp; the combination weights
-    # them by exp(lse - the row's over all parts), a row whose part saw no key (lse at the f32
-    # lowest, as the kernel writes it) weighing nothing
-    from vkml.kernels.attention import MASKED
-    parts, heads, rows, dv = 3, 2, 5, 4
-    partial = rng.standard_normal((parts, 1, heads, rows, dv + 1)).astype(np.float32)
-    partial[..., -1] *= 3
-    partial[1, 0, 1, 2, -1] = MASKED
-    g = vkml.Graph()
-    out = g.apply("flash_attention_combine", [g.param("p", partial.shape, init=partial)],
-                  heads_inner=(False, False, False, inner))
-    g.output("out", out)
-    session = vkml.compile(g, device=device)
-    session.step()
-    lse = partial[..., -1:].astype(np.float64)
-    weights = np.exp(lse - np.log(np.exp(lse).sum(0)))
-    want = (weights * partial[..., :-1]).sum(0)
-    if inner:
-        want = want.transpose(0, 2, 1, 3)
-    assert out.shape == want.shape
-    assert rel_l2(session.read("out"), want) < 1e-6
     session.close()
 
 

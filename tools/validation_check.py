@@ -3,9 +3,9 @@
 The tests run under the validation layer on lavapipe, which has no cooperative matrices, so the
 accelerated kernels (f16, `VK_KHR_cooperative_matrix`) are only ever checked on a real GPU. This
 runs, with the layer on: one matmul in each precision (checked against float64), then a step of
-the workloads' training and inference graphs (tools/bench.py; Whisper at its full config, the
-others tiny) in accelerated mode where the device has cooperative matrices, and prints every
-message, counted.
+the workloads' training and inference graphs (tools/bench.py; Whisper and SmolVLA at their full
+configs, the others tiny) in accelerated mode where the device has cooperative matrices, and
+prints every message, counted.
 
     VKML_VALIDATION=1 python tools/validation_check.py
 
@@ -31,7 +31,9 @@ from bench import WORKLOADS, session_args  # noqa: E402
 
 import vkml  # noqa: E402
 
-FULL = {"whisper_encoder"}  # large enough for cooperative tiles, small enough to be quick
+# at full size: Whisper's products take cooperative tiles, SmolVLA's attention the fused
+# cooperative kernel (kernels/attention.py); small enough to be quick
+FULL = {"whisper_encoder", "smolvla_expert"}
 
 
 def main() -> int:

@@ -8,11 +8,11 @@ into other kernels).
     q5 = reshape(mul(q, scale)), k5 = reshape(k), v5 = reshape(v)
 
 which this replaces by `flash_attention(q, k, v)` where kernels/attention.py `cooperative`
-says its cooperative-matrix kernel takes the shapes (precision "f16"): on an H200 Whisper's
-composed attention is about 0.6 of a 1.67 ms accelerated inference (tools/KERNELS.md v13). It is
-replaced only where nothing else reads the scores or the probabilities: a training step's
-backward pass reads the probabilities, so training keeps the composition, whose backward runs
-on the GEMM core."""
+says its cooperative-matrix kernel takes the shapes (precision "f16", short sequences of keys):
+on an H200 that ran SmolLM2's and SmolVLA's accelerated inference 4-7% faster
+(tools/KERNELS.md v14). It is replaced only where nothing else reads the scores or the
+probabilities: a training step's backward pass reads the probabilities, so training keeps the
+composition, whose backward runs on the GEMM core."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import numpy as np
 from vkml.compiler.rebuild import Emit, rebuild
 from vkml.graph import Graph, Tensor
 from vkml.hal import Capabilities
-from vkml.kernels.attention import cooperative, key_parts
+from vkml.kernels.attention import cooperative
 from vkml.ops.composite import causal_mask
 
 
@@ -43,8 +43,7 @@ def fuse_attention(graph: Graph, roots: list[Tensor], caps: Capabilities
     `flash_attention`, and a map from the id of each node of `graph` kept to its new node.
     Where q, k or v is the heads' transpose of a (..., rows, heads, width) projection, the
     kernel reads the projection; where the attention's only reader is the heads' transpose
-    back (their merge), the kernel writes that: on an H200 Whisper's transposes around its
-    attention took 0.08 of 1.66 ms of accelerated inference (tools/KERNELS.md v14)."""
+    back (their merge), the kernel writes that, so those transposes are not made at all."""
     order = graph.reachable(roots)
     readers: dict[int, list[Tensor]] = {}
     for t in order:
@@ -90,22 +89,14 @@ def _heads_swap(t: Tensor) -> bool:
 def _fused(node: Tensor, match: Composed, new_of: dict[int, Tensor], emit: Emit,
            writes_merged: bool) -> Tensor:
     """The fused attention in `node`'s place, reading past the heads' transposes of q, k, v and
-    writing the merged heads' layout where `writes_merged`: one kernel, or one over parts of
-    the keys and their combination (kernels/attention.py `key_parts`)."""
+    writing the merged heads' layout where `writes_merged`."""
     sources = [x.inputs[0] if _heads_swap(x) else x for x in (match.q, match.k, match.v)]
     q, k, v = (new_of[x.id] for x in sources)
     inner = (*(x is not y for x, y in zip(sources, (match.q, match.k, match.v))), writes_merged)
     attrs = {"causal": match.causal, "scale": match.scale, "heads_inner": inner}
     *lead, h, length, dv = node.shape
     shape = (*lead, length, h, dv) if writes_merged else node.shape
-    parts, chunk = key_parts(match.q.shape, match.k.shape)
-    if parts == 1:
-        return emit("flash_attention", [q, k, v], shape, attrs, node)
-    partial = emit("flash_attention_parts", [q, k, v], (parts, *node.shape[:-1], dv + 1),
-                   {**attrs, "heads_inner": (*inner[:3], False), "parts": parts,
-                    "chunk": chunk}, node)
-    return emit("flash_attention_combine", [partial], shape,
-                {"heads_inner": (False, False, False, writes_merged)}, node)
+    return emit("flash_attention", [q, k, v], shape, attrs, node)
 
 
 def composed_attention(out: Tensor, values: dict[int, np.ndarray]) -> Composed | None:

@@ -43,8 +43,7 @@ BLOCK_Q, PARTS, KEY_TILE = 32, 4, 32  # a workgroup: 32 query rows x 4 threads, 
 
 # pass -> its input bindings
 BINDINGS = {"forward": ["q", "k", "v"], "lse": ["q", "k"]}
-# "parts" and "combine": the cooperative forward pass over parts of the keys, then their sum
-Pass = Literal["forward", "lse", "parts", "combine"]
+Pass = Literal["forward", "lse"]
 
 
 def lowering(pass_: Pass) -> Callable[[Tensor, Capabilities], Kernel]:
@@ -53,10 +52,7 @@ def lowering(pass_: Pass) -> Callable[[Tensor, Capabilities], Kernel]:
 
 
 def generate(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
-    if pass_ == "combine":
-        return _combine(node, caps)
-    if pass_ == "parts" or (pass_ == "forward"
-                            and cooperative(*(x.shape for x in node.inputs), caps)):
+    if pass_ == "forward" and cooperative(*(x.shape for x in node.inputs), caps):
         return _cooperative(node, caps)
     if _tileable(node, caps, pass_):
         return _tiled(node, caps, pass_)
@@ -240,11 +236,11 @@ def _estimates(node: Tensor, pass_: Pass) -> dict[str, int]:
 
 COOP_SUBGROUPS, COOP_KEYS = 4, 64  # a workgroup: 4 subgroups of 16 query rows; keys a tile
 COOP_PAD, COOP_SCORES = 8, 20  # f16 added to staged rows; f32 a row of a subgroup's S^T
-# The keys are cut into parts, a workgroup each, until the workgroups reach COOP_FILL (at most
-# COOP_MAX_PARTS parts of two tiles or more): one workgroup a block of 64 queries left Whisper's
-# attention 144 workgroups of 4 subgroups, each a chain of 48 tiles, and ran it at 0.22 ms a
-# layer on an H200, slower than the composition's 0.15 (tools/KERNELS.md v14).
-COOP_FILL, COOP_MAX_PARTS = 512, 8
+# The most keys the cooperative kernel takes: each workgroup runs its tiles of keys one after
+# another (twice), and on an H200 Whisper's 1500 keys (24 tiles) ran at 0.22 ms a layer against
+# the composition's 0.16, 0.16 with the keys cut into four parts of a workgroup each, where
+# SmolLM2's 128 keys and SmolVLA's 50 and 16 ran the inference 4-7% faster (tools/KERNELS.md v14).
+COOP_MAX_KEYS = 256
 MASKED = -3.4028235e38  # a masked score; a row's running max starts at -1e30, above it
 
 
@@ -264,42 +260,31 @@ def _coop_layout(dim: int, dv: int) -> dict[str, int]:
 
 def cooperative(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
                 caps: Capabilities) -> bool:
-    """Whether the forward pass of attention over q, k, v shapes runs on cooperative matrices:
-    at precision "f16" on a device with them, 32-wide subgroups (two threads a row of each
-    subgroup's 16), head widths in whole fragments, and the tiles within workgroup memory."""
+    """Whether the forward pass of attention over q, k, v shapes (heads before rows) runs on
+    cooperative matrices: at precision "f16" on a device with them, 32-wide subgroups (two
+    threads a row of each subgroup's 16), head widths in whole fragments, at most
+    COOP_MAX_KEYS keys, and the tiles within workgroup memory."""
     dim, dv = q[-1], v[-1]
     return (caps.precision == "f16" and caps.cooperative_matrix and caps.shader_f16
             and caps.subgroup_size == 32 and dim % 16 == 0 and dv % 16 == 0
             and 32 * COOP_SUBGROUPS <= min(caps.max_workgroup_invocations,
                                            caps.max_workgroup_size[0])
+            and k[-2] <= COOP_MAX_KEYS
             and _coop_layout(dim, dv)["bytes"] <= caps.max_shared_memory_bytes)
 
 
-def key_parts(q: tuple[int, ...], k: tuple[int, ...]) -> tuple[int, int]:
-    """(parts, keys a part) for the cooperative kernel over q, k shapes: see COOP_FILL."""
-    workgroups = int(np.prod(q[:-2], dtype=np.int64)) * -(-q[-2] // (16 * COOP_SUBGROUPS))
-    tiles, parts = -(-k[-2] // COOP_KEYS), 1
-    while (workgroups * parts < COOP_FILL and 2 * parts <= COOP_MAX_PARTS
-           and tiles >= 4 * parts):
-        parts *= 2
-    return parts, -(-tiles // parts) * COOP_KEYS
-
-
 def _cooperative(node: Tensor, caps: Capabilities) -> Kernel:
-    """The forward pass on cooperative matrices (see the module's docstring): the output, or
-    for `flash_attention_parts` each part's output over its keys and log-sum-exp. Subgroup sg
-    takes query rows first + 16 sg ..; of its 32 threads, thread lane takes row lane % 16 and
-    the keys of parity lane / 16 of each tile in the softmax."""
+    """The forward pass on cooperative matrices (see the module's docstring). Subgroup sg takes
+    query rows first + 16 sg ..; of its 32 threads, thread lane takes row lane % 16 and the keys
+    of parity lane / 16 of each tile in the softmax."""
     batch, h, hkv, length, s, dim, dv = _dims(node, "forward")
     rep, causal, scale = h // hkv, node.attrs["causal"], node.attrs["scale"]
-    parts, chunk = (node.attrs["parts"], node.attrs["chunk"]) if "parts" in node.attrs else (1, s)
     inner_q, inner_k, inner_v, inner_out = heads_inner(node)
     lay = _coop_layout(dim, dv)
     ks, vs, ss, ps, qts = lay["k"], lay["v"], lay["s"], lay["p"], lay["qt"]
     block, threads, keys = 16 * COOP_SUBGROUPS, 32 * COOP_SUBGROUPS, COOP_KEYS
     blocks, d4, v4 = -(-length // block), dim // 4, dv // 4
-    heads = batch * h * blocks  # workgroups a part
-    check_loop(node, caps, -(-chunk // keys),
+    check_loop(node, caps, -(-s // keys),
                "use scaled_dot_product_attention(..., fused=False) on this device")
     prelude = ["enable f16;", "enable wgpu_cooperative_matrix;",
                *[f"var<workgroup> {name}: array<{'f32' if name == 'Ss' else 'f16'}, "
@@ -311,11 +296,11 @@ def _cooperative(node: Tensor, caps: Capabilities) -> Kernel:
 
     def fetch(name: str, width: int, tile: str) -> list[str]:
         """The tile of k or v rows from key `tile` on into this thread's registers, four
-        elements a read; rows past the part's keys as zeros. Fetched a tile ahead, so the
-        reads' latency overlaps the tile before."""
+        elements a read; rows past the keys as zeros. Fetched a tile ahead, so the reads'
+        latency overlaps the tile before."""
         at_row = _row(inner_k if name == "k" else inner_v, hkv, s, "kv", "j")
         return [f"    {{ let e = lid + {at}u; let j = {tile} + e / {width}u; {name}x{r} = "
-                f"vec4<f32>(); if ({f'e < {keys * width}u && ' if partial else ''}j < kend) "
+                f"vec4<f32>(); if ({f'e < {keys * width}u && ' if partial else ''}j < {s}u) "
                 f"{{ {name}x{r} = {name}[{at_row} * {width}u + e % {width}u]; }} }}"
                 for r, (at, partial) in enumerate(rounds(width))]
 
@@ -347,8 +332,8 @@ def _cooperative(node: Tensor, caps: Capabilities) -> Kernel:
 
     def passes(body: list[str], values: bool) -> list[str]:
         tensors = [("k", d4, ks), *([("v", v4, vs)] if values else [])]
-        return [*[line for name, width, _ in tensors for line in fetch(name, width, "kbegin")],
-                f"  for (var t0 = kbegin; t0 < kstop; t0 += {keys}u) {{",
+        return [*[line for name, width, _ in tensors for line in fetch(name, width, "0u")],
+                f"  for (var t0 = 0u; t0 < kstop; t0 += {keys}u) {{",
                 "    workgroupBarrier();",  # the previous tile's reads are done
                 *[line for t in tensors for line in stage(*t)],
                 *[line for name, width, _ in tensors
@@ -375,16 +360,14 @@ def _cooperative(node: Tensor, caps: Capabilities) -> Kernel:
         second_pass.append("    }")
     lines = [f"fn main({ENTRY_ARGS}) {{",
              f"  let wg = {LINEAR_WORKGROUP};",
-             f"  if (wg >= {heads * parts}u) {{ return; }}",
-             f"  let bh = (wg % {heads}u) / {blocks}u; let first = (wg % {blocks}u) * {block}u;",
-             f"  let kbegin = (wg / {heads}u) * {chunk}u; let kend = min(kbegin + {chunk}u, "
-             f"{s}u);",
+             f"  if (wg >= {batch * h * blocks}u) {{ return; }}",
+             f"  let bh = wg / {blocks}u; let first = (wg % {blocks}u) * {block}u;",
              f"  let kv = (bh / {h}u) * {hkv}u + (bh % {h}u) / {rep}u;",
              "  let sg = lid / 32u; let row = lid % 16u; let parity = (lid / 16u) % 2u;",
              f"  let sgs = sg * {keys * ss}u; let sgp = sg * {16 * ps}u;",
              "  let i = first + sg * 16u + row;",
-             f"  let seen = {'min(i + 1u, kend)' if causal else 'kend'};",
-             f"  let kstop = {f'min(first + {block}u, kend)' if causal else 'kend'};"]
+             f"  let seen = {f'min(i + 1u, {s}u)' if causal else f'{s}u'};",
+             f"  let kstop = {f'min(first + {block}u, {s}u)' if causal else f'{s}u'};"]
     q_row = _row(inner_q, h, length, "bh", "first + qi")
     for r in range(-(-block * d4 // threads)):  # Q^T, scaled, into Ps
         lines += [f"  {{ let e = lid + {r * threads}u; let qi = e % {block}u; "
@@ -410,72 +393,24 @@ def _cooperative(node: Tensor, caps: Capabilities) -> Kernel:
               "  workgroupBarrier();",
               "  let mo = Ss[lid ^ 16u]; let top = max(m, mo);",
               f"  let total = l * exp(m - top) + Ss[(lid ^ 16u) + {threads}u] * exp(mo - top);",
-              # a row of a part whose keys it may not see at all: no keys, no weight
-              "  let inv = select(0.0, 1.0 / total, total > 0.0);",
+              "  let inv = 1.0 / total;",
               *[f"  var o{ef} = coop_mat16x16<f32, C>();" for ef in range(dv // 16)],
               *passes(second_pass, values=True)]
-    if parts == 1:
-        width, stride = dv, dv * (h if inner_out else 1)
-
-        def out_row(row: str) -> str:
-            return _row(inner_out, h, length, "bh", row)
-    else:  # each row's output, then its log-sum-exp, in (parts, batch x heads, rows, dv + 1)
-        width = stride = dv + 1
-
-        def out_row(row: str) -> str:
-            return _row(False, h, length, f"(wg / {heads}u) * {batch * h}u + bh", row)
-    direct = [f"    coopStoreT(o{ef}, &out[{out_row('first + sg * 16u')} * {width}u + "
-              f"{16 * ef}u], {stride}u);" for ef in range(dv // 16)]
+    def out_row(row: str) -> str:
+        return _row(inner_out, h, length, "bh", row)
+    direct = [f"    coopStoreT(o{ef}, &out[{out_row('first + sg * 16u')} * {dv}u + {16 * ef}u], "
+              f"{dv * (h if inner_out else 1)}u);" for ef in range(dv // 16)]
     through = []
     for ef in range(dv // 16):
         through += ["    workgroupBarrier();", f"    coopStoreT(o{ef}, &Ss[sgs], 16u);",
                     "    workgroupBarrier();",
                     "    for (var e = lid % 32u; e < 256u; e += 32u) {",
                     "      let qi = first + sg * 16u + e / 16u;",
-                    f"      if (qi < {length}u) {{ out[{out_row('qi')} * {width}u + "
+                    f"      if (qi < {length}u) {{ out[{out_row('qi')} * {dv}u + "
                     f"{16 * ef}u + e % 16u] = Ss[sgs + e]; }}", "    }"]
-    if parts == 1:
-        lines += [f"  if (first + {block}u <= {length}u) {{", *direct, "  } else {", *through,
-                  "  }", "}"]
-    else:  # rows of dv + 1 elements: fragments go through workgroup memory
-        lines += [*through,
-                  f"  if (parity == 0u && i < {length}u) {{ out[{out_row('i')} * "
-                  f"{width}u + {dv}u] = select({MASKED}, top + log(total), total > 0.0); }}",
-                  "}"]
+    lines += [f"  if (first + {block}u <= {length}u) {{", *direct, "  } else {", *through,
+              "  }", "}"]
     buffers = [Buf(n, "vec4<f32>") for n in BINDINGS["forward"]] + [Buf("out", writable=True)]
-    suffix = f"_parts{parts}" if parts > 1 else ""
-    return assemble(f"{node.op}_{'x'.join(map(str, node.inputs[0].shape))}_{s}{suffix}_c", caps,
-                    buffers, (threads,), lines, grid(heads * parts, caps),
+    return assemble(f"{node.op}_{'x'.join(map(str, node.inputs[0].shape))}_{s}_c", caps,
+                    buffers, (threads,), lines, grid(batch * h * blocks, caps),
                     prelude=prelude, **_estimates(node, "forward"))
-
-
-def _combine(node: Tensor, caps: Capabilities) -> Kernel:
-    """The attention's output from its key parts' (`flash_attention_parts`): each part's rows
-    weighted by exp(its log-sum-exp - the row's over all parts), a thread an output element."""
-    (partial,) = node.inputs
-    parts, dv = partial.shape[0], node.shape[-1]
-    heads, rows = partial.shape[-3], partial.shape[-2]
-    threads = node.size
-    width, stride = dv + 1, partial.size // parts
-    # the part's row (batch x heads + head) x rows + row of output element idx
-    row = (f"((idx / {dv}u / {heads}u / {rows}u * {heads}u + idx / {dv}u % {heads}u) * {rows}u"
-           f" + idx / {dv}u / {heads}u % {rows}u)" if heads_inner(node)[3] else f"idx / {dv}u")
-    lines = [f"fn main({ENTRY_ARGS}) {{",
-             f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
-             f"  if (idx >= {threads}u) {{ return; }}",
-             f"  let r = {row}; let e = idx % {dv}u;",
-             *[f"  let lse{p} = part[{p * stride}u + r * {width}u + {dv}u];"
-               for p in range(parts)]]
-    top = "lse0"
-    for p in range(1, parts):
-        top = f"max({top}, lse{p})"
-    lines += [f"  let top = {top};",
-              *[f"  let w{p} = exp(lse{p} - top);" for p in range(parts)],
-              "  out[idx] = (" + " + ".join(f"w{p} * part[{p * stride}u + r * {width}u + e]"
-                                            for p in range(parts))
-              + f") / ({' + '.join(f'w{p}' for p in range(parts))});",
-              "}"]
-    return assemble(f"{node.op}_{parts}x{'x'.join(map(str, node.shape))}", caps,
-                    [Buf("part"), Buf("out", writable=True)], (WORKGROUP,), lines,
-                    grid(-(-threads // WORKGROUP), caps), flops=3 * parts * node.size,
-                    nbytes=4 * (partial.size + node.size))

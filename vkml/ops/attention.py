@@ -61,20 +61,5 @@ def _flash_grad(g, node, d):
 
 register(OpDef("flash_attention", _flash, "kernel", grad=_flash_grad,
                lower=kernels.lowering("forward")))
-# The cooperative forward pass over parts of the keys, then their combination
-# (kernels/attention.py; made by compiler/attention.py for inference, so without gradients):
-# a part's rows hold its output over its keys and, last, their log-sum-exp.
-register(OpDef("flash_attention_parts",
-               lambda inputs, attrs: ((attrs["parts"], *_flash(inputs, attrs)[0][:-1],
-                                       inputs[2].shape[-1] + 1), "f32"),
-               "kernel", lower=kernels.lowering("parts")))
-def _combined(inputs, attrs):
-    *lead, h, length, width = inputs[0].shape[1:]
-    inner = attrs.get("heads_inner", (False,) * 4)[3]  # written (..., rows, heads, width)
-    return ((*lead, length, h, width - 1) if inner else (*lead, h, length, width - 1)), "f32"
-
-
-register(OpDef("flash_attention_combine", _combined, "kernel",
-               lower=kernels.lowering("combine")))
 register(OpDef("flash_attention_lse", lambda inputs, attrs: (inputs[0].shape[:-1], "f32"),
                "kernel", lower=kernels.lowering("lse")))
