@@ -17,7 +17,6 @@ bodies of the final graph are materialized once, at the end.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import numpy as np
@@ -196,12 +195,10 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit, max_inputs) -> Tenso
         return None
 
     # Now the whole computation may move into a matmul's or a sum's epilogue; a sum's seen
-    # through a reshape too (a norm's statistics, kept with keepdims), which it then has, and a
-    # matmul's through a reshape of unit leading axes (a linear layer's rows given their batch
-    # of one back: Whisper's GELU after its FFN's first product).
+    # through a reshape too (a norm's statistics, kept with keepdims), which it then has.
     for k, (t, strides) in enumerate(zip(builder.inputs, builder.strides)):
-        host = (t.inputs[0] if t.op == "reshape" and absorbable(t)
-                and (_sum_without_epilogue(t.inputs[0]) or _unit_batch(t)) else t)
+        host = (t.inputs[0] if t.op == "reshape" and _sum_without_epilogue(t.inputs[0])
+                and absorbable(t) else t)
         if (host.op in EPILOGUE_HOSTS and t.shape == node.shape
                 and in_order(strides, node.shape) and absorbable(host)):
             inputs = [host if j == k else x for j, x in enumerate(builder.inputs)]
@@ -221,20 +218,6 @@ def _sum_without_epilogue(t: Tensor) -> bool:
     return t.op == "sum" or (t.op == "fused_sum" and t.attrs["epilogue"] is IDENTITY_EPILOGUE)
 
 
-def _unit_batch(t: Tensor) -> bool:
-    """Whether reshape `t` of a matmul only adds or drops leading axes of 1."""
-    product = t.inputs[0]
-    return (product.op in ("matmul", "fused_matmul") and len(t.shape) >= 2
-            and t.shape[-2:] == product.shape[-2:]
-            and math.prod(t.shape[:-2]) == 1 == math.prod(product.shape[:-2]))
-
-
-def _restride(strides: Shape, rank: int) -> Shape:
-    """An epilogue input's strides over a result of `rank` axes, where the result gained or lost
-    leading axes of 1 (whose index is always 0)."""
-    return (0,) * (rank - len(strides)) + tuple(strides[max(len(strides) - rank, 0):])
-
-
 def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
                           body_inputs: list, emit, max_inputs: int) -> Tensor | None:
     """`node` (as `body` over `body_inputs`, of which input `slot` is `producer`) becomes
@@ -250,8 +233,7 @@ def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
         extras = list(producer.inputs[attrs["n_prologue"]:])
     builder = _BodyBuilder(reserved=1)
     previous = builder.inline(old_epilogue, [builder.args[0]] + [
-        builder.input(x, _restride(s, len(node.shape)))
-        for x, s in zip(extras, old_epilogue.strides[1:])])
+        builder.input(x, s) for x, s in zip(extras, old_epilogue.strides[1:])])
     args = [previous if k == slot else builder.input(t, s)
             for k, (t, s) in enumerate(zip(body_inputs, body.strides))]
     epilogue = builder.body(builder.inline(body, args))
