@@ -97,9 +97,12 @@ def _dims(node: Tensor, pass_: Pass) -> tuple[int, int, int, int, int, int, int]
     q/k width, the v width: 0 for the log-sum-exp pass, which reads no v)."""
     q, k = node.inputs[0], node.inputs[1]
     inner_q, inner_k = heads_inner(node)[:2]
-    *lead, h, length, dim = (*q.shape[:-3], q.shape[-2], q.shape[-3], q.shape[-1]) if inner_q \
-        else q.shape
-    hkv, s = (k.shape[-2], k.shape[-3]) if inner_k else (k.shape[-3], k.shape[-2])
+    *lead, h, length, dim = q.shape
+    *_, hkv, s, _ = k.shape
+    if inner_q:
+        h, length = length, h
+    if inner_k:
+        hkv, s = s, hkv
     dv = node.inputs[2].shape[-1] if pass_ == "forward" else 0
     return int(np.prod(lead, dtype=np.int64)), h, hkv, length, s, dim, dv
 
