@@ -525,6 +525,7 @@ def test_accelerated_inference_runs_composed_attention_on_cooperative_matrices(n
     out = g.output("out", g.transpose(out, swap) if inner else out)
     caps = dataclasses.replace(device.caps, device_type="discrete", cooperative_matrix=True,
                                shader_f16=True, subgroup_size=32, max_shared_memory_bytes=49152)
+
     def ops(plan):
         return [d.node.op for d in plan.dispatches if d.node is not None]
 
