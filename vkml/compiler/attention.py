@@ -56,11 +56,12 @@ def fuse_attention(graph: Graph, roots: list[Tensor], caps: Capabilities
         match = composed_attention(node, graph.initial_values)
         if (match is not None
                 and all(len(readers[t.id]) == 1 and t.id not in pinned for t in match.interior)
-                and cooperative(match.q.shape, match.k.shape, match.v.shape, caps)):
+                and cooperative(match.q.shape[-1], match.v.shape[-1], match.k.shape[-2], caps)):
             found[node.id] = match
             after = readers.get(node.id, [])
             if len(after) == 1 and node.id not in pinned and _heads_swap(after[0]):
                 merged[after[0].id] = node
+    merging = {t.id for t in merged.values()}
     new_of: dict[int, Tensor] = {}
 
     def make(node: Tensor, inputs: list[Tensor], emit: Emit) -> Tensor:
@@ -70,8 +71,7 @@ def fuse_attention(graph: Graph, roots: list[Tensor], caps: Capabilities
         elif match is None:
             new_of[node.id] = emit(node.op, inputs, node.shape, node.attrs, node)
         else:
-            writes_merged = any(m is node for m in merged.values())
-            new_of[node.id] = _fused(node, match, new_of, emit, writes_merged)
+            new_of[node.id] = _fused(node, match, new_of, emit, node.id in merging)
         return new_of[node.id]
 
     if not found:

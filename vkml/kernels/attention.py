@@ -52,8 +52,10 @@ def lowering(pass_: Pass) -> Callable[[Tensor, Capabilities], Kernel]:
 
 
 def generate(node: Tensor, caps: Capabilities, pass_: Pass) -> Kernel:
-    if pass_ == "forward" and cooperative(*(x.shape for x in node.inputs), caps):
-        return _cooperative(node, caps)
+    if pass_ == "forward":
+        *_, s, dim, dv = _dims(node, pass_)  # heads_inner's layouts: only _cooperative has them
+        if cooperative(dim, dv, s, caps):
+            return _cooperative(node, caps)
     if _tileable(node, caps, pass_):
         return _tiled(node, caps, pass_)
     batch, h, hkv, length, s, dim, dv = _dims(node, pass_)
@@ -261,18 +263,16 @@ def _coop_layout(dim: int, dv: int) -> dict[str, int]:
             + 4 * sizes["Ss"]}
 
 
-def cooperative(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...],
-                caps: Capabilities) -> bool:
-    """Whether the forward pass of attention over q, k, v shapes (heads before rows) runs on
-    cooperative matrices: at precision "f16" on a device with them, 32-wide subgroups (two
-    threads a row of each subgroup's 16), head widths in whole fragments, at most
-    COOP_MAX_KEYS keys, and the tiles within workgroup memory."""
-    dim, dv = q[-1], v[-1]
+def cooperative(dim: int, dv: int, keys: int, caps: Capabilities) -> bool:
+    """Whether the forward pass of attention with q/k width `dim`, v width `dv` over `keys`
+    keys runs on cooperative matrices: at precision "f16" on a device with them, 32-wide
+    subgroups (two threads a row of each subgroup's 16), head widths in whole fragments, at
+    most COOP_MAX_KEYS keys, and the tiles within workgroup memory."""
     return (caps.precision == "f16" and caps.cooperative_matrix and caps.shader_f16
             and caps.subgroup_size == 32 and dim % 16 == 0 and dv % 16 == 0
             and 32 * COOP_SUBGROUPS <= min(caps.max_workgroup_invocations,
                                            caps.max_workgroup_size[0])
-            and k[-2] <= COOP_MAX_KEYS
+            and keys <= COOP_MAX_KEYS
             and _coop_layout(dim, dv)["bytes"] <= caps.max_shared_memory_bytes)
 
 
