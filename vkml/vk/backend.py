@@ -237,14 +237,16 @@ class VulkanBackend(BackendBase):
         None when no write of the call has data)."""
         at = 0
         commands: list[Command] = []
+        copies = []
         for w in batch:
             if w.data is None:
                 commands.append(Fill(w.buffer, w.offset, w.nbytes))
             else:
                 assert staging is not None
-                self._host_writes([(staging.pointer + at, w)])
+                copies.append((staging.pointer + at, w))
                 commands.append(Copy(staging, at, w.buffer, w.offset, w.nbytes))
                 at += w.nbytes
+        self._host_writes(copies)  # the batch's data in one go: one pool for all its pieces
         self.run_now(commands)
 
     def read_buffer(self, buffer: Buffer, offset: int, nbytes: int) -> bytes:
