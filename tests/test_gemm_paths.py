@@ -393,3 +393,77 @@ def test_large_register_tiles_store_four_at_once_only_over_short_sums(device, k,
     for tiling, expected in ((gemm.STAGED[0], wide), (four_by_four, True)):
         kernel = matmul.generate(c, caps, tiling)
         assert ("mat_c: array<vec4<f32>>" in kernel.wgsl) == expected, (tiling, k)
+
+
+EPILOGUE_CONVS = {  # name: (x shape, weight shape, stride, padding)
+    "3x3": ((2, 3, 9, 7), (5, 3, 3, 3), 1, 1),
+    # 24 pixels an image: on GPUs four outputs a store, each through the epilogue
+    "1x1_wide": ((3, 8, 4, 6), (12, 8, 1, 1), 1, 0),
+    # split on GPUs: the partial sums' sum takes the epilogue
+    "split_forward": ((1, 256, 4, 4), (16, 256, 3, 3), 1, 1),
+}
+
+
+@pytest.mark.parametrize("device_type", ["discrete", "cpu"])
+@pytest.mark.parametrize("name", EPILOGUE_CONVS)
+def test_batch_norm_inference_and_residual_move_into_the_convolution(name, device_type, device,
+                                                                     rng):
+    # ResNet's inference form: conv, batch norm from running statistics (its per-channel scale
+    # and shift computed again at each element), a residual add and a ReLU: one kernel on CPU
+    # drivers, and on GPUs where the convolution is not split
+    if device.backend_name != "vulkan":
+        pytest.skip("the variants are a codegen choice; one backend is enough to check them")
+    x_shape, w_shape, stride, padding = EPILOGUE_CONVS[name]
+    channels = w_shape[0]
+    values = {"x": rng.standard_normal(x_shape), "w": rng.standard_normal(w_shape),
+              "gamma": rng.standard_normal(channels), "beta": rng.standard_normal(channels),
+              "mean": rng.standard_normal(channels), "var": rng.uniform(0.5, 2, channels)}
+    values = {k: v.astype(np.float32) for k, v in values.items()}
+    g = vkml.Graph()
+    p = {k: g.param(k, v.shape, init=v) for k, v in values.items()}
+    y = g.conv2d(p["x"], p["w"], stride=stride, padding=padding)
+    residual = g.input("residual", y.shape)
+    normed = g.batch_norm(y, p["mean"], p["var"], p["gamma"], p["beta"], training=False)
+    g.output("z", (normed + residual).relu())
+    caps = dataclasses.replace(device.caps, device_type=device_type)
+    session = Session(lower(g, caps).plan, device)
+    ops = [d.node.op for d in session.plan.dispatches]
+    split = name == "split_forward" and device_type == "discrete"
+    assert ops == (["conv2d", "fused_sum"] if split else ["fused_conv2d"]), ops
+    r = rng.standard_normal(y.shape).astype(np.float32)
+    session.set_input("residual", r)
+    session.step()
+    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
+    ty = F.batch_norm(F.conv2d(t["x"], t["w"], stride=stride, padding=padding), t["mean"],
+                      t["var"], t["gamma"], t["beta"], training=False, eps=1e-5)
+    expected = torch.relu(ty + torch.tensor(r, dtype=torch.float64)).numpy()
+    assert rel_l2(session.read("z"), expected) < 1e-5
+
+
+@pytest.mark.parametrize("device_type", ["discrete", "cpu"])
+def test_an_input_gradient_takes_the_activation_derivative_into_its_store(device_type, device,
+                                                                         rng):
+    # conv(relu(h)): h's gradient is the input gradient times relu's derivative, applied as
+    # the transposed convolution stores
+    if device.backend_name != "vulkan":
+        pytest.skip("the variants are a codegen choice; one backend is enough to check them")
+    x_shape, w_shape = (2, 4, 8, 6), (6, 4, 3, 3)
+    h = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    g = vkml.Graph()
+    ph, pw = g.param("h", x_shape, init=h), g.param("w", w_shape, init=w)
+    y = g.output("y", g.conv2d(ph.relu(), pw, padding=1))
+    weights = rng.standard_normal(y.shape).astype(np.float32)
+    loss = g.sum(g.mul(y, g.constant(weights)))
+    caps = dataclasses.replace(device.caps, device_type=device_type)
+    session = Session(lower(g, caps, loss=loss).plan, device)
+    assert "fused_conv2d_input_grad" in {d.node.op for d in session.plan.dispatches
+                                         if d.node is not None}
+    session.step()
+    th = torch.tensor(h, dtype=torch.float64, requires_grad=True)
+    tw = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    ty = F.conv2d(torch.relu(th), tw, padding=1)
+    (ty * torch.tensor(weights, dtype=torch.float64)).sum().backward()
+    assert rel_l2(session.read("y"), ty.detach().numpy()) < 1e-5
+    assert rel_l2(session.grad("h"), th.grad.numpy()) < 1e-5
+    assert rel_l2(session.grad("w"), tw.grad.numpy()) < 1e-5

@@ -78,7 +78,9 @@ QUICK_CONVS = [("small 3x3", (2, 3, 9, 7), (5, 3, 3, 3), 1, 1),
                ("split wgrad", (4, 2, 32, 32), (3, 2, 3, 3), 1, 1)]
 GEMM_OPS = {"matmul": matmul.generate, "fused_matmul": matmul.generate,
             "conv2d": conv.generate_conv2d, "conv2d_input_grad": conv.generate_conv2d_input_grad,
-            "conv2d_weight_grad": conv.generate_conv2d_weight_grad}
+            "conv2d_weight_grad": conv.generate_conv2d_weight_grad,
+            "fused_conv2d": conv.generate_conv2d,
+            "fused_conv2d_input_grad": conv.generate_conv2d_input_grad}
 QUICK = [
     ("edges", (70, 21), (21, 33), False, False),
     ("nt", (130, 200), (70, 200), False, True),

@@ -3,9 +3,11 @@
 Greedy rules, applied in topological order until nothing changes. A producer is absorbed into its
 consumer only when nothing else needs it in memory: it is not a graph output or gradient, and it
 has exactly one consumer, or it is a single elementwise op every consumer of which absorbs it.
-- pointwise into pointwise: chains and DAGs of elementwise ops become one `fused_pointwise`;
-  scalar constants become WGSL literals on the way.
-- pointwise into a matmul's epilogue: bias add, activation, scaling happen before the store.
+- pointwise into pointwise: chains and DAGs of elementwise ops become one `fused_pointwise`
+  (one broadcast into a larger one computed again at each of its elements); scalar constants
+  become WGSL literals on the way.
+- pointwise into a matmul's or a convolution's epilogue: bias add, activation, scaling, batch
+  norm's inference form, a residual add happen before the store.
 - pointwise into a sum's prologue (the summand) and epilogue (the sum's result), which turns
   cross-entropy and MSE into single row reductions after the softmax.
 Runs after autodiff, so forward and backward kernels are fused alike; fused ops need no gradient.
@@ -25,7 +27,11 @@ from vkml.expr import Arg, Body, Lazy, Lit, Shape, Subst, contiguous_strides, in
 from vkml.graph import OPS, Graph, Tensor, body_of
 
 IDENTITY_EPILOGUE = Body(Arg(0), ((),))
-EPILOGUE_HOSTS = ("matmul", "fused_matmul", "sum", "fused_sum")  # ops a consumer may move into
+# Products whose stores may take an epilogue, and the op each becomes with one.
+PRODUCTS = {"matmul": "fused_matmul", "conv2d": "fused_conv2d",
+            "conv2d_input_grad": "fused_conv2d_input_grad"}
+PRODUCTS |= {fused: fused for fused in PRODUCTS.values()}
+EPILOGUE_HOSTS = (*PRODUCTS, "sum", "fused_sum")  # ops a consumer may move into
 DUPLICATE_INPUTS = 6  # the most buffers an op computed again in each of its consumers reads
 
 
@@ -167,10 +173,18 @@ def _duplicable(order: list[Tensor], pinned: set[int], consumers: Counter[int]) 
                 continue
             seen[t.id] += 1
             if OPS[c.op].kind == "pointwise":
-                ok[t.id] &= t.shape == c.shape and in_order(strides[k], c.shape)
+                ok[t.id] &= (in_order(strides[k], c.shape) if t.shape == c.shape
+                             else _broadcast_inlinable(t))
             else:
                 ok[t.id] &= c.op == "sum"
     return {i for i, fits in ok.items() if fits and seen[i] > 1}
+
+
+def _broadcast_inlinable(t: Tensor) -> bool:
+    """Whether pointwise `t` can be computed again inside a larger op that reads it broadcast:
+    it reads each of its inputs at its own index, so the larger op reads them at the strides
+    it reads `t` at."""
+    return all(in_order(s, t.shape) for s in body_of(t).strides)
 
 
 def _fuse_pointwise(node, inputs, absorbable, values, emit, max_inputs) -> Tensor | None:
@@ -187,6 +201,15 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit, max_inputs) -> Tenso
             producer = body_of(t)
             args.append(builder.inline(producer, [builder.input(x, s) for x, s in
                                                   zip(t.inputs, producer.strides)]))
+            changed = True
+        elif (OPS[t.op].kind == "pointwise" and t.shape != node.shape and absorbable(t)
+              and _broadcast_inlinable(t)):
+            # A smaller op broadcast into this one (batch norm's scale and shift, per channel,
+            # from its running statistics) is computed again at each element: its inputs are
+            # read at its own index, so here at the strides this op reads it at. A few
+            # arithmetic ops an element cost less than its own dispatch and store.
+            args.append(builder.inline(body_of(t), [builder.input(x, strides)
+                                                    for x in t.inputs]))
             changed = True
         else:
             args.append(builder.input(t, strides))
@@ -222,7 +245,7 @@ def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
                           body_inputs: list, emit, max_inputs: int) -> Tensor | None:
     """`node` (as `body` over `body_inputs`, of which input `slot` is `producer`) becomes
     `producer`'s epilogue; None where the kernel would read more than `max_inputs` buffers."""
-    if producer.op in ("matmul", "fused_matmul"):
+    if producer.op in PRODUCTS:
         leading = list(producer.inputs[:2])
         old_epilogue = producer.attrs.get("epilogue", IDENTITY_EPILOGUE)
         extras = list(producer.inputs[2:])
@@ -240,9 +263,9 @@ def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
     inputs = leading + [t for t in builder.inputs[1:] if t is not None]
     if len(inputs) > max_inputs:
         return None
-    if producer.op in ("matmul", "fused_matmul"):
+    if producer.op in PRODUCTS:
         attrs = {**producer.attrs, "epilogue": epilogue, "shape": node.shape, "dtype": node.dtype}
-        return emit(node, "fused_matmul", inputs, attrs)
+        return emit(node, PRODUCTS[producer.op], inputs, attrs)
     attrs = {**_as_fused_sum(producer), "epilogue": epilogue, "shape": node.shape,
              "dtype": node.dtype}
     return emit(node, "fused_sum", inputs, attrs)

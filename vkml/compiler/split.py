@@ -36,9 +36,9 @@ def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
 
 def _split(node: Tensor, inputs: list[Tensor], pieces: int, emit: Emit) -> Tensor:
     """Partial sums (a leading axis of `pieces`), then their sum through the node's epilogue."""
-    if node.op == "fused_matmul":  # the product alone; the sum takes over the epilogue
-        op, operands, extras = "matmul", inputs[:2], inputs[2:]
-        attrs = {k: node.attrs[k] for k in ("transpose_a", "transpose_b")}
+    if node.op.startswith("fused_"):  # the product alone; the sum takes over the epilogue
+        op, operands, extras = node.op.removeprefix("fused_"), inputs[:2], inputs[2:]
+        attrs = {k: v for k, v in node.attrs.items() if k not in ("epilogue", "shape", "dtype")}
         epilogue = node.attrs["epilogue"]
     else:
         op, operands, extras, attrs = node.op, inputs, [], dict(node.attrs)

@@ -10,6 +10,9 @@ group (and, for the weight gradient, the split of its long sum).
 - conv2d_weight_grad: rows = output channels of the group, columns = input channels x taps,
   depth = batch x output pixels; with `splits` > 1 it writes one partial sum per split of that
   depth (the graph sums them: ops/conv.py), so small weights with huge sums still fill a GPU.
+- fused_conv2d, fused_conv2d_input_grad: the same with an epilogue body applied before the
+  store (the rewrite stage moves batch norm's inference form, activations and residual adds
+  there); inputs (the convolution's two, *the epilogue's), x0 the accumulator.
 - max_pool2d and its backward, which recomputes each covering window's first maximum.
 """
 
@@ -19,17 +22,45 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from vkml.expr import Arg, Body
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather, gemm
-from vkml.kernels.common import Buf, split_index
+from vkml.kernels.common import Buf, body_lines, helper_functions, offset, split_index
+
+IDENTITY = Body(Arg(0), ((),))
 
 
 def buffers(node: Tensor, wide: tuple[bool, ...] = (), wide_out: bool = False) -> list[Buf]:
-    """The inputs in order (bound as vec4 arrays where `wide`, see gemm.indexed), then the
-    output (a vec4 array where `wide_out`)."""
-    return [*[gemm.binding(f"in{k}", k < len(wide) and wide[k]) for k in range(len(node.inputs))],
+    """The inputs in order (the convolution's two bound as vec4 arrays where `wide`, see
+    gemm.indexed; the epilogue's in their own dtype), then the output (a vec4 array where
+    `wide_out`)."""
+    return [*[gemm.binding(f"in{k}", k < len(wide) and wide[k]) for k in range(2)],
+            *[Buf(f"in{k}", x.dtype) for k, x in enumerate(node.inputs[2:], 2)],
             Buf("out", "vec4<f32>" if wide_out else "f32", writable=True)]
+
+
+def base_op(node: Tensor) -> str:
+    """The convolution a node computes, fused with an epilogue or not."""
+    return node.op.removeprefix("fused_")
+
+
+def epilogue(node: Tensor) -> Body:
+    return node.attrs.get("epilogue", IDENTITY)
+
+
+def epilogue_store(node: Tensor, index: list[str], acc: str, target: str,
+                   indent: str = "      ") -> list[str]:
+    """Lines storing accumulator `acc` through the node's epilogue into `target` (an `x =`
+    style assignment): `index` are lines defining the output element's indices i0..i3, which
+    the epilogue's inputs (bound as in2, in3, ...) are read at."""
+    body = epilogue(node)
+    if body is IDENTITY:
+        return [f"{indent}{target} {acc};"]
+    names = [f"i{a}" for a in range(4)]
+    reads = {0: acc} | {e: f"in{e + 1}[{offset(names, body.strides[e])}]"
+                        for e in range(1, len(body.strides))}
+    return [*(indent + line for line in index), *body_lines(body, reads, indent, target)]
 
 
 def params(node: Tensor):
@@ -67,7 +98,7 @@ def out_extent(size: int, kernel: int, stride: int, pad: int, dilation: int) -> 
 
 def generate_conv2d(node: Tensor, caps: Capabilities,
                     tiling: gemm.Tiling | None = None) -> Kernel:
-    x, w = node.inputs
+    x, w = node.inputs[:2]
     n, c, h, wd = x.shape
     o, cpg, kh, kw = w.shape
     oh, ow = node.shape[-2:]
@@ -82,6 +113,9 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
         return (f"s * {n * o * oh * ow}u + (({r} / {oh * ow}u) * {o}u + g * {opg}u + {col}) "
                 f"* {oh * ow}u + {r} % {oh * ow}u")
 
+    def index(r: str, col: str) -> list[str]:
+        return pixel_index(r, col, opg, oh, ow)
+
     gpu, chunk = not gemm.on_cpu(caps), _chunk(node, depth)
     # a 1x1 convolution without stride or padding reads its input as a plain matrix
     wide = (gpu and plain(node), gpu and depth % 4 == chunk % 4 == 0)
@@ -89,13 +123,13 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
                                                 f"* {h * wd}u + {i} % {h * wd}u", "row")
          if wide[0] else gemm.Operand(load_x, "row"))
     b = gemm.indexed("in1", wide[1], lambda j, d: f"(g * {opg}u + {j}) * {depth}u + {d}", "depth")
-    return _product(node, caps, m, cols, depth, groups, a, b, Output(at, "row", oh * ow),
-                    tiling, x.size + w.size, wide)
+    return _product(node, caps, m, cols, depth, groups, a, b,
+                    Output(at, "row", oh * ow, index), tiling, x.size + w.size, wide)
 
 
 def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
                                tiling: gemm.Tiling | None = None) -> Kernel:
-    d, w = node.inputs
+    d, w = node.inputs[:2]
     _, o, oh, ow = d.shape
     _, cpg, kh, kw = w.shape
     n, c, h, wd = node.shape[-4:]
@@ -119,12 +153,22 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
         return (f"s * {n * c * h * wd}u + (({r} / {h * wd}u) * {c}u + g * {cpg}u + {col}) "
                 f"* {h * wd}u + {r} % {h * wd}u")
 
+    def index(r: str, col: str) -> list[str]:
+        return pixel_index(r, col, cpg, h, wd)
+
     wide = (not gemm.on_cpu(caps) and plain(node),)
     a = (gemm.indexed("in0", True, lambda i, dd: f"(({i} / {h * wd}u) * {o}u + g * {opg}u + {dd})"
                                                  f" * {h * wd}u + {i} % {h * wd}u", "row")
          if wide[0] else gemm.Operand(load_dy, "row"))
     return _product(node, caps, m, cols, depth, groups, a, gemm.Operand(load_w, "depth"),
-                    Output(at, "row", h * wd), tiling, d.size + w.size, wide)
+                    Output(at, "row", h * wd, index), tiling, d.size + w.size, wide)
+
+
+def pixel_index(r: str, col: str, per_group: int, h: int, w: int) -> list[str]:
+    """Lines defining the NCHW indices i0..i3 of C[r, col] for GEMM rows that are an image's
+    pixels (n, y, x) and columns that are channels of group g."""
+    return [f"let i0 = ({r}) / {h * w}u; let i1 = g * {per_group}u + ({col}); "
+            f"let i2 = (({r}) % {h * w}u) / {w}u; let i3 = ({r}) % {w}u;"]
 
 
 def tap(coord: str, pad: int, stride: int, extent: int, name: str, k: str,
@@ -193,11 +237,14 @@ def _chunk(node: Tensor, depth: int) -> int:
 class Output:
     """Where the GEMM's C[r, col] lands in the output (`at`: its flat index) and which index of
     C runs along memory (`along`) in runs of `run` elements (an image's pixels, a weight's
-    taps): where runs are multiples of 4, GPUs store four outputs at once."""
+    taps): where runs are multiples of 4, GPUs store four outputs at once. `index`: lines
+    defining the output's indices i0..i3 at C[r, col], for an epilogue's reads (None: the
+    kernel takes none)."""
 
     at: Callable[[str, str], str]
     along: Literal["row", "col"]
     run: int
+    index: Callable[[str, str], list[str]] | None = None
 
 
 def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, groups: int,
@@ -211,31 +258,42 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
     tiling = tiling or gemm.choose(m, cols, depth, groups, caps, plain(node))
     wide_out = output.run % 4 == 0 and gemm.stores_wide(tiling, chunk)
 
+    def index(r: str, col: str) -> list[str]:
+        return output.index(r, col) if output.index is not None else []
+
     def store(r: str, col: str, acc: str) -> list[str]:
-        return [f"      out[{output.at(r, col)}] = {acc};"]
+        return epilogue_store(node, index(r, col), acc, f"out[{output.at(r, col)}] =")
 
     def store4(r: str, col: str, accs: list[str]) -> list[str]:
-        return [f"      out[({output.at(r, col)}) / 4u] = vec4<f32>({', '.join(accs)});"]
+        if epilogue(node) is IDENTITY:
+            return [f"      out[({output.at(r, col)}) / 4u] = vec4<f32>({', '.join(accs)});"]
+        lines = ["      var o = vec4<f32>();"]
+        for q, acc in enumerate(accs):
+            at = (f"({r} + {q}u)", col) if output.along == "row" else (r, f"({col} + {q}u)")
+            lines += ["      {", *epilogue_store(node, index(*at), acc, f"o[{q}] =", "        "),
+                      "      }"]
+        return [*lines, f"      out[({output.at(r, col)}) / 4u] = o;"]
 
     return gemm.generate(
         f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node, wide, wide_out), m,
         cols, chunk, groups * pieces, a, b, store, tiling,
         setup=[f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
         k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"), depth=depth,
-        flops=2 * m * cols * depth * groups, nbytes=4 * (read + node.size),
+        prelude=helper_functions(epilogue(node)), flops=2 * m * cols * depth * groups,
+        nbytes=4 * (read + node.size + sum(x.size for x in node.inputs[2:])),
         wide_store=gemm.WideStore(output.along, store4) if wide_out else None)
 
 
 def dims_conv2d(node: Tensor) -> tuple[int, int, int, int]:
     """GEMM shape (m, n, k, groups) of a conv2d node."""
-    x, w = node.inputs
+    x, w = node.inputs[:2]
     o, cpg, kh, kw = w.shape
     groups = node.attrs["groups"]
     return x.shape[0] * node.shape[-2] * node.shape[-1], o // groups, cpg * kh * kw, groups
 
 
 def dims_conv2d_input_grad(node: Tensor) -> tuple[int, int, int, int]:
-    d, w = node.inputs
+    d, w = node.inputs[:2]
     o, cpg, kh, kw = w.shape
     n, _, h, wd = node.attrs["in_shape"]
     groups = node.attrs["groups"]

@@ -16,7 +16,15 @@ from __future__ import annotations
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import conv
-from vkml.kernels.common import ENTRY_ARGS, LINEAR_WORKGROUP, assemble, grid, tree_reduce, unflatten
+from vkml.kernels.common import (
+    ENTRY_ARGS,
+    LINEAR_WORKGROUP,
+    assemble,
+    grid,
+    helper_functions,
+    tree_reduce,
+    unflatten,
+)
 
 WORKGROUP = 64
 
@@ -26,9 +34,10 @@ def handles(node: Tensor, caps: Capabilities) -> bool:
     limit = caps.max_loop_iterations
     if limit is None:
         return True
-    if node.op == "conv2d":
+    op = conv.base_op(node)
+    if op == "conv2d":
         loops = [node.inputs[1].shape[1]]  # input channels of a group
-    elif node.op == "conv2d_input_grad":
+    elif op == "conv2d_input_grad":
         loops = [node.inputs[0].shape[1] // node.attrs["groups"]]  # output channels of a group
     else:
         n, _, oh, ow = node.inputs[1].shape
@@ -59,8 +68,8 @@ def _implicit_gemm(node: Tensor, caps: Capabilities, m: int, ncols: int, groups:
     {tap} are replaced textually, so WGSL braces need no escaping); `k_loop`:
     (variable, trip count, lines at the top of each trip); `taps`: per unrolled kernel tap, the
     lines computing `a{i}` (0.0 where the tap falls in the padding) and the tap's flat offset;
-    `b_at`: the address of B for column j at the tap ({j}, {tap}); `store`: the statement storing
-    accumulator `acc` for row i, column `col` ({i})."""
+    `b_at`: the address of B for column j at the tap ({j}, {tap}); `store`: the statements
+    storing accumulator `acc` for row i, column `col` ({i})."""
     tx = _pow2_at_least(ncols, 16)
     ty = 256 // tx
     tm, tn = _tile(m, ty), _tile(ncols, tx)
@@ -98,14 +107,22 @@ def _implicit_gemm(node: Tensor, caps: Capabilities, m: int, ncols: int, groups:
     lines.append("}")
     return assemble(f"{node.op}_{'x'.join(map(str, node.shape))}", caps, conv.buffers(node),
                     (tx, ty), lines, (-(-ncols // bn), -(-m // bm), groups),
+                    prelude=helper_functions(conv.epilogue(node)),
                     flops=2 * m * ncols * groups * trips * len(taps),
                     nbytes=4 * (sum(x.size for x in node.inputs) + node.size))
+
+
+def _store(node: Tensor, at: str, index: str) -> str:
+    """The statements storing `acc` at flat index `at` through the node's epilogue, whose
+    inputs are read at the output indices i0..i3 that `index` defines."""
+    return " ".join(line.strip() for line in conv.epilogue_store(node, [index], "acc",
+                                                                 f"out[{at}] ="))
 
 
 def generate_conv2d(node: Tensor, caps: Capabilities) -> Kernel:
     """Rows: output pixels (n, oy, ox); columns: output channels of the group; k: input channels
     of the group (a loop) x kernel taps (unrolled)."""
-    x, w = node.inputs
+    x, w = node.inputs[:2]
     _, c, h, wd = x.shape
     o, cpg, kh, kw = w.shape
     _, _, oh, ow = node.shape
@@ -125,7 +142,9 @@ def generate_conv2d(node: Tensor, caps: Capabilities) -> Kernel:
                           f"if (y{{i}}t >= 0 && y{{i}}t < {h} && x{{i}}t >= 0 && x{{i}}t < {wd}) "
                           f"{{ a{{i}} = in0[xb{{i}} + xc + u32(y{{i}}t * {wd} + x{{i}}t)]; }}"],
                          str(ki * kw + kj)))
-    store = f"out[(n{{i}} * {o}u + g * {opg}u + col) * {oh * ow}u + r{{i}}] = acc;"
+    store = _store(node, f"(n{{i}} * {o}u + g * {opg}u + col) * {oh * ow}u + r{{i}}",
+                   f"let i0 = n{{i}}; let i1 = g * {opg}u + col; let i2 = r{{i}} / {ow}u; "
+                   f"let i3 = r{{i}} % {ow}u;")
     return _implicit_gemm(node, caps, node.shape[0] * oh * ow, opg, groups, rows, cols,
                           ("ci", cpg, k_head), taps, "wb{j} + wc + {tap}u", store)
 
@@ -134,7 +153,7 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities) -> Kernel:
     """The transposed convolution. Rows: input pixels (n, y, x); columns: input channels of the
     group; k: output channels of the group (a loop) x kernel taps (unrolled), a tap counting
     where the stride divides the distance from the output position."""
-    d, w = node.inputs
+    d, w = node.inputs[:2]
     _, o, oh, ow = d.shape
     _, cpg, kh, kw = w.shape
     n, c, h, wd = node.shape
@@ -153,7 +172,9 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities) -> Kernel:
             taps.append(([ly, lx, "var a{i} = 0.0;",
                           f"if ({cy} && {cx}) {{ a{{i}} = in0[db{{i}} + dc + "
                           f"u32(v{{i}} * {ow} + u{{i}})]; }}"], str(ki * kw + kj)))
-    store = f"out[(n{{i}} * {c}u + g * {cpg}u + col) * {h * wd}u + r{{i}}] = acc;"
+    store = _store(node, f"(n{{i}} * {c}u + g * {cpg}u + col) * {h * wd}u + r{{i}}",
+                   f"let i0 = n{{i}}; let i1 = g * {cpg}u + col; let i2 = y{{i}}; "
+                   f"let i3 = x{{i}};")
     return _implicit_gemm(node, caps, n * h * wd, cpg, groups, rows, cols, ("ol", opg, k_head),
                           taps, "wb{j} + wc + {tap}u", store)
 

@@ -109,6 +109,20 @@ register(OpDef("conv2d_weight_grad", _weight_grad, "kernel", grad=_weight_grad_g
                             kernels.dims_conv2d_weight_grad)))
 
 
+def _stored(inputs, attrs):
+    return attrs["shape"], attrs["dtype"]
+
+
+# A convolution whose result passes through an epilogue before it is stored (made by the rewrite
+# stage after autodiff, so without a gradient rule): inputs (its two, *the epilogue's).
+register(OpDef("fused_conv2d", _stored, "kernel",
+               **_by_device(kernels.generate_conv2d, conv_cpu.generate_conv2d,
+                            kernels.dims_conv2d)))
+register(OpDef("fused_conv2d_input_grad", _stored, "kernel",
+               **_by_device(kernels.generate_conv2d_input_grad,
+                            conv_cpu.generate_conv2d_input_grad, kernels.dims_conv2d_input_grad)))
+
+
 def _max_pool2d(inputs, attrs):
     (x,) = inputs
     if len(x.shape) != 4 or x.dtype != "f32":

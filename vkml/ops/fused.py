@@ -4,6 +4,8 @@ need no gradient rule).
 - fused_pointwise: a DAG of pointwise ops as one `Body` (attrs "body").
 - fused_matmul: matmul whose result passes through an epilogue `Body` before it is stored;
   inputs (a, b, *epilogue inputs); in the epilogue x0 is the accumulator, x1... the extra inputs.
+- fused_conv2d, fused_conv2d_input_grad: the same for convolutions (registered in ops/conv.py
+  beside theirs); inputs (x or the output gradient, weight, *epilogue inputs).
 - fused_sum: a sum whose summand is a prologue `Body` over inputs[:n_prologue] (all read at the
   summed tensor's own index) and whose result passes through an epilogue `Body` (x0 = the sum,
   x1... = inputs[n_prologue:]).
