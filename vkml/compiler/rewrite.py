@@ -25,12 +25,11 @@ import numpy as np
 
 from vkml.expr import Arg, Body, Lazy, Lit, Shape, Subst, contiguous_strides, in_order, materialize
 from vkml.graph import OPS, Graph, Tensor, body_of
+from vkml.ops.fused import FUSED
 
 IDENTITY_EPILOGUE = Body(Arg(0), ((),))
-# Products whose stores may take an epilogue, and the op each becomes with one.
-PRODUCTS = {"matmul": "fused_matmul", "conv2d": "fused_conv2d",
-            "conv2d_input_grad": "fused_conv2d_input_grad"}
-PRODUCTS |= {fused: fused for fused in PRODUCTS.values()}
+# Products whose stores may take an epilogue (fused already or not), and the op each becomes.
+PRODUCTS = FUSED | {fused: fused for fused in FUSED.values()}
 EPILOGUE_HOSTS = (*PRODUCTS, "sum", "fused_sum")  # ops a consumer may move into
 DUPLICATE_INPUTS = 6  # the most buffers an op computed again in each of its consumers reads
 

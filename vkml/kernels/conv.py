@@ -22,13 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from vkml.expr import Arg, Body
+from vkml.expr import Body
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather, gemm
 from vkml.kernels.common import Buf, body_lines, helper_functions, offset, split_index
-
-IDENTITY = Body(Arg(0), ((),))
 
 
 def buffers(node: Tensor, wide: tuple[bool, ...] = (), wide_out: bool = False) -> list[Buf]:
@@ -45,8 +43,9 @@ def base_op(node: Tensor) -> str:
     return node.op.removeprefix("fused_")
 
 
-def epilogue(node: Tensor) -> Body:
-    return node.attrs.get("epilogue", IDENTITY)
+def epilogue(node: Tensor) -> Body | None:
+    """What a fused convolution applies to each output before it stores it (None: unfused)."""
+    return node.attrs.get("epilogue")
 
 
 def epilogue_store(node: Tensor, index: list[str], acc: str, target: str,
@@ -55,7 +54,7 @@ def epilogue_store(node: Tensor, index: list[str], acc: str, target: str,
     style assignment): `index` are lines defining the output element's indices i0..i3, which
     the epilogue's inputs (bound as in2, in3, ...) are read at."""
     body = epilogue(node)
-    if body is IDENTITY:
+    if body is None:
         return [f"{indent}{target} {acc};"]
     names = [f"i{a}" for a in range(4)]
     reads = {0: acc} | {e: f"in{e + 1}[{offset(names, body.strides[e])}]"
@@ -265,7 +264,7 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
         return epilogue_store(node, index(r, col), acc, f"out[{output.at(r, col)}] =")
 
     def store4(r: str, col: str, accs: list[str]) -> list[str]:
-        if epilogue(node) is IDENTITY:
+        if epilogue(node) is None:
             return [f"      out[({output.at(r, col)}) / 4u] = vec4<f32>({', '.join(accs)});"]
         lines = ["      var o = vec4<f32>();"]
         for q, acc in enumerate(accs):

@@ -46,7 +46,7 @@ def _conv2d_grad(g, node, d):
             g.apply("conv2d_weight_grad", [x, d], w_shape=w.shape, **a)]
 
 
-def _by_device(on_gemm, on_cpu, dims) -> dict:
+def by_device(on_gemm, on_cpu, dims) -> dict:
     """A convolution's lowering and split rule: on CPU drivers their own kernel where its loops
     fit (kernels/conv_cpu.py), elsewhere the GEMM core's, split as the core decides."""
     def cpu_kernel(node: Tensor, caps) -> bool:
@@ -63,8 +63,8 @@ def _by_device(on_gemm, on_cpu, dims) -> dict:
 
 
 register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad,
-               **_by_device(kernels.generate_conv2d, conv_cpu.generate_conv2d,
-                            kernels.dims_conv2d)))
+               **by_device(kernels.generate_conv2d, conv_cpu.generate_conv2d,
+                           kernels.dims_conv2d)))
 
 
 @builder
@@ -101,26 +101,12 @@ def _weight_grad_grad(g, node, d):
 
 
 register(OpDef("conv2d_input_grad", _input_grad, "kernel", grad=_input_grad_grad,
-               **_by_device(kernels.generate_conv2d_input_grad,
-                            conv_cpu.generate_conv2d_input_grad, kernels.dims_conv2d_input_grad)))
+               **by_device(kernels.generate_conv2d_input_grad,
+                           conv_cpu.generate_conv2d_input_grad, kernels.dims_conv2d_input_grad)))
 register(OpDef("conv2d_weight_grad", _weight_grad, "kernel", grad=_weight_grad_grad,
-               **_by_device(kernels.generate_conv2d_weight_grad,
-                            conv_cpu.generate_conv2d_weight_grad,
-                            kernels.dims_conv2d_weight_grad)))
-
-
-def _stored(inputs, attrs):
-    return attrs["shape"], attrs["dtype"]
-
-
-# A convolution whose result passes through an epilogue before it is stored (made by the rewrite
-# stage after autodiff, so without a gradient rule): inputs (its two, *the epilogue's).
-register(OpDef("fused_conv2d", _stored, "kernel",
-               **_by_device(kernels.generate_conv2d, conv_cpu.generate_conv2d,
-                            kernels.dims_conv2d)))
-register(OpDef("fused_conv2d_input_grad", _stored, "kernel",
-               **_by_device(kernels.generate_conv2d_input_grad,
-                            conv_cpu.generate_conv2d_input_grad, kernels.dims_conv2d_input_grad)))
+               **by_device(kernels.generate_conv2d_weight_grad,
+                           conv_cpu.generate_conv2d_weight_grad,
+                           kernels.dims_conv2d_weight_grad)))
 
 
 def _max_pool2d(inputs, attrs):

@@ -4,8 +4,8 @@ need no gradient rule).
 - fused_pointwise: a DAG of pointwise ops as one `Body` (attrs "body").
 - fused_matmul: matmul whose result passes through an epilogue `Body` before it is stored;
   inputs (a, b, *epilogue inputs); in the epilogue x0 is the accumulator, x1... the extra inputs.
-- fused_conv2d, fused_conv2d_input_grad: the same for convolutions (registered in ops/conv.py
-  beside theirs); inputs (x or the output gradient, weight, *epilogue inputs).
+- fused_conv2d, fused_conv2d_input_grad: the same for a convolution and its input gradient;
+  inputs (x or the output gradient, weight, *epilogue inputs).
 - fused_sum: a sum whose summand is a prologue `Body` over inputs[:n_prologue] (all read at the
   summed tensor's own index) and whose result passes through an epilogue `Body` (x0 = the sum,
   x1... = inputs[n_prologue:]).
@@ -15,7 +15,12 @@ The result's shape and dtype are stored in attrs, as the rewrite already knows t
 from __future__ import annotations
 
 from vkml.graph import OpDef, register
-from vkml.kernels import matmul, reduce
+from vkml.kernels import conv, conv_cpu, matmul, reduce
+from vkml.ops.conv import by_device
+
+# The products whose stores take an epilogue, and the op each becomes with one.
+FUSED = {"matmul": "fused_matmul", "conv2d": "fused_conv2d",
+         "conv2d_input_grad": "fused_conv2d_input_grad"}
 
 
 def _stored(inputs, attrs):
@@ -26,3 +31,8 @@ register(OpDef("fused_pointwise", _stored, "pointwise",
                expr=lambda node: node.attrs["body"].result))
 register(OpDef("fused_matmul", _stored, "kernel", lower=matmul.generate, splits=matmul.splits))
 register(OpDef("fused_sum", _stored, "kernel", lower=reduce.generate_fused_sum))
+register(OpDef("fused_conv2d", _stored, "kernel",
+               **by_device(conv.generate_conv2d, conv_cpu.generate_conv2d, conv.dims_conv2d)))
+register(OpDef("fused_conv2d_input_grad", _stored, "kernel",
+               **by_device(conv.generate_conv2d_input_grad, conv_cpu.generate_conv2d_input_grad,
+                           conv.dims_conv2d_input_grad)))
