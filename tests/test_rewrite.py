@@ -212,3 +212,33 @@ def test_a_fused_kernel_never_binds_more_buffers_than_the_device_allows(device, 
     session.step()
     expected = values[0].astype(np.float64) + 0.5 * np.sum(values[1:], axis=0, dtype=np.float64)
     assert rel_l2(session.read("y"), expected) < 1e-6
+
+
+def test_a_small_op_broadcast_into_a_larger_one_is_computed_again_inside_it(device, rng):
+    # w * 2 + 1 per column, read broadcast by every row: no kernel and no memory of its own
+    g = vkml.Graph()
+    x = g.input("x", (4, 8))
+    w = g.param("w", (8,), "normal")
+    g.output("y", (x * (w * 2.0 + 1.0)).exp())
+    session = vkml.compile(g, device=device)
+    assert [d.node.op for d in session.plan.dispatches] == ["fused_pointwise"]
+    # one that reads its own input broadcast (u along the rows of t) is not: inside the larger
+    # op it would need strides of strides, so it keeps its kernel
+    kept = vkml.Graph()
+    x2 = kept.input("x", (5, 2, 3))
+    u = kept.param("u", (3,), "normal")
+    t = kept.input("t", (2, 3)) + u
+    kept.output("y", x2 * t)
+    kept_session = vkml.compile(kept, device=device)
+    assert [d.node.op for d in kept_session.plan.dispatches] == ["add", "mul"]
+    xv = rng.standard_normal((4, 8)).astype(np.float32)
+    session.set_input("x", xv)
+    session.step()
+    want = np.exp(xv * (session.read("w").astype(np.float64) * 2 + 1))
+    assert rel_l2(session.read("y"), want) < 1e-6
+    x2v = rng.standard_normal((5, 2, 3)).astype(np.float32)
+    tv = rng.standard_normal((2, 3)).astype(np.float32)
+    kept_session.set_input("x", x2v)
+    kept_session.set_input("t", tv)
+    kept_session.step()
+    assert rel_l2(kept_session.read("y"), x2v * (tv + kept_session.read("u"))) < 1e-6
