@@ -182,6 +182,21 @@ def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device
     assert gemm.choose(huge, huge, huge, 1, roomy) == gemm.COOP[0] != gemm.CoopTiling(2, 2, 2, 2)
 
 
+def test_a_product_that_would_leave_large_tiles_half_idle_takes_tiles_of_half_the_outputs(device):
+    # ResNet-50's stem convolution: 50176 pixels by 64 channels fills the GPU with 128 x 128
+    # tiles, half of each idle; 128 x 64 ones cover it exactly. SmolLM2's LM-head gradient
+    # (576 columns: 10% of 128 x 128 tiles idle) keeps them.
+    from vkml.kernels import gemm
+    caps = dataclasses.replace(device.caps, device_type="discrete",
+                               max_shared_memory_bytes=49152, max_workgroup_invocations=1024)
+    stem = gemm.choose(4 * 112 * 112, 64, 3 * 7 * 7, 1, caps)
+    assert (stem.bm, stem.bn) == (128, 64), stem
+    head = gemm.choose(49152, 576, 128, 1, caps, plain=True)
+    assert (head.bm, head.bn) == (128, 128), head
+    square = gemm.choose(4096, 4096, 512, 1, caps, plain=True)
+    assert (square.bm, square.bn) == (128, 128), square
+
+
 def test_cooperative_tiles_store_plain_products_straight_to_memory(device):
     # gemm.PlainStore: in a product stored as computed (no epilogue) the workgroups whose tile
     # lies inside C store each fragment straight there (4096^3 203 -> 216 TFLOP/s on an H200,
