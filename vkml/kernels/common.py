@@ -3,7 +3,7 @@ point, the dispatch grid, workgroup reductions, index arithmetic, the loop-lengt
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,6 +117,14 @@ def helper_functions(*bodies: Body | None) -> list[str]:
         for h in body.helpers() if body else ():
             seen.setdefault(h, None)
     return list(seen)
+
+
+def epilogue_reads(body: Body, acc: str, indices: list[str],
+                   buffer: Callable[[int], str]) -> dict[int, str]:
+    """An epilogue's inputs as body_lines binds them: x0 the accumulator `acc`, each other input
+    k its element at the output index `indices` (one name per axis), from binding `buffer(k)`."""
+    return {0: acc} | {k: f"{buffer(k)}[{offset(indices, body.strides[k])}]"
+                       for k in range(1, len(body.strides))}
 
 
 def body_lines(body: Body, reads: dict[int, str], indent: str, target: str) -> list[str]:

@@ -26,7 +26,7 @@ from vkml.expr import Body
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather, gemm
-from vkml.kernels.common import Buf, body_lines, helper_functions, offset, split_index
+from vkml.kernels.common import Buf, body_lines, epilogue_reads, helper_functions, split_index
 
 
 def buffers(node: Tensor, wide: tuple[bool, ...] = (), wide_out: bool = False) -> list[Buf]:
@@ -56,9 +56,7 @@ def epilogue_store(node: Tensor, index: list[str], acc: str, target: str,
     body = epilogue(node)
     if body is None:
         return [f"{indent}{target} {acc};"]
-    names = [f"i{a}" for a in range(4)]
-    reads = {0: acc} | {e: f"in{e + 1}[{offset(names, body.strides[e])}]"
-                        for e in range(1, len(body.strides))}
+    reads = epilogue_reads(body, acc, [f"i{a}" for a in range(4)], lambda e: f"in{e + 1}")
     return [*(indent + line for line in index), *body_lines(body, reads, indent, target)]
 
 

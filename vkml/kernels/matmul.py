@@ -11,7 +11,14 @@ from vkml.expr import Arg, Body, broadcast_strides
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gemm
-from vkml.kernels.common import Buf, body_lines, helper_functions, offset, unflatten
+from vkml.kernels.common import (
+    Buf,
+    body_lines,
+    epilogue_reads,
+    helper_functions,
+    offset,
+    unflatten,
+)
 
 
 def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None) -> Kernel:
@@ -61,8 +68,7 @@ def generate(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None = None
         return f"c_base + {row} * {n}u + {col}"
 
     def reads(acc: str) -> dict[int, str]:
-        return {0: acc} | {e: f"ep{e}[{offset(names, epilogue.strides[e])}]"
-                           for e in range(1, len(epilogue.strides))}
+        return epilogue_reads(epilogue, acc, names, lambda e: f"ep{e}")
 
     def store(row: str, col: str, acc: str) -> list[str]:
         return [f"      let {ir} = {row}; let {ic} = {col};",

@@ -16,6 +16,7 @@ from vkml.kernels.common import (
     Buf,
     assemble,
     body_lines,
+    epilogue_reads,
     grid,
     helper_functions,
     offset,
@@ -246,8 +247,7 @@ def _parts(node: Tensor, prologue: Body, epilogue: Body, n_prologue: int,
     output index), the lines folding one term (the prologue over the inputs' `terms`) into
     `acc`, and the bindings (the inputs, then the output)."""
     out_index = [f"i{a}" for a in range(len(node.shape))]
-    reads = {0: total} | {k: f"in{n_prologue + k - 1}[{offset(out_index, epilogue.strides[k])}]"
-                          for k in range(1, len(epilogue.strides))}
+    reads = epilogue_reads(epilogue, total, out_index, lambda k: f"in{n_prologue + k - 1}")
     fold_lines = (body_lines(prologue, terms, indent, fold) if fold.endswith("+=")
                   else [*body_lines(prologue, terms, indent, "let term ="), f"{indent}{fold}"])
     return reads, fold_lines, [*[Buf(f"in{k}", x.dtype) for k, x in enumerate(node.inputs)],
