@@ -111,7 +111,7 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
                 f"* {oh * ow}u + {r} % {oh * ow}u")
 
     def index(r: str, col: str) -> list[str]:
-        return pixel_index(r, col, opg, oh, ow)
+        return pixel_index(r, col, opg, (n, oh, ow))
 
     gpu, chunk = not gemm.on_cpu(caps), _chunk(node, depth)
     # a 1x1 convolution without stride or padding reads its input as a plain matrix
@@ -151,7 +151,7 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
                 f"* {h * wd}u + {r} % {h * wd}u")
 
     def index(r: str, col: str) -> list[str]:
-        return pixel_index(r, col, cpg, h, wd)
+        return pixel_index(r, col, cpg, (n, h, wd))
 
     wide = (not gemm.on_cpu(caps) and plain(node),)
     a = (gemm.indexed("in0", True, lambda i, dd: f"(({i} / {h * wd}u) * {o}u + g * {opg}u + {dd})"
@@ -161,11 +161,11 @@ def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
                     Output(at, "row", h * wd, index), tiling, d.size + w.size, wide)
 
 
-def pixel_index(r: str, col: str, per_group: int, h: int, w: int) -> list[str]:
+def pixel_index(r: str, col: str, per_group: int, pixels: tuple[int, int, int]) -> list[str]:
     """Lines defining the NCHW indices i0..i3 of C[r, col] for GEMM rows that are an image's
-    pixels (n, y, x) and columns that are channels of group g."""
-    return [f"let i0 = ({r}) / {h * w}u; let i1 = g * {per_group}u + ({col}); "
-            f"let i2 = (({r}) % {h * w}u) / {w}u; let i3 = ({r}) % {w}u;"]
+    pixels (n, y, x) over `pixels` (N, H, W) and columns that are channels of group g."""
+    return [f"let i1 = g * {per_group}u + ({col}); "
+            + _split(f"({r})", pixels, ("i0", "i2", "i3"))]
 
 
 def tap(coord: str, pad: int, stride: int, extent: int, name: str, k: str,
