@@ -88,7 +88,11 @@ def test_memory_candidates():
     assert memory_candidates(types, heaps, 0b1111, "upload") == [1, 2, 3]
     assert memory_candidates(types, heaps, 0b0110, "device") == []
     # With resizable BAR all of VRAM is mappable, so device buffers get mapped.
-    assert memory_candidates(types, [80 << 30, 128 << 30, 80 << 30], 0b1111, "device") == [3, 0]
+    rebar = [80 << 30, 128 << 30, 80 << 30]
+    assert memory_candidates(types, rebar, 0b1111, "device") == [3, 0]
+    # ... and inputs are staged there too, so a step copies them within VRAM.
+    assert memory_candidates(types, rebar, 0b1111, "upload") == [3, 1, 2]
+    assert memory_candidates(types, rebar, 0b1111, "readback") == [2, 1, 3]
     # lavapipe: one type that is everything.
     one = [(DEVICE_LOCAL | mappable | HOST_CACHED, 0)]
     for kind in ("device", "upload", "readback"):
@@ -388,6 +392,51 @@ def test_fence_path_without_timeline_semaphores():
         backend.submit(prog)
         backend.submit(prog)
         backend.wait()
+        np.testing.assert_array_equal(floats(backend, buf, 2 * NBYTES), 3 * x)
+        assert backend.validation_messages == []
+
+
+class CountingLib:
+    """The backend's Vulkan functions, counting the calls that block in the driver."""
+
+    def __init__(self, lib) -> None:
+        self.lib, self.blocking = lib, 0
+
+    def __getattr__(self, name):
+        if name in ("vkWaitSemaphores", "vkWaitForFences"):
+            self.blocking += 1
+        return getattr(self.lib, name)
+
+
+def test_cpu_drivers_never_poll(backend):
+    if backend.caps.device_type == "cpu":
+        assert backend._poll_s == 0
+    else:
+        assert backend._poll_s > 0
+
+
+@pytest.mark.parametrize("timeline", [True, False])
+@pytest.mark.parametrize("poll_s", [30.0, 1e-9])
+def test_polled_wait(timeline, poll_s):
+    """A wait polls for completion (GPUs; forced here), and sleeps in the driver once the
+    polling time is up; either way the work is complete when it returns."""
+    with VulkanBackend(timeline_semaphores=timeline) as backend:
+        backend._poll_s = poll_s
+        pipe = backend.create_pipeline(axpb_kernel(backend.caps))
+        buf = backend.create_buffer(3 * NBYTES, "device", "polled")
+        x = np.arange(N, dtype=np.float32)
+        backend.write_buffer(buf, 0, np.concatenate([x, x]))
+        prog = backend.record([Dispatch(pipe, (Binding(buf, 0, NBYTES, False),
+                                               Binding(buf, NBYTES, NBYTES, False),
+                                               Binding(buf, 2 * NBYTES, NBYTES, True)),
+                                        GROUPS)] * 64, "polled")
+        backend._lib = counting = CountingLib(backend._lib)
+        try:
+            backend.submit(prog)
+            backend.wait()
+        finally:
+            backend._lib = counting.lib
+        assert (counting.blocking == 0) == (poll_s > 1)
         np.testing.assert_array_equal(floats(backend, buf, 2 * NBYTES), 3 * x)
         assert backend.validation_messages == []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,7 +25,7 @@ from vkml.hal import (
 )
 from vkml.threads import compile_threads
 from vkml.vk.buffers import Buffer, allocate_buffer, free_buffer
-from vkml.vk.context import WAIT_TIMEOUT_NS, Adopted, Device, as_handle
+from vkml.vk.context import WAIT_POLL_S, WAIT_TIMEOUT_NS, Adopted, Device, as_handle
 from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
 from vkml.vk.programs import (
     Program,
@@ -96,6 +97,7 @@ class VulkanBackend(BackendBase):
         self._programs: set[Program] = set()
         self._in_flight: set[Program] = set()  # fence mode only
         self._timeline = dev.timeline
+        self._poll_s = 0.0 if dev.caps.device_type == "cpu" else WAIT_POLL_S
         self._value = 0  # last timeline value submitted
         self._completed = 0  # a timeline value known to be reached
         vk, ffi = self._vk, self._ffi
@@ -539,8 +541,24 @@ class VulkanBackend(BackendBase):
         name = getattr(vk.exception_codes.get(result), "__name__", str(result))
         raise DeviceError(f"{what} failed with {name}")
 
+    def _polled(self, done: Any) -> bool:
+        """Whether `done()` turned true within the polling time (see WAIT_POLL_S)."""
+        if self._poll_s <= 0:
+            return False
+        deadline = time.perf_counter() + self._poll_s
+        while not done():
+            if time.perf_counter() > deadline:
+                return False
+        return True
+
     def _wait_value(self, value: int) -> None:
         ffi = self._ffi
+        reached = ffi.new("uint64_t[1]")
+        lib, device, semaphore = self._lib, self._device, self._semaphore
+        if self._polled(lambda: lib.vkGetSemaphoreCounterValue(device, semaphore, reached) == 0
+                        and reached[0] >= value):
+            self._completed = max(self._completed, value)
+            return
         values = ffi.new("uint64_t[1]", [value])
         info = ffi.new("VkSemaphoreWaitInfo*", {
             "sType": self._vk.VK_STRUCTURE_TYPE_SEMAPHORE_WAIT_INFO, "semaphoreCount": 1,
@@ -551,8 +569,11 @@ class VulkanBackend(BackendBase):
 
     def _wait_fences(self, programs: list[Program]) -> None:
         fences = self._ffi.new("VkFence[]", [p.fence[0] for p in programs])
-        self._check(self._lib.vkWaitForFences(self._device, len(programs), fences, 1,
-                                              WAIT_TIMEOUT_NS), "waiting for submitted work")
+        lib, device = self._lib, self._device
+        if not self._polled(lambda: all(lib.vkGetFenceStatus(device, p.fence[0]) == 0
+                                        for p in programs)):
+            self._check(lib.vkWaitForFences(device, len(programs), fences, 1, WAIT_TIMEOUT_NS),
+                        "waiting for submitted work")
         for p in programs:
             p.in_flight = False
             self._in_flight.discard(p)
