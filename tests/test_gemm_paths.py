@@ -66,7 +66,15 @@ CONVS = {  # name: (x shape, weight shape, stride, padding, dilation, groups)
     "split_weight_grad": ((4, 2, 32, 32), (3, 2, 3, 3), 1, 1, 1, 1),
     # few pixels, many channels: the forward splits on GPUs
     "split_forward": ((1, 256, 4, 4), (16, 256, 3, 3), 1, 1, 1, 1),
+    # strided over images the stride divides: on GPUs the input gradient is one product per
+    # phase of the stride over the taps that reach it (kernels/conv.py `phases`)
+    "phased_3x3": ((2, 4, 8, 6), (6, 4, 3, 3), 2, 1, 1, 1),
+    "phased_1x1": ((2, 8, 6, 4), (4, 8, 1, 1), 2, 0, 1, 1),  # three phases without any tap
+    "phased_uneven_grouped": ((2, 4, 6, 9), (6, 2, 3, 4), (2, 3), (1, 2), 1, 2),
+    # many output channels over few pixels: the phased input gradient splits its sums too
+    "phased_split": ((1, 4, 4, 4), (256, 4, 3, 3), 2, 1, 1, 1),
 }
+PHASED = {"phased_3x3", "phased_1x1", "phased_uneven_grouped", "phased_split"}
 
 
 # "cpu_short_loops": a CPU driver whose loop limit (1 here) the CPU kernels' channel loops
@@ -99,8 +107,10 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
     assert {"conv2d", "conv2d_input_grad", "conv2d_weight_grad"} <= kinds
     split = {d.node.op for d in session.plan.dispatches
              if d.node is not None and d.node.attrs.get("splits", 1) > 1}
-    expected = {"split_weight_grad": {"conv2d_weight_grad"},
-                "split_forward": {"conv2d"}}.get(name, set())
+    # a phased input gradient sums each tap into a partial sum of its own where a phase has
+    # several (not at 1x1)
+    expected = {"split_weight_grad": {"conv2d_weight_grad"}, "split_forward": {"conv2d"},
+                **dict.fromkeys(PHASED - {"phased_1x1"}, {"conv2d_input_grad"})}.get(name, set())
     if device_type == "cpu_short_loops":
         expected = {"conv2d", "conv2d_input_grad", "conv2d_weight_grad"}
     assert split == (set() if device_type == "cpu" else expected)
@@ -112,6 +122,9 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
             assert (d.kernel.wgsl == own[d.node.op](d.node, caps).wgsl) == (device_type == "cpu")
             assert ("var<workgroup>" in d.kernel.wgsl) == (device_type == "discrete" or (
                 device_type == "cpu" and d.node.op == "conv2d_weight_grad"))
+    phased = {"let ry = " in d.kernel.wgsl for d in session.plan.dispatches
+              if d.node is not None and d.node.op == "conv2d_input_grad"}
+    assert phased == {name in PHASED and device_type == "discrete"}
     if name == "1x1_wide":
         # (vec4 inputs, vec4 output): the outputs run along memory in fours too (24 pixels an
         # image, 8 taps a weight row), so GPUs store four at once (gemm.WideStore)
@@ -455,9 +468,10 @@ def test_batch_norm_inference_and_residual_move_into_the_convolution(name, devic
     assert rel_l2(session.read("z"), expected) < 1e-5
 
 
+@pytest.mark.parametrize("stride", [1, 2])  # 2: phased on GPUs
 @pytest.mark.parametrize("device_type", ["discrete", "cpu"])
-def test_an_input_gradient_takes_the_activation_derivative_into_its_store(device_type, device,
-                                                                         rng):
+def test_an_input_gradient_takes_the_activation_derivative_into_its_store(device_type, stride,
+                                                                         device, rng):
     # conv(relu(h)): h's gradient is the input gradient times relu's derivative, applied as
     # the transposed convolution stores
     if device.backend_name != "vulkan":
@@ -467,17 +481,22 @@ def test_an_input_gradient_takes_the_activation_derivative_into_its_store(device
     w = rng.standard_normal(w_shape).astype(np.float32)
     g = vkml.Graph()
     ph, pw = g.param("h", x_shape, init=h), g.param("w", w_shape, init=w)
-    y = g.output("y", g.conv2d(ph.relu(), pw, padding=1))
+    y = g.output("y", g.conv2d(ph.relu(), pw, stride=stride, padding=1))
     weights = rng.standard_normal(y.shape).astype(np.float32)
     loss = g.sum(g.mul(y, g.constant(weights)))
     caps = dataclasses.replace(device.caps, device_type=device_type)
     session = Session(lower(g, caps, loss=loss).plan, device)
-    assert "fused_conv2d_input_grad" in {d.node.op for d in session.plan.dispatches
-                                         if d.node is not None}
+    grads = [d for d in session.plan.dispatches
+             if d.node is not None and d.node.op.endswith("conv2d_input_grad")]
+    assert len(grads) == 1
+    phased = "let ry = " in grads[0].kernel.wgsl
+    assert phased == (stride == 2 and device_type == "discrete")
+    # phased, a partial sum a tap: the sum of them stores through the derivative
+    assert grads[0].node.op == ("conv2d_input_grad" if phased else "fused_conv2d_input_grad")
     session.step()
     th = torch.tensor(h, dtype=torch.float64, requires_grad=True)
     tw = torch.tensor(w, dtype=torch.float64, requires_grad=True)
-    ty = F.conv2d(torch.relu(th), tw, padding=1)
+    ty = F.conv2d(torch.relu(th), tw, stride=stride, padding=1)
     (ty * torch.tensor(weights, dtype=torch.float64)).sum().backward()
     assert rel_l2(session.read("y"), ty.detach().numpy()) < 1e-5
     assert rel_l2(session.grad("h"), th.grad.numpy()) < 1e-5

@@ -6,7 +6,10 @@ group (and, for the weight gradient, the split of its long sum).
   depth = input channels of the group x kernel taps.
 - conv2d_input_grad (a transposed convolution): rows = input pixels, columns = input channels
   of the group, depth = output channels x taps (a tap counts where the stride divides the
-  distance from the output position).
+  distance from the output position). Strided, on GPUs: one product per phase of the stride
+  (the input pixels at one position modulo it) and tap that reaches it, each a partial sum, so
+  no multiply meets a tap that does not count (3x3 at stride 2: 9 taps over 4 phases where
+  each of the 4 took all 9; see `phased`).
 - conv2d_weight_grad: rows = output channels of the group, columns = input channels x taps,
   depth = batch x output pixels; with `splits` > 1 it writes one partial sum per split of that
   depth (the graph sums them: ops/conv.py), so small weights with huge sums still fill a GPU.
@@ -18,6 +21,7 @@ group (and, for the weight gradient, the split of its long sum).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -124,8 +128,91 @@ def generate_conv2d(node: Tensor, caps: Capabilities,
                     Output(at, "row", oh * ow, index), tiling, x.size + w.size, wide)
 
 
+def phased(node: Tensor, caps: Capabilities) -> bool:
+    """Whether an input gradient runs as products per phase of its stride and tap: on GPUs,
+    strided, undilated, over images the stride divides (every phase then has as many pixels)."""
+    _, _, h, wd = node.attrs["in_shape"]
+    (sh, sw), _, dilation, _ = params(node)
+    return (not gemm.on_cpu(caps) and (sh, sw) != (1, 1) and dilation == (1, 1)
+            and h % sh == 0 and wd % sw == 0)
+
+
+def phase_taps(node: Tensor, caps: Capabilities) -> int:
+    """The most taps that reach one phase of an input gradient, where phased (else 1): its
+    partial sums, one a tap, whatever the split of its output channels adds."""
+    if not phased(node, caps):
+        return 1
+    _, _, kh, kw = node.inputs[1].shape
+    (sh, sw), (ph, pw), _, _ = params(node)
+    return math.prod(max(len(range((r + pad) % stride, kernel, stride)) for r in range(stride))
+                     for kernel, stride, pad in ((kh, sh, ph), (kw, sw, pw)))
+
+
+def _phased_input_grad(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None) -> Kernel:
+    """Grid layer z = ((group, phase), (tap slot, split of the output channels)). Phase (ry, rx)
+    holds input pixels y = yq * sh + ry, x = xq * sw + rx; the taps along y that reach it are
+    ky = ky0 + jy * sh for jy < cy, where ky0 = (ry + ph) % sh, and tap jy reads output row
+    oy = yq + (ry + ph) / sh - jy (likewise along x). Each layer sums one tap over (a split of)
+    the output channels into its own partial sum, so its loads divide by nothing but
+    constants; slots past a phase's taps hold zeros."""
+    d, w = node.inputs[:2]
+    _, o, oh, ow = d.shape
+    _, cpg, kh, kw = w.shape
+    n, c, h, wd = node.shape[-4:]
+    (sh, sw), (ph, pw), _, groups = params(node)
+    hq, wq = h // sh, wd // sw
+    slots, pieces = phase_taps(node, caps), node.attrs.get("splits", 1)
+    opg, parts = o // groups, pieces // slots
+    chunk = -(-opg // parts)
+    setup = [f"  let s = z % {pieces}u; let gp = z / {pieces}u;",
+             f"  let g = gp / {sh * sw}u; let ry = gp % {sh * sw}u / {sw}u; "
+             f"let rx = gp % {sw}u;"]
+    for axis, kernel, stride, pad in (("y", kh, sh, ph), ("x", kw, sw, pw)):
+        setup.append(f"  let k{axis}0 = (r{axis} + {pad}u) % {stride}u; "
+                     f"let q{axis} = (r{axis} + {pad}u) / {stride}u; "
+                     f"let c{axis} = select(0u, ({kernel}u - k{axis}0 + {stride - 1}u) / "
+                     f"{stride}u, k{axis}0 < {kernel}u);")
+    setup += [f"  let slot = s / {parts}u; let part = s % {parts}u;",
+              "  let jy = slot / max(cx, 1u); let jx = slot % max(cx, 1u);",
+              f"  let ky = ky0 + jy * {sh}u; let kx = kx0 + jx * {sw}u;",
+              "  let dy0 = qy - jy; let dx0 = qx - jx;"]  # oy = yq + dy0 (may wrap below 0)
+    begin = f"part * {chunk}u"
+    end = f"select({begin}, min({begin} + {chunk}u, {opg}u), slot < cy * cx)"
+
+    def load_dy(i: str, ol: str) -> list[str]:
+        return [_split(i, (n, hq, wq), ("nb", "yq", "xq")),
+                "let oy = i32(yq + dy0); let ox = i32(xq + dx0);",
+                f"if ({inside('oy', 'ox', oh, ow)}) {{ v = in0[((nb * {o}u + g * {opg}u + {ol}) "
+                f"* {oh}u + u32(oy)) * {ow}u + u32(ox)]; }}"]
+
+    def load_w(j: str, ol: str) -> list[str]:
+        return [f"v = in1[((g * {opg}u + {ol}) * {cpg}u + {j}) * {kh * kw}u + ky * {kw}u + kx];"]
+
+    def pixel(r: str) -> tuple[str, str, str]:  # the row's image, y and x
+        return (f"({r} / {hq * wq}u)", f"(({r} / {wq}u) % {hq}u * {sh}u + ry)",
+                f"({r} % {wq}u * {sw}u + rx)")
+
+    def at(r: str, col: str) -> str:
+        nb, y, x = pixel(r)
+        return (f"s * {n * c * h * wd}u + (({nb} * {c}u + g * {cpg}u + {col}) * {h}u + {y}) "
+                f"* {wd}u + {x}")
+
+    def index(r: str, col: str) -> list[str]:
+        nb, y, x = pixel(r)
+        return [f"let i0 = {nb}; let i1 = g * {cpg}u + ({col}); let i2 = {y}; let i3 = {x};"]
+
+    m = n * hq * wq
+    return _product(node, caps, m, cpg, opg, groups * sh * sw, gemm.Operand(load_dy, "row"),
+                    gemm.Operand(load_w, "depth"), Output(at, "row", 1, index), tiling,
+                    d.size + w.size, (False,), setup=setup, k_range=(begin, end),
+                    tiling_layers=dims_conv2d_input_grad(node, caps)[3],
+                    flops=2 * m * cpg * opg * kh * kw * groups)
+
+
 def generate_conv2d_input_grad(node: Tensor, caps: Capabilities,
                                tiling: gemm.Tiling | None = None) -> Kernel:
+    if phased(node, caps):
+        return _phased_input_grad(node, caps, tiling)
     d, w = node.inputs[:2]
     _, o, oh, ow = d.shape
     _, cpg, kh, kw = w.shape
@@ -246,13 +333,18 @@ class Output:
 
 def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, groups: int,
              a: gemm.Operand, b: gemm.Operand, output: Output,
-             tiling: gemm.Tiling | None, read: int, wide: tuple[bool, ...]) -> Kernel:
+             tiling: gemm.Tiling | None, read: int, wide: tuple[bool, ...],
+             setup: list[str] | None = None, k_range: tuple[str, str] | None = None,
+             tiling_layers: int | None = None, flops: int | None = None) -> Kernel:
     """The GEMM over grid layers z = group * splits + split (see OpDef.splits): split s sums its
     own range of the depth into slice s of a result with a leading split axis. `wide`: which
-    inputs are bound as vec4 arrays."""
+    inputs are bound as vec4 arrays. `setup` and `k_range`: lines defining g and s from z, and
+    the range a layer sums, where the layers are not just groups and splits of one depth
+    (phased input gradients: the sum then has edges); `tiling_layers`: the layers the tiling
+    was planned for (by dims_*) where they are not the groups."""
     pieces = node.attrs.get("splits", 1)
-    chunk = _chunk(node, depth)
-    tiling = tiling or gemm.choose(m, cols, depth, groups, caps, plain(node))
+    chunk = depth if k_range else _chunk(node, depth)
+    tiling = tiling or gemm.choose(m, cols, depth, tiling_layers or groups, caps, plain(node))
     wide_out = output.run % 4 == 0 and gemm.stores_wide(tiling, chunk)
 
     def index(r: str, col: str) -> list[str]:
@@ -274,30 +366,37 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
     return gemm.generate(
         f"{node.op}_{'x'.join(map(str, node.shape))}", caps, buffers(node, wide, wide_out), m,
         cols, chunk, groups * pieces, a, b, store, tiling,
-        setup=[f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
-        k_range=(f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"), depth=depth,
-        prelude=helper_functions(epilogue(node)), flops=2 * m * cols * depth * groups,
+        setup=setup or [f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
+        k_range=k_range or (f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"),
+        depth=depth, ragged=k_range is not None, prelude=helper_functions(epilogue(node)),
+        flops=2 * m * cols * depth * groups if flops is None else flops,
         nbytes=4 * (read + node.size + sum(x.size for x in node.inputs[2:])),
         wide_store=gemm.WideStore(output.along, store4) if wide_out else None)
 
 
-def dims_conv2d(node: Tensor) -> tuple[int, int, int, int]:
-    """GEMM shape (m, n, k, groups) of a conv2d node."""
+def dims_conv2d(node: Tensor, caps: Capabilities) -> tuple[int, int, int, int]:
+    """GEMM shape (m, n, k, grid layers) of a conv2d node."""
     x, w = node.inputs[:2]
     o, cpg, kh, kw = w.shape
     groups = node.attrs["groups"]
     return x.shape[0] * node.shape[-2] * node.shape[-1], o // groups, cpg * kh * kw, groups
 
 
-def dims_conv2d_input_grad(node: Tensor) -> tuple[int, int, int, int]:
+def dims_conv2d_input_grad(node: Tensor, caps: Capabilities) -> tuple[int, int, int, int]:
+    """GEMM shape of an input gradient; where phased, of one layer: a phase's pixels and the
+    output channels, over groups x phases x taps (before its split)."""
     d, w = node.inputs[:2]
     o, cpg, kh, kw = w.shape
     n, _, h, wd = node.attrs["in_shape"]
     groups = node.attrs["groups"]
-    return n * h * wd, cpg, (o // groups) * kh * kw, groups
+    if not phased(node, caps):
+        return n * h * wd, cpg, (o // groups) * kh * kw, groups
+    (sh, sw), _, _, _ = params(node)
+    return (n * h * wd // (sh * sw), cpg, o // groups,
+            groups * sh * sw * phase_taps(node, caps))
 
 
-def dims_conv2d_weight_grad(node: Tensor) -> tuple[int, int, int, int]:
+def dims_conv2d_weight_grad(node: Tensor, caps: Capabilities) -> tuple[int, int, int, int]:
     _, dy = node.inputs
     o, cpg, kh, kw = node.attrs["w_shape"]
     groups = node.attrs["groups"]

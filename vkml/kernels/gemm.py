@@ -337,7 +337,7 @@ class Edges:
 def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: int, k: int,
              z: int, a: Operand, b: Operand, store: Store, tiling: Tiling | CoopTiling, *,
              setup: Sequence[str] = (), k_range: tuple[str, str] | None = None,
-             depth: int | None = None,
+             depth: int | None = None, ragged: bool = False,
              prelude: Sequence[str] = (), flops: int = 0, nbytes: int = 0,
              wide_store: WideStore | None = None, plain_store: PlainStore | None = None,
              scales: tuple[Scale | None, Scale | None] = (None, None)) -> Kernel:
@@ -345,6 +345,7 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
     which may use `z` (the grid layer: a batch index, a group, a split of k) and define what
     the loaders and the store use; `k_range`: WGSL expressions of the first and end depth this
     layer sums over (default 0 and k), ranges of k over a whole `depth` (default k);
+    `ragged`: the layers' ranges end where `k_range` says, not on whole ranges of k;
     `wide_store`: used by the staged variant in place of `store` (the others store an element at
     a time); `plain_store`: where the store is a plain write, the cooperative variant's way to
     store whole fragments; `scales`: for A and for B, the cooperative variant's scaling of a
@@ -360,7 +361,7 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
                         prelude=["enable f16;", "enable wgpu_cooperative_matrix;", *prelude,
                                  *_coop_shared(tiling, scales)], flops=flops, nbytes=nbytes)
     edges = Edges(m % tiling.bm != 0, n % tiling.bn != 0,
-                  k % tiling.bk != 0 or (depth or k) % k != 0)
+                  ragged or k % tiling.bk != 0 or (depth or k) % k != 0)
     body = (_staged(m, n, a, b, store, tiling, begin, end, wide_store, edges) if tiling.staged
             else _direct(m, n, a, b, store, tiling, begin, end, edges))
     head = ["fn main(@builtin(local_invocation_id) lid: vec3<u32>, "

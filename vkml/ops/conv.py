@@ -46,9 +46,11 @@ def _conv2d_grad(g, node, d):
             g.apply("conv2d_weight_grad", [x, d], w_shape=w.shape, **a)]
 
 
-def by_device(on_gemm, on_cpu, dims) -> dict:
+def by_device(on_gemm, on_cpu, dims, partials=None) -> dict:
     """A convolution's lowering and split rule: on CPU drivers their own kernel where its loops
-    fit (kernels/conv_cpu.py), elsewhere the GEMM core's, split as the core decides."""
+    fit (kernels/conv_cpu.py), elsewhere the GEMM core's, split as the core decides for
+    `dims(node, caps)`, the shape of one of its grid layers, times the `partials(node, caps)`
+    that its kernel sums in any case (phased input gradients: one a tap)."""
     def cpu_kernel(node: Tensor, caps) -> bool:
         return gemm.on_cpu(caps) and conv_cpu.handles(node, caps)
 
@@ -56,8 +58,10 @@ def by_device(on_gemm, on_cpu, dims) -> dict:
         return (on_cpu if cpu_kernel(node, caps) else on_gemm)(node, caps)
 
     def splits(node: Tensor, caps) -> int:
-        return (1 if cpu_kernel(node, caps)
-                else gemm.splits(*dims(node), caps, plain=kernels.plain(node)))
+        if cpu_kernel(node, caps):
+            return 1
+        pieces = gemm.splits(*dims(node, caps), caps, plain=kernels.plain(node))
+        return pieces * (partials(node, caps) if partials is not None else 1)
 
     return {"lower": lower, "splits": splits}
 
@@ -102,7 +106,8 @@ def _weight_grad_grad(g, node, d):
 
 register(OpDef("conv2d_input_grad", _input_grad, "kernel", grad=_input_grad_grad,
                **by_device(kernels.generate_conv2d_input_grad,
-                           conv_cpu.generate_conv2d_input_grad, kernels.dims_conv2d_input_grad)))
+                           conv_cpu.generate_conv2d_input_grad, kernels.dims_conv2d_input_grad,
+                           kernels.phase_taps)))
 register(OpDef("conv2d_weight_grad", _weight_grad, "kernel", grad=_weight_grad_grad,
                **by_device(kernels.generate_conv2d_weight_grad,
                            conv_cpu.generate_conv2d_weight_grad,

@@ -35,4 +35,4 @@ register(OpDef("fused_conv2d", _stored, "kernel",
                **by_device(conv.generate_conv2d, conv_cpu.generate_conv2d, conv.dims_conv2d)))
 register(OpDef("fused_conv2d_input_grad", _stored, "kernel",
                **by_device(conv.generate_conv2d_input_grad, conv_cpu.generate_conv2d_input_grad,
-                           conv.dims_conv2d_input_grad)))
+                           conv.dims_conv2d_input_grad, conv.phase_taps)))
