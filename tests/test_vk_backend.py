@@ -379,16 +379,20 @@ def test_bad_bindings_are_refused(backend, axpb):
     assert backend.validation_messages == []
 
 
+def axpb_program(backend, label: str, dispatches: int = 1):
+    """x and b = x in one buffer, y = 2x + b after them, and a program of `dispatches` of it."""
+    pipe = backend.create_pipeline(axpb_kernel(backend.caps))
+    buf = backend.create_buffer(3 * NBYTES, "device", label)
+    x = np.arange(N, dtype=np.float32)
+    backend.write_buffer(buf, 0, np.concatenate([x, x]))
+    bindings = (Binding(buf, 0, NBYTES, False), Binding(buf, NBYTES, NBYTES, False),
+                Binding(buf, 2 * NBYTES, NBYTES, True))
+    return buf, x, backend.record([Dispatch(pipe, bindings, GROUPS)] * dispatches, label)
+
+
 def test_fence_path_without_timeline_semaphores():
     with VulkanBackend(timeline_semaphores=False) as backend:
-        pipe = backend.create_pipeline(axpb_kernel(backend.caps))
-        buf = backend.create_buffer(3 * NBYTES, "device", "fence")
-        x = np.arange(N, dtype=np.float32)
-        backend.write_buffer(buf, 0, np.concatenate([x, x]))
-        prog = backend.record([Dispatch(pipe, (Binding(buf, 0, NBYTES, False),
-                                               Binding(buf, NBYTES, NBYTES, False),
-                                               Binding(buf, 2 * NBYTES, NBYTES, True)), GROUPS)],
-                              "fence")
+        buf, x, prog = axpb_program(backend, "fence")
         backend.submit(prog)
         backend.submit(prog)
         backend.wait()
@@ -422,14 +426,7 @@ def test_polled_wait(timeline, poll_s):
     polling time is up; either way the work is complete when it returns."""
     with VulkanBackend(timeline_semaphores=timeline) as backend:
         backend._poll_s = poll_s
-        pipe = backend.create_pipeline(axpb_kernel(backend.caps))
-        buf = backend.create_buffer(3 * NBYTES, "device", "polled")
-        x = np.arange(N, dtype=np.float32)
-        backend.write_buffer(buf, 0, np.concatenate([x, x]))
-        prog = backend.record([Dispatch(pipe, (Binding(buf, 0, NBYTES, False),
-                                               Binding(buf, NBYTES, NBYTES, False),
-                                               Binding(buf, 2 * NBYTES, NBYTES, True)),
-                                        GROUPS)] * 64, "polled")
+        buf, x, prog = axpb_program(backend, "polled", dispatches=64)
         backend._lib = counting = CountingLib(backend._lib)
         try:
             backend.submit(prog)
