@@ -67,7 +67,7 @@ CONVS = {  # name: (x shape, weight shape, stride, padding, dilation, groups)
     # few pixels, many channels: the forward splits on GPUs
     "split_forward": ((1, 256, 4, 4), (16, 256, 3, 3), 1, 1, 1, 1),
     # strided over images the stride divides: on GPUs the input gradient is one product per
-    # phase of the stride over the taps that reach it (kernels/conv.py `phases`)
+    # phase of the stride and tap that reaches it (kernels/conv.py `phased`)
     "phased_3x3": ((2, 4, 8, 6), (6, 4, 3, 3), 2, 1, 1, 1),
     "phased_1x1": ((2, 8, 6, 4), (4, 8, 1, 1), 2, 0, 1, 1),  # three phases without any tap
     "phased_uneven_grouped": ((2, 4, 6, 9), (6, 2, 3, 4), (2, 3), (1, 2), 1, 2),
