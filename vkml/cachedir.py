@@ -1,14 +1,24 @@
 """The on-disk cache directory (`VKML_CACHE_DIR`, default `~/.cache/vkml`): where it is, and
-writing to it when it may not be writable.
+its entries, each written whole or not at all and checked when read.
 
-naga's SPIR-V and compiled-wasm caches (vkml/naga.py) and the Vulkan pipeline cache
-(vkml/vk/pipelines.py) only save time, and each also lives in memory for the process. So a
-directory that cannot be written (read-only file system, no permission, a file in the way) is one
-warning per directory, and the process goes on with its in-memory caches.
+naga's SPIR-V and compiled-wasm caches (vkml/naga.py), the plan cache
+(vkml/compiler/plan_cache.py) and the Vulkan pipeline cache (vkml/vk/pipelines.py) only save
+time, and each also lives in memory for the process. So a directory that cannot be written
+(read-only file system, no permission, a file in the way) is one warning per directory, and the
+process goes on with its in-memory caches.
+
+Every entry is `write_entry`'s header (a magic and the sha256 of the contents) and the contents,
+and `read_entry` returns the contents only when the digest matches. A cached entry is trusted by
+what reads it (a driver fed corrupted SPIR-V or a pipeline-cache blob may crash; wasmtime
+deserializes machine code as is; a changed constant in valid SPIR-V is a silently wrong result),
+so a file cut short, with bits flipped or edited is never handed on: it is deleted, reported once
+as a `CorruptCacheWarning` naming the file, and its caller compiles the entry again (a file
+without the header, an older vkml's, is replaced without a warning).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import threading
@@ -18,6 +28,15 @@ from pathlib import Path
 
 class CacheWarning(UserWarning):
     """A cache file could not be written; vkml goes on with its in-memory cache."""
+
+
+class CorruptCacheWarning(CacheWarning):
+    """A cache file failed its integrity check; vkml deleted it and compiles the entry again."""
+
+
+# An entry's header: the format's magic, then the sha256 of the contents that follow it.
+ENTRY_MAGIC = b"vkml cache entry 1\n"
+_DIGEST_BYTES = hashlib.sha256().digest_size
 
 
 def cache_dir() -> Path:
@@ -56,3 +75,41 @@ def write_atomic(path: Path, data: bytes, root: Path) -> bool:
                 "in memory for this process, so the next one compiles again. Set VKML_CACHE_DIR "
                 "to a writable directory to keep them.", CacheWarning, stacklevel=2)
         return False
+
+
+def write_entry(path: Path, contents: bytes, root: Path) -> bool:
+    """Write a cache entry: `contents` behind a header holding their digest, atomically (see
+    write_atomic, whose return value this is)."""
+    return write_atomic(path, ENTRY_MAGIC + hashlib.sha256(contents).digest() + contents, root)
+
+
+_reported: set[Path] = set()
+
+
+def read_entry(path: Path) -> bytes | None:
+    """The contents of the cache entry at `path`; None when there is none, or when the file is
+    not an intact entry: then it is deleted, so that the caller's fresh entry replaces it. A
+    damaged entry (cut short, bits flipped, edited) is reported once; a file without the header
+    at all (an older vkml's) is replaced silently."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    head = len(ENTRY_MAGIC) + _DIGEST_BYTES
+    contents = data[head:]
+    if (data.startswith(ENTRY_MAGIC)
+            and hashlib.sha256(contents).digest() == data[len(ENTRY_MAGIC):head]):
+        return contents
+    try:
+        path.unlink()
+    except OSError:
+        pass  # an unwritable directory: the caller's in-memory cache carries on
+    with _warned_lock:
+        first = data.startswith(ENTRY_MAGIC) and path not in _reported
+        _reported.add(path)
+    if first:
+        warnings.warn(
+            f"vkml's cache file {path} is corrupt (its contents do not match the digest written "
+            "with them); it was deleted and its entry is compiled again. Nothing read from it "
+            "was used.", CorruptCacheWarning, stacklevel=2)
+    return None

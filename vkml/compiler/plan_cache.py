@@ -17,8 +17,9 @@ told:
   parameters' values: those are this graph's own, put into the cached plan when it is loaded,
   as is the optimizer object. An attribute of a type the key cannot represent exactly (see
   codegen.lowering_key) makes the graph uncacheable.
-`VKML_PLAN_CACHE=0` turns the cache off. A file that cannot be read back is compiled again and
-rewritten; the directory keeps the MAX_PLANS most recently used plans.
+`VKML_PLAN_CACHE=0` turns the cache off. Each file is a cache entry (vkml/cachedir.py): one that
+fails its digest is deleted and reported, one that cannot be unpickled is ignored, and either is
+compiled again and rewritten; the directory keeps the MAX_PLANS most recently used plans.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from vkml.cachedir import cache_dir, write_atomic
+from vkml.cachedir import cache_dir, read_entry, write_entry
 from vkml.compiler.codegen import _Unkeyable, _value_key
 from vkml.compiler.schedule import Plan
 from vkml.expr import Arg, Axis, Body, Call, Expr, Lit, _postorder
@@ -109,9 +110,8 @@ def _path(cache_key: str) -> Path:
 def load(cache_key: str, graph: Graph, optimizer: Optimizer | None) -> Plan | None:
     """The cached plan with this graph's initial values and this optimizer, or None."""
     path = _path(cache_key)
-    try:
-        data = path.read_bytes()
-    except OSError:
+    data = read_entry(path)  # None where absent or damaged (then deleted and reported)
+    if data is None:
         return None
     try:
         unpickler = _Unpickler(io.BytesIO(data), optimizer)
@@ -119,7 +119,7 @@ def load(cache_key: str, graph: Graph, optimizer: Optimizer | None) -> Plan | No
         values = {slot: graph.initial_values[ref] if kind == "graph" else ref
                   for slot, (kind, ref) in sources.items()}
         plan = dataclasses.replace(plan, initial_values=values)
-    except Exception:  # a torn, foreign or stale file: compiled again and rewritten
+    except Exception:  # a stale file (an intact one from another vkml): compiled again
         return None
     try:
         os.utime(path)  # recently used: kept when the directory is trimmed
@@ -146,7 +146,7 @@ def store(cache_key: str, plan: Plan, graph: Graph, optimizer: Optimizer | None)
             _Pickler(out, optimizer).dump(entry)
         except Exception:  # only saves time: a plan that cannot be pickled is not cached
             return
-        if write_atomic(path, out.getvalue(), root):
+        if write_entry(path, out.getvalue(), root):
             _trim(path.parent)
 
     # Not a daemon: an exiting interpreter waits for it, so no half-written temporary is left.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from vkml.cachedir import cache_dir, write_atomic
+from vkml.cachedir import cache_dir, read_entry, write_entry
 from vkml.errors import DeviceError
 from vkml.vk.spirv import prepare
 
@@ -30,7 +30,9 @@ class PipelineCache:
     """A VkPipelineCache seeded from and saved to a file keyed by device, driver and cache UUID.
 
     Driver compilation dominates pipeline creation (0.1-0.5 s per kernel on NVIDIA), so a second
-    run of the same model should not pay it again.
+    run of the same model should not pay it again. The driver only checks the blob's header
+    before trusting the rest, so the file is a cache entry (vkml/cachedir.py) with a digest over
+    the blob: a damaged one is dropped, and the cache starts empty and is saved again.
     """
 
     def __init__(self, dev: Any) -> None:
@@ -38,19 +40,21 @@ class PipelineCache:
         self.root = cache_dir()
         self.path = self.root / f"pipelines-{dev.pipeline_cache_key}.bin"
         self.dirty = False
-        vk, ffi = dev.vk, dev.ffi
-        try:
-            initial = self.path.read_bytes()
-        except OSError:
-            initial = b""
+        # A blob the driver refuses despite its digest (another driver build): start empty.
+        self.handle = self._create(read_entry(self.path) or b"") or self._create(b"")
+        if self.handle is None:
+            raise DeviceError("vkCreatePipelineCache failed")
+
+    def _create(self, initial: bytes) -> Any:
+        dev, vk, ffi = self.dev, self.dev.vk, self.dev.ffi
         data = ffi.from_buffer(initial) if initial else ffi.NULL
         info = ffi.new("VkPipelineCacheCreateInfo*", {
             "sType": vk.VK_STRUCTURE_TYPE_PIPELINE_CACHE_CREATE_INFO,
             "initialDataSize": len(initial), "pInitialData": data})
         out = ffi.new("VkPipelineCache*")
         if dev.lib.vkCreatePipelineCache(dev.device, info, ffi.NULL, out) != vk.VK_SUCCESS:
-            raise DeviceError("vkCreatePipelineCache failed")
-        self.handle = out[0]
+            return None
+        return out[0]
 
     def save_and_destroy(self) -> None:
         dev, ffi = self.dev, self.dev.ffi
@@ -60,7 +64,7 @@ class PipelineCache:
                 data = ffi.new("char[]", size[0])
                 if dev.lib.vkGetPipelineCacheData(dev.device, self.handle, size, data) == 0:
                     # Only saves time: an unwritable cache directory warns once, never raises.
-                    write_atomic(self.path, ffi.buffer(data, size[0])[:], self.root)
+                    write_entry(self.path, ffi.buffer(data, size[0])[:], self.root)
         dev.lib.vkDestroyPipelineCache(dev.device, self.handle, ffi.NULL)
 
 
