@@ -57,6 +57,21 @@ CASES = [
     unary("exp", torch.exp),
     unary("log", torch.log, positive=True),
     unary("neg", torch.neg),
+    Case("where_greater_broadcast", [(5, 7), (7,)], lambda g, a, b: g.where(a > b, a, b),
+         lambda a, b: torch.where(a > b, a, b)),
+    Case("where_three_shapes", [(5, 1), (7,), (5, 7)],
+         lambda g, c, a, b: g.where(g.less_equal(c, 0.2), a * 2.0, b),
+         lambda c, a, b: torch.where(c <= 0.2, a * 2.0, b) + 0 * c),
+    Case("masks_times_values", [(5, 7), (5, 7)],
+         lambda g, a, b: a * (a < 0.1) + b * g.greater_equal(b, a) - a * g.not_equal(a, a),
+         lambda a, b: a * (a < 0.1) + b * (b >= a) - a * (a != a)),
+    Case("where_logical", [(5, 7), (5, 7)],
+         lambda g, a, b: (g.where(g.logical_and(a > 0, b < 0), a, b)
+                          + g.where(g.logical_or(a > 1, (b > 1).logical_not()), b, 0.5)
+                          + g.where(g.logical_xor(a > 0, b > 0), 1.0, a)),
+         lambda a, b: (torch.where((a > 0) & (b < 0), a, b)
+                       + torch.where((a > 1) | ~(b > 1), b, 0.5)
+                       + torch.where((a > 0) ^ (b > 0), 1.0, a))),
     Case("sum_all", [(5, 7)], lambda g, a: a.sum(), torch.sum),
     Case("sum_last", [(5, 7)], lambda g, a: a.sum(-1), lambda a: a.sum(-1)),
     Case("sum_first", [(5, 7)], lambda g, a: a.sum(0), lambda a: a.sum(0)),
@@ -318,6 +333,54 @@ def test_pointwise_ops_propagate_nan_as_torch_does(device):
     for name, fn in expected.items():
         want = np.isnan(fn(t).numpy())
         assert np.array_equal(np.isnan(session.read(name)), want), name
+
+
+SPECIAL = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -2.5, 3e38]
+COMPARISONS = {"equal": torch.eq, "not_equal": torch.ne, "less": torch.lt, "less_equal": torch.le,
+               "greater": torch.gt, "greater_equal": torch.ge, "logical_and": torch.logical_and,
+               "logical_or": torch.logical_or, "logical_xor": torch.logical_xor}
+PREDICATES = {"logical_not": torch.logical_not, "isnan": torch.isnan, "isinf": torch.isinf}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "i32"])
+def test_comparisons_and_logic_match_torch_on_every_pair(dtype, device):
+    """Every pair of special values (NaN, infinities, signed zeros, ties) through every
+    comparison and logical op, as f32 masks, and `where` choosing by them: exactly torch's."""
+    values = (np.array(SPECIAL, np.float32) if dtype == "f32"
+              else np.array([0, 1, -1, 7, -7, 2**31 - 1, -2**31], np.int32))
+    a, b = np.meshgrid(values, values, indexing="ij")
+    g = vkml.Graph()
+    ai, bi = g.input("a", a.shape, dtype), g.input("b", b.shape, dtype)
+    for name in COMPARISONS:
+        g.output(name, getattr(g, name)(ai, bi))
+    for name in PREDICATES if dtype == "f32" else ("logical_not",):
+        g.output(name, getattr(g, name)(ai))
+    g.output("where", g.where(g.greater(ai, bi), ai, bi))
+    g.output("scalar", g.less(ai, 1))  # a number becomes a constant of the tensor's dtype
+    session = vkml.compile(g, device=device)
+    session.set_input("a", a)
+    session.set_input("b", b)
+    session.forward()
+    ta, tb = torch.tensor(a), torch.tensor(b)
+    expected = {name: fn(ta, tb) for name, fn in COMPARISONS.items()}
+    expected |= {name: fn(ta) for name, fn in PREDICATES.items() if name in session.plan.outputs}
+    expected["scalar"] = ta < 1
+    for name, want in expected.items():
+        got = session.read(name)
+        assert got.dtype == np.float32, name
+        np.testing.assert_array_equal(got, want.numpy().astype(np.float32), err_msg=name)
+    np.testing.assert_array_equal(session.read("where"), torch.where(ta > tb, ta, tb).numpy())
+
+
+def test_mixed_dtypes_are_refused_naming_the_fix():
+    g = vkml.Graph()
+    x, ids = g.input("x", (3,)), g.input("ids", (3,), "i32")
+    with pytest.raises(vkml.GraphError, match="cast"):
+        g.less(x, ids)
+    with pytest.raises(vkml.GraphError, match="cast"):
+        g.less(ids, 0.5)
+    with pytest.raises(vkml.GraphError, match="cast"):
+        g.where(x > 0, x, ids)
 
 
 def test_batch_norm_backward_sums_twice(device):

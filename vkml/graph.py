@@ -165,6 +165,11 @@ class Tensor:
     def __rtruediv__(self, other: Operand) -> Tensor: return self.graph.div(other, self)
     def __matmul__(self, other: Tensor) -> Tensor: return self.graph.matmul(self, other)
     def __neg__(self) -> Tensor: return self.graph.neg(self)
+    # Comparisons give f32 masks; == and != stay Python's identity tests (tensors are dict keys).
+    def __lt__(self, other: Operand) -> Tensor: return self.graph.less(self, other)
+    def __le__(self, other: Operand) -> Tensor: return self.graph.less_equal(self, other)
+    def __gt__(self, other: Operand) -> Tensor: return self.graph.greater(self, other)
+    def __ge__(self, other: Operand) -> Tensor: return self.graph.greater_equal(self, other)
 
     @property
     def T(self) -> Tensor:
@@ -192,7 +197,7 @@ class Graph:
         self.extras: dict[str, np.ndarray] = {}
         self.unsupported_tensors: dict[str, str] = {}
         self.rng = np.random.default_rng(seed)
-        self.where = _user_frame()  # where it was made: errors about mixed graphs say which
+        self.created_at = _user_frame()  # where it was made: errors about mixed graphs say which
 
     # ---- building -------------------------------------------------------------------------
     def apply(self, op: str, inputs: Sequence[Tensor], name: str | None = None,
@@ -204,7 +209,8 @@ class Graph:
                 raise GraphError(f"{op}: expected a Tensor, got {type(t).__name__}")
             if t.graph is not self and not self._owns(t):
                 raise GraphError(f"{op}: input {t.label} belongs to another Graph (created at "
-                                 f"{t.graph.where}) than this one (created at {self.where})")
+                                 f"{t.graph.created_at}) than this one (created at "
+                                 f"{self.created_at})")
         where = _user_frame()
         try:
             shape, dtype = opdef.infer([*inputs], attrs)
@@ -294,9 +300,9 @@ class Graph:
         raise GraphError(f"parameter '{name}': unknown init {init!r}; use an array, a number, "
                          "'zeros', 'normal' or 'uniform'")
 
-    def constant(self, value: float | np.ndarray) -> Tensor:
-        arr = np.asarray(value, dtype=np.float32)
-        t = self.apply("constant", [], shape=arr.shape, dtype="f32")
+    def constant(self, value: float | np.ndarray, dtype: DType = "f32") -> Tensor:
+        arr = np.asarray(value, dtype=np.int32 if dtype == "i32" else np.float32)
+        t = self.apply("constant", [], shape=arr.shape, dtype=dtype)
         self.initial_values[t.id] = arr
         return t
 
@@ -306,13 +312,18 @@ class Graph:
         self.outputs[name] = tensor
         return tensor
 
-    def lift(self, x: Operand) -> Tensor:
-        """A tensor as it is; a number as a scalar constant."""
+    def lift(self, x: Operand, dtype: DType = "f32") -> Tensor:
+        """A tensor as it is; a number as a scalar constant of `dtype`."""
         if isinstance(x, Tensor):
             return x
-        if isinstance(x, (int, float, np.floating, np.integer)):
-            return self.constant(float(x))
-        raise GraphError(f"expected a Tensor or a number, got {type(x).__name__}")
+        if not isinstance(x, (int, float, np.floating, np.integer)):
+            raise GraphError(f"expected a Tensor or a number, got {type(x).__name__}")
+        if dtype == "i32":
+            if not float(x).is_integer():
+                raise GraphError(f"{x!r} is no integer, and the other operand is i32: "
+                                 "cast that one to f32 first (cast(t, 'f32'))")
+            return self.constant(int(x), "i32")
+        return self.constant(float(x))
 
     # ---- inspection -----------------------------------------------------------------------
     def copy(self) -> Graph:
@@ -320,7 +331,7 @@ class Graph:
         g = Graph.__new__(Graph)
         g.nodes, g.inputs, g.params = list(self.nodes), dict(self.inputs), dict(self.params)
         g.outputs, g.initial_values, g.rng = dict(self.outputs), dict(self.initial_values), self.rng
-        g.where = self.where
+        g.created_at = self.created_at
         g.extras, g.unsupported_tensors = dict(self.extras), dict(self.unsupported_tensors)
         return g
 

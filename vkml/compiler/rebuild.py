@@ -19,7 +19,7 @@ def rebuild(old: Graph, roots: Iterable[Tensor], make: Make) -> tuple[Graph, dic
     inputs' replacements, emit)`, where `emit` appends a node. Returns the graph and a map from
     old node ids to new nodes."""
     new = Graph.__new__(Graph)
-    new.nodes, new.rng, new.initial_values, new.where = [], old.rng, {}, old.where
+    new.nodes, new.rng, new.initial_values, new.created_at = [], old.rng, {}, old.created_at
     new_of: dict[int, Tensor] = {}
 
     def emit(op: str, inputs: list[Tensor], shape: Shape, attrs: dict,

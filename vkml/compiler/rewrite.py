@@ -63,8 +63,8 @@ class _BodyBuilder:
 
 
 def _literal(t: Tensor, values: dict[int, np.ndarray]) -> Lit | None:
-    """A literal for a scalar constant, so it needs no buffer and no binding."""
-    if t.op != "constant" or t.size != 1:
+    """A literal for a scalar f32 constant, so it needs no buffer and no binding."""
+    if t.op != "constant" or t.size != 1 or t.dtype != "f32":
         return None
     value = float(values[t.id].reshape(()))
     return Lit(value) if np.isfinite(value) else None
@@ -109,7 +109,7 @@ def _fuse_once(old: Graph, roots: list[Tensor], max_inputs: int
     consumers = Counter(i.id for t in order for i in {x.id: x for x in t.inputs}.values())
     duplicable = _duplicable(order, pinned, consumers)
     new = Graph.__new__(Graph)
-    new.nodes, new.outputs, new.rng, new.where = [], {}, old.rng, old.where
+    new.nodes, new.outputs, new.rng, new.created_at = [], {}, old.rng, old.created_at
     new.initial_values = {}
     new_of: dict[int, Tensor] = {}
     old_of: dict[int, int] = {}

@@ -139,8 +139,8 @@ def check_arguments(graph: Graph, loss: object, optimizer: object, outputs: obje
                              f"{t.__name__ if isinstance(t, type) else type(t).__name__}")
         if not graph._owns(t):
             raise GraphError(f"{what} {t.label} belongs to another Graph (created at "
-                             f"{t.graph.where}) than the one compiled (created at "
-                             f"{graph.where}); build it on the graph you compile")
+                             f"{t.graph.created_at}) than the one compiled (created at "
+                             f"{graph.created_at}); build it on the graph you compile")
     if loss is not None and loss.dtype != "f32":  # type: ignore[union-attr]
         raise GraphError(f"the loss must be f32 to differentiate, got {loss.label}")  # type: ignore[union-attr]
 

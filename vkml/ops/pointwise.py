@@ -181,10 +181,6 @@ def _div_grad(g, node, d):
     return [sum_to(g, da, a.shape), sum_to(g, g.neg(g.mul(da, node)), b.shape)]
 
 
-register(OpDef("equal", _binary, "pointwise",
-               expr=lambda n: call("select(0.0, 1.0, {0} == {1})", Arg(0), Arg(1))))
-
-
 def _binary_op(name: str, symbol: str, grad: Callable) -> None:
     register(OpDef(name, _binary, "pointwise", grad=grad,
                    expr=lambda n: call(f"{{0}} {symbol} {{1}}", Arg(0), Arg(1))))
@@ -208,6 +204,110 @@ def bias_add(g: Graph, x: Tensor, bias: Tensor) -> Tensor:
         raise GraphError(f"bias_add: bias {bias.label} must have shape ({x.shape[-1]},) "
                          f"to match the last axis of {x.label}")
     return g.add(x, bias)
+
+
+# ---- comparisons, logic and selection --------------------------------------------------------
+# A truth value is an f32 mask (1 true, 0 false), so it fuses into the arithmetic that reads it
+# like any other value; the logical ops and `where` take any nonzero element as true, as torch
+# does (NaN included). Masks have a zero gradient (torch's bools have none), so `x * (x > 0)`
+# differentiates through x alone. `!=` is spelled as the negation of `==`, so NaN != NaN holds
+# as in torch whichever way the driver orders an unequal comparison.
+ZERO = {"f32": "0.0", "i32": "0i"}
+
+
+def _one_dtype(inputs) -> str:
+    dtypes = {x.dtype for x in inputs}
+    if len(dtypes) != 1:
+        raise GraphError(f"expects operands of one dtype, got {', '.join(x.dtype for x in inputs)}"
+                         "; cast one of them (cast(x, dtype))")
+    return dtypes.pop()
+
+
+def _mask_of(inputs, attrs):
+    _one_dtype(inputs)
+    shape: Shape = ()
+    for x in inputs:
+        shape = broadcast_shapes(shape, x.shape)
+    return shape, "f32"
+
+
+def _lifted(g: Graph, *operands: Operand) -> list[Tensor]:
+    """The operands as tensors, numbers as constants of the tensors' dtype (f32 without one)."""
+    dtype = next((x.dtype for x in operands if isinstance(x, Tensor)), "f32")
+    return [g.lift(x, dtype) for x in operands]
+
+
+def _nonzero(node: Tensor, k: int) -> str:
+    return f"!({{{k}}} == {ZERO[node.inputs[k].dtype]})"
+
+
+def _no_gradient(g, node, d):
+    return [None] * len(node.inputs)
+
+
+# name -> WGSL truth of the inputs {0}, {1}, ... (a function of the node: literals by dtype)
+PREDICATES: dict[str, Callable[[Tensor], str]] = {
+    "equal": lambda n: "{0} == {1}",
+    "not_equal": lambda n: "!({0} == {1})",
+    "less": lambda n: "{0} < {1}",
+    "less_equal": lambda n: "{0} <= {1}",
+    "greater": lambda n: "{0} > {1}",
+    "greater_equal": lambda n: "{0} >= {1}",
+    "logical_and": lambda n: f"{_nonzero(n, 0)} && {_nonzero(n, 1)}",
+    "logical_or": lambda n: f"{_nonzero(n, 0)} || {_nonzero(n, 1)}",
+    "logical_xor": lambda n: f"({_nonzero(n, 0)}) != ({_nonzero(n, 1)})",
+    "logical_not": lambda n: f"{{0}} == {ZERO[n.inputs[0].dtype]}",
+    # exponent all ones: infinite with a zero mantissa, NaN with any other (no WGSL builtin)
+    "isinf": lambda n: "(bitcast<u32>({0}) & 0x7fffffffu) == 0x7f800000u",
+    "isnan": lambda n: "(bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u",
+}
+UNARY_PREDICATES = ("logical_not", "isinf", "isnan")
+
+
+def _predicate(name: str, truth: Callable[[Tensor], str]) -> None:
+    arity = 1 if name in UNARY_PREDICATES else 2
+    register(OpDef(name, _mask_of, "pointwise", grad=_no_gradient,
+                   expr=lambda n: call(f"select(0.0, 1.0, {truth(n)})",
+                                       *(Arg(k) for k in range(arity)))))
+
+    def method(g: Graph, *operands: Operand) -> Tensor:
+        if len(operands) != arity:
+            raise GraphError(f"{name} takes {arity} operand(s), got {len(operands)}")
+        return g.apply(name, _lifted(g, *operands))
+    method.__name__ = name
+    method.__doc__ = (f"torch.{name} elementwise as an f32 mask (1 true, 0 false), numpy "
+                      "broadcasting; numbers become constants of the other operand's dtype")
+    builder(method, tensor=name in UNARY_PREDICATES)
+
+
+for _name, _truth in PREDICATES.items():
+    _predicate(_name, _truth)
+
+
+def _where_shape(inputs, attrs):
+    cond, a, b = inputs
+    shape, _ = _mask_of([cond], attrs)
+    return broadcast_shapes(broadcast_shapes(shape, a.shape), b.shape), _one_dtype([a, b])
+
+
+def _where_grad(g, node, d):
+    cond, a, b = node.inputs
+    zero = g.lift(0.0)
+    return [None, sum_to(g, g.where(cond, d, zero), a.shape),
+            sum_to(g, g.where(cond, zero, d), b.shape)]
+
+
+register(OpDef("where", _where_shape, "pointwise", grad=_where_grad,
+               expr=lambda n: call(f"select({{2}}, {{1}}, {_nonzero(n, 0)})",
+                                   Arg(0), Arg(1), Arg(2))))
+
+
+@builder
+def where(g: Graph, cond: Tensor, a: Operand, b: Operand) -> Tensor:
+    """torch.where(cond, a, b): a where `cond` is nonzero (an f32 mask or i32), else b, all
+    three numpy-broadcast; numbers become constants. The gradient goes to a where cond holds
+    and to b elsewhere."""
+    return g.apply("where", [cond, *_lifted(g, a, b)])
 
 
 # ---- explicit broadcasting and one-hot encoding -------------------------------------------------
