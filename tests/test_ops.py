@@ -264,8 +264,25 @@ def build_session(case: Case, device, rng):
     return session, operands, extras, weights
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_forward_and_gradient_match_torch(case: Case, device, rng):
+def case_tests(cases: list[Case]) -> tuple[Callable, Callable]:
+    """The two tests of every case (against torch, against finite differences), parametrized
+    over `cases`, for a test module to bind to its own names."""
+    @pytest.mark.parametrize("case", cases, ids=lambda c: c.name)
+    def forward_and_gradient_match_torch(case: Case, device, rng):
+        check_against_torch(case, device, rng)
+
+    @pytest.mark.parametrize("case", cases, ids=lambda c: c.name)
+    def gradient_matches_finite_differences(case: Case, device, rng):
+        check_finite_differences(case, device, rng)
+
+    return forward_and_gradient_match_torch, gradient_matches_finite_differences
+
+
+test_forward_and_gradient_match_torch, test_gradient_matches_finite_differences = case_tests(CASES)
+
+
+def check_against_torch(case: Case, device, rng) -> None:
+    """The case's output and its operands' gradients against PyTorch's in float64."""
     session, operands, extras, weights = build_session(case, device, rng)
     session.step()
 
@@ -285,8 +302,8 @@ def test_forward_and_gradient_match_torch(case: Case, device, rng):
     assert abs(total - ref_total) / ref_total < GRAD_TOL
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gradient_matches_finite_differences(case: Case, device, rng):
+def check_finite_differences(case: Case, device, rng) -> None:
+    """The case's gradient along a random direction against central differences of its loss."""
     session, operands, _, _ = build_session(case, device, rng)
     session.step()
     grads = [session.grad(f"p{i}").astype(np.float64) for i in range(len(operands))]

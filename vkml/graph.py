@@ -301,7 +301,18 @@ class Graph:
                          "'zeros', 'normal' or 'uniform'")
 
     def constant(self, value: float | np.ndarray, dtype: DType = "f32") -> Tensor:
-        arr = np.asarray(value, dtype=np.int32 if dtype == "i32" else np.float32)
+        """A value fixed at build time; `dtype="i32"` for integers such as gather indices."""
+        if dtype == "i32":
+            wide = np.asarray(value)
+            if wide.dtype.kind not in "iub" or (wide.size and (
+                    wide.min() < -2**31 or wide.max() >= 2**31)):
+                raise GraphError(f"an i32 constant needs integers within 32 bits, got "
+                                 f"{wide.dtype} values")
+            arr = wide.astype(np.int32)
+        elif dtype == "f32":
+            arr = np.asarray(value, dtype=np.float32)
+        else:
+            raise GraphError(f"unsupported dtype {dtype!r}; use 'f32' or 'i32'")
         t = self.apply("constant", [], shape=arr.shape, dtype=dtype)
         self.initial_values[t.id] = arr
         return t

@@ -145,30 +145,41 @@ def check_arguments(graph: Graph, loss: object, optimizer: object, outputs: obje
         raise GraphError(f"the loss must be f32 to differentiate, got {loss.label}")  # type: ignore[union-attr]
 
 
-# Ops that index with an i32 input: (op, which input, the range's end from the node, what for).
-INDEXING = {"one_hot": (0, lambda n: n.attrs["num_classes"], "class index (one_hot / "
-                        "cross_entropy)"),
-            "embedding": (1, lambda n: n.inputs[0].shape[0], "embedding row")}
+# Ops that index with an i32 input: op -> (which input, the valid [first, end) from the node,
+# what for); gathers take negative indices from the end, as ONNX's.
+def _axis_extent(n: Tensor) -> int:
+    return n.inputs[0].shape[n.attrs["axis"]]
+
+
+INDEXING = {"one_hot": (0, lambda n: (0, n.attrs["num_classes"]),
+                        "class index (one_hot / cross_entropy)"),
+            "embedding": (1, lambda n: (0, n.inputs[0].shape[0]), "embedding row"),
+            "gather": (1, lambda n: (-_axis_extent(n), _axis_extent(n)), "gather index"),
+            "gather_elements": (1, lambda n: (-_axis_extent(n), _axis_extent(n)),
+                                "gather_elements index")}
 
 
 def index_ranges(graph: Graph, roots: list[Tensor]) -> dict[str, tuple[int, int, str]]:
-    """Per i32 input that selects classes or rows (through reshapes), the valid [0, end) and
-    what it indexes, so set_input refuses values PyTorch would raise on instead of computing a
-    silently wrong loss."""
+    """Per i32 input that selects classes or rows (through reshapes), the valid [first, end)
+    and what it indexes, so set_input refuses values PyTorch would raise on instead of
+    computing a silently wrong loss."""
     ranges: dict[str, tuple[int, int, str]] = {}
     names = {t.id: n for n, t in graph.inputs.items()}
     for node in graph.reachable(roots):
         if node.op not in INDEXING:
             continue
-        k, end_of, what = INDEXING[node.op]
+        k, range_of, what = INDEXING[node.op]
         source = node.inputs[k]
         while source.op == "reshape":
             source = source.inputs[0]
         if source.id in names:
-            name, end = names[source.id], int(end_of(node))
+            name, (first, end) = names[source.id], range_of(node)
             old = ranges.get(name)
-            if old is None or end < old[1]:
-                ranges[name] = (0, end, f"{what} made at {node.where}")
+            if old is None:
+                ranges[name] = (first, end, f"{what} made at {node.where}")
+            elif first > old[0] or end < old[1]:  # valid for every use: the intersection
+                ranges[name] = (max(first, old[0]), min(end, old[1]),
+                                f"{what} made at {node.where}")
     return ranges
 
 

@@ -1,5 +1,6 @@
-"""Shape ops that move elements by index: slice, zero-pad, concat (along one axis), and the
-embedding gather with its deterministic scatter-add gradient. Each lowers to the gather archetype
+"""Shape ops that move elements by index: slice, zero-pad, concat (along one axis), the embedding
+gather and the gathers at index tensors (ONNX Gather and GatherElements), with their
+deterministic scatter-add gradients. Each lowers to the gather archetype
 (vkml/kernels/gather.py) with the WGSL body defined beside it: one thread per output element,
 reading its inputs at computed addresses (a pointwise body cannot: it reads every input at a
 strided offset, with no offsets and no choice of input). Split is slices and nearest upsampling
@@ -7,13 +8,15 @@ a broadcast (ops/composite.py)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from vkml.errors import GraphError
 from vkml.expr import contiguous_strides
 from vkml.graph import Graph, OpDef, Tensor, builder, register
-from vkml.kernels import gather
-from vkml.kernels.common import offset
+from vkml.hal import Capabilities, Kernel
+from vkml.kernels import gather as kernels
+from vkml.kernels.common import check_loop, offset
 
 
 def _axis_of(x, axis: int) -> int:
@@ -45,7 +48,7 @@ def _slice_body(node: Tensor) -> list[str]:
     return [f"  out[idx] = in0[{offset(idx, contiguous_strides(x.shape))}];"]
 
 
-register(OpDef("slice", _slice, "kernel", grad=_slice_grad, lower=gather.lowering(_slice_body)))
+register(OpDef("slice", _slice, "kernel", grad=_slice_grad, lower=kernels.lowering(_slice_body)))
 
 
 @builder
@@ -80,7 +83,7 @@ def _pad_body(node: Tensor) -> list[str]:
             "  out[idx] = v;"]
 
 
-register(OpDef("pad", _pad, "kernel", grad=_pad_grad, lower=gather.lowering(_pad_body)))
+register(OpDef("pad", _pad, "kernel", grad=_pad_grad, lower=kernels.lowering(_pad_body)))
 
 
 @builder
@@ -124,7 +127,7 @@ def _concat_body(node: Tensor) -> list[str]:
 
 
 register(OpDef("concat", _concat, "kernel", grad=_concat_grad,
-               lower=gather.lowering(_concat_body)))
+               lower=kernels.lowering(_concat_body)))
 
 
 @builder
@@ -154,7 +157,7 @@ def _rotate_half_body(node: Tensor) -> list[str]:
 
 
 register(OpDef("rotate_half", _rotate_half, "kernel", grad=_rotate_half_grad,
-               lower=gather.lowering(_rotate_half_body)))
+               lower=kernels.lowering(_rotate_half_body)))
 
 
 @builder(tensor=True)
@@ -172,24 +175,33 @@ def _embedding(inputs, attrs):
     return (*ids.shape, weight.shape[1]), "f32"
 
 
-# Positions one embedding-gradient kernel scans: its loops stay within what CPU drivers run
-# (lavapipe stops an invocation's loops after 65535 iterations); longer runs are summed in parts.
+# Positions one scatter-add kernel scans: its loops stay within what CPU drivers run (lavapipe
+# stops an invocation's loops after 65535 iterations); longer runs are summed in parts.
 MAX_POSITIONS = 32768
 
 
 def _embedding_grad(g, node, d):
     weight, ids = node.inputs
     rows, dim = weight.shape
-    flat_ids, flat_d = g.reshape(ids, (ids.size,)), g.reshape(d, (ids.size, dim))
+    total = scatter_rows(g, g.reshape(d, (1, ids.size, dim)), ids, rows, wrap=False)
+    return [g.reshape(total, (rows, dim)), None]
+
+
+def scatter_rows(g: Graph, d: Tensor, ids: Tensor, rows: int, wrap: bool) -> Tensor:
+    """The gradient of a gather of rows (embedding, gather along an axis): `d` (pre, P, post)
+    summed into (pre, rows, post) at row ids[p] (any shape, P elements; `wrap`: a negative id
+    counts from the end, as ONNX's)."""
+    flat_ids = g.reshape(ids, (ids.size,))
     total = None
     for start in range(0, ids.size, MAX_POSITIONS):
         stop = min(start + MAX_POSITIONS, ids.size)
         part_ids = flat_ids if stop - start == ids.size else g.slice(flat_ids, 0, start, stop)
-        part_d = flat_d if stop - start == ids.size else g.slice(flat_d, 0, start, stop)
-        first = g.apply("embedding_first_use", [part_ids], rows=rows)
-        part = g.apply("embedding_backward", [part_d, part_ids, first], rows=rows)
+        part_d = d if stop - start == ids.size else g.slice(d, 1, start, stop)
+        first = g.apply("scatter_first_use", [part_ids], rows=rows, wrap=wrap)
+        part = g.apply("scatter_rows", [part_d, part_ids, first], rows=rows, wrap=wrap)
         total = part if total is None else g.add(total, part)
-    return [total, None]
+    assert total is not None
+    return total
 
 
 def _embedding_body(node: Tensor) -> list[str]:
@@ -201,7 +213,7 @@ def _embedding_body(node: Tensor) -> list[str]:
 
 
 register(OpDef("embedding", _embedding, "kernel", grad=_embedding_grad,
-               lower=gather.lowering(_embedding_body)))
+               lower=kernels.lowering(_embedding_body)))
 
 
 @builder
@@ -210,10 +222,17 @@ def embedding(g: Graph, ids: Tensor, weight: Tensor) -> Tensor:
     return g.apply("embedding", [weight, ids])
 
 
-# d weight[v, j] = sum over positions p with ids[p] == v of d[p, j], deterministically (no float
+# d x[a, v, j] = sum over positions p with ids[p] == v of d[a, p, j], deterministically (no float
 # atomics), in two kernels: the first position of each row among the ids (-1: unused), then one
-# thread per weight element, which for a used row sums from that position on and otherwise
-# writes 0. A vocabulary is mostly unused in a step, so most threads only write.
+# thread per element of the result, which for a used row sums from that position on and
+# otherwise writes 0. A vocabulary is mostly unused in a step, so most threads only write.
+def _is_row(node: Tensor, value: str, row: str) -> str:
+    """WGSL: whether the id `value` names row `row` (an i32), also from the end where wrapping."""
+    if node.attrs["wrap"]:
+        return f"({value} == {row} || {value} == {row} - {node.attrs['rows']})"
+    return f"{value} == {row}"
+
+
 def _first_use(inputs, attrs):
     return (attrs["rows"],), "i32"
 
@@ -222,33 +241,178 @@ def _first_use_body(node: Tensor) -> list[str]:
     (ids,) = node.inputs
     return ["  var first = -1;",
             f"  for (var p = 0u; p < {ids.size}u; p++) {{",
-            "    if (in0[p] == i32(idx)) { first = i32(p); break; }", "  }",
+            f"    if ({_is_row(node, 'in0[p]', 'i32(idx)')}) {{ first = i32(p); break; }}", "  }",
             "  out[idx] = first;"]
 
 
-register(OpDef("embedding_first_use", _first_use, "kernel",
-               lower=gather.lowering(_first_use_body)))
+register(OpDef("scatter_first_use", _first_use, "kernel",
+               lower=kernels.lowering(_first_use_body)))
 
 
-def _embedding_backward(inputs, attrs):
+def _scatter_rows(inputs, attrs):
     d, ids, _ = inputs
-    return (attrs["rows"], d.shape[-1]), "f32"
+    return (d.shape[0], attrs["rows"], d.shape[2]), "f32"
 
 
-def _embedding_backward_body(node: Tensor) -> list[str]:
+def _scatter_rows_body(node: Tensor) -> list[str]:
     d, ids, _ = node.inputs
-    dim, positions = d.shape[-1], ids.size
-    return [f"  let row = idx / {dim}u; let col = idx % {dim}u;",
+    pre, positions, post = d.shape
+    rows = node.attrs["rows"]
+    row = f"idx / {post}u" if pre == 1 else f"(idx / {post}u) % {rows}u"
+    at = (f"p * {post}u + col" if pre == 1
+          else f"(idx / {rows * post}u * {positions}u + p) * {post}u + col")
+    return [f"  let row = {row}; let col = idx % {post}u;",
             "  var acc = 0.0;",
             "  let first = in2[row];",
             "  if (first >= 0) {",
             f"    for (var p = u32(first); p < {positions}u; p++) {{",
-            f"      if (in1[p] == i32(row)) {{ acc += in0[p * {dim}u + col]; }}", "    }", "  }",
+            f"      if ({_is_row(node, 'in1[p]', 'i32(row)')}) {{ acc += in0[{at}]; }}", "    }",
+            "  }",
             "  out[idx] = acc;"]
 
 
-register(OpDef("embedding_backward", _embedding_backward, "kernel",
-               lower=gather.lowering(_embedding_backward_body)))
+register(OpDef("scatter_rows", _scatter_rows, "kernel",
+               lower=kernels.lowering(_scatter_rows_body)))
+
+
+# ---- gathers with index tensors (ONNX Gather and GatherElements, torch.index_select and gather):
+# the indices are data, i32, and a negative one counts from the end of the axis, as ONNX's.
+def _wrapped(value: str, extent: int) -> str:
+    return f"u32(select({value}, {value} + {extent}, {value} < 0))"
+
+
+def _check_indices(op: str, x: Tensor, indices: Tensor, axis: int) -> int:
+    if indices.dtype != "i32":
+        raise GraphError(f"{op} takes i32 indices, got {indices.type} (convert integer indices "
+                         "to i32: g.constant(values, 'i32') or an i32 input)")
+    return _axis_of(x, axis)
+
+
+def _check_constant_indices(g: Graph, node: Tensor) -> Tensor:
+    """Refuse a gather whose indices are a constant outside [-n, n) at once; indices from an
+    input are checked by set_input (compiler/stages.py INDEXING)."""
+    x, indices = node.inputs
+    if indices.op == "constant" and indices.size:
+        values, extent = g.initial_values[indices.id], x.shape[node.attrs["axis"] % len(x.shape)]
+        if values.min() < -extent or values.max() >= extent:
+            raise GraphError(f"{node.op} at {node.where}: constant indices {indices.label} hold "
+                             f"values outside [{-extent}, {extent}), the range of the axis "
+                             f"gathered from {x.label}")
+    return node
+
+
+def _gather(inputs, attrs):
+    x, indices = inputs
+    axis = _check_indices("gather", x, indices, attrs["axis"])
+    return (*x.shape[:axis], *indices.shape, *x.shape[axis + 1:]), x.dtype
+
+
+def _gather_grad(g, node, d):
+    x, indices = node.inputs
+    axis = node.attrs["axis"] % len(x.shape)
+    pre, post = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
+    summed = scatter_rows(g, g.reshape(d, (pre, indices.size, post)), indices, x.shape[axis],
+                          wrap=True)
+    return [g.reshape(summed, x.shape), None]
+
+
+def _gather_body(node: Tensor) -> list[str]:
+    x, indices = node.inputs
+    axis, rank = node.attrs["axis"] % len(x.shape), len(indices.shape)
+    out = _indices(node)
+    source = [*out[:axis], "j", *out[axis + rank:]]
+    return [f"  let k = in1[{offset(out[axis:axis + rank], contiguous_strides(indices.shape))}];",
+            f"  let j = {_wrapped('k', x.shape[axis])};",
+            f"  out[idx] = in0[{offset(source, contiguous_strides(x.shape))}];"]
+
+
+register(OpDef("gather", _gather, "kernel", grad=_gather_grad,
+               lower=kernels.lowering(_gather_body)))
+
+
+@builder
+def gather(g: Graph, x: Tensor, indices: Tensor, axis: int = 0) -> Tensor:
+    """ONNX Gather: the slices of `x` along `axis` at i32 `indices` (any shape, which replaces
+    that axis: x.shape[:axis] + indices.shape + x.shape[axis+1:]); a negative index counts from
+    the end. Differentiable in x (a deterministic scatter-add)."""
+    return _check_constant_indices(g, g.apply("gather", [x, indices], axis=int(axis)))
+
+
+@builder
+def index_select(g: Graph, x: Tensor, axis: int, index: Tensor) -> Tensor:
+    """torch.index_select: `x` at the 1-D i32 `index` along `axis`."""
+    if len(index.shape) != 1:
+        raise GraphError(f"index_select takes a 1-D index, got {index.label}; use gather for "
+                         "an index of any shape")
+    return g.gather(x, index, axis)
+
+
+def _gather_elements(inputs, attrs):
+    x, indices = inputs
+    axis = _check_indices("gather_elements", x, indices, attrs["axis"])
+    if len(indices.shape) != len(x.shape) or any(
+            i > n for a, (i, n) in enumerate(zip(indices.shape, x.shape)) if a != axis):
+        raise GraphError(f"gather_elements: indices {indices.type} must have the rank of x "
+                         f"{x.type} and no longer axes than it, except along axis {axis}")
+    return indices.shape, x.dtype
+
+
+def _gather_elements_grad(g, node, d):
+    x, indices = node.inputs
+    return [g.apply("gather_elements_backward", [d, indices], axis=node.attrs["axis"],
+                    shape=x.shape), None]
+
+
+def _gather_elements_body(node: Tensor) -> list[str]:
+    x, _ = node.inputs
+    axis = node.attrs["axis"] % len(x.shape)
+    source = [("j" if a == axis else n) for a, n in enumerate(_indices(node))]
+    return ["  let k = in1[idx];",
+            f"  let j = {_wrapped('k', x.shape[axis])};",
+            f"  out[idx] = in0[{offset(source, contiguous_strides(x.shape))}];"]
+
+
+register(OpDef("gather_elements", _gather_elements, "kernel", grad=_gather_elements_grad,
+               lower=kernels.lowering(_gather_elements_body)))
+
+
+@builder
+def gather_elements(g: Graph, x: Tensor, indices: Tensor, axis: int) -> Tensor:
+    """torch.gather / ONNX GatherElements: out[i] = x[i with its `axis` index replaced by
+    indices[i]] (i32 `indices` of x's rank; a negative index counts from the end)."""
+    return _check_constant_indices(g, g.apply("gather_elements", [x, indices],
+                                              axis=int(axis)))
+
+
+# d x[j] = sum over the positions k along `axis` of indices whose other coordinates are j's and
+# whose index names j[axis]: one thread per element of x, looping over that axis.
+def _gather_elements_backward(inputs, attrs):
+    return attrs["shape"], "f32"
+
+
+def _gather_elements_backward_kernel(node: Tensor, caps: Capabilities) -> Kernel:
+    d, indices = node.inputs
+    axis = node.attrs["axis"] % len(node.shape)
+    extent = indices.shape[axis]
+    check_loop(node, caps, extent, "gather along a shorter axis")
+    out = _indices(node)
+    inside = [f"{n} < {indices.shape[a]}u" for a, n in enumerate(out)
+              if a != axis and indices.shape[a] < node.shape[a]]
+    at = offset([("k" if a == axis else n) for a, n in enumerate(out)],
+                contiguous_strides(indices.shape))
+    row = f"i32({out[axis]})"
+    return kernels.generate(node, caps, [
+        "  var acc = 0.0;",
+        f"  if ({' && '.join(inside) or 'true'}) {{",
+        f"    for (var k = 0u; k < {extent}u; k++) {{",
+        f"      let v = in1[{at}];",
+        f"      if (v == {row} || v == {row} - {node.shape[axis]}) {{ acc += in0[{at}]; }}",
+        "    }", "  }",
+        "  out[idx] = acc;"], flops=node.size * extent)
+
+
+register(OpDef("gather_elements_backward", _gather_elements_backward, "kernel",
+               lower=_gather_elements_backward_kernel))
 
 
 def _indices(node: Tensor) -> list[str]:

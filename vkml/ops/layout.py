@@ -1,4 +1,5 @@
-"""Layout ops: reshape (a view, no kernel) and transpose / permute (a pointwise gather)."""
+"""Layout ops: reshape (a view, no kernel), transpose / permute (a pointwise gather), and expand
+and tile, broadcasts (pointwise: read in place by whatever consumes them where fused)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 from vkml.errors import GraphError
 from vkml.expr import Arg, contiguous_strides
 from vkml.graph import Graph, OpDef, Tensor, builder, register
+from vkml.ops.pointwise import broadcast_shapes
 
 
 def _reshape(inputs, attrs):
@@ -67,3 +69,36 @@ def transpose(g: Graph, x: Tensor, axes: Sequence[int] | None = None) -> Tensor:
 def permute(g: Graph, x: Tensor, axes: Sequence[int]) -> Tensor:
     """torch.permute: transpose with explicit axes."""
     return g.transpose(x, axes)
+
+
+@builder(tensor=lambda x, *shape: x.graph.expand(
+    x, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
+def expand(g: Graph, x: Tensor, shape: Sequence[int]) -> Tensor:
+    """torch.expand and ONNX Expand: `x` broadcast (numpy's rules, from the right) with `shape`;
+    -1 keeps x's size, and a 1 where x is longer keeps x's (ONNX's two-way broadcast). A
+    broadcast, no copy where its consumer reads it in place."""
+    shape = tuple(int(d) for d in shape)
+    pad = len(shape) - len(x.shape)
+    if pad < 0:
+        raise GraphError(f"expand: shape {shape} has fewer axes than {x.label}")
+    if any(d == -1 and a < pad for a, d in enumerate(shape)):
+        raise GraphError(f"expand: -1 in shape {shape} must stand for one of {x.label}'s axes")
+    shape = tuple(x.shape[a - pad] if d == -1 else d for a, d in enumerate(shape))
+    out = broadcast_shapes(x.shape, shape)
+    return x if out == x.shape else g.broadcast_to(x, out)
+
+
+@builder
+def tile(g: Graph, x: Tensor, repeats: Sequence[int]) -> Tensor:
+    """ONNX Tile and torch's Tensor.repeat: `x` repeated repeats[a] times along each axis a
+    (more repeats than axes add leading axes, as torch's). A broadcast of x with a new axis
+    before each repeated one, then a reshape; its gradient sums the copies."""
+    repeats = tuple(int(r) for r in repeats)
+    if len(repeats) < len(x.shape) or any(r < 1 for r in repeats):
+        raise GraphError(f"tile: repeats {repeats} need one count >= 1 per axis of {x.label}")
+    shape = (1,) * (len(repeats) - len(x.shape)) + x.shape
+    if all(r == 1 for r in repeats):
+        return g.reshape(x, shape)
+    spread = [d for r, n in zip(repeats, shape) for d in (r, n)]
+    wide = g.broadcast_to(g.reshape(x, [d for n in shape for d in (1, n)]), tuple(spread))
+    return g.reshape(wide, [r * n for r, n in zip(repeats, shape)])

@@ -1,0 +1,85 @@
+"""The indexing, broadcasting, reduction, einsum, convolution and resizing ops the model
+importers map onto, forward and backward against PyTorch in float64 and against finite
+differences, as tests/test_ops.py checks the rest."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_ops import Case, case_tests
+
+import vkml
+
+
+def ids(low: int, high: int, shape: tuple[int, ...]):
+    """i32 indices drawn from [low, high) (negative ones count from the end)."""
+    return lambda rng: rng.integers(low, high, shape).astype(np.int32)
+
+
+def index_select(x, axis, index):
+    """torch.index_select of an index of any shape with ONNX's negative indices."""
+    flat = index.long().reshape(-1) % x.shape[axis]
+    out = torch.index_select(x, axis, flat)
+    return out.reshape(*x.shape[:axis], *index.shape, *x.shape[axis + 1:])
+
+
+CASES = [
+    Case("gather_middle_2d_indices", [(3, 5, 4)], lambda g, x, i: g.gather(x, i, 1),
+         lambda x, i: index_select(x, 1, i), extras={"i": ids(-5, 5, (2, 3))}),
+    Case("gather_first_axis", [(6, 4)], lambda g, x, i: g.gather(x, i, 0),
+         lambda x, i: index_select(x, 0, i), extras={"i": ids(-6, 6, (7,))}),
+    Case("gather_last_axis", [(2, 3, 5)], lambda g, x, i: g.gather(x, i, -1),
+         lambda x, i: index_select(x, 2, i), extras={"i": ids(-5, 5, (2, 2))}),
+    Case("gather_scalar_index", [(4, 6)], lambda g, x, i: g.gather(x, i, 1),
+         lambda x, i: index_select(x, 1, i), extras={"i": ids(-6, 6, ())}),
+    Case("gather_constant_indices", [(5, 3)],
+         lambda g, x: g.gather(x, g.constant(np.array([[4, -1], [0, 2]]), "i32"), 0),
+         lambda x: index_select(x, 0, torch.tensor([[4, -1], [0, 2]]))),
+    Case("index_select", [(3, 7)], lambda g, x, i: g.index_select(x, 1, i),
+         lambda x, i: torch.index_select(x, 1, i.long()), extras={"i": ids(0, 7, (9,))}),
+    Case("gather_elements", [(3, 5, 4)], lambda g, x, i: g.gather_elements(x, i, 1),
+         lambda x, i: torch.gather(x, 1, i.long() % 5), extras={"i": ids(-5, 5, (2, 6, 3))}),
+    Case("gather_elements_last", [(4, 6)], lambda g, x, i: g.gather_elements(x, i, -1),
+         lambda x, i: torch.gather(x, -1, i.long()), extras={"i": ids(0, 6, (4, 9))}),
+    Case("expand", [(3, 1)], lambda g, x: g.expand(x, (2, -1, 4)),
+         lambda x: x.expand(2, -1, 4)),
+    Case("expand_onnx_two_way", [(3, 1)], lambda g, x: g.expand(x, (1, 5)),
+         lambda x: x.expand(3, 5)),
+    Case("tile", [(2, 3)], lambda g, x: g.tile(x, (2, 3)), lambda x: x.repeat(2, 3)),
+    Case("tile_new_axes", [(2, 3)], lambda g, x: g.tile(x, (2, 1, 2)),
+         lambda x: x.repeat(2, 1, 2)),
+]
+
+
+test_forward_and_gradient_match_torch, test_gradient_matches_finite_differences = case_tests(CASES)
+
+
+def test_gather_refuses_float_indices():
+    g = vkml.Graph()
+    x, i = g.input("x", (4, 3)), g.input("i", (2,))
+    with pytest.raises(vkml.GraphError, match="i32 indices"):
+        g.gather(x, i, 0)
+
+
+def test_gather_of_i32_data_gathers_integers(device):
+    g = vkml.Graph()
+    x, i = g.input("x", (5,), "i32"), g.input("i", (3,), "i32")
+    g.output("y", g.gather(x, i, 0))
+    s = vkml.compile(g, device=device)
+    s.set_input("x", np.array([10, -20, 30, 40, 2**30], np.int32))
+    s.set_input("i", np.array([4, -4, 0], np.int32))
+    s.forward()
+    assert s.read("y").tolist() == [2**30, -20, 10]
+
+
+def test_gather_indices_out_of_range_are_refused(device):
+    g = vkml.Graph()
+    x, i = g.input("x", (4, 3)), g.input("i", (2,), "i32")
+    g.output("y", g.gather(x, i, 0))
+    g.output("z", g.gather(x, i, 1))
+    session = vkml.compile(g, device=device)
+    with pytest.raises(vkml.InputError, match=r"'i' holds 3 .* outside \[-3, 3\).* gather"):
+        session.set_input("i", np.array([-3, 3]))
+    with pytest.raises(vkml.GraphError, match=r"outside \[-4, 4\)"):
+        g.gather(x, g.constant(np.array([0, -5]), "i32"), 0)
