@@ -7,7 +7,7 @@ Everything else about the package is declared in pyproject.toml. What is here, a
       node_modules/naga-wasm/{package.json,LICENSE-*,dist/wasm/naga_bg.wasm}
                                               -> vkml/_shipped/naga-wasm/  (npm's layout kept)
       spirv/*.spv, spirv/manifest.json        -> vkml/_shipped/spirv/
-  vkml/naga.py looks there first, then in the checkout (editable installs skip the copy).
+  vkml/vk/naga.py looks there first, then in the checkout (editable installs skip the copy).
 - npm is a build-time tool only: when node_modules lacks the wasm pinned in package-lock.json,
   the build runs `npm ci` if npm exists, and fails saying what to do otherwise.
 - The sdist carries the same node_modules files (MANIFEST.in), so a wheel builds from it with no

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import vkml
-from vkml import naga, nn
+from vkml import nn
 from vkml.cachedir import CacheWarning
+from vkml.vk import naga
 
 KERNEL = """@group(0) @binding(0) var<storage, read_write> data: array<f32>;
 @compute @workgroup_size(64)

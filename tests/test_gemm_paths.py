@@ -216,7 +216,7 @@ def test_cooperative_tiles_store_plain_products_straight_to_memory(device):
     # tools/KERNELS.md v11); edge tiles, and products with an epilogue, go through workgroup
     # memory. Lavapipe has no cooperative matrices: the kernels are translated to SPIR-V here,
     # not run (the H200's lab and bench gates check their values).
-    from vkml import naga
+    from vkml.vk import compile_wgsl
     caps = with_cooperative_matrices(device)
 
     def planned(relu: bool, rows: int = 1500):
@@ -224,7 +224,7 @@ def test_cooperative_tiles_store_plain_products_straight_to_memory(device):
         product = g.matmul(g.param("a", (rows, 384)), g.param("b", (384, 1024)))
         g.output("c", g.relu(product) if relu else product)
         (kernel,) = [d.kernel for d in lower(g, caps, precision="f16").plan.dispatches]
-        naga.compile_wgsl(kernel.wgsl, kernel.name)  # barriers in uniform control flow only
+        compile_wgsl(kernel.wgsl, kernel.name)  # barriers in uniform control flow only
         return kernel
 
     plain, fused, divided = planned(False), planned(True), planned(False, rows=1024)
@@ -242,7 +242,7 @@ def test_backward_products_scale_their_operands_on_cooperative_tiles(device):
     # they store; before this the whole backward pass stayed f32. Convolutions' gradients stay
     # f32. Translated to SPIR-V here, not run (lavapipe has no cooperative matrices; the
     # H200's bench gates check the gradients).
-    from vkml import naga
+    from vkml.vk import compile_wgsl
     caps = with_cooperative_matrices(device, max_shared_memory_bytes=49152)
     g = vkml.Graph()
     x = g.input("x", (1, 256, 48, 48))
@@ -262,7 +262,7 @@ def test_backward_products_scale_their_operands_on_cooperative_tiles(device):
     for d in products:
         assert d.kernel.name.endswith("_scaled") and "a_scale[a_scale_base" in d.kernel.wgsl
         assert "ldexp(Cs[" in d.kernel.wgsl and "&mat_c[" not in d.kernel.wgsl  # undone
-        naga.compile_wgsl(d.kernel.wgsl, d.kernel.name)
+        compile_wgsl(d.kernel.wgsl, d.kernel.name)
     weight_grad = kernels["backward", "conv2d_weight_grad"].name  # 2048 x 2304 x 2304: f32
     assert weight_grad.rsplit("_", 1)[-1].startswith("s"), weight_grad
     # x used twice: its gradient's second product adds the first in an epilogue, whose input
@@ -278,7 +278,7 @@ def test_backward_products_scale_their_operands_on_cooperative_tiles(device):
     assert fused.kernel.wgsl.index("a_scale") < fused.kernel.wgsl.index("ep1")
     assert {d.node.attrs["scales"] for d in backward} == {("rows", None), (None, "depth")}
     for d in backward:
-        naga.compile_wgsl(d.kernel.wgsl, d.kernel.name)
+        compile_wgsl(d.kernel.wgsl, d.kernel.name)
 
 
 def test_split_products_are_tiled_as_the_split_stage_planned(device):

@@ -1,4 +1,4 @@
-"""vkml.naga: WGSL -> SPIR-V via naga's wasm, its caches, and its error reports."""
+"""vkml.vk.naga: WGSL -> SPIR-V via naga's wasm, its caches, and its error reports."""
 
 import shutil
 import threading
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from vkml import naga
 from vkml.errors import NagaError
+from vkml.vk import naga
 
 KERNEL = """@group(0) @binding(0) var<storage, read_write> x: array<f32>;
 @compute @workgroup_size(64)

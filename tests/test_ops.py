@@ -586,9 +586,9 @@ def test_accelerated_inference_runs_composed_attention_on_cooperative_matrices(n
     # against float64 torch.
     import dataclasses
 
-    from vkml import naga
     from vkml.compiler.stages import lower
     from vkml.session import Session
+    from vkml.vk import compile_wgsl
     if device.backend_name != "vulkan":
         pytest.skip("a codegen choice; one backend is enough to check it")
     shapes, causal = COOPERATIVE_ATTENTION[name]
@@ -612,7 +612,7 @@ def test_accelerated_inference_runs_composed_attention_on_cooperative_matrices(n
     (fused,) = lower(g, caps, precision="f16").plan.dispatches
     assert fused.node.op == "flash_attention" and fused.kernel.name.endswith("_c")
     assert fused.node.attrs["heads_inner"] == (inner,) * 4  # q, k, v, the output
-    naga.compile_wgsl(fused.kernel.wgsl, fused.kernel.name)  # barriers in uniform control flow
+    compile_wgsl(fused.kernel.wgsl, fused.kernel.name)  # barriers in uniform control flow
     assert "flash_attention" not in ops(lower(g, caps).plan)
     assert "flash_attention" not in ops(lower(g, caps, loss=g.sum(out), precision="f16").plan)
     g_long = vkml.Graph()  # past COOP_MAX_KEYS keys the composition ran faster on an H200

@@ -167,7 +167,7 @@ def installed(built, tmp_path_factory):
 
 def test_installed_vkml_is_isolated_from_the_checkout(installed):
     python, work = installed
-    probe = ("import json, sys, importlib.util, vkml, vkml.naga as n; print(json.dumps({"
+    probe = ("import json, sys, importlib.util, vkml, vkml.vk.naga as n; print(json.dumps({"
              "'vkml': vkml.__file__, 'wasm': str(n.DEFAULT_WASM), 'spirv': str(n.SHIPPED_SPIRV),"
              "'source_tree': n.SOURCE_TREE and str(n.SOURCE_TREE), 'path': sys.path,"
              "'torch': importlib.util.find_spec('torch') is not None}))")
@@ -220,7 +220,7 @@ def test_missing_wasm_advice_fits_an_installed_vkml(installed, tmp_path):
     broken = tmp_path / "site"
     shutil.copytree(site / "vkml", broken / "vkml", symlinks=True)
     (broken / "vkml" / WHEEL_WASM.removeprefix("vkml/")).unlink()
-    code = ("import vkml.naga as n\ntry:\n    n.compile_wgsl('@compute @workgroup_size(1) "
+    code = ("import vkml.vk.naga as n\ntry:\n    n.compile_wgsl('@compute @workgroup_size(1) "
             "fn main() {}', 'k')\nexcept vkml.NagaError as e:\n    print(e)\n")
     env = {**child_env(tmp_path / "cache"), "PYTHONPATH": str(broken)}
     message = run([python, "-c", "import vkml\n" + code], cwd=work, env=env).stdout

@@ -524,7 +524,7 @@ def test_host_renderer_frames_with_the_model_between_them(device):
     expected = reference(device, 2)
     ctx = VulkanHost.create()
     try:
-        renderer = FullscreenLoad(ctx, 32, 32, iterations=4)  # WGSL through vkml.naga
+        renderer = FullscreenLoad(ctx, 32, 32, iterations=4)  # WGSL through vkml.vk.compile_wgsl
         dev = ctx.vkml_device()
         assert dev.queue_lock is ctx.queue_lock and dev.adopted
         with mlp(dev) as s:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vkml import naga
 from vkml.errors import NagaError
+from vkml.vk import naga
 
 REPO = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("build_spirv", REPO / "tools" / "build_spirv.py")

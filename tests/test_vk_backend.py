@@ -450,7 +450,7 @@ def test_bad_selector_lists_devices(monkeypatch):
 # Prints the DeviceError that constructing a backend raises, and exits 3.
 _CONSTRUCT = """
 from vkml.errors import DeviceError
-from vkml.naga import compile_wgsl
+from vkml.vk import compile_wgsl
 from vkml.vk import VulkanBackend
 try:
     VulkanBackend()
@@ -507,8 +507,7 @@ def test_workgroup_zeroing_is_dropped_and_the_kernel_still_runs(backend, monkeyp
     # vkml.vk.spirv drops exactly those (every vkml kernel writes its workgroup memory before
     # reading it) and keeps the rest: a kernel passing values through workgroup memory still
     # computes its result (the validation layer checks the module too)
-    from vkml.naga import compile_wgsl
-    from vkml.vk import pipelines
+    from vkml.vk import compile_wgsl, pipelines
     from vkml.vk.spirv import prepare
 
     entry = ["fn main(@builtin(local_invocation_index) lid: u32) {",
@@ -532,7 +531,7 @@ def test_f16_kernels_declare_only_the_16bit_capabilities_they_use(backend):
     # enables shaderFloat16 and storageBuffer16BitAccess only, so the validation layer refused
     # the cooperative GEMM (f16 in workgroup memory) and any f16 storage binding until
     # vkml.vk.spirv dropped UniformAndStorageBuffer16BitAccess and StorageInputOutput16
-    from vkml.naga import compile_wgsl
+    from vkml.vk import compile_wgsl
     from vkml.vk.spirv import prepare
     if not backend.caps.shader_f16:
         pytest.skip("the device has no f16")

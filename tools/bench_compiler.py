@@ -56,8 +56,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import vkml  # noqa: E402
-from vkml import naga, nn  # noqa: E402
+from vkml import nn  # noqa: E402
 from vkml.compiler.stages import lower  # noqa: E402
+from vkml.vk import naga  # noqa: E402
 
 
 def mlp(g: vkml.Graph):

@@ -19,10 +19,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from vkml import naga  # noqa: E402
 from vkml.compiler import dump  # noqa: E402
 from vkml.compiler.stages import lower  # noqa: E402
 from vkml.runtime.device import default_device  # noqa: E402
+from vkml.vk import naga  # noqa: E402
 
 SPIRV_DIR = REPO / "spirv"
 # (what it is, the script or module whose first vkml.compile call is shipped, its arguments)

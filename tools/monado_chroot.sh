@@ -92,7 +92,7 @@ run_xr() {
   rm -rf "$ROOT/opt/vkml" "$ROOT/opt/pylibs" "$ROOT/tmp/xr-out"
   mkdir -p "$ROOT/opt/vkml/node_modules/naga-wasm" "$ROOT/opt/pylibs" "$ROOT/tmp/xdg"
   chmod 700 "$ROOT/tmp/xdg"
-  # package.json marks /opt/vkml as a checkout for vkml.naga (which then finds the wasm in
+  # package.json marks /opt/vkml as a checkout for vkml.vk.naga (which then finds the wasm in
   # node_modules/ as in this repo)
   cp -r "$repo/vkml" "$repo/xr_demo" "$repo/spirv" "$repo/package.json" "$ROOT/opt/vkml/"
   cp -r "$repo/node_modules/naga-wasm/dist" "$repo/node_modules/naga-wasm/package.json" \

@@ -1,7 +1,7 @@
 """The on-disk cache directory (`VKML_CACHE_DIR`, default `~/.cache/vkml`): where it is, and
 its entries, each written whole or not at all and checked when read.
 
-naga's SPIR-V and compiled-wasm caches (vkml/naga.py), the plan cache
+naga's SPIR-V and compiled-wasm caches (vkml/vk/naga.py), the plan cache
 (vkml/compiler/plan_cache.py) and the Vulkan pipeline cache (vkml/vk/pipelines.py) only save
 time, and each also lives in memory for the process. So a directory that cannot be written
 (read-only file system, no permission, a file in the way) is one warning per directory, and the

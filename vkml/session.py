@@ -313,15 +313,8 @@ class Session:
         gives the integer). Vulkan only; needs timeline semaphores on the device."""
         backend = self.device.backend
         if backend.timeline is None:
-            if self.device.backend_name != "vulkan":
-                raise DeviceError("session.done() needs the Vulkan backend (it returns a Vulkan "
-                                  f"timeline semaphore); this session runs on "
-                                  f"{type(backend).__name__}")
-            from vkml.vk.context import how_to_enable
-
-            raise DeviceError("session.done() needs the Vulkan feature 'timelineSemaphore', "
-                              "which this device runs without (vkml tracks its work with "
-                              "fences): " + how_to_enable("timelineSemaphore"))
+            raise DeviceError("session.done() returns a Vulkan timeline semaphore, which this "
+                              "session's device lacks: " + backend.why_absent("timeline"))
         return backend.timeline.semaphore, self._bound.done_value()
 
     @_serialized
@@ -343,9 +336,9 @@ class Session:
         steps in flight: their inputs alternate between two staging buffers)."""
         recording = self.device.backend.host_recording
         if recording is None:
-            raise DeviceError("session.record() needs the Vulkan backend (it records into a "
-                              f"Vulkan command buffer); this session runs on "
-                              f"{type(self.device.backend).__name__}")
+            raise DeviceError("session.record() records into a Vulkan command buffer, which "
+                              "this session's device cannot: "
+                              + self.device.backend.why_absent("host_recording"))
         bound = self._bound
         bound.require_inputs()
         self._chunker.finish()

@@ -1,7 +1,8 @@
 """A synthetic GPU load for co-tenancy measurements (tools/cotenancy.py, the render-loop
 tests): a full-screen triangle whose fragment shader iterates a Julia-like map `iterations` times
 per pixel, so the frame's GPU cost is a knob (size x iterations). It draws into an offscreen RGBA8
-image with dynamic rendering; WGSL compiled by vkml.naga; two timestamps give its GPU time.
+image with dynamic rendering; WGSL compiled by vkml.vk.compile_wgsl; two timestamps give its GPU
+time.
 
 Formerly vkml/vk/renderer.py: the library holds no host-application code any more.
 """
@@ -13,7 +14,7 @@ from typing import Any
 
 import vulkan as vk
 
-from vkml import naga
+from vkml.vk import compile_wgsl
 from xr_demo import graphics
 from xr_demo.vkhost import VulkanHost
 
@@ -74,7 +75,7 @@ class FullscreenLoad:
         self.view = vk.vkCreateImageView(d, vk.VkImageViewCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_IMAGE_VIEW_CREATE_INFO, image=self.image,
             viewType=vk.VK_IMAGE_VIEW_TYPE_2D, format=fmt, subresourceRange=self.range), None)
-        spirv = naga.compile_wgsl(load_wgsl(iterations), f"fullscreen_load_{iterations}")
+        spirv = compile_wgsl(load_wgsl(iterations), f"fullscreen_load_{iterations}")
         self.module = vk.vkCreateShaderModule(d, vk.VkShaderModuleCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(spirv),
             pCode=spirv), None)

@@ -1,8 +1,9 @@
 """The host's renderer: a Vulkan graphics pipeline (dynamic rendering, a depth buffer, two colour
 targets: the shaded image and linear depth) drawing `scene.Scene`, with WGSL shaders compiled to
-SPIR-V by vkml.naga. Each frame's command buffer is recorded by `SceneRenderer.record()`; it
-ends with the targets copied to a host-visible buffer, which is how the image (the network's
-input) and the true depth (its target) reach vkml: `read()` after the frame's fence.
+SPIR-V by vkml.vk.compile_wgsl. Each frame's command buffer is recorded by
+`SceneRenderer.record()`; it ends with the targets copied to a host-visible buffer, which is how
+the image (the network's input) and the true depth (its target) reach vkml: `read()` after the
+frame's fence.
 
 `Compositor` puts frames on a screen: it blits the scene and a panel of depth images (uploaded
 from the host) into a swapchain image (GLFW) or an OpenXR swapchain image.
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import vulkan as vk
 
-from vkml import naga
+from vkml.vk import compile_wgsl
 from xr_demo import graphics
 from xr_demo.scene import FAR, SCENE_WGSL, SKY_CLEAR, VERTEX_FLOATS, Camera, Scene, push_constants
 from xr_demo.vkhost import HostError, VulkanHost
@@ -154,7 +155,7 @@ class SceneRenderer:
 
     def _pipeline(self, width: int, height: int) -> None:
         d = self.host.device
-        spirv = naga.compile_wgsl(SCENE_WGSL, "xr_demo_scene")
+        spirv = compile_wgsl(SCENE_WGSL, "xr_demo_scene")
         self.module = vk.vkCreateShaderModule(d, vk.VkShaderModuleCreateInfo(
             sType=vk.VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, codeSize=len(spirv),
             pCode=spirv), None)

@@ -17,10 +17,28 @@ from pathlib import Path
 from typing import Any
 
 from vkml import session as session_module
-from vkml.compiler.stages import STAGES, Stages, lower
+from vkml.compiler import stages as compiler_stages
+from vkml.compiler.stages import Stages, lower
 from vkml.errors import VkmlError
 from vkml.graph import Graph
 from vkml.runtime.device import Device, default_device
+
+# The compiler's stages, then the Vulkan backend's translation of each kernel
+STAGES = (*compiler_stages.STAGES, "spirv")
+
+
+def spirv(stages: Stages) -> dict[str, bytes]:
+    """Each kernel's SPIR-V, as the Vulkan backend translates it (naga)."""
+    from vkml.vk import compile_wgsl
+
+    return {name: compile_wgsl(wgsl, name) for name, wgsl in stages.kernels().items()}
+
+
+def show(stages: Stages, stage: str) -> str:
+    if stage == "spirv":
+        return "\n".join(f"{name}: {len(code)} bytes of SPIR-V"
+                         for name, code in spirv(stages).items())
+    return stages.dump(stage)
 
 
 class _Captured(Exception):
@@ -80,13 +98,13 @@ def run(opts: argparse.Namespace) -> int:
         out = opts.out or Path("out") / "dump"
         out.mkdir(parents=True, exist_ok=True)
         if opts.stage == "spirv":
-            for name, spirv in stages.spirv().items():
-                (out / f"{name}.spv").write_bytes(spirv)
+            for name, code in spirv(stages).items():
+                (out / f"{name}.spv").write_bytes(code)
         elif opts.stage == "wgsl":
             for name, wgsl in stages.kernels().items():
                 (out / f"{name}.wgsl").write_text(wgsl)
         else:
-            (out / f"{opts.stage}.txt").write_text(stages.dump(opts.stage) + "\n")
+            (out / f"{opts.stage}.txt").write_text(show(stages, opts.stage) + "\n")
         print(f"wrote the {opts.stage} stage under {out}/")
-    print(stages.dump(opts.stage))
+    print(show(stages, opts.stage))
     return 0

@@ -6,8 +6,8 @@
     Plan --codegen--> Plan + Kernels (compiler/codegen, vkml/kernels/)
 
 `lower()` runs them all and keeps every intermediate, so `python -m vkml dump` and tests can print
-any of them. The backend turns each kernel's WGSL into what its driver takes (SPIR-V through
-naga on Vulkan) when a session binds the plan to a device.
+any of them. The backend turns each kernel's WGSL into what its driver takes when a session binds
+the plan to a device.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
-from vkml import naga
 from vkml.compiler import autodiff, codegen, plan_cache
 from vkml.compiler.attention import fuse_attention
 from vkml.compiler.rewrite import fuse
@@ -68,7 +67,7 @@ def target(caps: Capabilities, precision: str) -> Capabilities:
     return dataclasses.replace(caps, precision=precision)
 
 
-STAGES = ("graph", "rewritten", "split", "plan", "memory", "wgsl", "spirv")
+STAGES = ("graph", "rewritten", "split", "plan", "memory", "wgsl")
 REWRITES = ("greedy", "none")
 
 
@@ -90,9 +89,6 @@ class Stages:
         """Each distinct kernel's WGSL, by kernel name."""
         return {d.kernel.name: d.kernel.wgsl for d in self.plan.dispatches}
 
-    def spirv(self) -> dict[str, bytes]:
-        return {name: naga.compile_wgsl(wgsl, name) for name, wgsl in self.kernels().items()}
-
     def dump(self, stage: str) -> str:
         if stage == "graph":
             return self.graph.dump(self.roots)
@@ -107,9 +103,6 @@ class Stages:
         if stage == "wgsl":
             return "\n".join(f"// ---- kernel {name}\n{wgsl}" for name, wgsl in
                              self.kernels().items())
-        if stage == "spirv":
-            return "\n".join(f"{name}: {len(spv)} bytes of SPIR-V" for name, spv in
-                             self.spirv().items())
         raise GraphError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
 
 
@@ -204,7 +197,6 @@ def lower(graph: Graph, caps: Capabilities, loss: Tensor | None = None,
           trainable: Trainable = None, precision: str = "f32",
           check_finite: bool = False) -> Stages:
     """Graph -> Plan, keeping each stage. Arguments as for `vkml.compile`."""
-    naga.preload()  # a cold cache's wasm compile runs beside the stages below
     with _collector_paused():
         return _lower(graph, caps, loss, optimizer, outputs, rewrite, keep_grads, trainable,
                       precision, check_finite)

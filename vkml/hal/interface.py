@@ -104,6 +104,17 @@ class Backend(Protocol):
         afterwards, which queues behind whatever was submitted in between."""
         ...
 
+    def prefetch(self, kernels: Sequence[Kernel]) -> None:
+        """Start, in the background, whatever turning these kernels into pipelines needs before
+        the driver sees them (Vulkan: WGSL -> SPIR-V through naga, for kernels no cache
+        holds), and return at once; create_pipeline then waits for it (and raises its error)."""
+        ...
+
+    def why_absent(self, capability: str) -> str:
+        """Why the optional capability `capability` ("timeline", "host_recording",
+        "timestamps") is None on this backend, and what would provide it: for error messages."""
+        ...
+
     def create_pipeline(self, kernel: Kernel) -> object: ...
     def create_pipelines(self, kernels: Sequence[Kernel]) -> list[object]:
         """create_pipeline of each kernel, in order; a backend whose driver compiles outside

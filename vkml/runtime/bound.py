@@ -30,7 +30,6 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from vkml import naga
 from vkml.compiler.schedule import Plan, Slot
 from vkml.errors import InputError
 from vkml.hal import Barrier, Binding, Command, Copy, Dispatch, HostWrite
@@ -84,8 +83,7 @@ class BoundPlan:
             for name, slot in plan.inputs.items():
                 self.staging_offsets[name] = staged
                 staged += -(-plan.slots[slot].nbytes // align) * align
-            if device.backend_name == "vulkan":  # kernels no cache holds: naga works meanwhile
-                naga.prefetch((k.wgsl, k.name) for k in self._kernels)
+            backend.prefetch(self._kernels)  # works meanwhile on what pipelines need
             self.write_initial_values()
             pipelines = device.pipelines.acquire(self._kernels)
             self._pipelines = {k.wgsl: p for k, p in zip(self._kernels, pipelines)}

@@ -1,5 +1,5 @@
 """VulkanBackend: the vkml.hal.Backend contract on top of the `vulkan` (cffi) package. It turns
-each kernel's WGSL into SPIR-V itself (vkml.naga), and offers all three optional capabilities:
+each kernel's WGSL into SPIR-V itself (vkml/vk/naga.py), and offers all three optional capabilities:
 a timeline semaphore, recording into the host's command buffers, and device timestamps."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vkml import naga
 from vkml.errors import DeviceError
 from vkml.hal import (
     BackendBase,
@@ -24,8 +23,16 @@ from vkml.hal import (
     Kernel,
 )
 from vkml.threads import compile_threads
+from vkml.vk import naga
 from vkml.vk.buffers import Buffer, allocate_buffer, free_buffer
-from vkml.vk.context import WAIT_POLL_S, WAIT_TIMEOUT_NS, Adopted, Device, as_handle
+from vkml.vk.context import (
+    WAIT_POLL_S,
+    WAIT_TIMEOUT_NS,
+    Adopted,
+    Device,
+    as_handle,
+    how_to_enable,
+)
 from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
 from vkml.vk.programs import (
     Program,
@@ -74,6 +81,7 @@ class VulkanBackend(BackendBase):
     def __init__(self, selector: str | None = None, *, timeline_semaphores: bool = True,
                  adopt: Adopted | None = None, queue_lock: Any = None) -> None:
         super().__init__(queue_lock)
+        naga.preload()  # a cold cache's wasm compile runs beside whatever comes before kernels
         self._pool: Any = None
         # Vulkan leaves the command pool's synchronisation to the application (allocating,
         # recording into and freeing its command buffers): sessions on several threads share it.
@@ -312,6 +320,17 @@ class VulkanBackend(BackendBase):
         self.free_buffer(staging)
 
     # -- pipelines ----------------------------------------------------------------------------
+
+    def prefetch(self, kernels: Sequence[Kernel]) -> None:
+        """Translate the kernels no SPIR-V cache holds in background threads (naga), while the
+        caller goes on (uploads, allocations)."""
+        naga.prefetch((k.wgsl, k.name) for k in kernels)
+
+    def why_absent(self, capability: str) -> str:
+        if capability == "timeline":
+            return ("the Vulkan feature 'timelineSemaphore' is not enabled on this device (vkml "
+                    "tracks its work with fences): " + how_to_enable("timelineSemaphore"))
+        return super().why_absent(capability)
 
     def create_pipeline(self, kernel: Kernel) -> Pipeline:
         """A compute pipeline for `kernel`: its WGSL through naga to SPIR-V, then the driver."""

@@ -286,6 +286,12 @@ class WgpuBackend(BackendBase):
 
     # -- pipelines ----------------------------------------------------------------------------
 
+    def why_absent(self, capability: str) -> str:
+        if capability in ("timeline", "host_recording"):  # Vulkan objects WebGPU does not have
+            return (f"the wgpu backend has no {capability!r}: use the Vulkan backend, "
+                    "vkml.Device(backend='vulkan')")
+        return super().why_absent(capability)
+
     def create_pipeline(self, kernel: Kernel) -> Pipeline:
         """A compute pipeline from the kernel's WGSL (every binding declared read_write: see the
         module's docstring)."""

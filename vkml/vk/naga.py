@@ -25,7 +25,7 @@ from vkml.errors import NagaError
 from vkml.threads import compile_threads
 
 SPIRV_MAGIC = 0x07230203
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # vkml/
 # What an installed wheel carries (setup.py copies it in at build time): the naga-wasm npm
 # package's files, in npm's layout, and the shipped SPIR-V.
 PACKAGED = PACKAGE_DIR / "_shipped"
@@ -112,7 +112,7 @@ class _NagaWasm:
                 return fn
 
         def unsupported(*args: Any) -> None:
-            raise NotImplementedError(f"naga wasm called import {name!r}, which vkml.naga's "
+            raise NotImplementedError(f"naga wasm called import {name!r}, which vkml.vk.naga's "
                                       "glue does not implement (see naga.js in naga-wasm)")
         return unsupported
 
