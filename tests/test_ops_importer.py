@@ -49,6 +49,17 @@ CASES = [
     Case("tile", [(2, 3)], lambda g, x: g.tile(x, (2, 3)), lambda x: x.repeat(2, 3)),
     Case("tile_new_axes", [(2, 3)], lambda g, x: g.tile(x, (2, 1, 2)),
          lambda x: x.repeat(2, 1, 2)),
+    Case("mean_outer_axes_keepdims", [(3, 4, 5)], lambda g, x: g.mean(x, (0, 2), keepdims=True),
+         lambda x: x.mean((0, 2), keepdim=True)),
+    Case("amax_all_axes", [(3, 4)], lambda g, x: g.amax(x), lambda x: x.amax()),
+    Case("amin_middle_keepdims", [(3, 4, 5)], lambda g, x: g.amin(x, 1, keepdims=True),
+         lambda x: x.amin(1, keepdim=True)),
+    Case("amin_outer_axes", [(3, 4, 5)], lambda g, x: g.amin(x, (0, 2)),
+         lambda x: x.amin((0, 2))),
+    Case("logsumexp", [(3, 4, 5)], lambda g, x: g.logsumexp(x * 30.0, (1, 2)),
+         lambda x: torch.logsumexp(x * 30.0, (1, 2))),
+    Case("reduce_l2_keepdims", [(3, 4, 5)], lambda g, x: g.reduce_l2(x, -1, keepdims=True),
+         lambda x: torch.linalg.vector_norm(x, 2, -1, keepdim=True)),
 ]
 
 
@@ -83,3 +94,21 @@ def test_gather_indices_out_of_range_are_refused(device):
         session.set_input("i", np.array([-3, 3]))
     with pytest.raises(vkml.GraphError, match=r"outside \[-4, 4\)"):
         g.gather(x, g.constant(np.array([0, -5]), "i32"), 0)
+
+
+@pytest.mark.parametrize("axis, keepdims", [(0, False), (1, True), (-1, False)])
+def test_argmax_and_argmin_take_the_first_extreme_as_torch(axis, keepdims, device, rng):
+    x = rng.integers(-2, 3, (4, 5, 6)).astype(np.float32)  # small integers: many ties
+    x[1, 2, 3] = x[2, 0, 1] = x[3, 4, 0] = np.nan
+    g = vkml.Graph()
+    xi = g.input("x", x.shape)
+    g.output("max", g.argmax(xi, axis, keepdims))
+    g.output("min", g.argmin(xi, axis, keepdims))
+    session = vkml.compile(g, device=device)
+    session.set_input("x", x)
+    session.forward()
+    ref = torch.tensor(x)
+    for name, fn in (("max", torch.argmax), ("min", torch.argmin)):
+        got = session.read(name)
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, fn(ref, axis, keepdims).numpy())

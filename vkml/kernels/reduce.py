@@ -1,6 +1,7 @@
-"""Reduction archetypes: one workgroup per output element (sum or max over any axes, a sum with a
-fused prologue and epilogue; on GPUs one per few neighbouring outputs of a sum over leading
-axes), and one workgroup per row for softmax / log-softmax (max, sum of exponentials, write)."""
+"""Reduction archetypes: one workgroup per output element (sum, max or min over any axes, a sum
+with a fused prologue and epilogue; on GPUs one per few neighbouring outputs of a sum over
+leading axes), and one workgroup per row for softmax / log-softmax (max, sum of exponentials,
+write)."""
 
 from __future__ import annotations
 
@@ -110,9 +111,17 @@ def generate_amax(node: Tensor, caps: Capabilities, magnitude: bool = False) -> 
                       Body(term, (contiguous_strides(x.shape),)), Body(Arg(0), ((),)), 1, "max")
 
 
+def generate_amin(node: Tensor, caps: Capabilities) -> Kernel:
+    """The minimum over the node's axes."""
+    (x,) = node.inputs
+    return _reduction(node, caps, x.shape, node.attrs["axes"],
+                      Body(Arg(0), (contiguous_strides(x.shape),)), Body(Arg(0), ((),)), 1, "min")
+
+
 # combine -> (the accumulator's start, folding one term in, folding two partial results)
 _COMBINE = {"sum": ("0.0", "acc +=", "{a} + {b}"),
-            "max": ("-3.4028235e38", "acc = max(acc, term);", "max({a}, {b})")}
+            "max": ("-3.4028235e38", "acc = max(acc, term);", "max({a}, {b})"),
+            "min": ("3.4028235e38", "acc = min(acc, term);", "min({a}, {b})")}
 
 
 def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],

@@ -1,5 +1,7 @@
-"""Reductions: sums and maxima over any axes, the row-wise softmax / log-softmax over the last
-axis (vkml/kernels/reduce.py generates them), and the cumulative sum along an axis."""
+"""Reductions: sums, maxima and minima over any axes (log-sum-exp and the L2 norm composed of
+them), the row-wise softmax / log-softmax over the last axis (vkml/kernels/reduce.py generates
+them), and per thread the cumulative sum and the index of the maximum or minimum along an
+axis."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather
 from vkml.kernels import reduce as kernels
-from vkml.kernels.common import check_loop
+from vkml.kernels.common import check_loop, offset
 from vkml.ops.pointwise import same_f32
 
 
@@ -55,8 +57,9 @@ def _reduce(g: Graph, op: str, x: Tensor, axes: tuple[int, ...], keepdims: bool)
     return out if out.shape == tuple(shape) else g.reshape(out, shape)
 
 
-def _amax_grad(g, node, d):
-    # torch.amax's rule: the gradient is shared evenly among the elements equal to the maximum.
+def _extreme_grad(g, node, d):
+    # torch.amax's and amin's rule: the gradient is shared evenly among the elements equal to
+    # the extreme.
     (x,) = node.inputs
     kept = _kept(x, node.attrs["axes"])
     hit = g.apply("equal", [x, g.reshape(node, kept)])
@@ -64,7 +67,8 @@ def _amax_grad(g, node, d):
     return [g.mul(hit, share)]
 
 
-register(OpDef("amax", _reduced, "kernel", grad=_amax_grad, lower=kernels.generate_amax))
+register(OpDef("amax", _reduced, "kernel", grad=_extreme_grad, lower=kernels.generate_amax))
+register(OpDef("amin", _reduced, "kernel", grad=_extreme_grad, lower=kernels.generate_amin))
 # The largest magnitude, which the backward pass's f16 products scale by (compiler/scale.py);
 # made after differentiation, so it has no gradient.
 register(OpDef("abs_max", _reduced, "kernel",
@@ -76,6 +80,84 @@ def amax(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
          keepdims: bool = False) -> Tensor:
     """torch.amax: the maximum over `axis` (all axes by default)."""
     return _reduce(g, "amax", x, normalize_axes(x, axis), keepdims)
+
+
+@builder
+def amin(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
+         keepdims: bool = False) -> Tensor:
+    """torch.amin: the minimum over `axis` (all axes by default)."""
+    return _reduce(g, "amin", x, normalize_axes(x, axis), keepdims)
+
+
+@builder
+def logsumexp(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
+              keepdims: bool = False) -> Tensor:
+    """torch.logsumexp / ONNX ReduceLogSumExp over `axis`: log(sum(exp(x - m))) + m with m the
+    maximum, so no exponential overflows."""
+    axes = normalize_axes(x, axis)
+    top = g.amax(x, axes, keepdims=True)
+    out = g.add(g.log(g.sum(g.exp(g.sub(x, top)), axes, keepdims=True)), top)
+    return out if keepdims else g.reshape(out, [n for i, n in enumerate(x.shape) if i not in axes])
+
+
+@builder
+def reduce_l2(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
+              keepdims: bool = False) -> Tensor:
+    """ONNX ReduceL2 (torch.linalg.vector_norm of order 2) over `axis`: sqrt(sum(x^2))."""
+    return g.sqrt(g.sum(g.square(x), axis, keepdims))
+
+
+def _arg_extreme(inputs, attrs):
+    (x,) = inputs
+    if x.dtype != "f32" or not x.shape:
+        raise GraphError(f"expects an f32 tensor of rank >= 1, got {x.type}")
+    return tuple(d for i, d in enumerate(x.shape) if i != attrs["axis"]), "i32"
+
+
+def _arg_extreme_kernel(node: Tensor, caps: Capabilities) -> Kernel:
+    """One thread per output element scanning the axis in order: the first index of the
+    extreme, or of the first NaN, as torch's argmax and argmin."""
+    (x,) = node.inputs
+    axis, n = node.attrs["axis"], x.shape[node.attrs["axis"]]
+    check_loop(node, caps, n, f"{node.op} over a shorter axis")
+    indices = [f"i{a}" for a in range(len(node.shape))]
+    strides = contiguous_strides(x.shape)
+    at = offset([*indices[:axis], "j", *indices[axis:]], strides)
+    better = ">" if node.op == "argmax" else "<"
+    return gather.generate(node, caps, [
+        f"  var j = 0u; var best = in0[{at}]; var found = 0u;",
+        f"  for (j = 1u; j < {n}u; j++) {{",
+        f"    let v = in0[{at}];",
+        # NaN tested on the bits: drivers may assume that no float compares unequal to itself
+        f"    if (v {better} best || (is_nan(v) && !is_nan(best))) {{ best = v; found = j; }}",
+        "  }",
+        "  out[idx] = i32(found);"], flops=node.size * n,
+        prelude=["fn is_nan(v: f32) -> bool {",
+                 "  return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;", "}"])
+
+
+for _name in ("argmax", "argmin"):
+    register(OpDef(_name, _arg_extreme, "kernel", lower=_arg_extreme_kernel))
+
+
+def _arg(g: Graph, op: str, x: Tensor, axis: int, keepdims: bool) -> Tensor:
+    (a,) = normalize_axes(x, axis)
+    out = g.apply(op, [x], axis=a)
+    return g.reshape(out, [1 if i == a else n for i, n in enumerate(x.shape)]) if keepdims else out
+
+
+@builder
+def argmax(g: Graph, x: Tensor, axis: int = -1, keepdims: bool = False) -> Tensor:
+    """torch.argmax along `axis` as i32 (the first index of the maximum; of the first NaN where
+    there is one); no gradient."""
+    return _arg(g, "argmax", x, axis, keepdims)
+
+
+@builder
+def argmin(g: Graph, x: Tensor, axis: int = -1, keepdims: bool = False) -> Tensor:
+    """torch.argmin along `axis` as i32 (the first index of the minimum; of the first NaN where
+    there is one); no gradient."""
+    return _arg(g, "argmin", x, axis, keepdims)
 
 
 def _rowwise(inputs, attrs):
