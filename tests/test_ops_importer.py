@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from test_ops import Case, case_tests
 
 import vkml
@@ -58,6 +59,17 @@ CASES = [
          lambda x: x.amin((0, 2))),
     Case("logsumexp", [(3, 4, 5)], lambda g, x: g.logsumexp(x * 30.0, (1, 2)),
          lambda x: torch.logsumexp(x * 30.0, (1, 2))),
+    Case("instance_norm", [(2, 3, 4, 5), (3,), (3,)],
+         lambda g, x, w, b: g.instance_norm(x, w, b, eps=1e-4),
+         lambda x, w, b: F.instance_norm(x, weight=w, bias=b, eps=1e-4)),
+    Case("conv_transpose2d_stride2_output_padding", [(2, 3, 4, 5), (3, 4, 3, 3), (4,)],
+         lambda g, x, w, b: g.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1),
+         lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, padding=1, output_padding=1)),
+    Case("conv_transpose2d_groups_dilation", [(1, 4, 5, 4), (4, 3, 2, 3)],
+         lambda g, x, w: g.conv_transpose2d(x, w, stride=(1, 2), padding=(0, 1), dilation=(2, 1),
+                                            groups=2),
+         lambda x, w: F.conv_transpose2d(x, w, stride=(1, 2), padding=(0, 1), dilation=(2, 1),
+                                         groups=2)),
     Case("reduce_l2_keepdims", [(3, 4, 5)], lambda g, x: g.reduce_l2(x, -1, keepdims=True),
          lambda x: torch.linalg.vector_norm(x, 2, -1, keepdim=True)),
 ]

@@ -119,6 +119,13 @@ def group_norm(g: Graph, x: Tensor, num_groups: int, weight=None, bias=None,
     return _affine(g, y, _per_channel(g, weight, x), _per_channel(g, bias, x))
 
 
+@builder
+def instance_norm(g: Graph, x: Tensor, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+    """F.instance_norm / ONNX InstanceNormalization (batch statistics of each sample's channel
+    over its spatial axes): group_norm with a group per channel."""
+    return g.group_norm(x, x.shape[1], weight, bias, eps)
+
+
 def _normalized_type(inputs, attrs):
     x = inputs[0]
     if any(t.dtype != "f32" for t in inputs):

@@ -1,8 +1,9 @@
 """2-D convolution and max pooling over NCHW tensors, with PyTorch's conventions (weight
 (out, in/groups, kh, kw); stride, padding, dilation, groups). vkml/kernels/conv.py generates them
 as implicit GEMMs on the GEMM core, reading the input through the im2col index map without
-materialising it; CPU drivers get kernels of their own (vkml/kernels/conv_cpu.py). 1-D
-convolution, average and global-average pooling are compositions (ops/composite.py)."""
+materialising it; CPU drivers get kernels of their own (vkml/kernels/conv_cpu.py). The
+transposed convolution is the input gradient's kernel; 1-D convolution, average and
+global-average pooling are compositions (ops/composite.py)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,34 @@ def conv2d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
     """F.conv2d: weight (out, in/groups, kh, kw); int or (h, w) stride/padding/dilation."""
     y = g.apply("conv2d", [x, weight], stride=pair(stride), padding=pair(padding),
                 dilation=pair(dilation), groups=int(groups))
+    if bias is not None:
+        y = g.add(y, g.reshape(bias, (bias.size, 1, 1)))
+    return y
+
+
+@builder
+def conv_transpose2d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1,
+                     padding=0, output_padding=0, dilation=1, groups: int = 1) -> Tensor:
+    """F.conv_transpose2d: weight (in, out/groups, kh, kw). It is the input gradient of the
+    conv2d that maps its output back to x, so it runs on that kernel, and its gradients are
+    that conv2d and conv2d's weight gradient."""
+    if len(x.shape) != 4 or len(weight.shape) != 4 or weight.shape[0] != x.shape[1]:
+        raise GraphError(f"conv_transpose2d takes NCHW input and (in, out/groups, kh, kw) "
+                         f"weight with in = the input's channels, got {x.type}, {weight.type}")
+    stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
+    extra = pair(output_padding)
+    if any(e >= s for e, s in zip(extra, stride)):
+        raise GraphError(f"conv_transpose2d: output_padding {extra} must be smaller than the "
+                         f"stride {stride}")
+    n, _, h, w = x.shape
+    size = [(i - 1) * s - 2 * p + d * (k - 1) + e + 1 for i, s, p, d, k, e in
+            zip((h, w), stride, padding, dilation, weight.shape[2:], extra)]
+    attrs = {"stride": stride, "padding": padding, "dilation": dilation, "groups": int(groups)}
+    shape = (n, weight.shape[1] * int(groups), *size)
+    if min(size) <= 0 or _geometry(shape, weight.shape, attrs) != x.shape:
+        raise GraphError(f"conv_transpose2d: no output size fits {x.type} with weight "
+                         f"{weight.type} and {attrs} (the output would be {shape})")
+    y = g.apply("conv2d_input_grad", [x, weight], in_shape=shape, **attrs)
     if bias is not None:
         y = g.add(y, g.reshape(bias, (bias.size, 1, 1)))
     return y
