@@ -578,7 +578,7 @@ HEADS_INNER = {"edges", "grouped_causal_narrow_values"}
 @pytest.mark.parametrize("name", COOPERATIVE_ATTENTION)
 def test_accelerated_inference_runs_composed_attention_on_cooperative_matrices(name, device,
                                                                                 rng):
-    # compiler/attention.py replaces the composed attention of an inference at precision "f16"
+    # compiler/compose.py replaces the composed attention of an inference at precision "f16"
     # by the fused kernel on cooperative matrices (kernels/attention.py `_cooperative`) where
     # the keys are few (COOP_MAX_KEYS); a training step (its backward reads the probabilities),
     # strict precision and longer sequences keep the composition. Lavapipe has no cooperative

@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol
 
 import numpy as np
 
@@ -57,6 +57,46 @@ class OpDef:
     # split stage (compiler/split.py) cuts a node on a device (Capabilities); above 1 the node
     # gets attribute "splits", its result a leading axis of that length, and a sum follows.
     splits: Callable[[Tensor, Capabilities], int] | None = None
+    # The facts the other passes read (none of them keeps a list of op names):
+    # `indexes`: an op that selects with an i32 input: (which input, its valid [first, end) for
+    # the node, what it indexes), so set_input refuses values PyTorch would raise on.
+    indexes: Callable[[Tensor], tuple[int, int, int, str]] | None = None
+    # `fusion`: how the rewrite (compiler/rewrite.py) fuses pointwise ops into this op's
+    # kernel. "product": its stores take a pointwise epilogue (inputs a, b, then the
+    # epilogue's); "sum": its summand (a prologue) and its result (an epilogue) may be
+    # pointwise computations. `fused` names the op it becomes with them (itself once fused);
+    # `unfused`, a fused op's plain one (compiler/split.py cuts a split product back to it,
+    # its sum taking over the epilogue).
+    fusion: Literal["product", "sum"] | None = None
+    fused: str | None = None
+    unfused: str | None = None
+    # `scaled`: a product whose f16 cooperative kernel may scale its operands into f16's range
+    # (compiler/scale.py): whether it does for the node on the (backward pass's) target.
+    scaled: Callable[[Tensor, Capabilities], bool] | None = None
+    # `composes`: a composition of other ops that this op computes in one kernel: at a node,
+    # the composition it ends (or None), given the graph's constants and the target
+    # (compiler/compose.py puts this op in its place).
+    composes: Callable[[Tensor, dict[int, np.ndarray], Capabilities], Composition | None] | None \
+        = None
+
+
+class Composition(Protocol):
+    """What an op's `composes` rule found at a node: a composition of other ops that the op
+    computes in one kernel."""
+
+    # The nodes inside the composition: replaced only where nothing else reads them.
+    interior: tuple[Tensor, ...]
+
+    def takes_reader(self, reader: Tensor) -> bool:
+        """Whether the one kernel also computes `reader`, the composition's only reader (a
+        layout change it can write directly)."""
+        ...
+
+    def replacement(self, node: Tensor, with_reader: bool
+                    ) -> tuple[str, list[Tensor], Shape, dict[str, Any]]:
+        """The op, inputs (nodes of the graph matched), shape and attributes of the node that
+        replaces `node` (and its reader, `with_reader`)."""
+        ...
 
 
 OPS: dict[str, OpDef] = {}
@@ -68,6 +108,9 @@ def register(op: OpDef) -> OpDef:
     if (op.kind == "pointwise") != (op.expr is not None) or (op.kind == "kernel") != (
             op.lower is not None):
         raise ValueError(f"op '{op.name}': a pointwise op needs `expr`, a kernel op `lower`")
+    if (op.fusion is not None) != (op.fused is not None):
+        raise ValueError(f"op '{op.name}': an op that fuses (`fusion`) names the op it becomes "
+                         "(`fused`)")
     OPS[op.name] = op
     return op
 

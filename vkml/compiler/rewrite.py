@@ -25,12 +25,8 @@ import numpy as np
 
 from vkml.expr import Arg, Body, Lazy, Lit, Shape, Subst, contiguous_strides, in_order, materialize
 from vkml.graph import OPS, Graph, Tensor, body_of
-from vkml.ops.fused import FUSED
 
 IDENTITY_EPILOGUE = Body(Arg(0), ((),))
-# Products whose stores may take an epilogue (fused already or not), and the op each becomes.
-PRODUCTS = FUSED | {fused: fused for fused in FUSED.values()}
-EPILOGUE_HOSTS = (*PRODUCTS, "sum", "fused_sum")  # ops a consumer may move into
 DUPLICATE_INPUTS = 6  # the most buffers an op computed again in each of its consumers reads
 
 
@@ -139,7 +135,7 @@ def _fuse_once(old: Graph, roots: list[Tensor], max_inputs: int
         if OPS[node.op].kind == "pointwise":
             fused = _fuse_pointwise(node, inputs, absorbable, new.initial_values, emit,
                                     max_inputs)
-        elif node.op == "sum":
+        elif _plain_sum(node):
             fused = _fuse_sum_prologue(node, inputs, absorbable, emit, max_inputs)
         if fused is None:
             fused = emit(node, node.op, inputs, node.attrs)
@@ -163,7 +159,7 @@ def _duplicable(order: list[Tensor], pinned: set[int], consumers: Counter[int]) 
     that would move into its epilogue, and each copy would compute the product again."""
     ok = {t.id: True for t in order if OPS[t.op].kind == "pointwise"
           and t.op != "fused_pointwise" and t.id not in pinned
-          and not any(i.op in EPILOGUE_HOSTS and consumers[i.id] == 1 for i in t.inputs)}
+          and not any(OPS[i.op].fusion is not None and consumers[i.id] == 1 for i in t.inputs)}
     seen: Counter[int] = Counter()
     for c in order:
         strides = body_of(c).strides if OPS[c.op].kind == "pointwise" else ()
@@ -175,8 +171,14 @@ def _duplicable(order: list[Tensor], pinned: set[int], consumers: Counter[int]) 
                 ok[t.id] &= (in_order(strides[k], c.shape) if t.shape == c.shape
                              else _broadcast_inlinable(t))
             else:
-                ok[t.id] &= c.op == "sum"
+                ok[t.id] &= _plain_sum(c)
     return {i for i, fits in ok.items() if fits and seen[i] > 1}
+
+
+def _plain_sum(t: Tensor) -> bool:
+    """A sum the rewrite has not fused yet: a pointwise summand may move into it."""
+    opdef = OPS[t.op]
+    return opdef.fusion == "sum" and opdef.unfused is None
 
 
 def _broadcast_inlinable(t: Tensor) -> bool:
@@ -219,9 +221,9 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit, max_inputs) -> Tenso
     # Now the whole computation may move into a matmul's or a sum's epilogue; a sum's seen
     # through a reshape too (a norm's statistics, kept with keepdims), which it then has.
     for k, (t, strides) in enumerate(zip(builder.inputs, builder.strides)):
-        host = (t.inputs[0] if t.op == "reshape" and _sum_without_epilogue(t.inputs[0])
+        host = (t.inputs[0] if OPS[t.op].kind == "view" and _sum_without_epilogue(t.inputs[0])
                 and absorbable(t) else t)
-        if (host.op in EPILOGUE_HOSTS and t.shape == node.shape
+        if (OPS[host.op].fusion is not None and t.shape == node.shape
                 and in_order(strides, node.shape) and absorbable(host)):
             inputs = [host if j == k else x for j, x in enumerate(builder.inputs)]
             absorbed = _absorb_into_epilogue(node, host, k, builder.body(result), inputs, emit,
@@ -237,14 +239,16 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit, max_inputs) -> Tenso
 def _sum_without_epilogue(t: Tensor) -> bool:
     """A sum whose result is stored as it is, so it may be stored in any shape of its size
     (an epilogue's reads are laid out by the result's shape)."""
-    return t.op == "sum" or (t.op == "fused_sum" and t.attrs["epilogue"] is IDENTITY_EPILOGUE)
+    return OPS[t.op].fusion == "sum" and (_plain_sum(t)
+                                          or t.attrs["epilogue"] is IDENTITY_EPILOGUE)
 
 
 def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
                           body_inputs: list, emit, max_inputs: int) -> Tensor | None:
     """`node` (as `body` over `body_inputs`, of which input `slot` is `producer`) becomes
     `producer`'s epilogue; None where the kernel would read more than `max_inputs` buffers."""
-    if producer.op in PRODUCTS:
+    product = OPS[producer.op].fusion == "product"
+    if product:
         leading = list(producer.inputs[:2])
         old_epilogue = producer.attrs.get("epilogue", IDENTITY_EPILOGUE)
         extras = list(producer.inputs[2:])
@@ -262,17 +266,17 @@ def _absorb_into_epilogue(node: Tensor, producer: Tensor, slot: int, body: Body,
     inputs = leading + [t for t in builder.inputs[1:] if t is not None]
     if len(inputs) > max_inputs:
         return None
-    if producer.op in PRODUCTS:
+    if product:
         attrs = {**producer.attrs, "epilogue": epilogue, "shape": node.shape, "dtype": node.dtype}
-        return emit(node, PRODUCTS[producer.op], inputs, attrs)
-    attrs = {**_as_fused_sum(producer), "epilogue": epilogue, "shape": node.shape,
-             "dtype": node.dtype}
-    return emit(node, "fused_sum", inputs, attrs)
+    else:
+        attrs = {**_as_fused_sum(producer), "epilogue": epilogue, "shape": node.shape,
+                 "dtype": node.dtype}
+    return emit(node, OPS[producer.op].fused, inputs, attrs)
 
 
 def _as_fused_sum(t: Tensor) -> dict:
-    """The fused_sum attributes of a plain or fused sum."""
-    if t.op == "fused_sum":
+    """The fused sum's attributes of a plain or fused sum."""
+    if not _plain_sum(t):
         return dict(t.attrs)
     (x,) = t.inputs
     return {"axes": t.attrs["axes"], "in_shape": x.shape, "n_prologue": 1,
@@ -289,4 +293,4 @@ def _fuse_sum_prologue(node, inputs, absorbable, emit, max_inputs) -> Tensor | N
     # The prologue reads each input through the summand's strides (broadcast ones included).
     attrs = {**_as_fused_sum(node), "prologue": body_of(summand),
              "n_prologue": len(summand.inputs)}
-    return emit(node, "fused_sum", list(summand.inputs), attrs)
+    return emit(node, OPS[node.op].fused, list(summand.inputs), attrs)

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 from vkml.compiler.codegen import phase_target
 from vkml.compiler.rebuild import Emit, rebuild
-from vkml.graph import Graph, Tensor
+from vkml.graph import OPS, Graph, Tensor
 from vkml.hal import Capabilities
-from vkml.kernels import gemm, matmul
-
-PRODUCTS = ("matmul", "fused_matmul")
 
 
 def scale_operands(old: Graph, roots: list[Tensor], caps: Capabilities,
@@ -37,8 +34,9 @@ def scale_operands(old: Graph, roots: list[Tensor], caps: Capabilities,
         return magnitudes[x.id]
 
     def make(node: Tensor, inputs: list[Tensor], emit: Emit) -> Tensor:
-        if (node.op in PRODUCTS and node.id not in forward and backward.scaled_operands
-                and isinstance(matmul.choose(node, backward), gemm.CoopTiling)):
+        scaled = OPS[node.op].scaled
+        if (scaled is not None and node.id not in forward and backward.scaled_operands
+                and scaled(node, backward)):
             ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
             modes = tuple(None if x.id in forward else "rows" if per_row else "depth"
                           for x, per_row in zip(node.inputs[:2], (not ta, tb)))

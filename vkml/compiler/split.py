@@ -15,9 +15,6 @@ from vkml.compiler.rebuild import Emit, rebuild
 from vkml.expr import Arg, Body, contiguous_strides
 from vkml.graph import OPS, Graph, Tensor
 from vkml.hal import Capabilities
-from vkml.ops.fused import FUSED
-
-UNFUSED = {fused: product for product, fused in FUSED.items()}
 
 
 def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
@@ -39,8 +36,9 @@ def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
 
 def _split(node: Tensor, inputs: list[Tensor], pieces: int, emit: Emit) -> Tensor:
     """Partial sums (a leading axis of `pieces`), then their sum through the node's epilogue."""
-    if node.op in UNFUSED:  # the product alone; the sum takes over the epilogue
-        op, operands, extras = UNFUSED[node.op], inputs[:2], inputs[2:]
+    unfused = OPS[node.op].unfused
+    if unfused is not None:  # the product alone; the sum takes over the epilogue
+        op, operands, extras = unfused, inputs[:2], inputs[2:]
         attrs = {k: v for k, v in node.attrs.items() if k not in ("epilogue", "shape", "dtype")}
         epilogue = node.attrs["epilogue"]
     else:

@@ -1,7 +1,7 @@
 """The compiler's stages in order, each a function of the previous one's output:
 
     Graph --autodiff--> Graph --rewrite--> Graph --split--> Graph --schedule--> Plan
-          (compiler/autodiff)  (compiler/attention, (compiler/split) (compiler/schedule,
+          (compiler/autodiff)  (compiler/compose,  (compiler/split) (compiler/schedule,
                                 compiler/rewrite)                     compiler/memory_plan)
     Plan --codegen--> Plan + Kernels (compiler/codegen, vkml/kernels/)
 
@@ -20,13 +20,13 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 from vkml.compiler import autodiff, codegen, plan_cache
-from vkml.compiler.attention import fuse_attention
+from vkml.compiler.compose import fuse_compositions
 from vkml.compiler.rewrite import fuse
 from vkml.compiler.scale import scale_operands
 from vkml.compiler.schedule import Plan, make_plan
 from vkml.compiler.split import split_sums
 from vkml.errors import DeviceError, GraphError, VkmlError
-from vkml.graph import Graph, Tensor
+from vkml.graph import OPS, Graph, Tensor
 from vkml.hal import Capabilities
 from vkml.optim import Optimizer
 
@@ -138,35 +138,22 @@ def check_arguments(graph: Graph, loss: object, optimizer: object, outputs: obje
         raise GraphError(f"the loss must be f32 to differentiate, got {loss.label}")  # type: ignore[union-attr]
 
 
-# Ops that index with an i32 input: op -> (which input, the valid [first, end) from the node,
-# what for); gathers take negative indices from the end, as ONNX's.
-def _axis_extent(n: Tensor) -> int:
-    return n.inputs[0].shape[n.attrs["axis"]]
-
-
-INDEXING = {"one_hot": (0, lambda n: (0, n.attrs["num_classes"]),
-                        "class index (one_hot / cross_entropy)"),
-            "embedding": (1, lambda n: (0, n.inputs[0].shape[0]), "embedding row"),
-            "gather": (1, lambda n: (-_axis_extent(n), _axis_extent(n)), "gather index"),
-            "gather_elements": (1, lambda n: (-_axis_extent(n), _axis_extent(n)),
-                                "gather_elements index")}
-
-
 def index_ranges(graph: Graph, roots: list[Tensor]) -> dict[str, tuple[int, int, str]]:
-    """Per i32 input that selects classes or rows (through reshapes), the valid [first, end)
-    and what it indexes, so set_input refuses values PyTorch would raise on instead of
-    computing a silently wrong loss."""
+    """Per i32 input that selects classes or rows (through views), the valid [first, end) and
+    what it indexes (OpDef.indexes), so set_input refuses values PyTorch would raise on instead
+    of computing a silently wrong loss."""
     ranges: dict[str, tuple[int, int, str]] = {}
     names = {t.id: n for n, t in graph.inputs.items()}
     for node in graph.reachable(roots):
-        if node.op not in INDEXING:
+        indexes = OPS[node.op].indexes
+        if indexes is None:
             continue
-        k, range_of, what = INDEXING[node.op]
+        k, first, end, what = indexes(node)
         source = node.inputs[k]
-        while source.op == "reshape":
+        while OPS[source.op].kind == "view":
             source = source.inputs[0]
         if source.id in names:
-            name, (first, end) = names[source.id], range_of(node)
+            name = names[source.id]
             old = ranges.get(name)
             if old is None:
                 ranges[name] = (first, end, f"{what} made at {node.where}")
@@ -274,7 +261,7 @@ def _lower(graph: Graph, caps: Capabilities, loss: Tensor | None,
     lap("autodiff")
     fused, fused_named, fused_grads = work, named, grads
     if rewrite == "greedy":
-        attended, attended_of = fuse_attention(work, roots, caps)
+        attended, attended_of = fuse_compositions(work, roots, caps)
         fused, fused_of = fuse(attended, [attended_of[t.id] for t in roots],
                                caps.max_bindings_per_stage - 1)
         fused_named = {n: fused_of[attended_of[t.id].id] for n, t in named.items()}

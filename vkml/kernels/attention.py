@@ -23,7 +23,7 @@ already normalized, so the output's fragments never need rescaling (a fragment's
 opaque to the threads that hold it: rescaling rows as the max grows would cost a trip through
 workgroup memory a tile). The scores are computed as S^T = K Q^T, so keys and values are staged
 as they lie in memory and only Q, once, transposed. The compiler's rewrite
-(compiler/attention.py) puts the composed attention of an inference on it."""
+(compiler/compose.py, ops/attention.py) puts the composed attention of an inference on it."""
 
 from __future__ import annotations
 
@@ -111,8 +111,9 @@ def _dims(node: Tensor, pass_: Pass) -> tuple[int, int, int, int, int, int, int]
 
 def heads_inner(node: Tensor) -> tuple[bool, bool, bool, bool]:
     """For q, k, v and the output: whether it lies (..., rows, heads, width), as the heads'
-    projections and their merge do, instead of (..., heads, rows, width): compiler/attention.py
-    reads and writes those directly rather than through the heads' transposes."""
+    projections and their merge do, instead of (..., heads, rows, width): where the kernel
+    replaces a composition (ops/attention.py), it reads and writes those directly rather than
+    through the heads' transposes."""
     return node.attrs.get("heads_inner", (False, False, False, False))
 
 

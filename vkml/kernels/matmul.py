@@ -117,6 +117,12 @@ def choose(node: Tensor, caps: Capabilities) -> gemm.Tiling | gemm.CoopTiling:
     return gemm.choose(m, n, k, batch // pieces, caps, plain=True, coop_min=_coop_min(node, caps))
 
 
+def scaled(node: Tensor, caps: Capabilities) -> bool:
+    """Whether the node's kernel takes cooperative tiles, which scale the operands into f16's
+    range on a target with `scaled_operands` (OpDef.scaled)."""
+    return isinstance(choose(node, caps), gemm.CoopTiling)
+
+
 def splits(node: Tensor, caps: Capabilities) -> int:
     """Partial sums the split stage cuts a matmul node into (OpDef.splits)."""
     return gemm.splits(*dims(node), caps, plain=True, coop_min=_coop_min(node, caps))

@@ -6,10 +6,16 @@ is the composition of matmuls and a softmax."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
 from vkml.errors import GraphError
-from vkml.graph import OpDef, register
+from vkml.graph import OpDef, Shape, Tensor, register
+from vkml.hal import Capabilities
 from vkml.kernels import attention as kernels
-from vkml.ops.composite import attention_scores, grouped_heads
+from vkml.ops.composite import attention_scores, causal_mask, grouped_heads
 
 
 def _attention_dims(q, k, v):
@@ -59,7 +65,102 @@ def _flash_grad(g, node, d):
             per_kv_head(g.matmul(p, d5, transpose_a=True), dv)]
 
 
+# The composition `scaled_dot_product_attention(..., fused=False)` (ops/composite.py) builds,
+#
+#     reshape(matmul(reshape(softmax(reshape(S))), v5)),  S = matmul(q5, k5^T) [+ causal mask]
+#     q5 = reshape(mul(q, scale)), k5 = reshape(k), v5 = reshape(v)
+#
+# is computed by flash_attention where kernels/attention.py `cooperative` says its
+# cooperative-matrix kernel takes the shapes (precision "f16", short sequences of keys), and
+# nothing else reads the scores or the probabilities: a training step's backward pass reads the
+# probabilities, so training keeps the composition, whose backward runs on the GEMM core.
+# Where q, k or v is the heads' transpose of a (..., rows, heads, width) projection, the kernel
+# reads the projection; where the attention's only reader is the heads' transpose back (their
+# merge), the kernel writes that, so those transposes are not made at all.
+@dataclass(frozen=True)
+class Composed:
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    causal: bool
+    scale: float
+    interior: tuple[Tensor, ...]  # what the composition alone may read (its result aside)
+
+    def takes_reader(self, reader: Tensor) -> bool:
+        return _heads_swap(reader)
+
+    def replacement(self, node: Tensor, with_reader: bool
+                    ) -> tuple[str, list[Tensor], Shape, dict[str, Any]]:
+        sources = [x.inputs[0] if _heads_swap(x) else x for x in (self.q, self.k, self.v)]
+        inner = (*(x is not y for x, y in zip(sources, (self.q, self.k, self.v))), with_reader)
+        attrs = {"causal": self.causal, "scale": self.scale, "heads_inner": inner}
+        *lead, h, length, dv = node.shape
+        shape = (*lead, length, h, dv) if with_reader else node.shape
+        return "flash_attention", sources, shape, attrs
+
+
+def _heads_swap(t: Tensor) -> bool:
+    """Whether t transposes its input's heads and rows, (..., a, b, width) -> (..., b, a, width)."""
+    n = len(t.shape)
+    return (t.op == "transpose" and n >= 3
+            and tuple(t.attrs["axes"]) == (*range(n - 3), n - 2, n - 3, n - 1))
+
+
+def composed_attention(out: Tensor, values: dict[int, np.ndarray],
+                       caps: Capabilities | None = None) -> Composed | None:
+    """`out` as the composition above, if it is one (and, given `caps`, one the cooperative
+    kernel takes); `values`: the graph's constants."""
+    if out.op != "reshape" or out.inputs[0].op != "matmul":
+        return None
+    product = out.inputs[0]
+    probs5, v5 = product.inputs
+    if product.attrs["transpose_a"] or product.attrs["transpose_b"]:
+        return None
+    if probs5.op != "reshape" or probs5.inputs[0].op != "softmax":
+        return None
+    softmax = probs5.inputs[0]
+    scores4 = softmax.inputs[0]
+    if scores4.op != "reshape":
+        return None
+    scores, causal = scores4.inputs[0], False
+    interior = [product, probs5, softmax, scores4]
+    if scores.op == "add":
+        product_qk, mask = scores.inputs
+        if (mask.op != "constant" or mask.id not in values
+                or values[mask.id].shape != product_qk.shape[-2:]
+                or not np.array_equal(values[mask.id], causal_mask(*product_qk.shape[-2:]))):
+            return None
+        interior.append(scores)
+        scores, causal = product_qk, True
+    if (scores.op != "matmul" or scores.attrs["transpose_a"]
+            or not scores.attrs["transpose_b"]):
+        return None
+    interior.append(scores)
+    q5, k5 = scores.inputs
+    if q5.op != "reshape" or q5.inputs[0].op != "mul" or k5.op != "reshape" or v5.op != "reshape":
+        return None
+    q, factor = q5.inputs[0].inputs
+    if factor.op != "constant" or factor.id not in values or values[factor.id].shape != ():
+        return None
+    k, v = k5.inputs[0], v5.inputs[0]
+    if len(q.shape) < 3 or not all(len(x.shape) == len(q.shape) for x in (k, v, out)):
+        return None
+    *lead, h, length, dim = q.shape
+    hkv, s, dv = k.shape[-3], k.shape[-2], v.shape[-1]
+    if (h % hkv or tuple(k.shape) != (*lead, hkv, s, dim)
+            or tuple(v.shape) != (*lead, hkv, s, dv)
+            or tuple(q5.shape) != (*lead, hkv, h // hkv, length, dim)
+            or tuple(k5.shape) != (*lead, hkv, 1, s, dim)
+            or tuple(v5.shape) != (*lead, hkv, 1, s, dv)
+            or tuple(scores4.shape) != (*lead, h, length, s)
+            or tuple(out.shape) != (*lead, h, length, dv)):
+        return None
+    if caps is not None and not kernels.cooperative(dim, dv, s, caps):
+        return None
+    return Composed(q, k, v, causal, float(values[factor.id]), tuple(interior))
+
+
 register(OpDef("flash_attention", _flash, "kernel", grad=_flash_grad,
-               lower=kernels.lowering("forward")))
+               lower=kernels.lowering("forward"), composes=composed_attention))
 register(OpDef("flash_attention_lse", lambda inputs, attrs: (inputs[0].shape[:-1], "f32"),
                "kernel", lower=kernels.lowering("lse")))

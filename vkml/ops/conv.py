@@ -67,7 +67,8 @@ def by_device(on_gemm, on_cpu, dims, partials=None) -> dict:
     return {"lower": lower, "splits": splits}
 
 
-register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad,
+register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad, fusion="product",
+               fused="fused_conv2d",
                **by_device(kernels.generate_conv2d, conv_cpu.generate_conv2d,
                            kernels.dims_conv2d)))
 
@@ -134,6 +135,7 @@ def _weight_grad_grad(g, node, d):
 
 
 register(OpDef("conv2d_input_grad", _input_grad, "kernel", grad=_input_grad_grad,
+               fusion="product", fused="fused_conv2d_input_grad",
                **by_device(kernels.generate_conv2d_input_grad,
                            conv_cpu.generate_conv2d_input_grad, kernels.dims_conv2d_input_grad,
                            kernels.phase_taps)))

@@ -9,7 +9,8 @@ need no gradient rule).
 - fused_sum: a sum whose summand is a prologue `Body` over inputs[:n_prologue] (all read at the
   summed tensor's own index) and whose result passes through an epilogue `Body` (x0 = the sum,
   x1... = inputs[n_prologue:]).
-The result's shape and dtype are stored in attrs, as the rewrite already knows them.
+The result's shape and dtype are stored in attrs, as the rewrite already knows them. Each names
+its plain op (`unfused`), whose OpDef names it back (`fused`).
 """
 
 from __future__ import annotations
@@ -18,21 +19,23 @@ from vkml.graph import OpDef, register
 from vkml.kernels import conv, conv_cpu, matmul, reduce
 from vkml.ops.conv import by_device
 
-# The products whose stores take an epilogue, and the op each becomes with one.
-FUSED = {"matmul": "fused_matmul", "conv2d": "fused_conv2d",
-         "conv2d_input_grad": "fused_conv2d_input_grad"}
-
 
 def _stored(inputs, attrs):
     return attrs["shape"], attrs["dtype"]
 
 
+def _fused(name: str, unfused: str, fusion: str = "product", **rules) -> None:
+    register(OpDef(name, _stored, "kernel", fusion=fusion, fused=name,  # type: ignore[arg-type]
+                   unfused=unfused, **rules))
+
+
 register(OpDef("fused_pointwise", _stored, "pointwise",
                expr=lambda node: node.attrs["body"].result))
-register(OpDef("fused_matmul", _stored, "kernel", lower=matmul.generate, splits=matmul.splits))
-register(OpDef("fused_sum", _stored, "kernel", lower=reduce.generate_fused_sum))
-register(OpDef("fused_conv2d", _stored, "kernel",
-               **by_device(conv.generate_conv2d, conv_cpu.generate_conv2d, conv.dims_conv2d)))
-register(OpDef("fused_conv2d_input_grad", _stored, "kernel",
-               **by_device(conv.generate_conv2d_input_grad, conv_cpu.generate_conv2d_input_grad,
-                           conv.dims_conv2d_input_grad, conv.phase_taps)))
+_fused("fused_matmul", "matmul", lower=matmul.generate, splits=matmul.splits,
+       scaled=matmul.scaled)
+_fused("fused_sum", "sum", fusion="sum", lower=reduce.generate_fused_sum)
+_fused("fused_conv2d", "conv2d",
+       **by_device(conv.generate_conv2d, conv_cpu.generate_conv2d, conv.dims_conv2d))
+_fused("fused_conv2d_input_grad", "conv2d_input_grad",
+       **by_device(conv.generate_conv2d_input_grad, conv_cpu.generate_conv2d_input_grad,
+                   conv.dims_conv2d_input_grad, conv.phase_taps))

@@ -213,7 +213,8 @@ def _embedding_body(node: Tensor) -> list[str]:
 
 
 register(OpDef("embedding", _embedding, "kernel", grad=_embedding_grad,
-               lower=kernels.lowering(_embedding_body)))
+               lower=kernels.lowering(_embedding_body),
+               indexes=lambda node: (1, 0, node.inputs[0].shape[0], "embedding row")))
 
 
 @builder
@@ -326,8 +327,16 @@ def _gather_body(node: Tensor) -> list[str]:
             f"  out[idx] = in0[{offset(source, contiguous_strides(x.shape))}];"]
 
 
+def _axis_range(what: str):
+    """A gather's valid indices: negative ones count from the end, as ONNX's."""
+    def indexes(node: Tensor) -> tuple[int, int, int, str]:
+        extent = node.inputs[0].shape[node.attrs["axis"]]
+        return 1, -extent, extent, what
+    return indexes
+
+
 register(OpDef("gather", _gather, "kernel", grad=_gather_grad,
-               lower=kernels.lowering(_gather_body)))
+               lower=kernels.lowering(_gather_body), indexes=_axis_range("gather index")))
 
 
 @builder
@@ -373,7 +382,8 @@ def _gather_elements_body(node: Tensor) -> list[str]:
 
 
 register(OpDef("gather_elements", _gather_elements, "kernel", grad=_gather_elements_grad,
-               lower=kernels.lowering(_gather_elements_body)))
+               lower=kernels.lowering(_gather_elements_body),
+               indexes=_axis_range("gather_elements index")))
 
 
 @builder

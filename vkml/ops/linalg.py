@@ -48,7 +48,8 @@ def _matmul_grad(g, node, d):
 
 
 register(OpDef("matmul", _matmul, "kernel", grad=_matmul_grad, lower=kernels.generate,
-               splits=kernels.splits))
+               splits=kernels.splits, fusion="product", fused="fused_matmul",
+               scaled=kernels.scaled))
 
 
 @builder

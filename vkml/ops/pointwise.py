@@ -342,6 +342,8 @@ register(OpDef(
     expr=lambda node: call("select(0.0, 1.0, {0} == i32({1}))", Arg(0),
                            Axis(len(node.shape) - 1)),
     strides=lambda node: [(*contiguous_strides(node.inputs[0].shape), 0)],
+    indexes=lambda node: (0, 0, node.attrs["num_classes"],
+                          "class index (one_hot / cross_entropy)"),
 ))
 
 

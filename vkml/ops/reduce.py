@@ -34,7 +34,8 @@ def _sum_grad(g, node, d):
     return [g.broadcast_to(g.reshape(d, _kept(x, node.attrs["axes"])), x.shape)]
 
 
-register(OpDef("sum", _reduced, "kernel", grad=_sum_grad, lower=kernels.generate_sum))
+register(OpDef("sum", _reduced, "kernel", grad=_sum_grad, lower=kernels.generate_sum,
+               fusion="sum", fused="fused_sum"))
 
 
 @builder(tensor=True)
