@@ -291,7 +291,7 @@ def _check_indices(op: str, x: Tensor, indices: Tensor, axis: int) -> int:
 
 def _check_constant_indices(g: Graph, node: Tensor) -> Tensor:
     """Refuse a gather whose indices are a constant outside [-n, n) at once; indices from an
-    input are checked by set_input (compiler/stages.py INDEXING)."""
+    input are checked by set_input (its OpDef.indexes)."""
     x, indices = node.inputs
     if indices.op == "constant" and indices.size:
         values, extent = g.initial_values[indices.id], x.shape[node.attrs["axis"] % len(x.shape)]
