@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
+import vkml
+from vkml import dump, session
 from vkml.__main__ import main
 
 SCRIPT = """
@@ -19,12 +24,20 @@ raise SystemExit("dump must stop the script at vkml.compile")
 EXPECTED = {
     "graph": ["= param()  # fc.weight", "= log_softmax(", "grad of"],
     "rewritten": ["fused_matmul(", "fused_sum(", "epilogue={"],
+    "split": ["fused_matmul(", "# train.py:"],
     "plan": ["-- barrier --", "[update  ] sgd_update_24", "# update fc.bias .. fc.weight (2)",
              "arena 0"],
     "memory": ["pinned", "levels", "bytes allocated"],
     "wgsl": ["// ---- kernel fused_matmul", "@compute @workgroup_size"],
     "spirv": ["bytes of SPIR-V"],
 }
+
+
+def test_every_stage_is_checked_and_in_the_readme():
+    assert set(EXPECTED) == set(dump.STAGES)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    listed = re.search(r"python -m vkml dump --stage ([\w|]+)", readme)
+    assert listed and listed.group(1).split("|") == list(dump.STAGES)
 
 
 @pytest.mark.parametrize("stage", EXPECTED)
@@ -40,6 +53,23 @@ def test_dump_prints_each_stage(stage, tmp_path, capsys):
         assert written and all(p.read_bytes()[:4] == b"\x03\x02\x23\x07" for p in written)
     else:
         assert written
+
+
+def test_capture_stops_at_compile_and_leaves_vkml_compile_alone(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("vkml.SGD()", "vkml.SGD(), rewrite='none'"))
+    call = dump.capture(str(script), [])
+    assert call.options["rewrite"] == "none" and isinstance(call.options["optimizer"], vkml.SGD)
+    assert vkml.compile is session.compile  # nothing was replaced, nothing left behind
+    assert not session._stopping_at_compile.get()
+
+
+def test_sources_name_the_demos_code_not_runpy(capsys):
+    # vkml's own demo, run as a module: every caller is vkml's, so the ops' sources name the
+    # model's lines rather than the interpreter's runpy.
+    assert main(["dump", "--stage", "graph", "vkml", "demo", "--train", "64", "--test", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "runpy" not in text and "# mlp.py:" in text, text
 
 
 def test_dump_of_a_script_that_never_compiles(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from vkml.compiler import dump  # noqa: E402
+from vkml import dump  # noqa: E402
 from vkml.compiler.stages import lower  # noqa: E402
 from vkml.runtime.device import default_device  # noqa: E402
 from vkml.vk import naga  # noqa: E402
@@ -35,10 +35,10 @@ def expected_kernels() -> dict[str, dict]:
     caps = default_device().caps
     kernels: dict[str, dict] = {}
     for label, target, argv in SHIPPED:
-        graph, options = dump.capture(target, argv)
-        options.pop("device", None)
+        call = dump.capture(target, argv)
         for device_type in DEVICE_TYPES:
-            stages = lower(graph, dataclasses.replace(caps, device_type=device_type), **options)
+            stages = lower(call.graph, dataclasses.replace(caps, device_type=device_type),
+                           **call.options)
             for name, wgsl in stages.kernels().items():
                 entry = kernels.setdefault(naga.wgsl_hash(wgsl), {"name": name, "wgsl": wgsl,
                                                                   "used_by": []})

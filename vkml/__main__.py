@@ -3,7 +3,7 @@
     demo    train an MLP on procedurally drawn shapes, report test accuracy, save weights and a
             figure (loss curve and labelled test images) under out/
     dump    run a script up to its vkml.compile call and print a compiler stage
-            (graph, rewritten, plan, memory, wgsl, spirv)
+            (graph, rewritten, split, plan, memory, wgsl, spirv)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vkml import Adam, Device, Graph, Session, compile
-from vkml.compiler import dump as dump_command
+from vkml import dump as dump_command
 from vkml.datasets import SHAPE_CLASSES, make_shapes
 from vkml.errors import DeviceError
 from vkml.models import mlp

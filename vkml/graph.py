@@ -156,13 +156,21 @@ def _in_package(filename: str) -> bool:
     return inside
 
 
+_BUILDER_FILES = tuple(os.path.join(_PACKAGE_DIR, f) for f in ("graph.py", "nn.py", "ops"))
+
+
 def _user_frame() -> str:
-    """`file:line` of the first caller outside vkml, so errors point at the user's code."""
+    """`file:line` of the first caller outside vkml, so errors point at the user's code. In
+    vkml's own programs (`python -m vkml demo`: every caller is vkml's, then the interpreter's
+    runpy), the first caller outside the graph builder (graph.py, nn.py, ops/) instead."""
     frame = sys._getframe(1)
     while frame is not None and _in_package(frame.f_code.co_filename):
         frame = frame.f_back
-    if frame is None:
-        return "?"
+    if frame is None or frame.f_code.co_filename.startswith("<frozen "):
+        frame = sys._getframe(1)
+        while (frame.f_back is not None
+               and os.path.abspath(frame.f_code.co_filename).startswith(_BUILDER_FILES)):
+            frame = frame.f_back
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 

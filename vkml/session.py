@@ -4,10 +4,12 @@ and checkpoints (checkpoint.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, NamedTuple, TypeVar, overload
 
 import numpy as np
@@ -29,6 +31,29 @@ class ChunkSubmission(NamedTuple):
 
     pieces_left: int  # pieces of the step still to submit (0: all of it went)
     cost_ms: float  # the measured GPU time of the pieces submitted by this call
+
+
+class CompileCalled(Exception):
+    """Raised by `vkml.compile` inside `stop_at_compile()`, instead of compiling: the call's graph,
+    device (None: the default) and the options `compile_plan` takes, by name."""
+
+    def __init__(self, graph: Graph, device: Device | None, options: dict[str, Any]) -> None:
+        super().__init__("vkml.compile called inside stop_at_compile()")
+        self.graph, self.device, self.options = graph, device, options
+
+
+_stopping_at_compile: ContextVar[bool] = ContextVar("vkml_stop_at_compile", default=False)
+
+
+@contextlib.contextmanager
+def stop_at_compile() -> Iterator[None]:
+    """Within it, `vkml.compile` raises CompileCalled with its arguments and compiles nothing:
+    how `python -m vkml dump` finds what a program compiles without running it further."""
+    token = _stopping_at_compile.set(True)
+    try:
+        yield
+    finally:
+        _stopping_at_compile.reset(token)
 
 
 def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | None = None,
@@ -66,6 +91,13 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     the owner's pieces that update parameters while this session's chunked step is
     part-way. The owner's memory stays allocated until both are closed.
     """
+    options = dict(loss=loss, optimizer=optimizer, outputs=outputs, rewrite=rewrite,
+                   keep_grads=keep_grads, trainable=trainable, precision=precision,
+                   check_finite=check_finite)
+    if _stopping_at_compile.get():
+        owner = share_params_with
+        raise CompileCalled(graph, device or (owner.device if isinstance(owner, Session) else None),
+                            options)
     if share_params_with is not None:
         if not isinstance(share_params_with, Session):
             raise InputError(f"share_params_with takes a vkml Session, got "
@@ -76,9 +108,7 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
             raise InputError("share_params_with: that session is closed")
         device = share_params_with.device
     device = device or default_device()
-    plan = compile_plan(graph, device.caps, loss=loss, optimizer=optimizer, outputs=outputs,
-                        rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
-                        precision=precision, check_finite=check_finite)
+    plan = compile_plan(graph, device.caps, **options)
     return Session(plan, device, check_finite, graph=graph, share_params_with=share_params_with)
 
 

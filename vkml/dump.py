@@ -1,9 +1,9 @@
 """`python -m vkml dump [--stage S] [--out DIR] <script.py | module> [args]`: show what a
 program compiles.
 
-The program runs until its first `vkml.compile(...)` call; that call's graph and arguments are
-captured (the program stops there, nothing is trained) and lowered stage by stage, and the
-chosen stage is printed, or written under `--out` (SPIR-V always is, being binary).
+The program runs until its first `vkml.compile(...)` call, which stops it (nothing is compiled or
+trained); that call's graph and options are lowered stage by stage (vkml/compiler/stages.py), and
+the chosen stage is printed, or written under `--out` (SPIR-V always is, being binary).
 """
 
 from __future__ import annotations
@@ -14,17 +14,41 @@ import runpy
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
 
-from vkml import session as session_module
 from vkml.compiler import stages as compiler_stages
 from vkml.compiler.stages import Stages, lower
 from vkml.errors import VkmlError
-from vkml.graph import Graph
-from vkml.runtime.device import Device, default_device
+from vkml.runtime.device import default_device
+from vkml.session import CompileCalled, stop_at_compile
 
 # The compiler's stages, then the Vulkan backend's translation of each kernel
 STAGES = (*compiler_stages.STAGES, "spirv")
+
+
+def capture(target: str, argv: list[str]) -> CompileCalled:
+    """Run `target` (a .py path or a module name) until it calls vkml.compile; return that
+    call's graph, device and options."""
+    saved_argv = sys.argv
+    sys.argv = [target, *argv]
+    try:
+        with stop_at_compile():
+            if target.endswith(".py") or os.path.sep in target:
+                runpy.run_path(target, run_name="__main__")
+            else:
+                with warnings.catch_warnings():  # re-running an imported package's __main__
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except CompileCalled as call:
+        return call
+    finally:
+        sys.argv = saved_argv
+    raise VkmlError(f"{target} finished without calling vkml.compile: nothing to dump")
+
+
+def stages_of(target: str, argv: list[str]) -> Stages:
+    """Every compiler stage of what `target` compiles first, for the device it asks for."""
+    call = capture(target, argv)
+    return lower(call.graph, (call.device or default_device()).caps, **call.options)
 
 
 def spirv(stages: Stages) -> dict[str, bytes]:
@@ -39,47 +63,6 @@ def show(stages: Stages, stage: str) -> str:
         return "\n".join(f"{name}: {len(code)} bytes of SPIR-V"
                          for name, code in spirv(stages).items())
     return stages.dump(stage)
-
-
-class _Captured(Exception):
-    def __init__(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        self.args_, self.kwargs = args, kwargs
-
-
-COMPILE_PARAMETERS = ("loss", "optimizer", "device", "outputs", "rewrite", "keep_grads",
-                      "trainable", "precision", "check_finite")
-
-
-def capture(target: str, argv: list[str]) -> tuple[Graph, dict[str, Any]]:
-    """Run `target` (a .py path or a module name) until it calls vkml.compile; return the
-    call's graph and its other arguments by name (as vkml.compile names them)."""
-    import vkml
-
-    def intercept(*args: Any, **kwargs: Any) -> None:
-        raise _Captured(args, kwargs)
-
-    saved = vkml.compile, session_module.compile, sys.argv
-    vkml.compile = session_module.compile = intercept  # type: ignore[assignment]
-    sys.argv = [target, *argv]
-    try:
-        if target.endswith(".py") or os.path.sep in target:
-            runpy.run_path(target, run_name="__main__")
-        else:
-            with warnings.catch_warnings():  # re-running an imported package's __main__ is fine
-                warnings.simplefilter("ignore", RuntimeWarning)
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
-    except _Captured as call:
-        graph, *rest = call.args_
-        return graph, dict(zip(COMPILE_PARAMETERS, rest)) | call.kwargs
-    finally:
-        vkml.compile, session_module.compile, sys.argv = saved
-    raise VkmlError(f"{target} finished without calling vkml.compile: nothing to dump")
-
-
-def stages_of(target: str, argv: list[str], device: Device | None = None) -> Stages:
-    graph, options = capture(target, argv)
-    device = options.pop("device", None) or device or default_device()
-    return lower(graph, device.caps, **options)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
