@@ -70,6 +70,22 @@ CASES = [
                                             groups=2),
          lambda x, w: F.conv_transpose2d(x, w, stride=(1, 2), padding=(0, 1), dilation=(2, 1),
                                          groups=2)),
+    *[Case(f"einsum_{equation.replace(',', '_').replace('->', '_to_').replace('...', 'e')}",
+           shapes, lambda g, *xs, e=equation: g.einsum(e, *xs),
+           lambda *xs, e=equation: torch.einsum(e, *xs))
+      for equation, shapes in [
+          ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]),
+          ("bhqk,bhkd->bhqd", [(2, 3, 4, 6), (2, 3, 6, 5)]),
+          ("bij,bjk->bik", [(1, 3, 4), (2, 4, 5)]),
+          ("ij->ji", [(3, 4)]),
+          ("ijk->j", [(3, 4, 2)]),
+          ("bi,bj->bij", [(2, 3), (2, 4)]),
+          ("...ij,jk->...ik", [(2, 3, 4, 5), (5, 6)]),
+          ("ijk,jil->lk", [(3, 4, 2), (4, 3, 5)]),
+          ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 5)]),
+          ("ij,jk", [(2, 3), (3, 4)]),
+          ("bn,anm,bm->ba", [(2, 3), (4, 3, 5), (2, 5)]),
+      ]],
     Case("reduce_l2_keepdims", [(3, 4, 5)], lambda g, x: g.reduce_l2(x, -1, keepdims=True),
          lambda x: torch.linalg.vector_norm(x, 2, -1, keepdim=True)),
 ]
@@ -124,3 +140,18 @@ def test_argmax_and_argmin_take_the_first_extreme_as_torch(axis, keepdims, devic
         got = session.read(name)
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got, fn(ref, axis, keepdims).numpy())
+
+
+def test_einsum_refuses_diagonals_naming_the_equation():
+    g = vkml.Graph()
+    x = g.input("x", (3, 3))
+    with pytest.raises(vkml.GraphError, match=r"einsum 'ii->i'.*repeats a label"):
+        g.einsum("ii->i", x)
+
+
+def test_einsum_of_attention_scores_is_one_product_and_no_transpose():
+    g = vkml.Graph()
+    q, k = g.input("q", (2, 3, 4, 5)), g.input("k", (2, 3, 6, 5))
+    y = g.einsum("bhqd,bhkd->bhqk", q, k)
+    ops = [t.op for t in g.reachable([y]) if t.op not in ("input", "reshape")]
+    assert ops == ["matmul"]
