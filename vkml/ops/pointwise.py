@@ -69,9 +69,56 @@ fn vkml_tanh(x: f32) -> f32 {
   return sign(x) * (1.0 - t) / (1.0 + t);
 }
 """
-UnaryGrad = Callable[[Graph, Tensor, Tensor, Tensor], Tensor]  # (g, x, y, d y) -> d x
+EXPM1_HELPER = """
+fn vkml_expm1(x: f32) -> f32 {
+  // exp(x) - 1 near 0 would keep none of x's digits (and WGSL's exp and log are only
+  // accurate to some ulps, not enough for Kahan's quotient): Taylor's series there.
+  if (abs(x) >= 0.5) { return exp(x) - 1.0; }
+  return x * (1.0 + x / 2.0 * (1.0 + x / 3.0 * (1.0 + x / 4.0 * (1.0 + x / 5.0 * (1.0 + x / 6.0
+    * (1.0 + x / 7.0 * (1.0 + x / 8.0 * (1.0 + x / 9.0))))))));
+}
+"""
+LOG1P_HELPER = """
+fn vkml_log1p(x: f32) -> f32 {
+  // log(1 + x) near 0 would keep none of x's digits: there 2 atanh(s), s = x / (2 + x),
+  // |s| <= 1/3, as a series in s.
+  if (abs(x) >= 0.5) { return log(1.0 + x); }
+  let s = x / (2.0 + x);
+  let s2 = s * s;
+  return 2.0 * s * (1.0 + s2 * (1.0 / 3.0 + s2 * (1.0 / 5.0 + s2 * (1.0 / 7.0 + s2 * (1.0 / 9.0
+    + s2 * (1.0 / 11.0 + s2 * (1.0 / 13.0 + s2 * (1.0 / 15.0))))))));
+}
+"""
+SIN_COS_HELPER = """
+fn vkml_sin_cos(x: f32) -> vec2<f32> {
+  // (sin x, cos x). Vulkan only bounds the builtins' absolute error (2^-11 in [-pi, pi]): here
+  // x = q pi/2 + r with pi/2 split into three parts (Cody-Waite; q r exact), |r| <= pi/4,
+  // and Cephes' sinf and cosf polynomials on r, the quadrant q mod 4 choosing the pair.
+  let q = round(x * 0.63661977236758134);
+  let r = ((x - q * 1.5703125) - q * 4.837512969970703125e-4) - q * 7.54978995489188216e-8;
+  let r2 = r * r;
+  let s = r + r * r2 * (-1.6666654611e-1 + r2 * (8.3321608736e-3 + r2 * -1.9515295891e-4));
+  let c = 1.0 - 0.5 * r2 + r2 * r2 * (4.166664568298827e-2 + r2 * (-1.388731625493765e-3
+    + r2 * 2.443315711809948e-5));
+  switch (i32(q) & 3) {
+    case 0: { return vec2<f32>(s, c); }
+    case 1: { return vec2<f32>(c, -s); }
+    case 2: { return vec2<f32>(-s, -c); }
+    default: { return vec2<f32>(-c, s); }
+  }
+}
+"""
+UnaryGrad = Callable[[Graph, Tensor, Tensor, Tensor], Tensor | None]  # (g, x, y, d y) -> d x
+
+
+def zero_gradient(g: Graph, x: Tensor, y: Tensor, d: Tensor) -> None:
+    """Piecewise-constant ops (floor, sign, ...): a zero gradient, as torch's."""
+    return None
+
+
 # name -> (WGSL template of the input {0}, helper functions, gradient, public: a Graph method
-# (and "tensor": a Tensor method too), or internal: made only by other ops' gradients)
+# (and "tensor": a Tensor method too), or internal: no generated method (made by other ops'
+# gradients, or by a builder written out below))
 UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
     # select, not max(x, 0): WGSL leaves max of a NaN to the driver (lavapipe gives 0); torch
     # propagates it, and a NaN that vanishes here would corrupt parameters unnoticed
@@ -83,7 +130,7 @@ UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
     "tanh": ("vkml_tanh({0})", TANH_HELPER,
              lambda g, x, y, d: g.mul(d, g.sub(1.0, g.mul(y, y))), "tensor"),
     "gelu": ("0.5 * {0} * (1.0 + vkml_erf({0} * 0.70710678118654752))", ERF_HELPER,
-             lambda g, x, y, d: g.mul(d, g.apply("gelu_deriv", [x])), "tensor"),
+             lambda g, x, y, d: g.mul(d, g.apply("gelu_deriv", [x])), "internal"),
     "gelu_deriv": ("0.5 * (1.0 + vkml_erf({0} * 0.70710678118654752))"
                    " + {0} * exp(-0.5 * {0} * {0}) * 0.39894228040143268", ERF_HELPER, None,
                    "internal"),
@@ -100,7 +147,43 @@ UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
               lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5)), "graph"),
     "square": ("{0} * {0}", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0)), "graph"),
     "abs": ("abs({0})", "", lambda g, x, y, d: g.mul(d, g.apply("sign", [x])), "tensor"),
-    "sign": ("sign({0})", "", None, "internal"),
+    # selects: torch's sign of NaN is 0, WGSL's is the driver's
+    "sign": ("select(select(0.0, -1.0, {0} < 0.0), 1.0, {0} > 0.0)", "", zero_gradient,
+             "tensor"),
+    "erf": ("vkml_erf({0})", ERF_HELPER,
+            lambda g, x, y, d: g.mul(d, g.apply("erf_deriv", [x])), "tensor"),
+    "erf_deriv": ("1.1283791670955126 * exp(-{0} * {0})", "", None, "internal"),
+    "gelu_tanh": ("0.5 * {0} * (1.0 + vkml_tanh(0.79788456080286536 * ({0} + 0.044715 * {0} * "
+                  "{0} * {0})))", TANH_HELPER,
+                  lambda g, x, y, d: g.mul(d, g.apply("gelu_tanh_deriv", [x])), "internal"),
+    "gelu_tanh_deriv": ("0.5 * (1.0 + vkml_tanh(0.79788456080286536 * ({0} + 0.044715 * {0} * "
+                        "{0} * {0}))) + 0.5 * {0} * (1.0 - vkml_tanh(0.79788456080286536 * ({0} "
+                        "+ 0.044715 * {0} * {0} * {0})) * vkml_tanh(0.79788456080286536 * ({0} + "
+                        "0.044715 * {0} * {0} * {0}))) * 0.79788456080286536 * (1.0 + 0.134145 "
+                        "* {0} * {0})", TANH_HELPER, None, "internal"),
+    # torch's: x (x + 3) / 6 between -3 and 3; the selects keep NaN (-inf gives NaN, as torch)
+    "hardswish": ("{0} * select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, "
+                  "{0} + 3.0 > 6.0)", "",
+                  lambda g, x, y, d: g.mul(d, g.apply("hardswish_deriv", [x])), "tensor"),
+    "hardswish_deriv": ("select(select({0} / 3.0 + 0.5, 1.0, {0} >= 3.0), 0.0, {0} <= -3.0)", "",
+                        None, "internal"),
+    "hardsigmoid": ("select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, "
+                    "{0} + 3.0 > 6.0)", "",
+                    lambda g, x, y, d: g.mul(d, g.apply("hardsigmoid_deriv", [x])), "tensor"),
+    "hardsigmoid_deriv": ("select(0.0, 1.0 / 6.0, {0} > -3.0 && {0} < 3.0)", "", None,
+                          "internal"),
+    "floor": ("floor({0})", "", zero_gradient, "tensor"),
+    "ceil": ("ceil({0})", "", zero_gradient, "tensor"),
+    "round": ("round({0})", "", zero_gradient, "tensor"),  # half to even, as torch
+    "reciprocal": ("1.0 / {0}", "", lambda g, x, y, d: g.mul(d, g.neg(g.mul(y, y))), "tensor"),
+    "sin": ("vkml_sin_cos({0}).x", SIN_COS_HELPER, lambda g, x, y, d: g.mul(d, g.cos(x)),
+            "tensor"),
+    "cos": ("vkml_sin_cos({0}).y", SIN_COS_HELPER,
+            lambda g, x, y, d: g.neg(g.mul(d, g.sin(x))), "tensor"),
+    "log1p": ("vkml_log1p({0})", LOG1P_HELPER, lambda g, x, y, d: g.div(d, g.add(x, 1.0)),
+              "tensor"),
+    "expm1": ("vkml_expm1({0})", EXPM1_HELPER, lambda g, x, y, d: g.mul(d, g.add(y, 1.0)),
+              "tensor"),
 }
 
 
@@ -117,6 +200,56 @@ def _unary(name: str, template: str, helper: str, grad: UnaryGrad | None, public
 
 for _name, _rule in UNARY.items():
     _unary(_name, *_rule)
+
+
+@builder(tensor=True)
+def gelu(g: Graph, x: Tensor, approximate: str = "none") -> Tensor:
+    """torch's F.gelu: x Phi(x) with erf (`approximate="none"`) or its tanh form ("tanh")."""
+    if approximate not in ("none", "tanh"):
+        raise GraphError(f"gelu: approximate is 'none' or 'tanh', as torch's, got "
+                         f"{approximate!r}")
+    return g.apply("gelu" if approximate == "none" else "gelu_tanh", [x])
+
+
+# ---- unary ops with scalar parameters (attributes, as clamp's bounds) ---------------------------
+# name -> (WGSL template of the input {0} and the parameters {1}, {2}, ..., the parameters and
+# their defaults (torch's), the derivative's template, helper functions)
+PARAMETRIC: dict[str, tuple[str, dict[str, float], str, str]] = {
+    "leaky_relu": ("select({0} * {1}, {0}, {0} > 0.0)", {"negative_slope": 0.01},
+                   "select({1}, 1.0, {0} > 0.0)", ""),
+    "elu": ("select({1} * vkml_expm1({0}), {0}, {0} > 0.0)", {"alpha": 1.0},
+            "select({1} * exp({0}), 1.0, {0} > 0.0)", EXPM1_HELPER),
+    # torch's: linear where beta x > threshold, and its gradient 1 there
+    "softplus": ("select(vkml_log1p(exp({1} * {0})) / {1}, {0}, {0} * {1} > {2})",
+                 {"beta": 1.0, "threshold": 20.0},
+                 "select(1.0 / (1.0 + exp(-{1} * {0})), 1.0, {0} * {1} > {2})", LOG1P_HELPER),
+}
+
+
+def _parametric(name: str, template: str, defaults: dict[str, float], derivative: str,
+                helper: str) -> None:
+    def expr_of(text: str) -> Callable[[Tensor], Expr]:
+        return lambda node: call(text, Arg(0), *(Lit(node.attrs[k]) for k in defaults),
+                                 helper=helper if "vkml_" in text else "")
+    register(OpDef(f"{name}_deriv", same_f32, "pointwise", expr=expr_of(derivative)))
+    register(OpDef(name, same_f32, "pointwise", expr=expr_of(template),
+                   grad=lambda g, node, d: [g.mul(d, g.apply(f"{name}_deriv", [node.inputs[0]],
+                                                             **node.attrs))]))
+
+    def method(g: Graph, x: Tensor, *args: float, **kwargs: float) -> Tensor:
+        names = list(defaults)
+        if len(args) > len(names) or set(kwargs) - set(names):
+            raise GraphError(f"{name} takes x and {', '.join(names)}")
+        values = {**defaults, **dict(zip(names, args)), **kwargs}
+        return g.apply(name, [x], **{k: float(v) for k, v in values.items()})
+    method.__name__ = name
+    method.__doc__ = (f"torch's F.{name}(x, {', '.join(f'{k}={v}' for k, v in defaults.items())})"
+                      f" elementwise: WGSL {template}")
+    builder(method, tensor=True)
+
+
+for _name, _rule in PARAMETRIC.items():
+    _parametric(_name, *_rule)
 
 
 # ---- clamp: scalar bounds as attributes, so no constant tensors are made -----------------------
