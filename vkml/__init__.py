@@ -11,16 +11,19 @@ from vkml.errors import (
     DeviceError,
     GraphError,
     InputError,
+    ModelImportError,
     NagaError,
     NonFiniteError,
     NotComputedError,
     VkmlError,
 )
 from vkml.graph import Graph, Tensor
+from vkml.importers import ImportedModel, import_onnx
 from vkml.optim import SGD, Adam, AdamW, Optimizer
 from vkml.runtime.device import Device
 from vkml.session import ChunkSubmission, Session, compile
 
 __all__ = ["Graph", "Tensor", "compile", "Session", "ChunkSubmission", "Device", "SGD", "Adam",
            "AdamW", "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NotComputedError",
-           "NonFiniteError", "CheckpointError", "NagaError", "DeviceError"]
+           "NonFiniteError", "CheckpointError", "NagaError", "DeviceError", "ModelImportError",
+           "ImportedModel", "import_onnx"]

@@ -50,3 +50,10 @@ class NagaError(VkmlError):
 
 class DeviceError(VkmlError):
     """No usable Vulkan device, or the device failed an operation."""
+
+
+class ModelImportError(VkmlError, ImportError):
+    """A model file or program cannot be imported: unreadable, malformed or truncated, an opset
+    or external-data file that is not there, or ops vkml cannot run. Everything that is wrong is
+    listed at once (every unsupported op type with its count and first nodes, every node whose
+    output would depend on data at run time), and nothing is built."""

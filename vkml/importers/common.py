@@ -1,0 +1,128 @@
+"""What both front ends share: the imported model they return and the collection of refusals.
+
+An import either returns an `ImportedModel` whose graph computes what the model computes, or
+raises one `ModelImportError` naming everything it cannot do; never a graph that computes
+something else in silence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vkml.errors import GraphError, ModelImportError
+from vkml.graph import Graph, Tensor
+
+# How many node names a refusal lists per op type or reason.
+FIRST_NODES = 3
+
+
+class Refuse(Exception):
+    """Raised by an op's conversion: this node cannot be imported, for the reason given."""
+
+
+class Refusals:
+    """Everything an import cannot do, collected over the whole model and raised together."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.ops: dict[str, list[str]] = {}  # op type -> its nodes
+        self.reasons: dict[str, str] = {}  # op type -> why it is refused ("" when no op exists)
+        self.nodes: list[tuple[str, str, str]] = []  # (node, op type, why) for single nodes
+
+    def unsupported(self, op_type: str, node: str, why: str = "") -> None:
+        self.ops.setdefault(op_type, []).append(node)
+        if why:
+            self.reasons[op_type] = why
+
+    def refuse(self, node: str, op_type: str, why: str) -> None:
+        self.nodes.append((node, op_type, why))
+
+    def __bool__(self) -> bool:
+        return bool(self.ops or self.nodes)
+
+    def check(self) -> None:
+        """Raise one ModelImportError listing everything collected (nothing when empty)."""
+        if not self:
+            return
+        lines = [f"cannot import {self.source}; nothing was built:"]
+        if self.ops:
+            lines.append("unsupported op types (count, first nodes):")
+            for op, nodes in sorted(self.ops.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+                shown = ", ".join(nodes[:FIRST_NODES]) + (", ..." if len(nodes) > FIRST_NODES
+                                                          else "")
+                why = f" -- {self.reasons[op]}" if op in self.reasons else ""
+                lines.append(f"  {op} x{len(nodes)}: {shown}{why}")
+        if self.nodes:
+            lines.append("nodes that cannot be converted:")
+            lines += [f"  {node} ({op}): {why}" for node, op, why in self.nodes]
+        error = ModelImportError("\n".join(lines))
+        error.unsupported = {op: len(nodes) for op, nodes in self.ops.items()}
+        error.refused_nodes = [node for node, _, _ in self.nodes]
+        raise error
+
+
+def convert_guarded(refusals: Refusals, node: str, op_type: str,
+                    convert: Callable[[], Any]) -> Any:
+    """Run one node's conversion; a refusal or a graph the node's values do not fit is recorded
+    against the node (None is returned) so the import goes on and reports everything at once."""
+    try:
+        return convert()
+    except Refuse as e:
+        refusals.refuse(node, op_type, str(e))
+    except GraphError as e:
+        refusals.refuse(node, op_type, f"vkml cannot build it: {e}")
+    return None
+
+
+@dataclass
+class ImportedModel:
+    """An imported model: its graph, inputs and outputs by the model's own names, and how to
+    write trained values back into the model's format.
+
+    `graph` is a plain vkml.Graph: add a loss, more inputs or outputs, then `vkml.compile` it.
+    `params` maps each graph parameter to the model's name for it (the same string today) and
+    `frozen` names the model's buffers (batch-norm running statistics), which are parameters
+    built with trainable=False."""
+
+    graph: Graph
+    inputs: dict[str, Tensor]
+    outputs: dict[str, Tensor]
+    source: str
+    params: dict[str, str] = field(default_factory=dict)
+    frozen: tuple[str, ...] = ()
+    # Written by the front end: values for names the graph does not hold (integer buffers,
+    # constants), and the functions that write a model file / a state dict.
+    _save_onnx: Callable[[dict[str, np.ndarray], str], None] | None = None
+    _state_dict: Callable[[dict[str, np.ndarray]], dict[str, Any]] | None = None
+
+    def trained_values(self, session: Any) -> dict[str, np.ndarray]:
+        """The session's value of every imported parameter (frozen ones included), by the
+        model's names; a parameter the session does not hold (nothing it computes reads it)
+        keeps its imported value."""
+        held = session.params()
+        values = {}
+        for param, name in self.params.items():
+            if param in held:
+                values[name] = held[param]
+            else:
+                values[name] = self.graph.initial_values[self.graph.params[param].id]
+        return values
+
+    def save_onnx(self, session: Any, path: str) -> None:
+        """Write the imported ONNX model again, with the session's parameter values as its
+        initializers (in their original dtypes); onnxruntime runs it as it ran the original."""
+        if self._save_onnx is None:
+            raise ModelImportError(f"{self.source} was not imported from ONNX; use "
+                                   "state_dict(session) and torch.onnx.export the module")
+        self._save_onnx(self.trained_values(session), path)
+
+    def state_dict(self, session: Any) -> dict[str, Any]:
+        """The session's values under the model's names: for a PyTorch import, torch tensors
+        for `module.load_state_dict(..., strict=True)`; for an ONNX import, numpy arrays by
+        initializer name."""
+        values = self.trained_values(session)
+        return self._state_dict(values) if self._state_dict is not None else values

@@ -1,0 +1,956 @@
+"""The ONNX front end: an ONNX model (opset 13 and newer) -> a vkml Graph.
+
+Only this module imports `onnx` (the optional extra `vkml[onnx]`). Shapes are fixed at import:
+symbolic dimensions of the inputs come from `shapes=`, and every node whose inputs are all known
+on the host (shape arithmetic: Shape, Gather, Concat, Range, ConstantOfShape, ...) is computed
+there by onnx's reference implementation of the op and becomes a constant. The other nodes become
+vkml ops through the table below (one function an op type). Float initializers that computations
+read become parameters under their own names (trainable; batch-norm running statistics frozen);
+integer initializers, one-element ones (an exporter's scalars) and those read only where a value
+must be known at import (a Reshape's shape) stay host constants.
+
+`training=True` keeps the training behaviour the export recorded: a Dropout whose training_mode
+input is true drops, a BatchNormalization with training_mode=1 normalises by the batch's
+statistics. `training=False` computes the inference forms whatever the export recorded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vkml.errors import ModelImportError
+from vkml.graph import Graph, Tensor
+from vkml.importers import patterns
+from vkml.importers.common import ImportedModel, Refusals, Refuse, convert_guarded
+
+MIN_OPSET = 13
+FLOAT_TYPES = {"FLOAT", "FLOAT16", "DOUBLE", "BFLOAT16"}
+INT_TYPES = {"INT64", "INT32", "INT16", "INT8", "UINT8", "UINT16", "UINT32", "BOOL"}
+# Ops whose result depends on the values of their data at run time (its shape, or which
+# branch runs): a static graph cannot hold them unless those values are known at import.
+DATA_DEPENDENT = {
+    "NonZero": "its output's length is the number of non-zero elements, known only at run time",
+    "NonMaxSuppression": "the number of boxes it keeps is known only at run time",
+    "Unique": "its output's length depends on the data",
+    "Compress": "its output's length depends on the condition's values",
+    "Loop": "loops are not unrolled (a trip count or condition computed at run time)",
+    "Scan": "scans are not unrolled",
+    "If": "the branch taken depends on a value computed at run time",
+    "TopK": "k must be known at import",
+}
+# Never computed at import even when their inputs are known.
+NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+              "Bernoulli", "Multinomial", "Dropout", "Loop", "Scan", "If"}
+
+Value = Any  # a vkml Tensor (on the device), a numpy array (known at import) or an Initializer
+
+
+@dataclass(eq=False)
+class Initializer:
+    """A float initializer: a parameter of the graph once a computation reads it; its array
+    where a value must be known at import (a shape, a scale)."""
+
+    name: str
+    array: np.ndarray
+
+
+def _onnx():
+    try:
+        import onnx
+    except ImportError as e:
+        raise ModelImportError("importing ONNX models needs the onnx package: "
+                               "pip install 'vkml[onnx]'") from e
+    return onnx
+
+
+def import_onnx(model: Any, shapes: Mapping[str, Sequence[int]] | None = None,
+                training: bool = False, seed: int = 0) -> ImportedModel:
+    """Import an ONNX model: a path (external-data files beside it are read), bytes or an
+    onnx.ModelProto. `shapes`: the full shape of each input that has symbolic dimensions.
+    Raises ModelImportError for an unreadable, malformed or truncated file, an opset out of
+    range, a missing external-data file, or (all at once) every op that cannot be imported."""
+    onnx = _onnx()
+    proto, source = _read(onnx, model)
+    opset = _opset(onnx, proto, source)
+    refusals = Refusals(source)
+    builder = _Builder(onnx, proto, opset, dict(shapes or {}), training, refusals, seed, source)
+    builder.run()
+    refusals.check()
+    return builder.result()
+
+
+# ---- reading and checking the file ---------------------------------------------------------------
+def _read(onnx, model: Any) -> tuple[Any, str]:
+    if isinstance(model, onnx.ModelProto):
+        proto, source, base = model, "the ONNX model", None
+    elif isinstance(model, (bytes, bytearray)):
+        source, base = "the ONNX model bytes", None
+        proto = _parse(onnx, lambda: onnx.load_from_string(bytes(model)), source)
+    else:
+        path = os.fspath(model)
+        source, base = f"'{path}'", os.path.dirname(os.path.abspath(path))
+        if not os.path.isfile(path):
+            raise ModelImportError(f"{source}: no such file")
+        proto = _parse(onnx, lambda: onnx.load(path, load_external_data=False), source)
+    missing = []
+    for tensor in _all_tensors(proto):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = {e.key: e.value for e in tensor.external_data}.get("location", "")
+            where = os.path.join(base or ".", location)
+            if base is None or not os.path.isfile(where):
+                missing.append(f"'{tensor.name}' in '{where}'")
+    if missing:
+        raise ModelImportError(f"{source} keeps tensors in external-data files that are not "
+                               f"there: {', '.join(missing[:5])}" + (" (and more)" if
+                                                                    len(missing) > 5 else "")
+                               + "; keep the data files beside the model")
+    if base is not None:
+        try:
+            onnx.load_external_data_for_model(proto, base)
+        except Exception as e:  # a data file shorter than the offsets it should hold
+            raise ModelImportError(f"{source}: its external data cannot be read: {e}") from e
+    if not proto.graph.node or not proto.graph.output:
+        raise ModelImportError(f"{source} has no nodes or no outputs: a truncated or empty "
+                               "ONNX file?")
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as e:
+        raise ModelImportError(f"{source} is not a valid ONNX model: {e}") from e
+    return proto, source
+
+
+def _parse(onnx, load: Callable[[], Any], source: str) -> Any:
+    try:
+        return load()
+    except Exception as e:  # protobuf's DecodeError and the like
+        raise ModelImportError(f"{source} cannot be read as an ONNX model (truncated, or not "
+                               f"ONNX): {type(e).__name__}: {e}") from e
+
+
+def _all_tensors(proto) -> list:
+    tensors = list(proto.graph.initializer)
+    for node in proto.graph.node:
+        tensors += [a.t for a in node.attribute if a.HasField("t")]
+    return tensors
+
+
+def _opset(onnx, proto, source: str) -> int:
+    versions = {o.domain: o.version for o in proto.opset_import}
+    opset = versions.get("", versions.get("ai.onnx"))
+    newest = onnx.defs.onnx_opset_version()
+    if opset is None:
+        raise ModelImportError(f"{source} imports no version of the standard ONNX opset")
+    if opset < MIN_OPSET:
+        raise ModelImportError(f"{source} uses opset {opset}; vkml imports opsets {MIN_OPSET} "
+                               f"to {newest}: convert it first with "
+                               f"onnx.version_converter.convert_version(model, {MIN_OPSET})")
+    if opset > newest:
+        raise ModelImportError(f"{source} uses opset {opset}, newer than this onnx package "
+                               f"knows ({newest}): upgrade onnx, or export with an older opset")
+    return opset
+
+
+# ---- the conversion ----------------------------------------------------------------------------
+def _dtype(onnx, elem_type: int) -> str:
+    name = onnx.TensorProto.DataType.Name(elem_type)
+    if name in FLOAT_TYPES:
+        return "f32"
+    if name in INT_TYPES:
+        return "i32"
+    raise Refuse(f"element type {name} is not supported (vkml computes in f32 and i32)")
+
+
+class _Builder:
+    """One import: walks the nodes in order, folding what is known at import and building the
+    rest, and records every refusal instead of stopping at the first."""
+
+    def __init__(self, onnx, proto, opset: int, shapes: dict, training: bool,
+                 refusals: Refusals, seed: int, source: str) -> None:
+        self.onnx, self.proto, self.opset, self.training = onnx, proto, opset, training
+        self.shapes, self.refusals, self.source = shapes, refusals, source
+        self.g = Graph(seed=seed)
+        self.env: dict[str, Value] = {}
+        self.poisoned: set[str] = set()
+        self.params: dict[str, Tensor] = {}  # initializer name -> its parameter
+        self.frozen: list[str] = []
+        self.inputs: dict[str, Tensor] = {}
+        self.outputs: dict[str, Tensor] = {}
+        self.consumers = _consumers(proto.graph)
+
+    # -- values ----
+    def device(self, value: Value, trainable: bool = True) -> Tensor:
+        """`value` as a tensor of the graph: an initializer becomes its parameter, an array
+        known at import a constant."""
+        if isinstance(value, Tensor):
+            return value
+        if isinstance(value, Initializer):
+            if value.name not in self.params:
+                self.params[value.name] = self.g.param(value.name, value.array.shape,
+                                                       value.array, trainable=trainable)
+                if not trainable:
+                    self.frozen.append(value.name)
+            return self.params[value.name]
+        array = np.asarray(value)
+        if array.dtype.kind == "f":
+            return self.g.constant(array.astype(np.float32))
+        if array.dtype.kind in "iub":
+            t = self.g.apply("constant", [], shape=array.shape, dtype="i32")
+            self.g.initial_values[t.id] = array.astype(np.int32)
+            return t
+        raise Refuse(f"a constant of dtype {array.dtype} cannot be used on the device")
+
+    @staticmethod
+    def host(value: Value, what: str) -> np.ndarray:
+        """`value` as it is known at import; a refusal where it is computed at run time."""
+        if isinstance(value, Initializer):
+            return value.array
+        if isinstance(value, Tensor):
+            raise Refuse(f"its {what} must be known at import, but it is computed at run time "
+                         f"({value.type})")
+        return np.asarray(value)
+
+    def operand(self, value: Value) -> Tensor | float:
+        """A binary op's operand: a one-element constant as a number (as a hand-written
+        `x * 0.5` makes it), anything else as a tensor."""
+        if isinstance(value, np.ndarray) and value.size == 1 and value.ndim == 0:
+            return float(value)
+        return self.device(value)
+
+    # -- walking the graph ----
+    def run(self) -> None:
+        graph = self.proto.graph
+        initializers = {t.name: t for t in graph.initializer}
+        for t in graph.initializer:
+            array = self.onnx.numpy_helper.to_array(t)
+            float_param = array.dtype.kind == "f" and array.size > 1
+            self.env[t.name] = Initializer(t.name, array) if float_param else array
+        self._inputs(graph, initializers)
+        self.walk(graph.node)
+        for out in graph.output:
+            if out.name in self.poisoned:
+                continue
+            value = self.env.get(out.name)
+            tensor = convert_guarded(self.refusals, out.name, "output",
+                                     lambda v=value: self.device(v))
+            if tensor is not None:
+                self.outputs[out.name] = self.g.output(out.name, tensor)
+
+    def _inputs(self, graph, initializers) -> None:
+        names = [i.name for i in graph.input if i.name not in initializers]
+        unknown = sorted(set(self.shapes) - set(names))
+        if unknown:
+            raise ModelImportError(f"shapes= names {unknown}, which are not inputs of "
+                                   f"{self.source}; its inputs are {names}")
+        unresolved = []
+        for value_info in graph.input:
+            if value_info.name in initializers:
+                continue
+            t = value_info.type.tensor_type
+            dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+                    for d in t.shape.dim]
+            shape = self.shapes.get(value_info.name)
+            if shape is None:
+                if any(not isinstance(d, int) or d <= 0 for d in dims):
+                    unresolved.append(f"'{value_info.name}' {tuple(dims)}")
+                    continue
+                shape = dims
+            elif len(shape) != len(dims) or any(isinstance(d, int) and d > 0 and d != s
+                                                  for d, s in zip(dims, shape)):
+                raise ModelImportError(f"shapes['{value_info.name}'] = {tuple(shape)} does not "
+                                       f"fit the model's input shape {tuple(dims)}")
+            try:
+                dtype = _dtype(self.onnx, t.elem_type)
+            except Refuse as e:
+                raise ModelImportError(f"input '{value_info.name}': {e}") from None
+            self.env[value_info.name] = self.inputs[value_info.name] = self.g.input(
+                value_info.name, tuple(int(s) for s in shape), dtype)
+        if unresolved:
+            raise ModelImportError(f"{self.source} has inputs with symbolic dimensions: "
+                                   f"{', '.join(unresolved)}; fix them with shapes=, e.g. "
+                                   f"shapes={{'{unresolved[0].split(chr(39))[1]}': (1, ...)}}")
+
+    def walk(self, nodes) -> None:
+        skip = patterns.match_onnx(self, nodes)
+        for index, node in enumerate(nodes):
+            if index in skip:
+                fused = skip[index]
+                if fused is not None:
+                    self._fused(node, fused)
+                continue
+            self.node(node, index)
+
+    def _fused(self, node, build: Callable[[], Tensor]) -> None:
+        """A recognised pattern ending at `node`: its composite op replaces its nodes."""
+        name = _node_name(node, 0)
+        result = convert_guarded(self.refusals, name, node.op_type, build)
+        self._bind(node, [result] if result is not None else None)
+
+    def node(self, node, index: int) -> None:
+        name = _node_name(node, index)
+        op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+        handler = HANDLERS.get(op)
+        ins = [self.env.get(i) if i else None for i in node.input]
+        if any(i in self.poisoned for i in node.input if i):
+            # what reads a value that could not be built is most likely computed on the device
+            if handler is None and op not in DATA_DEPENDENT:
+                self.refusals.unsupported(op, name)
+            self._bind(node, None)
+            return
+        missing = [i for i, v in zip(node.input, ins) if i and v is None]
+        if missing:
+            self.refusals.refuse(name, op, f"reads {missing}, which nothing before it defines")
+            self._bind(node, None)
+            return
+        known = all(not isinstance(v, Tensor) and not isinstance(v, Initializer)
+                    for v in ins if v is not None)
+        if known and op not in NOT_FOLDED and node.domain in ("", "ai.onnx"):
+            outs = convert_guarded(self.refusals, name, op, lambda: self.fold(node, ins))
+        elif handler is not None:
+            outs = convert_guarded(self.refusals, name, op, lambda: handler(self, node, ins,
+                                                                           _attrs(node)))
+        elif op in DATA_DEPENDENT:
+            self.refusals.refuse(name, op, f"data-dependent: {DATA_DEPENDENT[op]}")
+            outs = None
+        elif known:
+            outs = convert_guarded(self.refusals, name, op, lambda: self.fold(node, ins))
+        else:
+            self.refusals.unsupported(op, name)
+            outs = None
+        self._bind(node, outs)
+
+    def _bind(self, node, outs) -> None:
+        if outs is None:
+            self.poisoned.update(o for o in node.output if o)
+            return
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        for name, value in zip(node.output, outs):
+            if name:
+                self.env[name] = value
+        for name in node.output[len(outs):]:
+            if name and name in self.consumers:
+                self.refusals.refuse(_node_name(node, 0), node.op_type,
+                                     f"its output '{name}' is read, and vkml does not compute it")
+
+    def fold(self, node, ins: list) -> list[np.ndarray]:
+        """The node computed at import by onnx's reference implementation of it."""
+        from onnx.reference.ops import load_op
+        try:
+            cls = load_op(node.domain, node.op_type, self.opset)
+        except Exception:
+            raise Refuse("no reference implementation to compute it at import") from None
+        run = cls(node, {"log": lambda *a: None, "opsets": {"": self.opset}, "verbose": 0,
+                         "new_ops": None, "evaluator_cls": None})
+        outs = run.run(*[np.asarray(v) if v is not None else None for v in ins])
+        return [np.asarray(o) for o in outs]
+
+    def result(self) -> ImportedModel:
+        onnx, proto = self.onnx, self.proto
+        dtypes = {t.name: onnx.numpy_helper.to_array(t).dtype for t in proto.graph.initializer
+                  if t.name in self.params}
+
+        def save(values: dict[str, np.ndarray], path: str) -> None:
+            out = onnx.ModelProto()
+            out.CopyFrom(proto)
+            for t in out.graph.initializer:
+                if t.name in values:
+                    t.CopyFrom(onnx.numpy_helper.from_array(
+                        np.asarray(values[t.name]).astype(dtypes[t.name]), t.name))
+            onnx.save(out, path)
+
+        return ImportedModel(self.g, dict(self.inputs), dict(self.outputs), self.source,
+                             params={n: n for n in self.params}, frozen=tuple(self.frozen),
+                             _save_onnx=save)
+
+
+def _consumers(graph) -> set[str]:
+    names = {o.name for o in graph.output}
+    for node in graph.node:
+        names.update(node.input)
+    return names
+
+
+def _node_name(node, index: int) -> str:
+    return node.name or (f"{node.op_type} -> {node.output[0]}" if node.output
+                         else f"#{index} {node.op_type}")
+
+
+def _attrs(node) -> dict[str, Any]:
+    from onnx import helper
+    out = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        out[a.name] = v.decode() if isinstance(v, bytes) else v
+    return out
+
+
+# ---- the op table ------------------------------------------------------------------------------
+Handler = Callable[[_Builder, Any, list, dict], Any]
+HANDLERS: dict[str, Handler] = {}
+
+
+def onnx_op(*names: str) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        for n in names:
+            HANDLERS[n] = fn
+        return fn
+    return register
+
+
+UNARY = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Exp": "exp", "Log": "log",
+         "Neg": "neg", "Sqrt": "sqrt", "Abs": "abs", "Erf": "erf", "Floor": "floor",
+         "Ceil": "ceil", "Sign": "sign", "Sin": "sin", "Cos": "cos"}
+
+
+@onnx_op(*UNARY)
+def _unary(b: _Builder, node, ins, attrs):
+    method = getattr(b.g, UNARY[node.op_type], None)
+    if method is None:
+        raise Refuse(f"vkml has no {UNARY[node.op_type]} op")
+    return method(b.device(ins[0]))
+
+
+@onnx_op("Identity")
+def _identity(b, node, ins, attrs):
+    return ins[0]
+
+
+@onnx_op("Reciprocal")
+def _reciprocal(b, node, ins, attrs):
+    return b.g.div(1.0, b.device(ins[0]))
+
+
+BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div"}
+
+
+@onnx_op(*BINARY)
+def _binary(b, node, ins, attrs):
+    x, y = ins
+    if _is_int(x) or _is_int(y):
+        raise Refuse("integer arithmetic on values computed at run time is not supported")
+    return getattr(b.g, BINARY[node.op_type])(b.operand(x), b.operand(y))
+
+
+def _is_int(v: Value) -> bool:
+    if isinstance(v, Tensor):
+        return v.dtype == "i32"
+    return isinstance(v, np.ndarray) and v.dtype.kind in "iub"
+
+
+@onnx_op("Pow")
+def _pow(b, node, ins, attrs):
+    x, e = ins
+    if not isinstance(e, Tensor) and np.asarray(b.host(e, "exponent")).size == 1:
+        return power(b.g, b.device(x), float(np.asarray(b.host(e, "exponent")).reshape(())))
+    if hasattr(b.g, "pow"):
+        return b.g.pow(b.device(x), b.device(e))
+    raise Refuse("a power with an exponent computed at run time needs vkml's pow op")
+
+
+def power(g: Graph, x: Tensor, exponent: float) -> Tensor:
+    """x ** exponent for a number known at import, as the ops a hand-written model uses."""
+    if exponent == 1.0:
+        return x
+    if exponent == 2.0:
+        return g.square(x)
+    if exponent == 0.5:
+        return g.sqrt(x)
+    if exponent == -0.5:
+        return g.rsqrt(x)
+    if exponent == -1.0:
+        return g.div(1.0, x)
+    if exponent == 3.0:
+        return g.mul(g.square(x), x)
+    if hasattr(g, "pow"):
+        return g.pow(x, exponent)
+    raise Refuse(f"x ** {exponent} needs vkml's pow op")
+
+
+@onnx_op("MatMul")
+def _matmul(b, node, ins, attrs):
+    return matmul(b.g, b.device(ins[0]), b.device(ins[1]))
+
+
+def matmul(g: Graph, a: Tensor, w: Tensor, transpose_b: bool = False) -> Tensor:
+    """numpy's matmul; a batch times one matrix as nn.Linear computes it (the leading axes
+    flattened into one product), vectors as matrices of one row or column."""
+    if len(a.shape) == 1:
+        y = matmul(g, g.reshape(a, (1, a.shape[0])), w, transpose_b)
+        return g.reshape(y, y.shape[:-2] + y.shape[-1:])
+    if len(w.shape) == 1:
+        y = matmul(g, a, g.reshape(w, (w.shape[0], 1)))
+        return g.reshape(y, y.shape[:-1])
+    if len(w.shape) == 2 and len(a.shape) > 2:
+        flat = g.matmul(g.reshape(a, (-1, a.shape[-1])), w, transpose_b=transpose_b)
+        return g.reshape(flat, (*a.shape[:-1], flat.shape[-1]))
+    return g.matmul(a, w, transpose_b=transpose_b)
+
+
+@onnx_op("Gemm")
+def _gemm(b, node, ins, attrs):
+    g = b.g
+    a, w = b.device(ins[0]), b.device(ins[1])
+    y = g.matmul(a, w, transpose_a=bool(attrs.get("transA", 0)),
+                 transpose_b=bool(attrs.get("transB", 0)))
+    if attrs.get("alpha", 1.0) != 1.0:
+        y = g.mul(y, float(attrs["alpha"]))
+    if len(ins) > 2 and ins[2] is not None:
+        c = b.device(ins[2])
+        if attrs.get("beta", 1.0) != 1.0:
+            c = g.mul(c, float(attrs["beta"]))
+        y = g.bias_add(y, c) if c.shape == y.shape[-1:] else g.add(y, c)
+    return y
+
+
+def _spatial(attrs: dict, name: str, rank: int, default: int) -> list[int]:
+    return list(attrs.get(name, [default] * rank))
+
+
+def _pads(b: _Builder, x: Tensor, attrs: dict, kernel: Sequence[int], strides: Sequence[int],
+          dilations: Sequence[int]) -> tuple[Tensor, list[int]]:
+    """Symmetric padding per spatial axis, with any asymmetric part (SAME_UPPER/LOWER, or
+    explicit pads) applied first as zero padding."""
+    rank = len(kernel)
+    auto = attrs.get("auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        pads = []
+        begins, ends = [], []
+        for i in range(rank):
+            size = x.shape[2 + i]
+            out = -(-size // strides[i])
+            total = max(0, (out - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - size)
+            small = total // 2
+            begins.append(small if auto == "SAME_UPPER" else total - small)
+            ends.append(total - begins[-1])
+        pads = begins + ends
+    elif auto == "VALID":
+        pads = [0] * (2 * rank)
+    else:
+        pads = list(attrs.get("pads", [0] * (2 * rank)))
+    symmetric = []
+    for i in range(rank):
+        lo, hi = pads[i], pads[i + rank]
+        common = min(lo, hi)
+        if lo != hi:
+            x = b.g.pad(x, 2 + i, lo - common, hi - common)
+        symmetric.append(common)
+    return x, symmetric
+
+
+@onnx_op("Conv")
+def _conv(b, node, ins, attrs):
+    g = b.g
+    x, w = b.device(ins[0]), b.device(ins[1])
+    bias = b.device(ins[2]) if len(ins) > 2 and ins[2] is not None else None
+    rank = len(w.shape) - 2
+    if rank not in (1, 2):
+        raise Refuse(f"{rank}-D convolutions are not supported (1-D and 2-D are)")
+    strides = _spatial(attrs, "strides", rank, 1)
+    dilations = _spatial(attrs, "dilations", rank, 1)
+    x, pads = _pads(b, x, attrs, w.shape[2:], strides, dilations)
+    groups = int(attrs.get("group", 1))
+    if rank == 1:
+        return g.conv1d(x, w, bias, strides[0], pads[0], dilations[0], groups)
+    return g.conv2d(x, w, bias, tuple(strides), tuple(pads), tuple(dilations), groups)
+
+
+def _pool_geometry(b, x, attrs):
+    kernel = list(attrs["kernel_shape"])
+    if len(kernel) != 2:
+        raise Refuse(f"{len(kernel)}-D pooling is not supported (2-D is)")
+    if attrs.get("ceil_mode", 0):
+        raise Refuse("ceil_mode=1 pooling is not supported")
+    if any(d != 1 for d in attrs.get("dilations", [1, 1])):
+        raise Refuse("dilated pooling is not supported")
+    strides = _spatial(attrs, "strides", 2, 1)
+    x, pads = _pads(b, x, attrs, kernel, strides, [1, 1])
+    return x, kernel, strides, pads
+
+
+@onnx_op("MaxPool")
+def _max_pool(b, node, ins, attrs):
+    x, kernel, strides, pads = _pool_geometry(b, b.device(ins[0]), attrs)
+    if attrs.get("storage_order", 0):
+        raise Refuse("storage_order=1 is not supported")
+    return b.g.max_pool2d(x, tuple(kernel), tuple(strides), tuple(pads))
+
+
+@onnx_op("AveragePool")
+def _avg_pool(b, node, ins, attrs):
+    x, kernel, strides, pads = _pool_geometry(b, b.device(ins[0]), attrs)
+    if any(pads) and not attrs.get("count_include_pad", 0):
+        raise Refuse("average pooling over padding with count_include_pad=0 is not supported")
+    return b.g.avg_pool2d(x, tuple(kernel), tuple(strides), tuple(pads))
+
+
+@onnx_op("GlobalAveragePool")
+def _global_avg_pool(b, node, ins, attrs):
+    x = b.device(ins[0])
+    return b.g.mean(x, tuple(range(2, len(x.shape))), keepdims=True)
+
+
+@onnx_op("GlobalMaxPool")
+def _global_max_pool(b, node, ins, attrs):
+    x = b.device(ins[0])
+    return b.g.amax(x, tuple(range(2, len(x.shape))), keepdims=True)
+
+
+@onnx_op("BatchNormalization")
+def _batch_norm(b, node, ins, attrs):
+    x, scale, bias = b.device(ins[0]), b.device(ins[1]), b.device(ins[2])
+    mean, var = b.device(ins[3], trainable=False), b.device(ins[4], trainable=False)
+    train = bool(attrs.get("training_mode", 0)) and b.training
+    return b.g.batch_norm(x, mean, var, scale, bias, training=train,
+                          eps=float(attrs.get("epsilon", 1e-5)))
+
+
+@onnx_op("LayerNormalization")
+def _layer_norm(b, node, ins, attrs):
+    x = b.device(ins[0])
+    axis = attrs.get("axis", -1) % len(x.shape)
+    scale = b.device(ins[1])
+    bias = b.device(ins[2]) if len(ins) > 2 and ins[2] is not None else None
+    shape = x.shape[axis:]
+    if scale.shape != shape:
+        scale = b.g.broadcast_to(scale, shape)
+    return b.g.layer_norm(x, shape, scale, bias, float(attrs.get("epsilon", 1e-5)))
+
+
+@onnx_op("InstanceNormalization")
+def _instance_norm(b, node, ins, attrs):
+    x = b.device(ins[0])
+    return b.g.group_norm(x, x.shape[1], b.device(ins[1]), b.device(ins[2]),
+                          float(attrs.get("epsilon", 1e-5)))
+
+
+@onnx_op("GroupNormalization")
+def _group_norm(b, node, ins, attrs):
+    x = b.device(ins[0])
+    groups = int(attrs["num_groups"])
+    scale, bias = b.device(ins[1]), b.device(ins[2])
+    if scale.shape != (x.shape[1],):
+        raise Refuse("GroupNormalization with one scale per group (opset 18) is not supported; "
+                     "export with opset 21 or newer (one per channel)")
+    return b.g.group_norm(x, groups, scale, bias, float(attrs.get("epsilon", 1e-5)))
+
+
+def _last_axis(g: Graph, x: Tensor, axis: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """`fn` (a last-axis op) applied along `axis`, moving it last and back."""
+    axis %= len(x.shape)
+    if axis == len(x.shape) - 1:
+        return fn(x)
+    order = [*[a for a in range(len(x.shape)) if a != axis], axis]
+    back = list(np.argsort(order))
+    return g.transpose(fn(g.transpose(x, order)), back)
+
+
+@onnx_op("Softmax", "LogSoftmax")
+def _softmax(b, node, ins, attrs):
+    fn = b.g.softmax if node.op_type == "Softmax" else b.g.log_softmax
+    return _last_axis(b.g, b.device(ins[0]), int(attrs.get("axis", -1)), fn)
+
+
+@onnx_op("Gelu")
+def _gelu(b, node, ins, attrs):
+    x = b.device(ins[0])
+    if attrs.get("approximate", "none") == "tanh":
+        return gelu_tanh(b.g, x)
+    return b.g.gelu(x)
+
+
+def gelu_tanh(g: Graph, x: Tensor) -> Tensor:
+    """GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    inner = g.mul(g.add(x, g.mul(g.mul(g.square(x), x), 0.044715)), math.sqrt(2 / math.pi))
+    return g.mul(g.mul(x, 0.5), g.add(g.tanh(inner), 1.0))
+
+
+@onnx_op("HardSigmoid")
+def _hard_sigmoid(b, node, ins, attrs):
+    x = b.device(ins[0])
+    return b.g.clamp(b.g.add(b.g.mul(x, float(attrs.get("alpha", 0.2))),
+                             float(attrs.get("beta", 0.5))), 0.0, 1.0)
+
+
+@onnx_op("HardSwish")
+def _hard_swish(b, node, ins, attrs):
+    x = b.device(ins[0])
+    if hasattr(b.g, "hardswish"):
+        return b.g.hardswish(x)
+    return b.g.mul(x, b.g.clamp(b.g.add(b.g.mul(x, 1 / 6), 0.5), 0.0, 1.0))
+
+
+@onnx_op("LeakyRelu")
+def _leaky_relu(b, node, ins, attrs):
+    x, alpha = b.device(ins[0]), float(attrs.get("alpha", 0.01))
+    if hasattr(b.g, "leaky_relu"):
+        return b.g.leaky_relu(x, alpha)
+    return b.g.sub(b.g.relu(x), b.g.mul(b.g.relu(b.g.neg(x)), alpha))
+
+
+@onnx_op("Clip")
+def _clip(b, node, ins, attrs):
+    x = b.device(ins[0])
+    bounds = [float(b.host(v, "bound")) if v is not None else None
+              for v in (ins[1:] + [None, None])[:2]]
+    if bounds == [None, None]:
+        return x
+    return b.g.clamp(x, *bounds)
+
+
+def _axes(b: _Builder, node, ins, attrs, rank: int) -> list[int] | None:
+    """An op's axes, from its attribute or (newer opsets) its second input."""
+    if len(ins) > 1 and ins[1] is not None:
+        axes = b.host(ins[1], "axes").reshape(-1).tolist()
+    else:
+        axes = attrs.get("axes")
+    return None if axes is None else [int(a) % rank for a in axes]
+
+
+@onnx_op("ReduceMean", "ReduceSum", "ReduceMax")
+def _reduce(b, node, ins, attrs):
+    x = b.device(ins[0])
+    axes = _axes(b, node, ins, attrs, max(len(x.shape), 1))
+    if not axes:
+        if attrs.get("noop_with_empty_axes", 0):
+            return x
+        axes = list(range(len(x.shape)))
+    keep = bool(attrs.get("keepdims", 1))
+    fn = {"ReduceMean": b.g.mean, "ReduceSum": b.g.sum, "ReduceMax": b.g.amax}[node.op_type]
+    return fn(x, axes, keepdims=keep)
+
+
+@onnx_op("Reshape")
+def _reshape(b, node, ins, attrs):
+    x = b.device(ins[0])
+    shape = [int(d) for d in b.host(ins[1], "shape").reshape(-1)]
+    if not attrs.get("allowzero", 0):
+        shape = [x.shape[i] if d == 0 else d for i, d in enumerate(shape)]
+    return b.g.reshape(x, shape)
+
+
+@onnx_op("Flatten")
+def _flatten(b, node, ins, attrs):
+    x = b.device(ins[0])
+    axis = int(attrs.get("axis", 1)) % (len(x.shape) + 1) if x.shape else 0
+    return b.g.reshape(x, (math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
+
+
+@onnx_op("Transpose")
+def _transpose(b, node, ins, attrs):
+    x = b.device(ins[0])
+    perm = attrs.get("perm", list(range(len(x.shape)))[::-1])
+    return b.g.transpose(x, perm) if list(perm) != list(range(len(x.shape))) else x
+
+
+@onnx_op("Squeeze")
+def _squeeze(b, node, ins, attrs):
+    x = b.device(ins[0])
+    axes = _axes(b, node, ins, attrs, len(x.shape))
+    if axes is None:
+        axes = [a for a, d in enumerate(x.shape) if d == 1]
+    return b.g.reshape(x, [d for a, d in enumerate(x.shape) if a not in axes])
+
+
+@onnx_op("Unsqueeze")
+def _unsqueeze(b, node, ins, attrs):
+    x = b.device(ins[0])
+    rank = len(x.shape) + len(b.host(ins[1], "axes").reshape(-1)) if len(ins) > 1 else \
+        len(x.shape) + len(attrs["axes"])
+    axes = set(_axes(b, node, ins, attrs, rank) or [])
+    dims = iter(x.shape)
+    return b.g.reshape(x, [1 if a in axes else next(dims) for a in range(rank)])
+
+
+@onnx_op("Concat")
+def _concat(b, node, ins, attrs):
+    # an empty piece known at import (a shape computation's) adds nothing
+    xs = [b.device(v) for v in ins if v is not None
+          and not (isinstance(v, np.ndarray) and v.size == 0)]
+    return b.g.concat(xs, int(attrs["axis"]) % len(xs[0].shape))
+
+
+@onnx_op("Split")
+def _split(b, node, ins, attrs):
+    x = b.device(ins[0])
+    axis = int(attrs.get("axis", 0)) % len(x.shape)
+    if len(ins) > 1 and ins[1] is not None:
+        sizes = [int(s) for s in b.host(ins[1], "split sizes").reshape(-1)]
+    elif "split" in attrs:
+        sizes = list(attrs["split"])
+    else:
+        parts = int(attrs.get("num_outputs", len(node.output)))
+        size = -(-x.shape[axis] // parts)
+        sizes = [min(size, x.shape[axis] - size * i) for i in range(parts)]
+    return b.g.split(x, sizes, axis)
+
+
+@onnx_op("Slice")
+def _slice(b, node, ins, attrs):
+    x = b.device(ins[0])
+    starts = b.host(ins[1], "starts").reshape(-1).tolist()
+    ends = b.host(ins[2], "ends").reshape(-1).tolist()
+    axes = (b.host(ins[3], "axes").reshape(-1).tolist() if len(ins) > 3 and ins[3] is not None
+            else list(range(len(starts))))
+    steps = (b.host(ins[4], "steps").reshape(-1).tolist() if len(ins) > 4 and ins[4] is not None
+             else [1] * len(starts))
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        axis %= len(x.shape)
+        n = x.shape[axis]
+        if step != 1:
+            raise Refuse(f"slices with step {step} are not supported (step 1 is)")
+        lo = max(0, min(n, start + n if start < 0 else start))
+        hi = max(0, min(n, end + n if end < 0 else end))
+        if hi <= lo:
+            raise Refuse(f"an empty slice [{start}:{end}] of axis {axis} ({n})")
+        if (lo, hi) != (0, n):
+            x = b.g.slice(x, axis, lo, hi)
+    return x
+
+
+@onnx_op("Gather")
+def _gather(b, node, ins, attrs):
+    data, indices = ins
+    axis = int(attrs.get("axis", 0))
+    if isinstance(indices, Tensor):
+        table = b.device(data)
+        if axis % len(table.shape) != 0 or len(table.shape) != 2:
+            raise Refuse("gathering by indices computed at run time needs a 2-D table read "
+                         "along axis 0 (an embedding)")
+        return b.g.embedding(indices, table)
+    x = b.device(data)
+    return take(b.g, x, b.host(indices, "indices"), axis)
+
+
+def take(g: Graph, x: Tensor, indices: np.ndarray, axis: int) -> Tensor:
+    """np.take(x, indices, axis) for indices known at import: slices (one for a scalar or a
+    run of consecutive indices), concatenated, reshaped to the indices' shape."""
+    axis %= len(x.shape)
+    n = x.shape[axis]
+    flat = [int(i) % n for i in np.asarray(indices).reshape(-1)]
+    runs: list[list[int]] = []
+    for i in flat:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    parts = [x if (lo, hi) == (0, n) else g.slice(x, axis, lo, hi) for lo, hi in runs]
+    y = g.concat(parts, axis)
+    shape = (*x.shape[:axis], *np.shape(indices), *x.shape[axis + 1:])
+    return y if y.shape == shape else g.reshape(y, shape)
+
+
+@onnx_op("Expand")
+def _expand(b, node, ins, attrs):
+    from vkml.ops.pointwise import broadcast_shapes
+    x = b.device(ins[0])
+    shape = tuple(int(d) for d in b.host(ins[1], "shape").reshape(-1))
+    target = broadcast_shapes(x.shape, shape)
+    return x if target == x.shape else b.g.broadcast_to(x, target)
+
+
+@onnx_op("Tile")
+def _tile(b, node, ins, attrs):
+    x = b.device(ins[0])
+    for axis, r in enumerate(b.host(ins[1], "repeats").reshape(-1).tolist()):
+        if r != 1:
+            x = b.g.concat([x] * int(r), axis)
+    return x
+
+
+@onnx_op("Pad")
+def _pad(b, node, ins, attrs):
+    x = b.device(ins[0])
+    if attrs.get("mode", "constant") != "constant":
+        raise Refuse(f"padding mode '{attrs['mode']}' is not supported (constant zeros are)")
+    pads = b.host(ins[1], "pads").reshape(-1).tolist()
+    value = ins[2] if len(ins) > 2 else None
+    if value is not None and float(b.host(value, "padding value").reshape(-1)[0]) != 0.0:
+        raise Refuse("padding with a value other than 0 is not supported")
+    rank = len(x.shape)
+    axes = (_axes(b, node, [None, ins[3]], {}, rank) if len(ins) > 3 and ins[3] is not None
+            else list(range(rank)))
+    for i, axis in enumerate(axes):
+        before, after = int(pads[i]), int(pads[i + len(axes)])
+        if before < 0 or after < 0:
+            raise Refuse("negative padding (cropping) is not supported")
+        if before or after:
+            x = b.g.pad(x, axis, before, after)
+    return x
+
+
+@onnx_op("Resize", "Upsample")
+def _resize(b, node, ins, attrs):
+    x = b.device(ins[0])
+    mode = attrs.get("mode", "nearest")
+    if len(ins) > 3 and ins[3] is not None and b.host(ins[3], "sizes").size:
+        sizes = b.host(ins[3], "sizes").reshape(-1).tolist()
+    else:
+        scales = b.host(ins[2] if len(ins) > 2 else ins[1], "scales").reshape(-1).tolist()
+        sizes = [int(math.floor(d * s)) for d, s in zip(x.shape, scales)]
+    if len(x.shape) != 4 or list(sizes[:2]) != list(x.shape[:2]):
+        raise Refuse("only the spatial axes of an NCHW tensor can be resized")
+    fy, fx = sizes[2] / x.shape[2], sizes[3] / x.shape[3]
+    if mode == "nearest" and fy == fx and fy == int(fy) and fy >= 1:
+        return b.g.upsample_nearest(x, int(fy))
+    if hasattr(b.g, "resize"):
+        return b.g.resize(x, (int(sizes[2]), int(sizes[3])), mode=mode,
+                          align_corners=attrs.get("coordinate_transformation_mode")
+                          == "align_corners")
+    raise Refuse(f"resize mode '{mode}' to {sizes[2:]} needs vkml's resize op (nearest "
+                 "upsampling by an integer factor is supported)")
+
+
+@onnx_op("Dropout")
+def _dropout(b, node, ins, attrs):
+    x = ins[0]
+    ratio = float(b.host(ins[1], "ratio")) if len(ins) > 1 and ins[1] is not None else \
+        float(attrs.get("ratio", 0.5))
+    live = (len(ins) > 2 and ins[2] is not None and bool(b.host(ins[2], "training_mode")))
+    if not (b.training and live and ratio > 0):
+        return [x]
+    if not hasattr(b.g, "dropout"):
+        raise Refuse("a live dropout (training=True, exported in training mode) needs vkml's "
+                     "dropout op")
+    return [b.g.dropout(b.device(x), ratio)]
+
+
+@onnx_op("Cast", "CastLike")
+def _cast(b, node, ins, attrs):
+    x = ins[0]
+    if node.op_type == "CastLike":
+        to = "f32" if not _is_int(ins[1]) else "i32"
+    else:
+        to = _dtype(b.onnx, int(attrs["to"]))
+    have = "i32" if _is_int(x) else "f32"
+    if to == have:
+        return x
+    raise Refuse(f"a cast from {have} to {to} of a value computed at run time is not supported")
+
+
+@onnx_op("Shape")
+def _shape(b, node, ins, attrs):
+    shape = np.array(ins[0].shape if not isinstance(ins[0], Initializer)
+                     else ins[0].array.shape, np.int64)
+    start, end = attrs.get("start", 0), attrs.get("end", len(shape))
+    return shape[start:end]
+
+
+@onnx_op("Size")
+def _size(b, node, ins, attrs):
+    v = ins[0]
+    return np.array(math.prod(v.shape if not isinstance(v, Initializer) else v.array.shape),
+                    np.int64)
+
+
+@onnx_op("If")
+def _if(b, node, ins, attrs):
+    """A branch chosen by a condition known at import is inlined; the other is dropped."""
+    cond = bool(np.asarray(b.host(ins[0], "condition")).reshape(-1)[0])
+    branch = attrs["then_branch" if cond else "else_branch"]
+    b.walk(branch.node)
+    return [b.env[o.name] for o in branch.output]
