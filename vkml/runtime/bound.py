@@ -75,8 +75,8 @@ class BoundPlan:
         params = {s for s in plan.params.values()}
         self.step_writes_params = any(s in params for d in plan.dispatches for s in d.writes)
         try:
-            self.arenas = [backend.create_buffer(max(n, 4), "device", f"arena {i}")
-                           for i, n in enumerate(plan.memory.arena_bytes)]
+            for i, n in enumerate(plan.memory.arena_bytes):  # one by one: close() frees them
+                self.arenas.append(backend.create_buffer(max(n, 4), "device", f"arena {i}"))
             align = max(device.caps.min_storage_offset_alignment, 16)
             self.staging_offsets: dict[str, int] = {}
             staged = 0
