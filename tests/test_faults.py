@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 import vkml
-from vkml import naga, nn
+from vkml import nn
+from vkml.cachedir import ENTRY_MAGIC, CorruptCacheWarning, read_entry, write_entry
 from vkml.compiler import memory_plan
-from vkml.cachedir import ENTRY_MAGIC, CorruptCacheWarning, read_entry
 from vkml.errors import DeviceError
+from vkml.vk import naga
 
 HEADER = len(ENTRY_MAGIC) + 32
 
@@ -30,9 +31,15 @@ HEADER = len(ENTRY_MAGIC) + 32
 # ---- corrupted caches ------------------------------------------------------------------------
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """An empty cache directory of this test's own, and a naga compiler that reads it."""
+    """A cache directory of this test's own, holding nothing but naga's compiled wasm module
+    where the usual cache directory has it intact (it takes seconds to compile), and a naga
+    compiler that reads it."""
+    warm = naga._compiler()._module_path()
+    module = read_entry(warm)
     monkeypatch.setenv("VKML_CACHE_DIR", str(tmp_path))
     naga._reset_for_tests()
+    if module is not None:
+        write_entry(naga._compiler()._module_path(), module, tmp_path)
     yield tmp_path
     naga._reset_for_tests()
 
@@ -65,6 +72,35 @@ def train_in_a_fresh_process_state() -> float:
     return value
 
 
+def kind_of(cache: Path, path: Path) -> str:
+    parts = path.relative_to(cache).parts
+    return parts[0] if len(parts) > 1 else path.name.split("-")[0]
+
+
+def entries(cache: Path) -> dict[str, list[Path]]:
+    """The cache's files by kind: plans, spirv, wasm, pipelines."""
+    found: dict[str, list[Path]] = {}
+    for path in sorted(cache.rglob("*")):
+        if path.is_file() and not path.name.endswith(".tmp"):
+            found.setdefault(kind_of(cache, path), []).append(path)
+    return found
+
+
+def rerun_reporting(files: list[Path]) -> float:
+    """train_in_a_fresh_process_state() with `files` damaged: the loss, after checking that each
+    file was reported once, by name, and nothing else was, and that each was written again."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = train_in_a_fresh_process_state()
+    reported = [str(w.message) for w in caught if w.category is CorruptCacheWarning]
+    for path in files:
+        assert sum(str(path) in m for m in reported) == 1, (path, reported)
+    assert len(reported) == len(files), reported
+    for path in files:  # written again, intact: the next process finds them
+        assert read_entry(path) is not None, path
+    return loss
+
+
 def cut_in_half(data: bytes, rng: np.random.Generator) -> bytes:
     return data[: len(data) // 2]
 
@@ -77,33 +113,55 @@ def flip_bits(data: bytes, rng: np.random.Generator) -> bytes:
     return bytes(out)
 
 
-CORRUPTIONS: dict[str, Callable[[bytes, np.random.Generator], bytes]] = {
-    "cut_in_half": cut_in_half, "bits_flipped": flip_bits}
+# Every file cut in half, naga's compiled module included (compiled again: seconds); bits
+# flipped in every file but that one.
+CORRUPTIONS = {"cut_in_half": (cut_in_half, {"plans", "spirv", "wasm", "pipelines"}),
+               "bits_flipped": (flip_bits, {"plans", "spirv", "pipelines"})}
 
 
-def entries(cache: Path) -> list[Path]:
-    return sorted(p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
-
-
-@pytest.mark.parametrize("corrupt", CORRUPTIONS)
-def test_a_corrupted_cache_is_dropped_reported_and_compiled_again(cache, corrupt):
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_a_damaged_cache_entry_is_dropped_reported_and_compiled_again(cache, corruption):
+    corrupt, kinds = CORRUPTIONS[corruption]
     clean = train_in_a_fresh_process_state()
-    files = entries(cache)
-    kinds = {p.relative_to(cache).parts[0] if len(p.relative_to(cache).parts) > 1
-             else p.name.split("-")[0] for p in files}
-    assert kinds == {"plans", "spirv", "wasm", "pipelines"}, files
+    found = entries(cache)
+    assert set(found) == {"plans", "spirv", "wasm", "pipelines"}, found
     rng = np.random.default_rng(0)
+    files = [path for kind in sorted(kinds) for path in found[kind]]
     for path in files:
-        path.write_bytes(CORRUPTIONS[corrupt](path.read_bytes(), rng))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert train_in_a_fresh_process_state() == clean
-    reported = [str(w.message) for w in caught if w.category is CorruptCacheWarning]
-    for path in files:  # each once, by name
-        assert sum(str(path) in m for m in reported) == 1, (path, reported)
-    assert len(reported) == len(files), reported
-    for path in files:  # written again, intact: the next process finds them
-        assert read_entry(path) is not None, path
+        path.write_bytes(corrupt(path.read_bytes(), rng))
+    assert rerun_reporting(files) == clean
+
+
+def float_constants_changed(spirv: bytes) -> bytes:
+    """`spirv` with every 32-bit float OpConstant doubled plus one: still valid SPIR-V."""
+    words = np.frombuffer(spirv, np.uint32).copy()
+    float32_types, at = set(), 5  # after the module's header
+    while at < len(words):
+        count, opcode = int(words[at]) >> 16, int(words[at]) & 0xFFFF
+        if opcode == 22 and words[at + 2] == 32:  # OpTypeFloat %result 32
+            float32_types.add(int(words[at + 1]))
+        elif opcode == 43 and count == 4 and int(words[at + 1]) in float32_types:  # OpConstant
+            value = words[at + 3:at + 4].view(np.float32)
+            words[at + 3:at + 4] = (value * 2 + 1).view(np.uint32)
+        at += count
+    return words.tobytes()
+
+
+def test_a_valid_but_changed_spirv_entry_is_not_used(cache):
+    clean = train_in_a_fresh_process_state()
+    changed = {}
+    for path in entries(cache)["spirv"]:
+        spirv = read_entry(path)
+        if float_constants_changed(spirv) != spirv:  # a module with float constants
+            changed[path] = float_constants_changed(spirv)
+    assert changed
+    for path, spirv in changed.items():  # as an edit in place leaves them: the old digest
+        path.write_bytes(path.read_bytes()[:HEADER] + spirv)
+    assert rerun_reporting(list(changed)) == clean
+    # The control: the same SPIR-V with digests to match is used, and the loss differs.
+    for path, spirv in changed.items():
+        write_entry(path, spirv, cache)
+    assert train_in_a_fresh_process_state() != clean
 
 
 # ---- failures while binding a plan -----------------------------------------------------------

@@ -3,6 +3,9 @@
 Node.js is only needed to fetch the package (`npm ci`); at run time the wasm-bindgen glue that
 naga's wasm imports is reimplemented here in Python. Results are cached by content: in memory,
 then on disk as `<cache>/spirv/<sha256>.spv`, so a warm process never instantiates the wasm.
+Both disk caches (SPIR-V, and the compiled wasm module, which wasmtime would run as machine code
+without checking it) are cache entries with a digest (vkml/cachedir.py): a damaged one is
+compiled again, never used.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import wasmtime
 
 from vkml.cachedir import cache_dir as default_cache_dir
-from vkml.cachedir import write_atomic
+from vkml.cachedir import read_entry, write_entry
 from vkml.errors import NagaError
 from vkml.threads import compile_threads
 
@@ -152,7 +155,7 @@ class _NagaWasm:
 
 
 def _read_spirv(path: Path) -> bytes | None:
-    """The file's SPIR-V, or None when it is absent or not SPIR-V (a torn or foreign file)."""
+    """A shipped file's SPIR-V, or None when it is absent or not SPIR-V."""
     try:
         spirv = path.read_bytes()
     except OSError:
@@ -266,13 +269,18 @@ class Compiler:
                 # The SPIR-V is the same (wasm's semantics do not depend on it).
                 cfg.cranelift_opt_level = WASM_OPT_LEVEL
                 engine = wasmtime.Engine(cfg)
-                try:
-                    module = wasmtime.Module.deserialize_file(engine, str(path))
-                    self._count("module_deserializes")
-                except (wasmtime.WasmtimeError, OSError):  # absent, stale or foreign: recompile
+                module = None
+                serialized = read_entry(path)  # intact, or None: deserializing trusts it
+                if serialized is not None:
+                    try:
+                        module = wasmtime.Module.deserialize(engine, serialized)
+                        self._count("module_deserializes")
+                    except wasmtime.WasmtimeError:  # another wasmtime's build: compile again
+                        pass
+                if module is None:
                     module = wasmtime.Module.from_file(engine, str(self.wasm_path))
                     self._count("module_compiles")
-                    write_atomic(path, module.serialize(), self.cache_dir)
+                    write_entry(path, module.serialize(), self.cache_dir)
                 self._engine_module = engine, module
             return self._engine_module
 
@@ -361,7 +369,7 @@ class Compiler:
             spirv = self._cached(key, wgsl)
             if spirv is None:
                 spirv = self._translate(wgsl, name)
-                write_atomic(self._disk_path(wgsl), spirv, self.cache_dir)
+                write_entry(self._disk_path(wgsl), spirv, self.cache_dir)
         except BaseException as e:
             if not prefetched:
                 with self._lock:
@@ -384,7 +392,7 @@ class Compiler:
         if spirv is not None:
             self._count("shipped_hits")
             return spirv
-        spirv = _read_spirv(self._disk_path(wgsl))
+        spirv = read_entry(self._disk_path(wgsl))
         if spirv is not None:
             self._count("disk_hits")
         return spirv
