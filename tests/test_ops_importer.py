@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_ops import Case, case_tests
+from test_ops import Case, case_tests, check_finite_differences
 
 import vkml
 
@@ -86,6 +86,30 @@ CASES = [
           ("ij,jk", [(2, 3), (3, 4)]),
           ("bn,anm,bm->ba", [(2, 3), (4, 3, 5), (2, 5)]),
       ]],
+    Case("interpolate_nearest_2x", [(2, 3, 3, 4)],
+         lambda g, x: g.interpolate(x, scale_factor=2),
+         lambda x: F.interpolate(x, scale_factor=2, mode="nearest")),
+    Case("interpolate_nearest_fractional", [(1, 2, 4, 5)],
+         lambda g, x: g.interpolate(x, scale_factor=(2.5, 0.7)),
+         lambda x: F.interpolate(x, scale_factor=(2.5, 0.7), mode="nearest")),
+    Case("interpolate_nearest_sizes", [(1, 2, 4, 5)],
+         lambda g, x: g.interpolate(x, size=(3, 7)),
+         lambda x: F.interpolate(x, size=(3, 7), mode="nearest")),
+    Case("interpolate_nearest_exact_1d", [(2, 3, 5)],
+         lambda g, x: g.interpolate(x, size=8, mode="nearest-exact"),
+         lambda x: F.interpolate(x, size=8, mode="nearest-exact")),
+    Case("interpolate_bilinear_2x", [(2, 3, 3, 4)],
+         lambda g, x: g.interpolate(x, scale_factor=2, mode="bilinear"),
+         lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")),
+    Case("interpolate_bilinear_sizes_down_and_up", [(1, 2, 6, 5)],
+         lambda g, x: g.interpolate(x, size=(4, 7), mode="bilinear"),
+         lambda x: F.interpolate(x, size=(4, 7), mode="bilinear")),
+    Case("interpolate_bilinear_align_corners", [(1, 2, 4, 5)],
+         lambda g, x: g.interpolate(x, size=(7, 3), mode="bilinear", align_corners=True),
+         lambda x: F.interpolate(x, size=(7, 3), mode="bilinear", align_corners=True)),
+    Case("interpolate_linear_1d", [(2, 3, 6)],
+         lambda g, x: g.interpolate(x, scale_factor=1.5, mode="linear"),
+         lambda x: F.interpolate(x, scale_factor=1.5, mode="linear")),
     Case("reduce_l2_keepdims", [(3, 4, 5)], lambda g, x: g.reduce_l2(x, -1, keepdims=True),
          lambda x: torch.linalg.vector_norm(x, 2, -1, keepdim=True)),
 ]
@@ -155,3 +179,56 @@ def test_einsum_of_attention_scores_is_one_product_and_no_transpose():
     y = g.einsum("bhqd,bhkd->bhqk", q, k)
     ops = [t.op for t in g.reachable([y]) if t.op not in ("input", "reshape")]
     assert ops == ["matmul"]
+
+
+def test_nearest_upsampling_by_integers_is_a_broadcast():
+    """interpolate's integer nearest upsampling builds what upsample_nearest builds (the
+    existing models' plans stay as they were), other factors gather."""
+    def ops(build):
+        g = vkml.Graph()
+        y = build(g, g.input("x", (1, 2, 3, 4)))
+        return [t.op for t in g.reachable([y])]
+    assert ops(lambda g, x: g.interpolate(x, scale_factor=2)) == ops(
+        lambda g, x: g.upsample_nearest(x, 2))
+    assert "gather" in ops(lambda g, x: g.interpolate(x, scale_factor=1.5))
+
+
+@pytest.mark.parametrize("mode, coordinates, rounding, target", [
+    ("linear", "asymmetric", "floor", {"scales": [1.0, 1.0, 1.5, 0.75]}),
+    ("linear", "pytorch_half_pixel", "floor", {"sizes": [1, 2, 1, 9]}),
+    ("linear", "half_pixel", "floor", {"sizes": [1, 2, 7, 3]}),
+    ("linear", "align_corners", "floor", {"scales": [1.0, 1.0, 2.0, 2.0]}),
+    ("nearest", "half_pixel", "round_prefer_floor", {"scales": [1.0, 1.0, 1.5, 2.5]}),
+    ("nearest", "asymmetric", "ceil", {"sizes": [1, 2, 3, 7]}),
+    ("nearest", "align_corners", "round_prefer_ceil", {"sizes": [1, 2, 6, 4]}),
+])
+def test_resize_matches_onnxruntime(mode, coordinates, rounding, target, device, rng):
+    """ONNX Resize's modes against onnxruntime (forward; gradients by finite differences)."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+    x = rng.standard_normal((1, 2, 4, 5)).astype(np.float32)
+    key, values = next(iter(target.items()))
+    inputs = ["x", "", key] if key == "scales" else ["x", "", "", key]
+    node = helper.make_node("Resize", inputs, ["y"], mode=mode,
+                            coordinate_transformation_mode=coordinates, nearest_mode=rounding)
+    init = (helper.make_tensor(key, TensorProto.FLOAT if key == "scales" else TensorProto.INT64,
+                               [4], values))
+    model = helper.make_model(helper.make_graph(
+        [node], "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [init]),
+        opset_imports=[helper.make_opsetid("", 19)])
+    want = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
+
+    spatial = {("scale" if key == "scales" else "size"): values[2:]}
+    case = Case(f"resize_{mode}_{coordinates}", [x.shape],
+                lambda g, p: g.resize(p, mode=mode, coordinate_mode=coordinates,
+                                      nearest_mode=rounding, **spatial), None)
+    g = vkml.Graph()
+    y = case.build(g, g.input("x", x.shape))
+    g.output("y", y)
+    session = vkml.compile(g, device=device)
+    session.set_input("x", x)
+    session.forward()
+    np.testing.assert_allclose(session.read("y"), want, rtol=1e-5, atol=1e-6)
+    check_finite_differences(case, device, rng)

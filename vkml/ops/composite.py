@@ -1,9 +1,10 @@
 """Ops built from other ops: losses, normalisations, attention, rotary embedding, SwiGLU, 1-D
-convolution, pooling, upsampling, split, mean. Autodiff differentiates them through their parts
-and the rewrite stage fuses their pointwise parts into the reductions and matmuls around them, so
-none needs a kernel of its own, and only batch norm's training form a gradient rule (`normalized`:
-two sums where its parts' rules make four). PyTorch's conventions throughout (biased variance,
-eps inside the square root, affine parameters per normalised element or per channel)."""
+convolution, pooling, upsampling and resizing, split, mean. Autodiff differentiates them through
+their parts and the rewrite stage fuses their pointwise parts into the reductions and matmuls
+around them, so none needs a kernel of its own, and only batch norm's training form a gradient
+rule (`normalized`: two sums where its parts' rules make four). PyTorch's conventions throughout
+(biased variance, eps inside the square root, affine parameters per normalised element or per
+channel)."""
 
 from __future__ import annotations
 
@@ -317,12 +318,132 @@ def global_avg_pool2d(g: Graph, x: Tensor) -> Tensor:
 
 
 @builder
-def upsample_nearest(g: Graph, x: Tensor, scale: int = 2) -> Tensor:
-    """Nearest upsampling of an (N, C, H, W) tensor by an integer factor: a broadcast (one
-    pointwise kernel); its gradient is a sum over each scale x scale block."""
+def upsample_nearest(g: Graph, x: Tensor, scale: int | tuple[int, int] = 2) -> Tensor:
+    """Nearest upsampling of an (N, C, H, W) tensor by an integer factor (or one per axis): a
+    broadcast (one pointwise kernel); its gradient is a sum over each block."""
     n, c, h, w = x.shape
-    wide = g.broadcast_to(g.reshape(x, (n, c, h, 1, w, 1)), (n, c, h, scale, w, scale))
-    return g.reshape(wide, (n, c, h * scale, w * scale))
+    sh, sw = pair(scale)
+    wide = g.broadcast_to(g.reshape(x, (n, c, h, 1, w, 1)), (n, c, h, sh, w, sw))
+    return g.reshape(wide, (n, c, h * sh, w * sw))
+
+
+# ---- resizing (ONNX Resize, F.interpolate) ------------------------------------------------------
+# Each resized axis is a map from output to input positions, computed here in float32 as
+# onnxruntime's and torch's CPU kernels compute them. Nearest resizing gathers along each axis
+# (or, for integer upsampling, broadcasts as upsample_nearest); linear resizing multiplies each
+# axis by its constant interpolation matrix (two weights a row), so both differentiate as the
+# gather or the product does. The product reads every input of a row: an infinite or NaN input
+# spreads along its row and column, where torch keeps it to the outputs that weigh it.
+COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric")
+NEAREST_MODES = {"floor": np.floor, "ceil": np.ceil,
+                 "round_prefer_floor": lambda v: np.ceil(v - np.float32(0.5)),
+                 "round_prefer_ceil": lambda v: np.floor(v + np.float32(0.5))}
+
+
+def _source_positions(size: int, out: int, scale: float | None, mode: str) -> np.ndarray:
+    """The input coordinate of each output position along an axis (ONNX Resize's
+    coordinate_transformation_mode; `scale` the output/input factor given, else out / size)."""
+    f32 = np.float32
+    dst = np.arange(out, dtype=f32)
+    ratio = f32(1.0 / scale) if scale else f32(size) / f32(out)
+    if mode == "align_corners":
+        return dst * (f32(size - 1) / f32(out - 1)) if out > 1 else np.zeros(out, f32)
+    if mode == "asymmetric":
+        return dst * ratio
+    if mode == "pytorch_half_pixel" and out == 1:
+        return np.zeros(out, f32)
+    return (dst + f32(0.5)) * ratio - f32(0.5)
+
+
+def _interpolation_matrix(size: int, out: int, source: np.ndarray) -> np.ndarray:
+    """(out, size): each output position's two linear weights, the coordinate clamped into the
+    input as onnxruntime and torch clamp it."""
+    src = np.clip(source, 0, size - 1)
+    low = np.floor(src).astype(np.int64)
+    high = np.minimum(low + 1, size - 1)
+    frac = (src - low).astype(np.float32)
+    matrix = np.zeros((out, size), np.float32)
+    np.add.at(matrix, (np.arange(out), low), np.float32(1) - frac)
+    np.add.at(matrix, (np.arange(out), high), frac)
+    return matrix
+
+
+@builder
+def resize(g: Graph, x: Tensor, size: Sequence[int] | None = None,
+           scale: Sequence[float] | None = None, mode: str = "nearest",
+           coordinate_mode: str = "half_pixel",
+           nearest_mode: str = "round_prefer_floor") -> Tensor:
+    """ONNX Resize of the axes after the first two of an (N, C, L) or (N, C, H, W) tensor, to
+    `size` or by `scale` (output / input, the output floor(input * scale)). `mode`: "nearest" or
+    "linear"; `coordinate_mode`: half_pixel, pytorch_half_pixel, align_corners or asymmetric;
+    `nearest_mode`: floor, ceil, round_prefer_floor or round_prefer_ceil."""
+    spatial = x.shape[2:]
+    if len(spatial) not in (1, 2) or (size is None) == (scale is None):
+        raise GraphError(f"resize takes an (N, C, L) or (N, C, H, W) tensor and one of size "
+                         f"and scale, got {x.label}, size={size}, scale={scale}")
+    if mode not in ("nearest", "linear") or coordinate_mode not in COORDINATE_MODES or (
+            nearest_mode not in NEAREST_MODES):
+        raise GraphError(f"resize: mode {mode!r}, coordinate_mode {coordinate_mode!r} or "
+                         f"nearest_mode {nearest_mode!r} is not one of ('nearest', 'linear'), "
+                         f"{COORDINATE_MODES}, {tuple(NEAREST_MODES)}")
+    scales = [None] * len(spatial) if scale is None else [float(f) for f in scale]
+    sizes = ([int(math.floor(n * f)) for n, f in zip(spatial, scales)] if size is None
+             else [int(n) for n in size])
+    if len(sizes) != len(spatial) or len(scales) != len(spatial) or min(sizes) < 1:
+        raise GraphError(f"resize: {len(spatial)} spatial axes of {x.label}, but size {size} "
+                         f"and scale {scale}")
+    sources = [_source_positions(n, out, f, coordinate_mode)
+               for n, out, f in zip(spatial, sizes, scales)]
+    if mode == "nearest":
+        return _resize_nearest(g, x, sizes, sources, NEAREST_MODES[nearest_mode])
+    for axis, (n, out, src) in reversed(list(enumerate(zip(spatial, sizes, sources), 2))):
+        matrix = _interpolation_matrix(n, out, src)
+        if out == n and np.array_equal(matrix, np.eye(n, dtype=np.float32)):
+            continue
+        if axis == len(x.shape) - 1:  # the last axis: x (..., n) times the matrix transposed
+            x = g.matmul(x, g.constant(matrix), transpose_b=True)
+        else:  # the height: the matrix times each (H, W) plane
+            x = g.matmul(g.constant(matrix), x)
+    return x
+
+
+def _resize_nearest(g: Graph, x: Tensor, sizes: list[int], sources: list[np.ndarray],
+                    rounding) -> Tensor:
+    spatial = x.shape[2:]
+    picks = [np.clip(rounding(src), 0, n - 1).astype(np.int64)
+             for n, src in zip(spatial, sources)]
+    factors = [out // n for n, out in zip(spatial, sizes)]
+    if len(spatial) == 2 and all(out % n == 0 and np.array_equal(pick, np.arange(out) // f)
+                                 for n, out, f, pick in zip(spatial, sizes, factors, picks)):
+        return g.upsample_nearest(x, tuple(factors))  # integer upsampling: a broadcast
+    for axis, (n, pick) in enumerate(zip(spatial, picks), 2):
+        if not np.array_equal(pick, np.arange(n)):
+            x = g.gather(x, g.constant(pick, "i32"), axis)
+    return x
+
+
+@builder
+def interpolate(g: Graph, x: Tensor, size: int | Sequence[int] | None = None,
+                scale_factor: float | Sequence[float] | None = None, mode: str = "nearest",
+                align_corners: bool | None = None) -> Tensor:
+    """F.interpolate of an (N, C, L) or (N, C, H, W) tensor: modes "nearest" (torch's floor
+    rule), "nearest-exact", "linear" and "bilinear" (align_corners False or True)."""
+    spatial = len(x.shape) - 2
+
+    def per_axis(v):
+        return None if v is None else [v] * spatial if isinstance(v, (int, float)) else list(v)
+    if mode in ("nearest", "nearest-exact"):
+        if align_corners:
+            raise GraphError("interpolate: align_corners applies to linear modes only")
+        exact = mode == "nearest-exact"
+        return g.resize(x, per_axis(size), per_axis(scale_factor), "nearest",
+                        "half_pixel" if exact else "asymmetric",
+                        "round_prefer_ceil" if exact else "floor")
+    if mode not in ("linear", "bilinear"):
+        raise GraphError(f"interpolate: mode {mode!r} is not supported; use 'nearest', "
+                         "'nearest-exact', 'linear' or 'bilinear'")
+    return g.resize(x, per_axis(size), per_axis(scale_factor), "linear",
+                    "align_corners" if align_corners else "half_pixel")
 
 
 # ---- splitting ----------------------------------------------------------------------------------
