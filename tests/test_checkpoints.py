@@ -1,7 +1,9 @@
 """Checkpoints: a bad file changes nothing, whatever is wrong with it (unreadable, malformed,
 another optimizer's state, integers for weights), and real files (torchvision's ResNet, Hugging
 Face's Whisper, bf16 and f16 ones) load with strict=True; what is saved gets a normal file's
-permissions. Also torch.optim's spelling of the optimizers, and numpy scalars as initial values.
+permissions. Parameters a session does not compute with are carried through load and save.
+Also torch.optim's spelling of the optimizers, and numpy scalars and random draws as initial
+values.
 """
 
 from __future__ import annotations
@@ -442,6 +444,63 @@ def test_numpy_scalars_initialise_parameters_like_python_numbers():
                                                                       np.float32))
     with pytest.raises(vkml.GraphError, match="unknown init 'ones'"):
         g.param("q", (2,), "ones")
+
+
+def test_random_initial_values_are_numpys_draws_whatever_their_size():
+    """"normal" and "uniform" draw into the f32 result a piece at a time (a parameter needs no
+    float64 copy of itself on the host): the values are the one-shot draws' all the same."""
+    g = vkml.Graph(seed=7)
+    shape = (3, (1 << 20) // 3 + 5)  # more than one piece
+    normal = g.param("normal", shape, "normal", 0.02)
+    uniform = g.param("uniform", shape, "uniform", 0.5)
+    expected = np.random.default_rng(7)
+    np.testing.assert_array_equal(g.initial_values[normal.id],
+                                  (expected.standard_normal(shape) * 0.02).astype(np.float32))
+    np.testing.assert_array_equal(g.initial_values[uniform.id],
+                                  expected.uniform(-0.5, 0.5, shape).astype(np.float32))
+
+
+def test_parameters_the_outputs_do_not_use_are_carried_through_load_and_save(device,
+                                                                             tmp_path):
+    """An encoder-only session of an encoder-decoder graph holds the decoder's weights on the
+    host: a strict load of the whole model's file takes them, and its save keeps them."""
+    g = vkml.Graph(seed=2)
+    x, y = g.input("x", (4, 5)), g.input("y", (4, 3))
+    code = g.tanh(x @ g.param("enc.weight", (5, 6), "normal", 0.5))
+    pred = code @ g.param("dec.weight", (6, 3), "normal", 0.5)
+    trainer = vkml.compile(g, loss=g.mse(pred, y), optimizer=vkml.Adam(lr=0.05), device=device)
+    data = np.random.default_rng(3)
+    trainer.set_input("x", data.standard_normal((4, 5)).astype(np.float32))
+    trainer.set_input("y", data.standard_normal((4, 3)).astype(np.float32))
+    for _ in range(2):
+        trainer.step()
+    full = tmp_path / "full.safetensors"
+    trainer.save(full)
+    trained = trainer.params()
+
+    encoder = vkml.compile(g, outputs={"code": code}, device=device)
+    assert "dec.weight" not in encoder.plan.params  # no device memory for it
+    assert not np.array_equal(encoder.read("dec.weight"), trained["dec.weight"])
+    encoder.load(full)  # strict: optimizer state is skipped, dec.weight is no unknown tensor
+    for name, value in trained.items():
+        np.testing.assert_array_equal(encoder.params()[name], value)
+    again = tmp_path / "again.safetensors"
+    encoder.save(again)
+    saved = load_file(again)
+    assert set(saved) == set(trained)
+    for name, value in trained.items():
+        np.testing.assert_array_equal(saved[name], value)
+
+    encoder.set_param("dec.weight", np.ones((6, 3)))
+    np.testing.assert_array_equal(encoder.read("dec.weight"), np.ones((6, 3), np.float32))
+    with pytest.raises(vkml.InputError, match=r"expects shape \(6, 3\)"):
+        encoder.set_param("dec.weight", np.ones((3, 6), np.float32))
+    save_file({"enc.weight": trained["enc.weight"]}, tmp_path / "encoder_only.safetensors")
+    with pytest.raises(vkml.CheckpointError, match=r"missing parameters \['dec.weight'\]"):
+        encoder.load(tmp_path / "encoder_only.safetensors")
+    np.testing.assert_array_equal(encoder.read("dec.weight"), np.ones((6, 3), np.float32))
+    encoder.load(again)
+    np.testing.assert_array_equal(encoder.read("dec.weight"), trained["dec.weight"])
 
 
 def test_save_from_gpu_memory_reads_in_batches_and_keeps_nothing(device, tmp_path):

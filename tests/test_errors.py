@@ -175,3 +175,81 @@ def test_batch_norm_training_refuses_one_value_per_channel():
     with pytest.raises(vkml.GraphError, match="more than one value per channel.*'x'"):
         g.batch_norm(g.input("x", (1, 3, 1, 1)), training=True)
     g.batch_norm(g.input("y", (2, 3, 1, 1)), training=True)  # two values: computed
+
+
+def test_an_int_is_a_one_dimensional_shape_for_every_builder_that_takes_a_shape():
+    g = vkml.Graph()
+    z, p = g.input("z", 5), g.param("p", np.int64(5), "normal")
+    assert (z.shape, p.shape) == ((5,), (5,))
+    assert g.reshape(g.input("m", (2, 3)), 6).shape == (6,)
+    assert g.inputs["m"].reshape(6).shape == (6,)
+    assert g.broadcast_to(g.param("s", 1), 4).shape == (4,)
+    assert g.input("from_numpy", np.array([2, 3])).shape == (2, 3)
+
+
+@pytest.mark.parametrize("shape,problem", [
+    ((3, -2), r"shape \(3, -2\): every dimension must be >= 1"),
+    ((3, 0), r"shape \(3, 0\): every dimension must be >= 1"),
+    (2.0, "shape 2.0 is not a shape"), ((2, 3.0), r"shape \(2, 3.0\) is not a shape"),
+    ("5", "shape '5' is not a shape"), ((2, True), r"shape \(2, True\) is not a shape"),
+    (None, "shape None is not a shape")])
+def test_bad_shapes_are_refused_naming_the_call(shape, problem):
+    g = vkml.Graph()
+    x = g.input("x", (6,))
+    at = r" at test_errors\.py:\d+: "
+    for build, call in [(lambda: g.input("z", shape), "input 'z'"),
+                        (lambda: g.param("p", shape), "parameter 'p'"),
+                        (lambda: g.reshape(x, shape), r"reshape of %0 input 'x' f32\[6\]"),
+                        (lambda: g.broadcast_to(x, shape), r"broadcast_to of %0 input 'x'")]:
+        with pytest.raises(vkml.GraphError, match=call + r".*" + at + problem):
+            build()
+    with pytest.raises(vkml.GraphError, match=r"every dimension must be >= 1 \(one may be -1\)"):
+        g.reshape(x, (-1, -1))
+    assert "z" not in g.inputs and "p" not in g.params
+
+
+def test_a_parameter_larger_than_the_host_is_refused_before_anything_is_allocated(monkeypatch):
+    g = vkml.Graph()
+    shape = (1 << 34, 1024)  # 64 TiB of f32: no host has it, and nothing is allocated
+    gib = 4 * shape[0] * shape[1] / 2**30
+    with pytest.raises(vkml.GraphError, match=rf"parameter 'huge' of shape \(17179869184, 1024\) "
+                       rf"takes {gib:.1f} GiB \(f32\), which exceeds this machine's"):
+        g.param("huge", shape, "normal")
+    assert not g.params and g.initial_bytes == 0
+    # What the graph holds already counts: on a host of 1 MiB, a second 0.6 MiB is refused.
+    monkeypatch.setattr(vkml.graph, "_host_memory", lambda: 1 << 20)
+    g.param("first", (160, 1024), "uniform")
+    with pytest.raises(vkml.GraphError, match=r"'second' .* takes 0.6 MiB \(f32\), which with "
+                       r"the graph's other parameters \(0.6 MiB\) exceeds this machine's 1.0 MiB"):
+        g.param("second", (160, 1024))
+
+
+RESERVED = "names starting with 'optimizer/' are reserved for the optimizer state"
+
+
+def test_names_a_checkpoint_would_save_optimizer_state_under_are_reserved():
+    g = vkml.Graph()
+    g.param("w", (2,))
+    for build in (lambda: g.param("optimizer/w/exp_avg", (2,)),
+                  lambda: g.input("optimizer/hyperparams", (2,)),
+                  lambda: g.extra("optimizer/w/momentum_buffer", 0)):
+        with pytest.raises(vkml.GraphError, match=RESERVED):
+            build()
+    g.extra("count", np.int64(3))
+    with pytest.raises(vkml.GraphError, match="'w' is already used by"):
+        g.extra("w", 1.0)
+    with pytest.raises(vkml.GraphError, match="'count' is already a checkpoint entry"):
+        g.param("count", (1,))
+
+
+def test_a_save_that_would_write_two_tensors_under_one_name_writes_nothing(device, tmp_path):
+    """Graph's checks keep names unique; were one bypassed, save refuses rather than keep
+    one of the two values."""
+    g = vkml.Graph()
+    y = g.output("y", g.input("x", (2,)) * g.param("w", (2,), 1.0))
+    session = vkml.compile(g, outputs={"y": y}, device=device)
+    session._entries.extras["w"] = np.zeros(2, np.int64)
+    path = tmp_path / "clash.safetensors"
+    with pytest.raises(vkml.CheckpointError, match=r"two tensors would be saved as \['w'\]"):
+        session.save(path)
+    assert not path.exists()

@@ -1,11 +1,17 @@
 """Frozen parameters: `graph.param(..., trainable=False)` and `vkml.compile(..., trainable=...)`.
 A frozen parameter gets no gradient, no optimizer state and no update, yet is read, saved and
-loaded like any other; the trainable ones train exactly as if the frozen ones were constants."""
+loaded like any other; the trainable ones train exactly as if the frozen ones were constants.
+A trainable parameter the loss does not reach is left alone as torch.optim leaves it."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
+import torch
+from conftest import rel_l2
+from safetensors.numpy import load_file
 
 import vkml
 
@@ -90,3 +96,68 @@ def test_trainable_argument_rejects_unknown_names(device):
     with pytest.raises(vkml.GraphError, match="unknown parameters"):
         vkml.compile(g, loss=loss, optimizer=vkml.SGD(lr=0.1), device=device,
                      trainable=["decoder.weight"])
+
+
+# torch.optim skips a parameter whose .grad is None: not even its weight decay applies.
+UNREACHED_OPTIMIZERS = {
+    "sgd": (lambda: vkml.SGD(lr=0.1, momentum=0.9, weight_decay=0.1),
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1)),
+    "adamw": (lambda: vkml.AdamW(lr=0.05, weight_decay=0.1),
+              lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("name", UNREACHED_OPTIMIZERS)
+def test_parameters_the_loss_does_not_reach_are_left_alone_as_torch_optim_leaves_them(
+        name, device, tmp_path):
+    ours, theirs = UNREACHED_OPTIMIZERS[name]
+    g = vkml.Graph(seed=4)
+    x, y = g.input("x", (6, 4)), g.input("y", (6, 3))
+    w = g.param("w", (4, 3), "normal", 0.5)
+    g.param("head.weight", (2, 4), "normal", 0.5)  # a head this loss does not use
+    g.param("emb.weight", (5, 4), "normal", 0.5)  # an unused embedding table
+    loss = g.mse(x @ w, y)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session = vkml.compile(g, loss=loss, optimizer=ours(), device=device)
+    assert [str(m.message).count("['head.weight', 'emb.weight']") for m in caught] == [1]
+    assert caught[0].filename == __file__  # it points at the compile call
+    initial = session.params()
+    assert set(initial) == {"w", "head.weight", "emb.weight"}
+
+    reference = {n: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+                 for n, v in initial.items()}
+    optimizer = theirs(list(reference.values()))
+    data = np.random.default_rng(5)
+    for _ in range(3):
+        xb = data.standard_normal((6, 4)).astype(np.float32)
+        yb = data.standard_normal((6, 3)).astype(np.float32)
+        session.set_input("x", xb)
+        session.set_input("y", yb)
+        session.step()
+        optimizer.zero_grad()
+        ((torch.tensor(xb, dtype=torch.float64) @ reference["w"]
+          - torch.tensor(yb, dtype=torch.float64)) ** 2).mean().backward()
+        optimizer.step()
+    after = session.params()
+    for n, expected in reference.items():
+        assert rel_l2(after[n], expected.detach().numpy()) < 1e-5, n
+    assert rel_l2(after["w"], initial["w"]) > 1e-2  # it did train
+    for n in ("head.weight", "emb.weight"):
+        assert reference[n].grad is None
+        np.testing.assert_array_equal(after[n], reference[n].detach().numpy().astype(np.float32))
+
+    path = tmp_path / "unreached.safetensors"
+    session.save(path)
+    saved = load_file(path)
+    assert not any(k.startswith(("optimizer/head.weight", "optimizer/emb.weight")) for k in saved)
+    for n in after:
+        np.testing.assert_array_equal(saved[n], after[n])
+    session.set_param("emb.weight", np.zeros((5, 4), np.float32))
+    session.load(path)
+    np.testing.assert_array_equal(session.read("emb.weight"), after["emb.weight"])
+
+    with pytest.warns(UserWarning, match="head.weight"):
+        gradients = vkml.compile(g, loss=loss, device=device)
+    with pytest.raises(vkml.InputError, match="the loss does not depend on it"):
+        gradients.grad("head.weight")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -159,6 +160,14 @@ def _in_package(filename: str) -> bool:
 _BUILDER_FILES = tuple(os.path.join(_PACKAGE_DIR, f) for f in ("graph.py", "nn.py", "ops"))
 
 
+def user_stacklevel() -> int:
+    """The `stacklevel` that makes a warning issued by the caller point at the user's code."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _in_package(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _user_frame() -> str:
     """`file:line` of the first caller outside vkml, so errors point at the user's code. In
     vkml's own programs (`python -m vkml demo`: every caller is vkml's, then the interpreter's
@@ -229,11 +238,52 @@ class Tensor:
 
 Operand = Tensor | float | int
 
+# Checkpoints keep optimizer state under this prefix ("optimizer/<param>/<state>"): a name of
+# the graph starting with it could be overwritten by that state on save, so none may.
+STATE_PREFIX = "optimizer/"
+# Random initial values are drawn this many elements at a time into the f32 result, so a
+# parameter needs its own bytes on the host and not twice as many again in float64; numpy
+# draws the same values whatever the cut.
+_INIT_CHUNK = 1 << 20
+
+
+def as_shape(shape: object, call: str, inferred: bool = False) -> Shape:
+    """`shape` as a tuple of dimensions, each an integer (Python's or numpy's) >= 1; an int
+    alone is a 1-D shape, as numpy takes it. `inferred`: one dimension may be -1 (reshape).
+    Anything else raises a GraphError that names `call`."""
+    alone = isinstance(shape, (numbers.Integral, str, bytes)) or (
+        isinstance(shape, np.ndarray) and shape.ndim == 0)
+    try:
+        dims = (shape,) if alone else tuple(shape)  # type: ignore[arg-type]
+        if any(isinstance(d, (bool, np.bool_)) for d in dims):  # an int to Python, not here
+            raise TypeError
+        dims = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise GraphError(f"{call} at {_user_frame()}: shape {shape!r} is not a shape; give an "
+                         "int or a tuple of ints, e.g. (32, 784)") from None
+    if any(d < 1 and not (inferred and d == -1) for d in dims) or dims.count(-1) > 1:
+        allowed = "every dimension must be >= 1" + (" (one may be -1)" if inferred else "")
+        raise GraphError(f"{call} at {_user_frame()}: shape {dims}: {allowed}")
+    return dims
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**29 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _host_memory() -> int | None:
+    """This machine's physical memory in bytes, where the OS says."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
 
 class Graph:
     """Builder and container of the static graph.
 
-    Inputs, parameters and outputs have unique names; they are how a session is addressed.
+    Inputs, parameters and outputs have unique names; they are how a session is addressed
+    (and checkpoints: no name may start with STATE_PREFIX, where optimizer state is saved).
     `seed` makes parameter initialisation reproducible. The op methods (g.matmul, g.relu, ...)
     are defined beside their ops in vkml/ops/.
     """
@@ -248,6 +298,7 @@ class Graph:
         self.extras: dict[str, np.ndarray] = {}
         self.unsupported_tensors: dict[str, str] = {}
         self.rng = np.random.default_rng(seed)
+        self.initial_bytes = 0  # of the parameters' initial values, all held on the host
         self.created_at = _user_frame()  # where it was made: errors about mixed graphs say which
 
     # ---- building -------------------------------------------------------------------------
@@ -279,6 +330,10 @@ class Graph:
     def _claim(self, name: str, kind: str) -> None:
         if not isinstance(name, str) or not name:
             raise GraphError(f"{kind} name must be a non-empty string, got {name!r}")
+        if name.startswith(STATE_PREFIX):
+            raise GraphError(f"{kind} name '{name}': names starting with '{STATE_PREFIX}' are "
+                             "reserved for the optimizer state checkpoints hold, which would "
+                             "be saved over it; give this one another name")
         for table in (self.inputs, self.params, self.outputs):
             if name in table:
                 raise GraphError(f"the name '{name}' is already used by {table[name].label}; "
@@ -287,24 +342,32 @@ class Graph:
             raise GraphError(f"the name '{name}' is already a checkpoint entry of this graph; "
                              f"give this {kind} another name")
 
-    def input(self, name: str, shape: Sequence[int], dtype: DType = "f32") -> Tensor:
-        """A value the user sets before each step (`session.set_input(name, array)`)."""
+    def input(self, name: str, shape: int | Sequence[int], dtype: DType = "f32") -> Tensor:
+        """A value the user sets before each step (`session.set_input(name, array)`).
+        `shape`: a tuple of ints, or an int for one axis (as numpy takes shapes)."""
         self._claim(name, "input")
-        t = self.apply("input", [], name=name, shape=tuple(shape), dtype=dtype)
+        t = self.apply("input", [], name=name, shape=as_shape(shape, f"input '{name}'"),
+                       dtype=dtype)
         self.inputs[name] = t
         return t
 
-    def param(self, name: str, shape: Sequence[int],
+    def param(self, name: str, shape: int | Sequence[int],
               init: str | float | np.ndarray | np.number = "zeros",
               scale: float = 1.0, trainable: bool = True) -> Tensor:
-        """An f32 parameter. `init`: an array, a number (numpy's too), "zeros", "normal" (std
-        `scale`) or "uniform" (in [-scale, scale]). `trainable=False` freezes it: no gradient
-        and no optimizer state, but it is read, saved and loaded like any other parameter
-        (`vkml.compile(..., trainable=...)` can override the choice per compilation)."""
+        """An f32 parameter of `shape` (as for `input`). `init`: an array, a number (numpy's
+        too), "zeros", "normal" (std `scale`) or "uniform" (in [-scale, scale]); its value is
+        made now and held on the host, so a parameter that would not fit in this machine's
+        memory beside the graph's others is refused here. `trainable=False` freezes it: no
+        gradient and no optimizer state, but it is read, saved and loaded like any other
+        parameter (`vkml.compile(..., trainable=...)` can override the choice per
+        compilation)."""
         self._claim(name, "parameter")
-        t = self.apply("param", [], name=name, shape=tuple(shape), dtype="f32",
+        shape = as_shape(shape, f"parameter '{name}'")
+        value = self._initial_value(name, shape, init, scale)
+        t = self.apply("param", [], name=name, shape=shape, dtype="f32",
                        trainable=bool(trainable))
-        self.initial_values[t.id] = self._initial_value(name, t.shape, init, scale)
+        self.initial_values[t.id] = value
+        self.initial_bytes += value.nbytes
         self.params[name] = t
         return t
 
@@ -332,6 +395,25 @@ class Graph:
             if init.shape != shape:
                 raise GraphError(f"parameter '{name}': init array has shape {init.shape}, "
                                  f"expected {shape}")
+        nbytes, memory = 4 * math.prod(shape), _host_memory()
+        if memory is not None and self.initial_bytes + nbytes > memory:
+            others = (f" with the graph's other parameters ({_size(self.initial_bytes)})"
+                      if self.initial_bytes else "")
+            raise GraphError(
+                f"parameter '{name}' of shape {shape} takes {_size(nbytes)} (f32), "
+                f"which{others} exceeds this machine's {_size(memory)} of memory: every "
+                "parameter's value is held on the host until a session uploads it. Check the "
+                "shape")
+        try:
+            return self._fill(name, shape, init, scale)
+        except MemoryError:
+            raise GraphError(f"parameter '{name}' of shape {shape}: the host has not "
+                             f"{_size(nbytes)} free for its initial value (f32); check the "
+                             "shape, or free memory") from None
+
+    def _fill(self, name: str, shape: Shape, init: str | float | np.ndarray | np.number,
+              scale: float) -> np.ndarray:
+        if isinstance(init, np.ndarray) and init.shape != ():
             return init.astype(np.float32)
         # Any real number fills: Python's, numpy's scalars (np.float32(x) is no `float`) and
         # 0-d arrays alike.
@@ -340,14 +422,16 @@ class Graph:
             return np.full(shape, float(init), np.float32)
         if init == "zeros":
             return np.zeros(shape, np.float32)
-        if init == "normal":
-            values = self.rng.standard_normal(shape)
-            if not shape:  # a 0-d product is a numpy scalar: keep that type
-                return (values * scale).astype(np.float32)
-            values *= scale  # in place: a model's worth of float64 is not copied once more
-            return values.astype(np.float32)
-        if init == "uniform":
-            return self.rng.uniform(-scale, scale, shape).astype(np.float32)
+        if init in ("normal", "uniform"):
+            value = np.empty(shape, np.float32)
+            flat = value.reshape(-1)
+            for start in range(0, flat.size, _INIT_CHUNK):
+                n = min(_INIT_CHUNK, flat.size - start)
+                if init == "normal":
+                    flat[start:start + n] = self.rng.standard_normal(n) * scale
+                else:
+                    flat[start:start + n] = self.rng.uniform(-scale, scale, n)
+            return value
         raise GraphError(f"parameter '{name}': unknown init {init!r}; use an array, a number, "
                          "'zeros', 'normal' or 'uniform'")
 
@@ -393,7 +477,7 @@ class Graph:
         g = Graph.__new__(Graph)
         g.nodes, g.inputs, g.params = list(self.nodes), dict(self.inputs), dict(self.params)
         g.outputs, g.initial_values, g.rng = dict(self.outputs), dict(self.initial_values), self.rng
-        g.created_at = self.created_at
+        g.created_at, g.initial_bytes = self.created_at, self.initial_bytes
         g.extras, g.unsupported_tensors = dict(self.extras), dict(self.unsupported_tensors)
         return g
 

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, TypeVar, overload
 
 import numpy as np
 
-from vkml.compiler.schedule import Plan, Slot
+from vkml.compiler.schedule import Plan
 from vkml.compiler.stages import Trainable, compile_plan
 from vkml.errors import DeviceError, InputError, NonFiniteError, NotComputedError
 from vkml.graph import Graph, Tensor
@@ -74,7 +74,11 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     without an optimizer keep them; otherwise their memory is reused).
     `trainable`: which parameters get gradients and updates: by default those built with
     `trainable=True` (the default of `graph.param`); or a collection of names, or a predicate
-    on the name (e.g. `lambda n: n.startswith("decoder.")`). The others are frozen.
+    on the name (e.g. `lambda n: n.startswith("decoder.")`). The others are frozen. A
+    trainable parameter the loss does not depend on gets no gradient and no update (not even
+    weight decay), as torch.optim skips a parameter whose .grad is None; a warning names it.
+    Parameters the compiled outputs and loss do not use take no device memory: the session
+    holds them on the host, frozen, for params(), read, set_param, save and load.
     `precision`: "f32" (strict: f32 arithmetic everywhere) or "f16" (accelerated: large
     matrix products and convolutions take f16 inputs on the device's cooperative matrices
     (tensor cores), accumulating in f32, the backward pass's gradients first scaled by powers
@@ -143,10 +147,18 @@ class Session:
         self.plan, self.device = plan, device
         self.lock = threading.RLock()
         self._closed = False
-        # The graph's checkpoint extras (host-side values, per session) and refused names.
-        self._entries = checkpoint.Entries(
-            {n: v.copy() for n, v in graph.extras.items()} if graph is not None else {},
-            dict(graph.unsupported_tensors) if graph is not None else {})
+        # What checkpoints carry beside the plan's tensors, per session: the graph's extras,
+        # refused names, and the parameters the plan does not use, frozen on the host (the
+        # graph's initial values, never written into: loads and set_param replace them; where
+        # parameters are shared, none the owner has, whose values would go stale here).
+        self._entries = checkpoint.Entries()
+        if graph is not None:
+            owned = (set(share_params_with.plan.params) | set(share_params_with._entries.params)
+                     if share_params_with is not None else set())
+            self._entries = checkpoint.Entries(
+                {n: v.copy() for n, v in graph.extras.items()}, dict(graph.unsupported_tensors),
+                {n: graph.initial_values[t.id] for n, t in graph.params.items()
+                 if n not in plan.params and n not in owned})
         owner = share_params_with._bound if share_params_with is not None else None
         shared: dict[int, int] = {}
         if owner is not None:
@@ -192,7 +204,7 @@ class Session:
             known = ", ".join(f"'{n}'" for n in self.plan.inputs) or "none"
             raise InputError(f"unknown input '{name}'; this session's inputs are: {known}")
         slot = self.plan.slots[self.plan.inputs[name]]
-        array = _conform(f"input '{name}'", value, slot)
+        array = _conform(f"input '{name}'", value, slot.shape, slot.dtype)
         if name in self.plan.input_ranges and array.size:
             _check_range(name, array, *self.plan.input_ranges[name])
         self._bound.write_input(name, array)
@@ -446,9 +458,11 @@ class Session:
         """An output (such as "loss") or a parameter, by name, as a new numpy array."""
         if name in self.plan.params:
             return self._bound.read_slot(self.plan.slots[self.plan.params[name]])
+        if name in self._entries.params:
+            return self._entries.params[name].copy()
         if name not in self.plan.outputs:
             raise InputError(f"nothing named '{name}' can be read; outputs: "
-                             f"{sorted(self.plan.outputs)}, parameters: {sorted(self.plan.params)}")
+                             f"{sorted(self.plan.outputs)}, parameters: {self._param_names()}")
         self._require_computed("outputs", f"output '{name}'")
         view = self.plan.outputs[name]
         return self._bound.read_output(self.plan.slots[view.slot]).reshape(view.shape)
@@ -458,15 +472,15 @@ class Session:
         """The gradient of the loss for parameter `param`, as computed by the last step."""
         plan = self.plan
         if param not in plan.grads:
-            if param in plan.params and plan.trainable is not None and (
-                    param not in plan.trainable):
-                raise InputError(f"'{param}' is frozen (not trainable in this compilation): "
-                                 "it has no gradient")
-            if param in plan.params and plan.optimizer is not None:
+            known = param in plan.params or param in self._entries.params
+            if known and plan.trainable is not None and param not in plan.trainable:
+                raise InputError(f"'{param}' has no gradient: it is frozen (not trainable in "
+                                 "this compilation), or the loss does not depend on it")
+            if known and plan.optimizer is not None:
                 raise InputError(f"the gradient of '{param}' is not kept by this training "
                                  "session: compile with keep_grads=True to read it")
             raise InputError(f"no gradient for '{param}': compile with a loss, and name one of "
-                             f"the parameters {sorted(plan.params)}")
+                             f"the parameters {self._param_names()}")
         self._require_computed("grads", f"the gradient of '{param}'")
         view = plan.grads[param]
         return self._bound.read_slot(plan.slots[view.slot]).reshape(view.shape)
@@ -495,16 +509,28 @@ class Session:
 
     @_serialized
     def params(self) -> dict[str, np.ndarray]:
+        """Every parameter of the graph, by name: also those the compiled outputs and loss do
+        not use, which this session keeps on the host, frozen, and saves and loads as the
+        others."""
         names = list(self.plan.params)
-        return dict(zip(names, self._bound.read_slots(
+        on_device = dict(zip(names, self._bound.read_slots(
             [self.plan.slots[self.plan.params[n]] for n in names])))
+        return on_device | {n: v.copy() for n, v in self._entries.params.items()}
+
+    def _param_names(self) -> list[str]:
+        return sorted([*self.plan.params, *self._entries.params])
 
     @_serialized
     def set_param(self, name: str, value: np.ndarray) -> None:
+        held = self._entries.params.get(name)
+        if held is not None:
+            array = _conform(f"parameter '{name}'", value, held.shape, "f32")
+            self._entries.params[name] = array.copy()
+            return
         if name not in self.plan.params:
-            raise InputError(f"unknown parameter '{name}'; parameters: {sorted(self.plan.params)}")
+            raise InputError(f"unknown parameter '{name}'; parameters: {self._param_names()}")
         slot = self.plan.slots[self.plan.params[name]]
-        array = _conform(f"parameter '{name}'", value, slot)
+        array = _conform(f"parameter '{name}'", value, slot.shape, slot.dtype)
         self._bound.wait()
         self._bound.write_slot(slot, array)
 
@@ -616,13 +642,14 @@ def _check_range(name: str, array: np.ndarray, first: int, end: int, what: str) 
                          f"is a {what}; nothing was changed")
 
 
-def _conform(what: str, value: np.ndarray | Sequence, slot: Slot) -> np.ndarray:
-    """Check a user's array against a slot's shape and dtype; convert only where lossless in
+def _conform(what: str, value: np.ndarray | Sequence, shape: tuple[int, ...],
+             dtype: str) -> np.ndarray:
+    """Check a user's array against a tensor's shape and dtype; convert only where lossless in
     kind (any float to f32, any integer to i32 within range)."""
     array = np.asarray(value)
-    if array.shape != slot.shape:
-        raise InputError(f"{what} expects shape {slot.shape}, got {array.shape}")
-    if slot.dtype == "f32":
+    if array.shape != shape:
+        raise InputError(f"{what} expects shape {shape}, got {array.shape}")
+    if dtype == "f32":
         if array.dtype.kind != "f":
             raise InputError(f"{what} expects floating-point values (float32), got "
                              f"{array.dtype}; convert with .astype(np.float32)")

@@ -15,8 +15,8 @@ def gradients(graph: Graph, loss: Tensor, params: dict[str, Tensor] | None = Non
               ) -> dict[str, Tensor]:
     """Append the backward pass of `loss` to `graph`; returns parameter name -> gradient node.
 
-    A parameter the loss does not depend on gets a zero gradient (so an optimizer can still
-    treat every parameter alike)."""
+    A parameter the loss does not depend on gets no gradient and is left out, as PyTorch
+    leaves its `.grad` None (and torch.optim then skips it: no update, no weight decay)."""
     if loss.shape != ():
         raise GraphError(f"the loss must be a scalar; {loss.label} has shape {loss.shape}. "
                          "Reduce it first, e.g. with .mean()")
@@ -51,8 +51,4 @@ def gradients(graph: Graph, loss: Tensor, params: dict[str, Tensor] | None = Non
             previous = grad_of.get(inp.id)
             grad_of[inp.id] = g if previous is None else graph.add(previous, g)
 
-    result = {}
-    for name, p in params.items():
-        g = grad_of.get(p.id)
-        result[name] = g if g is not None else graph.broadcast_to(graph.constant(0.0), p.shape)
-    return result
+    return {name: grad_of[p.id] for name, p in params.items() if p.id in grad_of}

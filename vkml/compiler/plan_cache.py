@@ -214,7 +214,7 @@ class _Pickler(pickle.Pickler):
                                        "params": obj.params, "outputs": obj.outputs,
                                        "initial_values": {}, "extras": {},
                                        "unsupported_tensors": {}, "rng": None,
-                                       "created_at": obj.created_at})
+                                       "initial_bytes": 0, "created_at": obj.created_at})
         if isinstance(obj, Body):
             return (_unflat, _flat(obj))
         return NotImplemented

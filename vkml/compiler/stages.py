@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import gc
 import time
+import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from vkml.compiler.scale import scale_operands
 from vkml.compiler.schedule import Plan, make_plan
 from vkml.compiler.split import split_sums
 from vkml.errors import DeviceError, GraphError, VkmlError
-from vkml.graph import OPS, Graph, Tensor
+from vkml.graph import OPS, Graph, Tensor, user_stacklevel
 from vkml.hal import Capabilities
 from vkml.optim import Optimizer
 
@@ -217,16 +218,32 @@ def _compile_plan(graph: Graph, caps: Capabilities, loss: Tensor | None,
                                        options, trained)
         except VkmlError:  # bad arguments: lowering says what is wrong
             cache_key = None
-    if cache_key is not None:
-        plan = plan_cache.load(cache_key, graph, optimizer)
-        if plan is not None:
-            return plan
-    plan = lower(graph, caps, loss=loss, optimizer=optimizer, outputs=outputs, rewrite=rewrite,
-                 keep_grads=keep_grads, trainable=trainable, precision=precision,
-                 check_finite=check_finite).plan
-    if cache_key is not None:
-        plan_cache.store(cache_key, plan, graph, optimizer)
+    plan = plan_cache.load(cache_key, graph, optimizer) if cache_key is not None else None
+    if plan is None:
+        plan = lower(graph, caps, loss=loss, optimizer=optimizer, outputs=outputs,
+                     rewrite=rewrite, keep_grads=keep_grads, trainable=trainable,
+                     precision=precision, check_finite=check_finite).plan
+        if cache_key is not None:
+            plan_cache.store(cache_key, plan, graph, optimizer)
+    if plan.trainable is not None:
+        warn_unreached(graph, trainable, plan.trainable)
     return plan
+
+
+def warn_unreached(graph: Graph, trainable: Trainable, trained: Collection[str]) -> None:
+    """One warning naming the trainable parameters the loss does not depend on (`trained`:
+    those that got a gradient): they train as in PyTorch, which leaves their .grad None and
+    whose optimizers then skip them, but a parameter left out by mistake should not go
+    unnoticed."""
+    unreached = [n for n in trainable_params(graph, trainable) if n not in trained]
+    if unreached:
+        warnings.warn(
+            f"vkml.compile: the loss does not depend on the trainable parameter(s) "
+            f"{unreached[:8]}{f' and {len(unreached) - 8} more' if len(unreached) > 8 else ''}"
+            ": they get no gradient and no optimizer update, not even weight decay (as "
+            "torch.optim skips a parameter whose .grad is None); params(), save and load keep "
+            "them. Freeze them (graph.param(..., trainable=False) or compile(..., trainable=...)) "
+            "to silence this", stacklevel=user_stacklevel())
 
 
 def _lower(graph: Graph, caps: Capabilities, loss: Tensor | None,

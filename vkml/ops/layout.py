@@ -9,7 +9,7 @@ import numpy as np
 
 from vkml.errors import GraphError
 from vkml.expr import Arg, contiguous_strides
-from vkml.graph import Graph, OpDef, Tensor, builder, register
+from vkml.graph import Graph, OpDef, Tensor, as_shape, builder, register
 from vkml.ops.pointwise import broadcast_shapes
 
 
@@ -27,9 +27,9 @@ register(OpDef("reshape", _reshape, "view",
 
 @builder(tensor=lambda x, *shape: x.graph.reshape(
     x, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
-def reshape(g: Graph, x: Tensor, shape: Sequence[int]) -> Tensor:
+def reshape(g: Graph, x: Tensor, shape: int | Sequence[int]) -> Tensor:
     """The same elements in another shape; one axis may be -1 (inferred). No copy is made."""
-    shape = tuple(int(d) for d in shape)
+    shape = as_shape(shape, f"reshape of {x.label}", inferred=True)
     if shape.count(-1) == 1:
         known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
         shape = tuple(x.size // known if d == -1 and known else d for d in shape)

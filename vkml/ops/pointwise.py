@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from vkml.errors import GraphError
 from vkml.expr import Arg, Axis, Expr, Lit, call, contiguous_strides
-from vkml.graph import Graph, OpDef, Operand, Shape, Tensor, builder, register
+from vkml.graph import Graph, OpDef, Operand, Shape, Tensor, as_shape, builder, register
 
 
 def same_f32(inputs, attrs):
@@ -458,9 +458,9 @@ register(OpDef("broadcast_to", _broadcast_to, "pointwise",
 
 
 @builder
-def broadcast_to(g: Graph, x: Tensor, shape: Shape) -> Tensor:
+def broadcast_to(g: Graph, x: Tensor, shape: int | Shape) -> Tensor:
     """x repeated (numpy broadcasting) to `shape`."""
-    return g.apply("broadcast_to", [x], shape=tuple(shape))
+    return g.apply("broadcast_to", [x], shape=as_shape(shape, f"broadcast_to of {x.label}"))
 
 
 def _one_hot(inputs, attrs):

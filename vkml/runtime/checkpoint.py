@@ -1,7 +1,9 @@
-"""Checkpoints of a bound plan as safetensors: parameters by their (PyTorch) names, optimizer state
-under "optimizer/<param>/<state>", hyperparameters and step count under "optimizer/hyperparams",
-the optimizer's kind and hyperparameter names in the metadata, and the graph's extras (tensors
-a checkpoint carries that nothing computes with, `Graph.extra`) in their own dtypes.
+"""Checkpoints of a bound plan as safetensors: parameters by their (PyTorch) names (those the plan
+does not compute with too, held on the host), optimizer state under "optimizer/<param>/<state>"
+(a prefix no name of a graph may start with), hyperparameters and step count under
+"optimizer/hyperparams", the optimizer's kind and hyperparameter names in the metadata, and the
+graph's extras (tensors a checkpoint carries that nothing computes with, `Graph.extra`) in their
+own dtypes.
 
 A load reads and checks everything before it writes anything, so a bad file changes nothing:
 an unreadable or malformed file, a tensor of the wrong shape, integers or booleans for a
@@ -22,9 +24,9 @@ import numpy as np
 
 from vkml.compiler.schedule import Slot
 from vkml.errors import CheckpointError, InputError
+from vkml.graph import STATE_PREFIX
 from vkml.runtime.bound import BoundPlan
 
-STATE_PREFIX = "optimizer/"
 HYPERPARAMS = STATE_PREFIX + "hyperparams"
 # Metadata key of the hyperparameters as the user gave them (JSON, float64): the tensor holds f32.
 EXACT = "hyperparam_values"
@@ -38,19 +40,27 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 @dataclasses.dataclass
 class Entries:
-    """What a graph adds to its checkpoints beyond the plan's tensors (Graph.extra and
-    Graph.unsupported): the extras' current values (loads replace them) and, by tensor name,
-    why a file holding that tensor is refused."""
+    """What a graph adds to its checkpoints beyond the plan's tensors: its parameters the plan
+    does not use (the compiled outputs and loss do not depend on them), kept on the host as f32
+    and frozen, so that a load and save carries them over; the extras (Graph.extra) in their
+    own dtypes; and, by tensor name, why a file holding that tensor is refused
+    (Graph.unsupported). Loads replace the arrays held, never write into them."""
 
     extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     unsupported: dict[str, str] = dataclasses.field(default_factory=dict)
+    params: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def state_dict(bound: BoundPlan, entries: Entries | None = None) -> dict[str, np.ndarray]:
     targets = _targets(bound)
     tensors = dict(zip(targets, bound.read_slots(list(targets.values()))))
     if entries is not None:
-        tensors |= {name: value.copy() for name, value in entries.extras.items()}
+        held = {**entries.params, **entries.extras}
+        clash = sorted(set(tensors) & set(held) | set(entries.params) & set(entries.extras))
+        if clash:  # Graph's names are unique; a clash here would save one value over another
+            raise CheckpointError(f"two tensors would be saved as {_names(clash)}; nothing "
+                                  "was written")
+        tensors |= {name: value.copy() for name, value in held.items()}
     return tensors
 
 
@@ -160,16 +170,17 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
         _saved_hyperparams(plan, metadata, tensors, hyperparams or {}) if carries_state
         else ([], None))
     problems += state_problems
-    wanted = [n for n in tensors if n in entries.extras or (
+    wanted = [n for n in tensors if n in entries.extras or n in entries.params or (
         n in targets and (optimizer is not None or not n.startswith(STATE_PREFIX)))]
     missing_state: list[str] = []
     if strict:
-        missing = [n for n in plan.params if n not in tensors]
+        missing = [n for n in (*plan.params, *entries.params) if n not in tensors]
         # (after a mismatch of kind, the other optimizer's names would only add noise)
         missing_state = [n for n in targets if carries_state and not state_problems
                          and n.startswith(STATE_PREFIX) and n not in tensors]
         unknown = [n for n in tensors if n not in targets and n not in entries.extras
-                   and n not in entries.unsupported and not n.startswith(STATE_PREFIX)]
+                   and n not in entries.params and n not in entries.unsupported
+                   and not n.startswith(STATE_PREFIX)]
         if missing:
             problems.append(f"missing parameters {_names(missing)}")
         if missing_state:
@@ -182,18 +193,16 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
     for name in wanted:
         entry = tensors[name]
         shape = tuple(entry["shape"])
+        held = entries.extras.get(name, entries.params.get(name))
+        expected = targets[name].shape if held is None else held.shape
+        if shape != expected:
+            problems.append(f"'{name}' has shape {shape}, expected {expected}")
+            continue
         if name in entries.extras:
-            expected = entries.extras[name]
-            if shape != expected.shape:
-                problems.append(f"'{name}' has shape {shape}, expected {expected.shape}")
-                continue
-            value, problem = _as_extra(name, entry, expected.dtype)
+            value, problem = _as_extra(name, entry, entries.extras[name].dtype)
         else:
-            slot = targets[name]
-            if shape != slot.shape:
-                problems.append(f"'{name}' has shape {shape}, expected {slot.shape}")
-                continue
-            value, problem = _as_float(name, entry, slot)
+            param = name in entries.params or targets[name].role == "param"
+            value, problem = _as_float(name, entry, "parameter" if param else "tensor")
         if problem:
             problems.append(problem)
         else:
@@ -208,6 +217,8 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
     for name, value in values.items():
         if name in entries.extras:
             entries.extras[name] = value
+        elif name in entries.params:
+            entries.params[name] = value
         else:
             writes.append((targets[name], value))
     restores = saved_hyperparams is not None and HYPERPARAMS in values
@@ -219,11 +230,11 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
         hyperparams.update(saved_hyperparams)
 
 
-def _as_float(name: str, entry: Mapping[str, Any], slot: Slot) -> tuple[np.ndarray, str]:
-    """A file's tensor for an f32 slot: any float dtype, converted; integers and booleans are
-    refused (a silent cast would hand the model class ids or masks as weights)."""
+def _as_float(name: str, entry: Mapping[str, Any], what: str) -> tuple[np.ndarray, str]:
+    """A file's tensor for an f32 `what` ("parameter", "tensor"): any float dtype, converted;
+    integers and booleans are refused (a silent cast would hand the model class ids or masks
+    as weights)."""
     if entry["dtype"] not in FLOAT_DTYPES:
-        what = "parameter" if slot.role == "param" else "tensor"
         return np.empty(0), (f"'{name}' is {entry['dtype']} in the file, but it is a "
                              f"floating-point {what} here (f32): vkml reads F32, F16, BF16 and "
                              "F64 into it and never casts integers or booleans")
