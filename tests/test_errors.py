@@ -184,6 +184,7 @@ def test_an_int_is_a_one_dimensional_shape_for_every_builder_that_takes_a_shape(
     assert g.reshape(g.input("m", (2, 3)), 6).shape == (6,)
     assert g.inputs["m"].reshape(6).shape == (6,)
     assert g.broadcast_to(g.param("s", 1), 4).shape == (4,)
+    assert g.expand(g.params["s"], 3).shape == g.tile(g.params["s"], 3).shape == (3,)
     assert g.input("from_numpy", np.array([2, 3])).shape == (2, 3)
 
 
@@ -200,10 +201,13 @@ def test_bad_shapes_are_refused_naming_the_call(shape, problem):
     for build, call in [(lambda: g.input("z", shape), "input 'z'"),
                         (lambda: g.param("p", shape), "parameter 'p'"),
                         (lambda: g.reshape(x, shape), r"reshape of %0 input 'x' f32\[6\]"),
-                        (lambda: g.broadcast_to(x, shape), r"broadcast_to of %0 input 'x'")]:
+                        (lambda: g.broadcast_to(x, shape), r"broadcast_to of %0 input 'x'"),
+                        (lambda: g.expand(x, shape), r"expand of %0 input 'x'")]:
         with pytest.raises(vkml.GraphError, match=call + r".*" + at + problem):
             build()
-    with pytest.raises(vkml.GraphError, match=r"every dimension must be >= 1 \(one may be -1\)"):
+    with pytest.raises(vkml.GraphError, match=r"tile of %0 .*: repeats \(2, 0\): every "):
+        g.tile(x, (2, 0))
+    with pytest.raises(vkml.GraphError, match=r"every dimension must be >= 1 \(or -1, once\)"):
         g.reshape(x, (-1, -1))
     assert "z" not in g.inputs and "p" not in g.params
 

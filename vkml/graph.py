@@ -247,10 +247,11 @@ STATE_PREFIX = "optimizer/"
 _INIT_CHUNK = 1 << 20
 
 
-def as_shape(shape: object, call: str, inferred: bool = False) -> Shape:
+def as_shape(shape: object, call: str, minus_ones: int = 0, what: str = "shape") -> Shape:
     """`shape` as a tuple of dimensions, each an integer (Python's or numpy's) >= 1; an int
-    alone is a 1-D shape, as numpy takes it. `inferred`: one dimension may be -1 (reshape).
-    Anything else raises a GraphError that names `call`."""
+    alone is a 1-D shape, as numpy takes it. Up to `minus_ones` dimensions may be -1 (reshape
+    infers one, expand keeps x's sizes). Anything else raises a GraphError that names `call`
+    and calls the value `what` (repeats are checked alike)."""
     alone = isinstance(shape, (numbers.Integral, str, bytes)) or (
         isinstance(shape, np.ndarray) and shape.ndim == 0)
     try:
@@ -259,11 +260,12 @@ def as_shape(shape: object, call: str, inferred: bool = False) -> Shape:
             raise TypeError
         dims = tuple(operator.index(d) for d in dims)
     except TypeError:
-        raise GraphError(f"{call} at {_user_frame()}: shape {shape!r} is not a shape; give an "
-                         "int or a tuple of ints, e.g. (32, 784)") from None
-    if any(d < 1 and not (inferred and d == -1) for d in dims) or dims.count(-1) > 1:
-        allowed = "every dimension must be >= 1" + (" (one may be -1)" if inferred else "")
-        raise GraphError(f"{call} at {_user_frame()}: shape {dims}: {allowed}")
+        raise GraphError(f"{call} at {_user_frame()}: {what} {shape!r} is not a {what}; give "
+                         "an int or a tuple of ints, e.g. (32, 784)") from None
+    if any(d < 1 and d != -1 for d in dims) or dims.count(-1) > minus_ones:
+        allowed = "every dimension must be >= 1" + (
+            "" if not minus_ones else " (or -1, once)" if minus_ones == 1 else " (or -1)")
+        raise GraphError(f"{call} at {_user_frame()}: {what} {dims}: {allowed}")
     return dims
 
 

@@ -29,7 +29,7 @@ register(OpDef("reshape", _reshape, "view",
     x, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
 def reshape(g: Graph, x: Tensor, shape: int | Sequence[int]) -> Tensor:
     """The same elements in another shape; one axis may be -1 (inferred). No copy is made."""
-    shape = as_shape(shape, f"reshape of {x.label}", inferred=True)
+    shape = as_shape(shape, f"reshape of {x.label}", minus_ones=1)
     if shape.count(-1) == 1:
         known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
         shape = tuple(x.size // known if d == -1 and known else d for d in shape)
@@ -73,11 +73,11 @@ def permute(g: Graph, x: Tensor, axes: Sequence[int]) -> Tensor:
 
 @builder(tensor=lambda x, *shape: x.graph.expand(
     x, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape))
-def expand(g: Graph, x: Tensor, shape: Sequence[int]) -> Tensor:
+def expand(g: Graph, x: Tensor, shape: int | Sequence[int]) -> Tensor:
     """torch.expand and ONNX Expand: `x` broadcast (numpy's rules, from the right) with `shape`;
     -1 keeps x's size, and a 1 where x is longer keeps x's (ONNX's two-way broadcast). A
     broadcast, no copy where its consumer reads it in place."""
-    shape = tuple(int(d) for d in shape)
+    shape = as_shape(shape, f"expand of {x.label}", minus_ones=len(x.shape))
     pad = len(shape) - len(x.shape)
     if pad < 0:
         raise GraphError(f"expand: shape {shape} has fewer axes than {x.label}")
@@ -89,12 +89,12 @@ def expand(g: Graph, x: Tensor, shape: Sequence[int]) -> Tensor:
 
 
 @builder
-def tile(g: Graph, x: Tensor, repeats: Sequence[int]) -> Tensor:
+def tile(g: Graph, x: Tensor, repeats: int | Sequence[int]) -> Tensor:
     """ONNX Tile and torch's Tensor.repeat: `x` repeated repeats[a] times along each axis a
     (more repeats than axes add leading axes, as torch's). A broadcast of x with a new axis
     before each repeated one, then a reshape; its gradient sums the copies."""
-    repeats = tuple(int(r) for r in repeats)
-    if len(repeats) < len(x.shape) or any(r < 1 for r in repeats):
+    repeats = as_shape(repeats, f"tile of {x.label}", what="repeats")
+    if len(repeats) < len(x.shape):
         raise GraphError(f"tile: repeats {repeats} need one count >= 1 per axis of {x.label}")
     shape = (1,) * (len(repeats) - len(x.shape)) + x.shape
     if all(r == 1 for r in repeats):
