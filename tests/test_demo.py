@@ -1,20 +1,25 @@
 """The demo's pieces on a small budget: the shapes dataset, the MLP builder, training to
-well above chance, the PNG writer, and the CLI's handling of a missing device."""
+well above chance, the figure, and the CLI's handling of a missing device."""
 
 from __future__ import annotations
 
-import struct
-import zlib
+import sys
 
 import numpy as np
 import pytest
 
 import vkml
-from vkml.__main__ import build_classifier, demo_figure, main, predict, train_epoch
-from vkml.datasets import SHAPE_CLASSES, make_shapes
+from vkml.__main__ import main
+from vkml.demo import (
+    SHAPE_CLASSES,
+    build_classifier,
+    make_shapes,
+    predict,
+    save_figure,
+    train_epoch,
+)
 from vkml.errors import GraphError
 from vkml.models import mlp
-from vkml.png import Canvas, encode_png
 
 
 def test_shapes_are_deterministic_balanced_and_normalised():
@@ -70,47 +75,28 @@ def test_training_beats_chance(device):
     session.close()
 
 
-def _read_png(data: bytes) -> np.ndarray:
-    """A minimal PNG reader for the writer's output (8-bit, filter 0), via zlib and struct."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + length
-    w, h, depth, color_type = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert depth == 8 and b"IEND" in chunks
-    channels = {0: 1, 2: 3}[color_type]
-    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(h, -1)
-    assert (raw[:, 0] == 0).all()
-    return raw[:, 1:].reshape(h, w, channels).squeeze()
-
-
-def test_png_round_trip():
-    rgb = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
-    assert np.array_equal(_read_png(encode_png(rgb)), rgb)
-    grey = rgb[..., 0].copy()
-    assert np.array_equal(_read_png(encode_png(grey)), grey)
-    with pytest.raises(ValueError):
-        encode_png(rgb.astype(np.float32))
-
-
-def test_canvas_text_and_demo_figure():
-    c = Canvas(40, 12)
-    end = c.text(1, 1, "Ok 9%", (255, 0, 0))
-    assert end == 1 + 5 * 6
-    assert (c.pixels == [255, 0, 0]).all(axis=2).any()
+def test_demo_figure(tmp_path):
+    pytest.importorskip("matplotlib", reason="the demo's figure is drawn with matplotlib")
     x, y = make_shapes(40, seed=0, size=16)
     preds = y.copy()
     preds[:3] = (preds[:3] + 1) % 6
     losses = list(np.linspace(1.8, 0.2, 30))
-    pixels = demo_figure(losses, 10, x, y, preds, 16, "TITLE", "SUBTITLE")
-    image = _read_png(encode_png(pixels))
-    assert image.shape == pixels.shape and image.shape[2] == 3
-    assert (image == [210, 40, 40]).all(axis=2).any()  # mistakes framed red
+    path = tmp_path / "figure.png"
+    assert save_figure(str(path), losses, 10, x, y, preds, 16, "TITLE")
+    from matplotlib.image import imread
+
+    image = imread(path)
+    assert image.ndim == 3 and image.shape[0] > 400 and image.shape[1] > 400
+    red = (np.abs(image[..., :3] - np.array([210, 40, 40]) / 255) < 0.02).all(axis=2)
+    assert red.any()  # mistakes framed red
+
+
+def test_demo_without_matplotlib_writes_no_figure(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    x, y = make_shapes(8, seed=0, size=8)
+    assert not save_figure(str(tmp_path / "f.png"), [1.0, 0.5], 1, x, y, y, 8, "T")
+    assert not list(tmp_path.iterdir())
 
 
 def test_cli_reports_missing_device_in_one_line(monkeypatch, capsys):

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vkml.vk", "vkml.webgpu"),  # the backends: the compiler above never names one
     ("vkml.runtime",),
     ("vkml.session",),
-    ("vkml", "vkml.dump", "vkml.__main__"),  # the package's front door and the command line
+    ("vkml", "vkml.demo", "vkml.dump", "vkml.__main__"),  # the front door and the command line
 ]
 BACKENDS = ("vkml.vk", "vkml.webgpu")
 # The one module outside the backends that names them: it makes the device's backend.

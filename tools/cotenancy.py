@@ -36,7 +36,6 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import vkml  # noqa: E402
-from vkml.png import Canvas, write_png  # noqa: E402
 from xr_demo.loadgen import FullscreenLoad  # noqa: E402
 from xr_demo.schedule import Job, Policy, Scheduler  # noqa: E402
 from xr_demo.vkhost import VulkanHost  # noqa: E402
@@ -145,35 +144,27 @@ def run_mode(host: VulkanHost, renderer: FullscreenLoad, job: Job | None, hz: fl
 
 
 def figure(result: dict, path: str) -> None:
+    """Frame time (p50, p99) and the training step's latency per mode, against the frame period."""
+    from matplotlib.figure import Figure
+
     modes = result["modes"]
-    names = list(modes)
-    c = Canvas(640, 300)
-    c.text(10, 8, f"CO-TENANCY, {result['device'].split(' (')[0]}, {result['hz']:g} HZ, "
-           f"MODEL STEP {result['model']['step_ms_profiled']:.1f} MS")
-    top = max([m["frame_ms_p99"] or 0 for m in modes.values()]
-              + [m["worker_latency_ms_p50"] or 0 for m in modes.values()] + [1.0])
-    x0, y0, h = 40, 30, 220
-    slot = (c.width - x0 - 10) // len(names)
+    series = [("frame p50", "frame_ms_p50", "#3c6ec8"), ("frame p99", "frame_ms_p99", "#1e3278"),
+              ("step latency p50", "worker_latency_ms_p50", "#e69628")]
+    fig = Figure(figsize=(8, 4), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(modes))
+    for j, (label, key, color) in enumerate(series):
+        values = [m[key] if m[key] is not None else np.nan for m in modes.values()]
+        ax.bar(x + (j - 1) * 0.27, values, 0.27, label=label, color=color)
     budget = 1000 / result["hz"]
-    yb = y0 + h - int(h * budget / top)
-    c.text(2, y0, f"{top:.0f}", (80, 80, 80))
-    c.text(2, y0 + h - 7, "0", (80, 80, 80))
-    c.rect(x0, yb, c.width - x0 - 10, 1, (200, 0, 0))
-    c.text(x0 + 2, yb - 9, f"FRAME {budget:.1f} MS", (200, 0, 0))
-    for i, name in enumerate(names):
-        m = modes[name]
-        bars = [(m["frame_ms_p50"], (60, 110, 200)), (m["frame_ms_p99"], (30, 50, 120)),
-                (m["worker_latency_ms_p50"], (230, 150, 40))]
-        for j, (v, color) in enumerate(bars):
-            if v is None:
-                continue
-            bh = int(h * v / top)
-            c.rect(x0 + i * slot + 6 + j * 18, y0 + h - bh, 16, bh, color)
-        c.text(x0 + i * slot + 4, y0 + h + 6, name.split("=")[0])
-        c.text(x0 + i * slot + 4, y0 + h + 16, f"MISSED {m['missed_frames']}", (120, 0, 0))
-    c.rect(x0, y0 + h, c.width - x0 - 10, 1, (0, 0, 0))
-    c.text(10, 284, "BLUE FRAME P50 P99   ORANGE STEP LATENCY P50 (MS)", (80, 80, 80))
-    write_png(path, c.upscaled(2))
+    ax.axhline(budget, color="#c80000", linewidth=1)
+    ax.annotate(f"frame {budget:.1f} ms", (x[0] - 0.4, budget), color="#c80000",
+                textcoords="offset points", xytext=(0, 3))
+    ax.set_xticks(x, [f"{name}\nmissed {m['missed_frames']}" for name, m in modes.items()])
+    ax.set(ylabel="ms", title=f"co-tenancy, {result['device'].split(' (')[0]}, {result['hz']:g} "
+           f"Hz, model step {result['model']['step_ms_profiled']:.1f} ms")
+    ax.legend(frameon=False)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
