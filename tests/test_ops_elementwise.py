@@ -42,6 +42,21 @@ CASES = [
     Case("sin_cos", [(6, 9)], lambda g, a: g.sin(a * 3.0) + (a * 5.0).cos(),
          lambda a: torch.sin(a * 3.0) + torch.cos(a * 5.0)),
     Case("log1p", [(6, 9)], lambda g, a: g.log1p(a * 0.3), lambda a: torch.log1p(a * 0.3)),
+    Case("pow_tensors_broadcast", [(5, 7), (7,)], lambda g, a, b: a ** b, torch.pow,
+         positive=True),
+    Case("pow_number_exponents", [(5, 7)], lambda g, a: a ** 3 - g.pow(a, 2.0) + 2.0 ** a,
+         lambda a: a ** 3 - a ** 2.0 + 2.0 ** a),
+    Case("maximum_minimum_broadcast", [(5, 7), (7,)],
+         lambda g, a, b: g.maximum(a, b) * 2.0 + g.minimum(b, a * 0.5) + g.maximum(a, 0.1),
+         lambda a, b: torch.maximum(a, b) * 2.0 + torch.minimum(b, a * 0.5)
+         + torch.clamp(a, min=0.1)),
+    Case("clamp_tensor_bounds", [(5, 7), (7,), (5, 1)],
+         lambda g, x, lo, hi: g.clamp(x, lo - 0.5, hi + 0.5),
+         lambda x, lo, hi: torch.clamp(x, lo - 0.5, hi + 0.5)),
+    Case("clamp_one_tensor_bound", [(5, 7), (7,), (5, 1)],
+         lambda g, x, lo, hi: x.clamp(min=lo) + x.clamp(max=hi) + g.clamp(x, 0.2, hi),
+         lambda x, lo, hi: x.clamp(min=lo) + x.clamp(max=hi)
+         + torch.clamp(x, torch.tensor(0.2, dtype=torch.float64), hi)),
 ]
 
 
@@ -96,3 +111,42 @@ def test_unknown_gelu_approximation_is_refused():
     g = vkml.Graph()
     with pytest.raises(vkml.GraphError, match="'none' or 'tanh'"):
         g.gelu(g.input("x", (2,)), approximate="fast")
+
+
+BASES = [-np.inf, -2.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 1.01, 0.999, 2.0, 10.0, np.inf, np.nan]
+EXPONENTS = [-np.inf, -3.0, -2.0, -1.0, -0.5, 0.0, 1 / 3, 0.5, 1.0, 2.0, 3.0, 100.0, np.inf,
+             np.nan]
+
+
+def test_pow_special_cases_match_torch(device):
+    """0 ** 0, negative bases to integer and other powers, infinities, NaN, bases near 1."""
+    x, y = (a.astype(np.float32) for a in np.meshgrid(BASES, EXPONENTS, indexing="ij"))
+    g = vkml.Graph()
+    g.output("pow", g.pow(g.input("x", x.shape), g.input("y", y.shape)))
+    session = vkml.compile(g, device=device)
+    session.set_input("x", x)
+    session.set_input("y", y)
+    session.forward()
+    want = torch.pow(torch.tensor(x), torch.tensor(y)).numpy()
+    np.testing.assert_allclose(session.read("pow"), want, rtol=2e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["maximum", "minimum"])
+def test_extremum_splits_ties_and_passes_nan_as_torch(name, device):
+    """Ties share the gradient half and half; a NaN operand is the result, and both operands
+    then get the whole gradient (torch's rule)."""
+    a = np.array([1.0, 2.0, -1.0, np.nan, 3.0, 0.5], np.float32)
+    b = np.array([1.0, -2.0, 4.0, 1.0, np.nan, 0.5], np.float32)
+    weights = np.arange(1, 7, dtype=np.float32)
+    g = vkml.Graph()
+    pa, pb = g.param("a", a.shape, init=a), g.param("b", b.shape, init=b)
+    out = getattr(g, name)(pa, pb)
+    session = vkml.compile(g, loss=g.sum(out * g.constant(weights)), outputs={"out": out},
+                           device=device)
+    session.step()
+    ta, tb = (torch.tensor(v, requires_grad=True) for v in (a, b))
+    ref = getattr(torch, name)(ta, tb)
+    (ref * torch.tensor(weights)).sum().backward()
+    np.testing.assert_array_equal(session.read("out"), ref.detach().numpy())
+    np.testing.assert_array_equal(session.grad("a"), ta.grad.numpy())
+    np.testing.assert_array_equal(session.grad("b"), tb.grad.numpy())

@@ -7,6 +7,7 @@ its helper functions and its derivative sit on one line or two.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from vkml.errors import GraphError
@@ -281,13 +282,39 @@ register(OpDef("clamp", same_f32, "pointwise",
                expr=_clamped))
 
 
+# Tensor bounds: x, min and max broadcast, a NaN in any of them gives NaN; torch's gradients:
+# x's where min <= x <= max, min's where x < min < max, max's where x > max or max < min.
+def _clamp_tensor_shape(inputs, attrs):
+    if any(t.dtype != "f32" for t in inputs):
+        raise GraphError("expects f32 x, min and max")
+    return _mask_of(inputs, attrs)[0], "f32"
+
+
+def _clamp_tensor_grad(g, node, d):
+    x, lo, hi = node.inputs
+    passes = [g.logical_and(g.greater_equal(x, lo), g.less_equal(x, hi)),
+              g.logical_and(g.less(x, lo), g.less(lo, hi)),
+              g.logical_or(g.greater(x, hi), g.less(hi, lo))]
+    return [sum_to(g, g.where(p, d, 0.0), t.shape) for p, t in zip(passes, node.inputs)]
+
+
+register(OpDef("clamp_tensor", _clamp_tensor_shape, "pointwise", grad=_clamp_tensor_grad,
+               expr=lambda n: call("select(select(select({0}, {1}, {0} < {1}), {2}, "
+                                   "select({0}, {1}, {0} < {1}) > {2}), {1} + {2}, "
+                                   "!({1} == {1}) || !({2} == {2}))", Arg(0), Arg(1), Arg(2))))
+
+
 @builder(tensor=True)
-def clamp(g: Graph, x: Tensor, min: float | None = None,  # noqa: A002  (torch's names)
-          max: float | None = None) -> Tensor:  # noqa: A002
-    """torch.clamp: each element limited to [min, max] (either bound may be None); the
-    gradient passes where min <= x <= max, as torch's."""
+def clamp(g: Graph, x: Tensor, min: Operand | None = None,  # noqa: A002  (torch's names)
+          max: Operand | None = None) -> Tensor:  # noqa: A002
+    """torch.clamp: each element limited to [min, max] (either bound may be None, a number or
+    a tensor broadcasting with x); the gradient passes where min <= x <= max, as torch's
+    (and to tensor bounds where they bind)."""
     if min is None and max is None:
         raise GraphError("clamp needs min, max or both")
+    if isinstance(min, Tensor) or isinstance(max, Tensor):
+        return g.apply("clamp_tensor", [x, g.lift(-math.inf if min is None else min),
+                                        g.lift(math.inf if max is None else max)])
     return g.apply("clamp", [x], min=None if min is None else float(min),
                    max=None if max is None else float(max))
 
@@ -441,6 +468,75 @@ def where(g: Graph, cond: Tensor, a: Operand, b: Operand) -> Tensor:
     three numpy-broadcast; numbers become constants. The gradient goes to a where cond holds
     and to b elsewhere."""
     return g.apply("where", [cond, *_lifted(g, a, b)])
+
+
+# ---- powers, minimum and maximum ------------------------------------------------------------
+POW_HELPER = """
+fn vkml_pow(x: f32, y: f32, log_near_one: f32) -> f32 {
+  // C's (torch's) pow: x^0 = 1 and 1^y = 1 even for NaN, (-1)^(+-inf) = 1, 0^y is 0 or inf,
+  // a negative base keeps its sign under an odd integer power and gives NaN under another
+  // finite one; WGSL's pow is defined for x > 0 only. Near |x| = 1 Vulkan's log2 (so pow) is
+  // only accurate to 2^-21 absolute: there exp(y log1p(|x| - 1)) (|x| - 1 is exact).
+  let ax = abs(x);
+  if (y == 0.0 || x == 1.0 || (ax == 1.0 && abs(y) > 3.4028235e38)) { return 1.0; }
+  if (!(x == x) || !(y == y)) { return x + y; }  // NaN (lavapipe's pow(NaN, y) is 0)
+  var m = select(pow(ax, y), exp(y * log_near_one), abs(ax - 1.0) < 0.5);
+  if (ax == 0.0) { m = select(bitcast<f32>(0x7f800000u), 0.0, y > 0.0); }
+  let whole = floor(y) == y;
+  if (x < 0.0 && !whole && ax <= 3.4028235e38) { return bitcast<f32>(0x7fc00000u); }
+  let odd = whole && floor(y * 0.5) != y * 0.5;
+  return select(m, -m, odd && bitcast<u32>(x) >= 0x80000000u);
+}
+"""
+
+
+def _pow_expr(node: Tensor) -> Expr:
+    log_near_one = call("vkml_log1p({0})", call("abs({0}) - 1.0", Arg(0)), helper=LOG1P_HELPER)
+    return call("vkml_pow({0}, {1}, {2})", Arg(0), Arg(1), log_near_one, helper=POW_HELPER)
+
+
+def _pow_grad(g, node, d):
+    x, y = node.inputs  # torch's: no gradient to x where y == 0, none to y where x == 0 <= y
+    dx = g.where(g.equal(y, 0.0), 0.0, g.mul(g.mul(d, y), g.pow(x, g.sub(y, 1.0))))
+    dy = g.where(g.logical_and(g.equal(x, 0.0), g.greater_equal(y, 0.0)), 0.0,
+                 g.mul(g.mul(d, node), g.log(x)))
+    return [sum_to(g, dx, x.shape), sum_to(g, dy, y.shape)]
+
+
+register(OpDef("pow", _binary, "pointwise", grad=_pow_grad, expr=_pow_expr))
+
+
+@builder
+def pow(g: Graph, x: Operand, y: Operand) -> Tensor:  # noqa: A001  (torch's name)
+    """torch.pow(x, y) elementwise (`x ** y`), numpy broadcasting, numbers become constants;
+    C's special cases (0 ** 0 = 1, (-2) ** 3 = -8, (-2) ** 0.5 = NaN) and torch's gradients."""
+    return g.apply("pow", _lifted(g, x, y))
+
+
+def _extremum(name: str, wins: str, loses: str) -> None:
+    """maximum / minimum: `wins`, the WGSL comparison by which b replaces a; `loses`, the op
+    by which an operand gets no gradient."""
+    def grad(g, node, d):  # torch's: half of it to each operand on a tie, all to both at NaN
+        a, b = node.inputs
+        half = g.where(g.equal(a, b), g.mul(d, 0.5), d)
+        return [sum_to(g, g.where(g.apply(loses, [a, b]), 0.0, half), a.shape),
+                sum_to(g, g.where(g.apply(loses, [b, a]), 0.0, half), b.shape)]
+
+    # a NaN in either operand is the result, as torch's (WGSL leaves max of NaN to the driver)
+    template = f"select(select({{0}}, {{1}}, {{1}} {wins} {{0}}), {{1}}, !({{1}} == {{1}}))"
+    register(OpDef(name, lambda inputs, attrs: (_mask_of(inputs, attrs)[0], _one_dtype(inputs)),
+                   "pointwise", grad=grad, expr=lambda n: call(template, Arg(0), Arg(1))))
+
+    def method(g: Graph, a: Operand, b: Operand) -> Tensor:
+        return g.apply(name, _lifted(g, a, b))
+    method.__name__ = name
+    method.__doc__ = (f"torch.{name} elementwise (f32 or i32), numpy broadcasting: NaN wins, "
+                      "and on a tie each operand gets half of the gradient, as torch's")
+    builder(method)
+
+
+_extremum("maximum", ">", "less")
+_extremum("minimum", "<", "greater")
 
 
 # ---- explicit broadcasting and one-hot encoding -------------------------------------------------
