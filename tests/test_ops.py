@@ -248,7 +248,9 @@ def make_operands(case: Case, rng) -> list[np.ndarray]:
     return out
 
 
-def build_session(case: Case, device, rng):
+def build_session(case: Case, device, rng, caps=None):
+    """The case compiled for `device`, or for `caps` (another device's capabilities, to run
+    that device's kernel variants here) and bound to `device`."""
     operands = make_operands(case, rng)
     extras = {name: make(rng) for name, make in case.extras.items()}
     g = vkml.Graph()
@@ -258,7 +260,12 @@ def build_session(case: Case, device, rng):
     out = case.build(g, *params, **extra_inputs)
     weights = rng.standard_normal(out.shape).astype(np.float32)
     loss = g.sum(g.mul(out, g.constant(weights)))  # a generic scalar to differentiate
-    session = vkml.compile(g, loss=loss, outputs={"out": out}, device=device)
+    if caps is None:
+        session = vkml.compile(g, loss=loss, outputs={"out": out}, device=device)
+    else:
+        from vkml.compiler.stages import lower
+        from vkml.session import Session
+        session = Session(lower(g, caps, loss=loss, outputs={"out": out}).plan, device)
     for name, v in extras.items():
         session.set_input(name, v)
     return session, operands, extras, weights
@@ -281,9 +288,9 @@ def case_tests(cases: list[Case]) -> tuple[Callable, Callable]:
 test_forward_and_gradient_match_torch, test_gradient_matches_finite_differences = case_tests(CASES)
 
 
-def check_against_torch(case: Case, device, rng) -> None:
+def check_against_torch(case: Case, device, rng, caps=None) -> None:
     """The case's output and its operands' gradients against PyTorch's in float64."""
-    session, operands, extras, weights = build_session(case, device, rng)
+    session, operands, extras, weights = build_session(case, device, rng, caps)
     session.step()
 
     ref_params = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in operands]

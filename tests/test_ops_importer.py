@@ -4,11 +4,13 @@ differences, as tests/test_ops.py checks the rest."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_ops import Case, case_tests, check_finite_differences
+from test_ops import Case, case_tests, check_against_torch, check_finite_differences
 
 import vkml
 
@@ -116,6 +118,24 @@ CASES = [
 
 
 test_forward_and_gradient_match_torch, test_gradient_matches_finite_differences = case_tests(CASES)
+
+# Cases whose kernels differ on GPUs (the conv GEMM core and its phased input gradient, the
+# reductions' column layout): run here with a discrete GPU's capabilities.
+# A minimum over 40 rows takes the column layout there (too sparse a gradient for finite
+# differences in f32 to check, so it is here only).
+GPU_VARIANTS = [
+    *[c for c in CASES if c.name in ("conv_transpose2d_stride2_output_padding",
+                                     "conv_transpose2d_groups_dilation", "amin_outer_axes",
+                                     "interpolate_bilinear_sizes_down_and_up")],
+    Case("amin_leading_long", [(40, 6)], lambda g, x: g.amin(x, 0), lambda x: x.amin(0))]
+
+
+@pytest.mark.parametrize("case", GPU_VARIANTS, ids=lambda c: c.name)
+def test_gpu_variants_match_torch(case, device, rng):
+    if device.backend_name != "vulkan":
+        pytest.skip("the variants are a codegen choice; one backend is enough to check them")
+    check_against_torch(case, device, rng, dataclasses.replace(device.caps,
+                                                               device_type="discrete"))
 
 
 def test_gather_refuses_float_indices():
