@@ -53,6 +53,12 @@ CASES = [
     Case("clamp_tensor_bounds", [(5, 7), (7,), (5, 1)],
          lambda g, x, lo, hi: g.clamp(x, lo - 0.5, hi + 0.5),
          lambda x, lo, hi: torch.clamp(x, lo - 0.5, hi + 0.5)),
+    Case("through_integers", [(5, 7)],
+         lambda g, a: a * g.cast(g.cast(a * 3.0, "i32") * 2 - 1, "f32"),
+         lambda a: a * ((a * 3.0).to(torch.int32) * 2 - 1).to(torch.float64)),
+    Case("gather_computed_indices", [(6, 4)], lambda g, x, i: g.gather(x, i * 2 - 1, 0),
+         lambda x, i: x[(i.long() * 2 - 1) % 6],
+         extras={"i": lambda rng: rng.integers(0, 3, (2, 5)).astype(np.int32)}),
     Case("clamp_one_tensor_bound", [(5, 7), (7,), (5, 1)],
          lambda g, x, lo, hi: x.clamp(min=lo) + x.clamp(max=hi) + g.clamp(x, 0.2, hi),
          lambda x, lo, hi: x.clamp(min=lo) + x.clamp(max=hi)
@@ -150,3 +156,38 @@ def test_extremum_splits_ties_and_passes_nan_as_torch(name, device):
     np.testing.assert_array_equal(session.read("out"), ref.detach().numpy())
     np.testing.assert_array_equal(session.grad("a"), ta.grad.numpy())
     np.testing.assert_array_equal(session.grad("b"), tb.grad.numpy())
+
+
+def test_casts_and_integer_arithmetic_match_torch(device):
+    """f32 -> i32 truncates toward zero; i32 add, sub, mul wrap as torch's int32 do."""
+    x = np.array([-2.7, -0.5, -0.0, 0.4, 1.5, 2.5, 1e9, -1e9], np.float32)
+    ids = np.array([0, 1, -7, 2**31 - 1, -2**31, 12345, 46341, -3], np.int32)
+    g = vkml.Graph()
+    xi, ii = g.input("x", x.shape), g.input("ids", ids.shape, "i32")
+    outputs = {"trunc": g.cast(xi, "i32"), "to_f32": ii.cast("f32"), "add": ii + 1,
+               "sub": 2 - ii, "mul": ii * ii, "mixed": g.add(g.mul(ii, 3), g.cast(xi, "i32"))}
+    for name, t in outputs.items():
+        g.output(name, t)
+    assert g.cast(xi, "f32") is xi
+    session = vkml.compile(g, device=device)
+    session.set_input("x", x)
+    session.set_input("ids", ids)
+    session.forward()
+    tx, ti = torch.tensor(x), torch.tensor(ids)
+    expected = {"trunc": tx.to(torch.int32), "to_f32": ti.to(torch.float32), "add": ti + 1,
+                "sub": 2 - ti, "mul": ti * ti, "mixed": ti * 3 + tx.to(torch.int32)}
+    for name, want in expected.items():
+        got = session.read(name)
+        assert got.dtype == want.numpy().dtype, name
+        np.testing.assert_array_equal(got, want.numpy(), err_msg=name)
+
+
+def test_integer_operands_refuse_fractions_and_division():
+    g = vkml.Graph()
+    ids = g.input("ids", (3,), "i32")
+    with pytest.raises(vkml.GraphError, match="cast"):
+        ids + 0.5
+    with pytest.raises(vkml.GraphError, match="f32"):
+        ids / 2
+    with pytest.raises(vkml.GraphError, match="'f32' or 'i32'"):
+        g.cast(ids, "f16")

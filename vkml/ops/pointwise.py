@@ -12,7 +12,17 @@ from collections.abc import Callable
 
 from vkml.errors import GraphError
 from vkml.expr import Arg, Axis, Expr, Lit, call, contiguous_strides
-from vkml.graph import Graph, OpDef, Operand, Shape, Tensor, as_shape, builder, register
+from vkml.graph import (
+    DType,
+    Graph,
+    OpDef,
+    Operand,
+    Shape,
+    Tensor,
+    as_shape,
+    builder,
+    register,
+)
 
 
 def same_f32(inputs, attrs):
@@ -341,20 +351,28 @@ def _div_grad(g, node, d):
     return [sum_to(g, da, a.shape), sum_to(g, g.neg(g.mul(da, node)), b.shape)]
 
 
-def _binary_op(name: str, symbol: str, grad: Callable) -> None:
-    register(OpDef(name, _binary, "pointwise", grad=grad,
+def _integer_arithmetic(inputs, attrs):
+    """add, sub, mul: f32, or i32 (index arithmetic; wrapping on overflow, as torch's int32)."""
+    return broadcast_shapes(inputs[0].shape, inputs[1].shape), _one_dtype(inputs)
+
+
+def _binary_op(name: str, symbol: str, grad: Callable, integers: bool) -> None:
+    register(OpDef(name, _integer_arithmetic if integers else _binary, "pointwise", grad=grad,
                    expr=lambda n: call(f"{{0}} {symbol} {{1}}", Arg(0), Arg(1))))
 
     def method(g: Graph, a: Operand, b: Operand) -> Tensor:
-        return g.apply(name, [g.lift(a), g.lift(b)])
+        return g.apply(name, _lifted(g, a, b))
     method.__name__ = name
-    method.__doc__ = f"a {symbol} b elementwise, numpy broadcasting; numbers become constants"
+    method.__doc__ = (f"a {symbol} b elementwise ({'f32 or i32' if integers else 'f32'}), numpy "
+                      "broadcasting; numbers become constants of the other operand's dtype")
     builder(method)
 
 
-for _name, _symbol, _grad in (("add", "+", _add_grad), ("sub", "-", _sub_grad),
-                              ("mul", "*", _mul_grad), ("div", "/", _div_grad)):
-    _binary_op(_name, _symbol, _grad)
+for _name, _symbol, _grad, _integers in (("add", "+", _add_grad, True),
+                                         ("sub", "-", _sub_grad, True),
+                                         ("mul", "*", _mul_grad, True),
+                                         ("div", "/", _div_grad, False)):
+    _binary_op(_name, _symbol, _grad, _integers)
 
 
 @builder
@@ -468,6 +486,26 @@ def where(g: Graph, cond: Tensor, a: Operand, b: Operand) -> Tensor:
     three numpy-broadcast; numbers become constants. The gradient goes to a where cond holds
     and to b elsewhere."""
     return g.apply("where", [cond, *_lifted(g, a, b)])
+
+
+# ---- casts ---------------------------------------------------------------------------------------
+def _cast_shape(inputs, attrs):
+    if attrs["dtype"] not in ("f32", "i32"):
+        raise GraphError(f"cast to 'f32' or 'i32', got {attrs['dtype']!r}")
+    return inputs[0].shape, attrs["dtype"]
+
+
+# f32 -> i32 truncates toward zero, as torch's .to(torch.int32) (WGSL's conversion clamps values
+# out of range, where C's is undefined); integers are not differentiable, so no gradient.
+register(OpDef("cast", _cast_shape, "pointwise", grad=_no_gradient,
+               expr=lambda n: call(f"{n.dtype}({{0}})", Arg(0))))
+
+
+@builder(tensor=True)
+def cast(g: Graph, x: Tensor, dtype: DType) -> Tensor:
+    """x converted to `dtype` ("f32" or "i32"; to i32 truncating toward zero); x itself if it
+    has that dtype already."""
+    return x if x.dtype == dtype else g.apply("cast", [x], dtype=dtype)
 
 
 # ---- powers, minimum and maximum ------------------------------------------------------------
