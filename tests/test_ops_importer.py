@@ -45,6 +45,13 @@ CASES = [
          lambda x, i: torch.gather(x, 1, i.long() % 5), extras={"i": ids(-5, 5, (2, 6, 3))}),
     Case("gather_elements_last", [(4, 6)], lambda g, x, i: g.gather_elements(x, i, -1),
          lambda x, i: torch.gather(x, -1, i.long()), extras={"i": ids(0, 6, (4, 9))}),
+    Case("slice_step", [(3, 8, 2)], lambda g, x: g.slice(x, 1, 1, 8, 3),
+         lambda x: x[:, 1:8:3]),
+    Case("slice_step_to_the_end", [(7, 3)], lambda g, x: g.slice(x, 0, 0, 7, 2),
+         lambda x: x[0:7:2]),
+    Case("pad_stride", [(2, 3)], lambda g, x: g.pad(x, 1, 2, 1, stride=3),
+         lambda x: F.pad(
+             torch.stack([x, *[torch.zeros_like(x)] * 2], -1).reshape(2, 9)[:, :7], (2, 1))),
     Case("expand", [(3, 1)], lambda g, x: g.expand(x, (2, -1, 4)),
          lambda x: x.expand(2, -1, 4)),
     Case("expand_onnx_two_way", [(3, 1)], lambda g, x: g.expand(x, (1, 5)),

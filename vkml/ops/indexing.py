@@ -28,22 +28,27 @@ def _axis_of(x, axis: int) -> int:
 def _slice(inputs, attrs):
     (x,) = inputs
     axis, start, stop = _axis_of(x, attrs["axis"]), attrs["start"], attrs["stop"]
-    if not 0 <= start < stop <= x.shape[axis]:
-        raise GraphError(f"slice [{start}:{stop}] is empty or outside axis {axis} of {x.shape}")
-    return tuple(stop - start if a == axis else d for a, d in enumerate(x.shape)), x.dtype
+    step = attrs.get("step", 1)
+    if not 0 <= start < stop <= x.shape[axis] or step < 1:
+        raise GraphError(f"slice [{start}:{stop}:{step}] is empty or outside axis {axis} of "
+                         f"{x.shape}")
+    count = -(-(stop - start) // step)
+    return tuple(count if a == axis else d for a, d in enumerate(x.shape)), x.dtype
 
 
 def _slice_grad(g, node, d):
     (x,) = node.inputs
     a = node.attrs
-    axis = a["axis"] % len(x.shape)
-    return [g.pad(d, axis, a["start"], x.shape[axis] - a["stop"])]
+    axis, step = a["axis"] % len(x.shape), a.get("step", 1)
+    last = a["start"] + (node.shape[axis] - 1) * step  # the last element taken
+    return [g.pad(d, axis, a["start"], x.shape[axis] - 1 - last, stride=step)]
 
 
 def _slice_body(node: Tensor) -> list[str]:
     (x,) = node.inputs
-    axis = node.attrs["axis"] % len(node.shape)
-    idx = [f"({n} + {node.attrs['start']}u)" if a == axis else n
+    axis, step = node.attrs["axis"] % len(node.shape), node.attrs.get("step", 1)
+    taken = f"i{axis} * {step}u" if step != 1 else f"i{axis}"
+    idx = [f"({taken} + {node.attrs['start']}u)" if a == axis else n
            for a, n in enumerate(_indices(node))]
     return [f"  out[idx] = in0[{offset(idx, contiguous_strides(x.shape))}];"]
 
@@ -52,33 +57,44 @@ register(OpDef("slice", _slice, "kernel", grad=_slice_grad, lower=kernels.loweri
 
 
 @builder
-def slice(g: Graph, x: Tensor, axis: int, start: int, stop: int) -> Tensor:  # noqa: A001
-    """x[..., start:stop, ...] along `axis` (step 1, non-negative bounds)."""
-    return g.apply("slice", [x], axis=int(axis), start=int(start), stop=int(stop))
+def slice(g: Graph, x: Tensor, axis: int, start: int, stop: int,  # noqa: A001
+          step: int = 1) -> Tensor:
+    """x[..., start:stop:step, ...] along `axis` (non-negative bounds, a positive step)."""
+    attrs = {"step": int(step)} if step != 1 else {}
+    return g.apply("slice", [x], axis=int(axis), start=int(start), stop=int(stop), **attrs)
 
 
 def _pad(inputs, attrs):
     (x,) = inputs
     axis, before, after = _axis_of(x, attrs["axis"]), attrs["before"], attrs["after"]
-    if before < 0 or after < 0:
-        raise GraphError(f"pad amounts must be >= 0, got ({before}, {after})")
-    return tuple(d + before + after if a == axis else d for a, d in enumerate(x.shape)), x.dtype
+    stride = attrs.get("stride", 1)
+    if before < 0 or after < 0 or stride < 1:
+        raise GraphError(f"pad amounts must be >= 0 and the stride >= 1, got ({before}, "
+                         f"{after}) and {stride}")
+    spread = (x.shape[axis] - 1) * stride + 1
+    return tuple(spread + before + after if a == axis else d
+                 for a, d in enumerate(x.shape)), x.dtype
 
 
 def _pad_grad(g, node, d):
     (x,) = node.inputs
     axis = node.attrs["axis"] % len(x.shape)
-    before = node.attrs["before"]
-    return [g.slice(d, axis, before, before + x.shape[axis])]
+    before, stride = node.attrs["before"], node.attrs.get("stride", 1)
+    return [g.slice(d, axis, before, before + (x.shape[axis] - 1) * stride + 1, stride)]
 
 
 def _pad_body(node: Tensor) -> list[str]:
     (x,) = node.inputs
     axis = node.attrs["axis"] % len(node.shape)
-    before, extent = node.attrs["before"], x.shape[axis]
-    idx = [f"({n} - {before}u)" if a == axis else n for a, n in enumerate(_indices(node))]
+    before, extent, stride = node.attrs["before"], x.shape[axis], node.attrs.get("stride", 1)
+    spread = (extent - 1) * stride + 1
+    inside = f"i{axis} >= {before}u && i{axis} < {before + spread}u"
+    at = f"({{}} - {before}u)" if stride == 1 else f"(({{}} - {before}u) / {stride}u)"
+    if stride != 1:
+        inside += f" && (i{axis} - {before}u) % {stride}u == 0u"
+    idx = [at.format(n) if a == axis else n for a, n in enumerate(_indices(node))]
     return ["  var v = 0.0;",
-            f"  if (i{axis} >= {before}u && i{axis} < {before + extent}u) {{",
+            f"  if ({inside}) {{",
             f"    v = in0[{offset(idx, contiguous_strides(x.shape))}];", "  }",
             "  out[idx] = v;"]
 
@@ -87,9 +103,11 @@ register(OpDef("pad", _pad, "kernel", grad=_pad_grad, lower=kernels.lowering(_pa
 
 
 @builder
-def pad(g: Graph, x: Tensor, axis: int, before: int, after: int) -> Tensor:
-    """Zero padding along one axis."""
-    return g.apply("pad", [x], axis=int(axis), before=int(before), after=int(after))
+def pad(g: Graph, x: Tensor, axis: int, before: int, after: int, stride: int = 1) -> Tensor:
+    """Zero padding along one axis; `stride` > 1 also puts stride - 1 zeros between elements
+    (the gradient of a strided slice)."""
+    attrs = {"stride": int(stride)} if stride != 1 else {}
+    return g.apply("pad", [x], axis=int(axis), before=int(before), after=int(after), **attrs)
 
 
 def _concat(inputs, attrs):
