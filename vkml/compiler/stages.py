@@ -226,11 +226,11 @@ def _compile_plan(graph: Graph, caps: Capabilities, loss: Tensor | None,
         if cache_key is not None:
             plan_cache.store(cache_key, plan, graph, optimizer)
     if plan.trainable is not None:
-        warn_unreached(graph, trainable, plan.trainable)
+        _warn_unreached(graph, trainable, plan.trainable)
     return plan
 
 
-def warn_unreached(graph: Graph, trainable: Trainable, trained: Collection[str]) -> None:
+def _warn_unreached(graph: Graph, trainable: Trainable, trained: Collection[str]) -> None:
     """One warning naming the trainable parameters the loss does not depend on (`trained`:
     those that got a gradient): they train as in PyTorch, which leaves their .grad None and
     whose optimizers then skip them, but a parameter left out by mistake should not go
