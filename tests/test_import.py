@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import numpy as np
 import pytest
 
 import vkml
@@ -113,3 +114,123 @@ def test_onnx_mlp_trains_as_pytorch_and_saves_back(device, tmp_path):
     assert rel_l2(after, trained(x).detach().numpy()) < FORWARD_TOL
     s.forward()
     assert rel_l2(s.read("logits"), after) < FORWARD_TOL
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        # no bias before a batch norm (its gradient is zero there in exact arithmetic)
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = torch.nn.functional.max_pool2d(torch.relu(self.bn(self.conv(x))), 2)
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(y, 1), 1))
+
+
+def _with_running_stats(module):
+    """Running statistics other than the initial zeros and ones, so using them shows."""
+    torch.manual_seed(1)
+    for m in module.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+    return module
+
+
+@vulkan_only
+def test_torch_cnn_batchnorm_trains_in_train_mode_and_loads_back(device):
+    """Exported in train mode with training=True: batch norm over the batch's statistics, as
+    PyTorch trains; the running statistics are frozen parameters; state_dict loads strictly."""
+    torch.manual_seed(0)
+    module = _with_running_stats(SmallCNN()).train()
+    x, labels = torch.randn(2, 3, 8, 8), torch.tensor([2, 0])
+    imp = vkml.import_torch(module, (x,), training=True)
+    assert set(imp.frozen) == {"bn.running_mean", "bn.running_var"}
+    assert set(imp.graph.params) == {n for n, _ in module.named_parameters()} | set(imp.frozen)
+    s, _ = check_training(imp, module, x, labels, device)
+    fresh = SmallCNN()
+    fresh.load_state_dict(imp.state_dict(s), strict=True)
+    for name, value in s.params().items():
+        assert np.array_equal(fresh.state_dict()[name].numpy(), value), name
+    # the running statistics come back as imported (vkml does not update them)
+    assert torch.equal(fresh.bn.running_mean, module.bn.running_mean)
+
+
+@vulkan_only
+def test_torch_cnn_inference_form_uses_running_statistics(device):
+    torch.manual_seed(0)
+    module = _with_running_stats(SmallCNN()).train()
+    x = torch.randn(2, 3, 8, 8)
+    imp = vkml.import_torch(module, (x,), training=False)
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.forward()
+    assert rel_l2(s.read("output"), module.eval()(x).detach().numpy()) < FORWARD_TOL
+
+
+@vulkan_only
+def test_onnx_cnn_matches_onnxruntime(device, tmp_path):
+    """A convolution, max pooling and global average pooling (the TorchScript exporter folds
+    an inference-mode batch norm into the convolution)."""
+    torch.manual_seed(0)
+    module = _with_running_stats(SmallCNN()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    path = export_onnx(module, (x,), tmp_path / "cnn.onnx", ["x"],
+                       dynamic_axes={"x": {0: "batch"}})
+    with pytest.raises(vkml.ModelImportError, match="symbolic dimensions.*shapes="):
+        vkml.import_onnx(path)
+    imp = vkml.import_onnx(path, shapes={"x": (2, 3, 8, 8)})
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.forward()
+    (ref,) = onnxruntime_run(path, {"x": x.numpy()})
+    assert rel_l2(s.read("logits"), ref) < FORWARD_TOL
+
+
+class TinyBlock(torch.nn.Module):
+    """A pre-norm transformer block: LayerNorm, causal multi-head attention, GELU MLP."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        # no bias on qkv: the key bias has a zero gradient in exact arithmetic, which AdamW
+        # would turn into steps of lr from rounding noise on either side
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+        self.head = torch.nn.Linear(dim, 5)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+        return self.head(x[:, -1])
+
+
+@vulkan_only
+def test_torch_transformer_block_trains_as_pytorch(device):
+    torch.manual_seed(0)
+    module = TinyBlock()
+    x, labels = torch.randn(2, 6, 16), torch.tensor([1, 4])
+    imp = vkml.import_torch(module, (x,))
+    check_training(imp, module, x, labels, device)
+
+
+@vulkan_only
+def test_onnx_transformer_block_matches_onnxruntime(device, tmp_path):
+    torch.manual_seed(0)
+    module = TinyBlock().eval()
+    x = torch.randn(2, 6, 16)
+    path = export_onnx(module, (x,), tmp_path / "block.onnx", ["x"])
+    imp = vkml.import_onnx(path)
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.forward()
+    (ref,) = onnxruntime_run(path, {"x": x.numpy()})
+    assert rel_l2(s.read("logits"), ref) < FORWARD_TOL

@@ -18,7 +18,7 @@ from vkml.errors import (
     VkmlError,
 )
 from vkml.graph import Graph, Tensor
-from vkml.importers import ImportedModel, import_onnx
+from vkml.importers import ImportedModel, import_onnx, import_torch
 from vkml.optim import SGD, Adam, AdamW, Optimizer
 from vkml.runtime.device import Device
 from vkml.session import ChunkSubmission, Session, compile
@@ -26,4 +26,4 @@ from vkml.session import ChunkSubmission, Session, compile
 __all__ = ["Graph", "Tensor", "compile", "Session", "ChunkSubmission", "Device", "SGD", "Adam",
            "AdamW", "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NotComputedError",
            "NonFiniteError", "CheckpointError", "NagaError", "DeviceError", "ModelImportError",
-           "ImportedModel", "import_onnx"]
+           "ImportedModel", "import_onnx", "import_torch"]

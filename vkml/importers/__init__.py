@@ -25,4 +25,11 @@ def import_onnx(model: Any, shapes: Mapping[str, Sequence[int]] | None = None,
     return onnx.import_onnx(model, shapes=shapes, training=training, seed=seed)
 
 
-__all__ = ["ImportedModel", "import_onnx"]
+def import_torch(module: Any, args: tuple = (), kwargs: dict | None = None,
+                 training: bool = False, seed: int = 0) -> ImportedModel:
+    """A torch.nn.Module, through torch.export, as a vkml graph (importers/torch_export.py)."""
+    from vkml.importers import torch_export
+    return torch_export.import_torch(module, args, kwargs, training=training, seed=seed)
+
+
+__all__ = ["ImportedModel", "import_onnx", "import_torch"]

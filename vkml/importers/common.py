@@ -126,3 +126,66 @@ class ImportedModel:
         initializer name."""
         values = self.trained_values(session)
         return self._state_dict(values) if self._state_dict is not None else values
+
+
+# ---- graph-building helpers both front ends use -------------------------------------------------
+def power(g: Graph, x: Tensor, exponent: float) -> Tensor:
+    """x ** exponent for a number known at import, as the ops a hand-written model uses."""
+    if exponent == 1.0:
+        return x
+    if exponent == 2.0:
+        return g.square(x)
+    if exponent == 0.5:
+        return g.sqrt(x)
+    if exponent == -0.5:
+        return g.rsqrt(x)
+    if exponent == -1.0:
+        return g.div(1.0, x)
+    if exponent == 3.0:
+        return g.mul(g.square(x), x)
+    if hasattr(g, "pow"):
+        return g.pow(x, exponent)
+    raise Refuse(f"x ** {exponent} needs vkml's pow op")
+
+
+def matmul(g: Graph, a: Tensor, w: Tensor, transpose_b: bool = False) -> Tensor:
+    """numpy's matmul; a batch times one matrix as nn.Linear computes it (the leading axes
+    flattened into one product), vectors as matrices of one row or column."""
+    if len(a.shape) == 1:
+        y = matmul(g, g.reshape(a, (1, a.shape[0])), w, transpose_b)
+        return g.reshape(y, y.shape[:-2] + y.shape[-1:])
+    if len(w.shape) == 1:
+        y = matmul(g, a, g.reshape(w, (w.shape[0], 1)))
+        return g.reshape(y, y.shape[:-1])
+    if len(w.shape) == 2 and len(a.shape) > 2:
+        flat = g.matmul(g.reshape(a, (-1, a.shape[-1])), w, transpose_b=transpose_b)
+        return g.reshape(flat, (*a.shape[:-1], flat.shape[-1]))
+    return g.matmul(a, w, transpose_b=transpose_b)
+
+
+def last_axis(g: Graph, x: Tensor, axis: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """`fn` (a last-axis op) applied along `axis`, moving it last and back."""
+    axis %= len(x.shape)
+    if axis == len(x.shape) - 1:
+        return fn(x)
+    order = [*[a for a in range(len(x.shape)) if a != axis], axis]
+    back = list(np.argsort(order))
+    return g.transpose(fn(g.transpose(x, order)), back)
+
+
+def take(g: Graph, x: Tensor, indices: np.ndarray, axis: int) -> Tensor:
+    """np.take(x, indices, axis) for indices known at import: slices (one for a scalar or a
+    run of consecutive indices), concatenated, reshaped to the indices' shape."""
+    axis %= len(x.shape)
+    n = x.shape[axis]
+    flat = [int(i) % n for i in np.asarray(indices).reshape(-1)]
+    runs: list[list[int]] = []
+    for i in flat:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    parts = [x if (lo, hi) == (0, n) else g.slice(x, axis, lo, hi) for lo, hi in runs]
+    y = g.concat(parts, axis)
+    shape = (*x.shape[:axis], *np.shape(indices), *x.shape[axis + 1:])
+    return y if y.shape == shape else g.reshape(y, shape)

@@ -27,7 +27,16 @@ import numpy as np
 from vkml.errors import ModelImportError
 from vkml.graph import Graph, Tensor
 from vkml.importers import patterns
-from vkml.importers.common import ImportedModel, Refusals, Refuse, convert_guarded
+from vkml.importers.common import (
+    ImportedModel,
+    Refusals,
+    Refuse,
+    convert_guarded,
+    last_axis,
+    matmul,
+    power,
+    take,
+)
 
 MIN_OPSET = 13
 FLOAT_TYPES = {"FLOAT", "FLOAT16", "DOUBLE", "BFLOAT16"}
@@ -452,43 +461,9 @@ def _pow(b, node, ins, attrs):
     raise Refuse("a power with an exponent computed at run time needs vkml's pow op")
 
 
-def power(g: Graph, x: Tensor, exponent: float) -> Tensor:
-    """x ** exponent for a number known at import, as the ops a hand-written model uses."""
-    if exponent == 1.0:
-        return x
-    if exponent == 2.0:
-        return g.square(x)
-    if exponent == 0.5:
-        return g.sqrt(x)
-    if exponent == -0.5:
-        return g.rsqrt(x)
-    if exponent == -1.0:
-        return g.div(1.0, x)
-    if exponent == 3.0:
-        return g.mul(g.square(x), x)
-    if hasattr(g, "pow"):
-        return g.pow(x, exponent)
-    raise Refuse(f"x ** {exponent} needs vkml's pow op")
-
-
 @onnx_op("MatMul")
 def _matmul(b, node, ins, attrs):
     return matmul(b.g, b.device(ins[0]), b.device(ins[1]))
-
-
-def matmul(g: Graph, a: Tensor, w: Tensor, transpose_b: bool = False) -> Tensor:
-    """numpy's matmul; a batch times one matrix as nn.Linear computes it (the leading axes
-    flattened into one product), vectors as matrices of one row or column."""
-    if len(a.shape) == 1:
-        y = matmul(g, g.reshape(a, (1, a.shape[0])), w, transpose_b)
-        return g.reshape(y, y.shape[:-2] + y.shape[-1:])
-    if len(w.shape) == 1:
-        y = matmul(g, a, g.reshape(w, (w.shape[0], 1)))
-        return g.reshape(y, y.shape[:-1])
-    if len(w.shape) == 2 and len(a.shape) > 2:
-        flat = g.matmul(g.reshape(a, (-1, a.shape[-1])), w, transpose_b=transpose_b)
-        return g.reshape(flat, (*a.shape[:-1], flat.shape[-1]))
-    return g.matmul(a, w, transpose_b=transpose_b)
 
 
 @onnx_op("Gemm")
@@ -639,34 +614,15 @@ def _group_norm(b, node, ins, attrs):
     return b.g.group_norm(x, groups, scale, bias, float(attrs.get("epsilon", 1e-5)))
 
 
-def _last_axis(g: Graph, x: Tensor, axis: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
-    """`fn` (a last-axis op) applied along `axis`, moving it last and back."""
-    axis %= len(x.shape)
-    if axis == len(x.shape) - 1:
-        return fn(x)
-    order = [*[a for a in range(len(x.shape)) if a != axis], axis]
-    back = list(np.argsort(order))
-    return g.transpose(fn(g.transpose(x, order)), back)
-
-
 @onnx_op("Softmax", "LogSoftmax")
 def _softmax(b, node, ins, attrs):
     fn = b.g.softmax if node.op_type == "Softmax" else b.g.log_softmax
-    return _last_axis(b.g, b.device(ins[0]), int(attrs.get("axis", -1)), fn)
+    return last_axis(b.g, b.device(ins[0]), int(attrs.get("axis", -1)), fn)
 
 
 @onnx_op("Gelu")
 def _gelu(b, node, ins, attrs):
-    x = b.device(ins[0])
-    if attrs.get("approximate", "none") == "tanh":
-        return gelu_tanh(b.g, x)
-    return b.g.gelu(x)
-
-
-def gelu_tanh(g: Graph, x: Tensor) -> Tensor:
-    """GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    inner = g.mul(g.add(x, g.mul(g.mul(g.square(x), x), 0.044715)), math.sqrt(2 / math.pi))
-    return g.mul(g.mul(x, 0.5), g.add(g.tanh(inner), 1.0))
+    return b.g.gelu(b.device(ins[0]), attrs.get("approximate", "none"))
 
 
 @onnx_op("HardSigmoid")
@@ -824,24 +780,6 @@ def _gather(b, node, ins, attrs):
         return b.g.embedding(indices, table)
     x = b.device(data)
     return take(b.g, x, b.host(indices, "indices"), axis)
-
-
-def take(g: Graph, x: Tensor, indices: np.ndarray, axis: int) -> Tensor:
-    """np.take(x, indices, axis) for indices known at import: slices (one for a scalar or a
-    run of consecutive indices), concatenated, reshaped to the indices' shape."""
-    axis %= len(x.shape)
-    n = x.shape[axis]
-    flat = [int(i) % n for i in np.asarray(indices).reshape(-1)]
-    runs: list[list[int]] = []
-    for i in flat:
-        if runs and runs[-1][1] == i:
-            runs[-1][1] = i + 1
-        else:
-            runs.append([i, i + 1])
-    parts = [x if (lo, hi) == (0, n) else g.slice(x, axis, lo, hi) for lo, hi in runs]
-    y = g.concat(parts, axis)
-    shape = (*x.shape[:axis], *np.shape(indices), *x.shape[axis + 1:])
-    return y if y.shape == shape else g.reshape(y, shape)
 
 
 @onnx_op("Expand")

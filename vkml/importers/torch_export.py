@@ -1,0 +1,773 @@
+"""The PyTorch front end: a torch.nn.Module, through torch.export, -> a vkml Graph.
+
+`torch.export.export(module, args, kwargs)` gives an ATen program at fixed shapes; its
+decompositions then run for every op but those mapped here directly (aten.linear, layer_norm,
+scaled_dot_product_attention, gelu, batch_norm, conv2d, ...: vkml has them whole). Parameters
+become graph parameters under their state_dict names, float buffers frozen parameters (batch-norm
+running statistics), integer buffers and lifted constants host values. Every node whose inputs
+are all known at import (shape and mask arithmetic on constants) is computed there by PyTorch
+itself and becomes a constant.
+
+`training=True` keeps the mode the module was exported in: a module in train() mode gets live
+dropout and batch norm over the batch's statistics (running statistics are not updated: the
+graph has no state writes); `training=False` computes the inference forms (dropout the identity,
+batch norm from the running statistics) whatever the module's mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from vkml.errors import ModelImportError
+from vkml.graph import Graph, Tensor
+from vkml.importers.common import (
+    ImportedModel,
+    Refusals,
+    Refuse,
+    convert_guarded,
+    last_axis,
+    matmul,
+    power,
+)
+from vkml.ops.composite import MASKED
+
+Value = Any  # a vkml Tensor, a torch tensor known at import, a number, a list, a tuple or None
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise ModelImportError("vkml.import_torch needs PyTorch (pip install torch)") from e
+    return torch
+
+
+def import_torch(module: Any, args: tuple = (), kwargs: dict | None = None,
+                 training: bool = False, seed: int = 0) -> ImportedModel:
+    """Import `module` called on `args` / `kwargs` (example tensors: their shapes and dtypes
+    are the graph's inputs'). Raises ModelImportError listing every op it cannot import."""
+    torch = _torch()
+    name = type(module).__name__
+    try:
+        program = torch.export.export(module, tuple(args), kwargs or {})
+    except Exception as e:
+        raise ModelImportError(f"torch.export could not export {name}: {type(e).__name__}: "
+                               f"{e}") from e
+    table = torch.export.default_decompositions()
+    for op in list(table):
+        if _key(op) in KEPT:
+            del table[op]
+    program = program.run_decompositions(table)
+    refusals = Refusals(f"{name} (torch.export)")
+    builder = _Builder(torch, program, training, refusals, seed)
+    builder.run()
+    refusals.check()
+    snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return builder.result(name, snapshot)
+
+
+def _key(target: Any) -> str:
+    """'linear' for torch.ops.aten.linear.default; 'getitem' for operator.getitem."""
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__.removesuffix("_")  # in-place spellings as their functional form
+    return getattr(target, "__name__", str(target))
+
+
+class _Builder:
+    def __init__(self, torch, program, training: bool, refusals: Refusals, seed: int) -> None:
+        self.torch, self.program, self.training, self.refusals = torch, program, training, refusals
+        self.g = Graph(seed=seed)
+        self.env: dict[str, Value] = {}
+        self.poisoned: set[str] = set()
+        self.inputs: dict[str, Tensor] = {}
+        self.outputs: dict[str, Tensor] = {}
+        self.params: dict[str, str] = {}
+        self.frozen: list[str] = []
+
+    # -- values ----
+    def device(self, value: Value) -> Tensor:
+        if isinstance(value, Tensor):
+            return value
+        if isinstance(value, (int, float, bool)):
+            return self.g.constant(float(value))
+        if isinstance(value, self.torch.Tensor):
+            array = value.detach().cpu().numpy()
+            if array.dtype.kind in "iub":
+                return self.g.constant(array, "i32")
+            return self.g.constant(array.astype(np.float32))
+        raise Refuse(f"expected a tensor, got {type(value).__name__}")
+
+    def operand(self, value: Value) -> Tensor | float:
+        if isinstance(value, (int, float, bool)):
+            return float(value)
+        if isinstance(value, self.torch.Tensor) and value.dim() == 0:
+            return float(value)
+        return self.device(value)
+
+    def known(self, value: Value) -> bool:
+        if isinstance(value, Tensor):
+            return False
+        if isinstance(value, (list, tuple)):
+            return all(self.known(v) for v in value)
+        return True
+
+    # -- walking the program ----
+    def run(self) -> None:
+        sig = self.program.graph_signature
+        state = {**self.program.state_dict, **self.program.constants}
+        params = dict(sig.inputs_to_parameters)
+        buffers = dict(sig.inputs_to_buffers)
+        constants = dict(sig.inputs_to_lifted_tensor_constants)
+        needed = self._needed()
+        for node in self.program.graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node, params, buffers, constants, state)
+            elif node.op == "call_function" and node.name in needed:
+                self._call(node)
+            elif node.op == "output":
+                self._outputs(node)
+
+    def _needed(self) -> set[str]:
+        """The nodes the user's outputs depend on: not the running-statistics updates that a
+        train-mode program also returns (vkml does not update them)."""
+        sig = self.program.graph_signature
+        user = {spec.arg.name for spec in sig.output_specs if spec.kind.name == "USER_OUTPUT"}
+        by_name = {n.name: n for n in self.program.graph.nodes}
+        needed: set[str] = set()
+        stack = [by_name[n] for n in user if n in by_name]
+        while stack:
+            node = stack.pop()
+            if node.name not in needed:
+                needed.add(node.name)
+                stack.extend(node.all_input_nodes)
+        return needed
+
+    def _placeholder(self, node, params, buffers, constants, state) -> None:
+        name = node.name
+        if name in params or name in buffers:
+            target = params.get(name) or buffers[name]
+            value = state[target].detach().cpu()
+            if value.is_floating_point():
+                trainable = name in params
+                self.env[name] = self.g.param(target, tuple(value.shape),
+                                              value.float().numpy(), trainable=trainable)
+                self.params[target] = target
+                if not trainable:
+                    self.frozen.append(target)
+            else:
+                self.env[name] = value
+        elif name in constants:
+            self.env[name] = state[constants[name]].detach().cpu()
+        else:
+            meta = node.meta.get("val")
+            if meta is None or not isinstance(meta, self.torch.Tensor):
+                self.refusals.refuse(name, "input", "inputs other than tensors are not "
+                                     "supported (pass numbers as constants in the module)")
+                self.poisoned.add(name)
+                return
+            dtype = "f32" if meta.is_floating_point() else "i32"
+            self.env[name] = self.inputs[name] = self.g.input(name, tuple(meta.shape), dtype)
+
+    def _call(self, node) -> None:
+        key = _key(node.target)
+        name = node.name
+        flat = [a for a in node.all_input_nodes]
+        if any(a.name in self.poisoned for a in flat):
+            if key not in ATEN and key not in FOLD_ONLY:
+                self.refusals.unsupported(f"aten.{key}", name)
+            self.poisoned.add(name)
+            return
+        args = self._map(node.args)
+        kwargs = self._map(node.kwargs)
+        if self.known((args, list(kwargs.values()))) and key not in NOT_FOLDED:
+            out = convert_guarded(self.refusals, name, f"aten.{key}",
+                                  lambda: node.target(*args, **kwargs))
+        elif key in ATEN:
+            out = convert_guarded(self.refusals, name, f"aten.{key}",
+                                  lambda: ATEN[key](self, *args, **kwargs))
+        else:
+            self.refusals.unsupported(f"aten.{key}", name)
+            out = None
+        if out is None and key not in IGNORED:
+            self.poisoned.add(name)
+        else:
+            self.env[name] = out
+
+    def _map(self, value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._map(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._map(v) for k, v in value.items()}
+        if hasattr(value, "op") and hasattr(value, "name") and hasattr(value, "meta"):
+            return self.env.get(value.name)
+        return value
+
+    def _outputs(self, node) -> None:
+        sig = self.program.graph_signature
+        user = [spec.arg.name for spec in sig.output_specs
+                if spec.kind.name == "USER_OUTPUT"]
+        names = _output_names(self.program.call_spec.out_spec, len(user))
+        for out_name, node_name in zip(names, user):
+            if node_name in self.poisoned:
+                continue
+            value = self.env.get(node_name)
+            tensor = convert_guarded(self.refusals, node_name, "output",
+                                     lambda v=value: self.device(v))
+            if tensor is not None:
+                self.outputs[out_name] = self.g.output(out_name, tensor)
+
+    def result(self, name: str, snapshot: dict) -> ImportedModel:
+        torch = self.torch
+
+        def state_dict(values: dict[str, np.ndarray]) -> dict[str, Any]:
+            out = {}
+            for key, original in snapshot.items():
+                if key in values:
+                    out[key] = torch.from_numpy(np.array(values[key])).to(original.dtype)
+                else:
+                    out[key] = original.clone()
+            return out
+
+        return ImportedModel(self.g, dict(self.inputs), dict(self.outputs),
+                             f"{name} (torch.export)", params=dict(self.params),
+                             frozen=tuple(self.frozen), _state_dict=state_dict)
+
+
+def _output_names(spec, count: int) -> list[str]:
+    """The outputs' names: a dict's (or a Hugging Face ModelOutput's) keys, "output" for one
+    tensor, "output_0", "output_1", ... otherwise."""
+    context = getattr(spec, "context", None)
+    if isinstance(context, (list, tuple)) and len(context) == count and all(
+            isinstance(k, str) for k in context):
+        return list(context)
+    if count == 1:
+        return ["output"]
+    return [f"output_{i}" for i in range(count)]
+
+
+# ---- the op table ------------------------------------------------------------------------------
+Handler = Callable[..., Any]
+ATEN: dict[str, Handler] = {}
+# Run by PyTorch at import when their inputs are known, refused otherwise by name.
+FOLD_ONLY = {"arange", "full", "zeros", "ones", "empty", "scalar_tensor", "lift_fresh_copy"}
+NOT_FOLDED = {"native_dropout", "dropout", "rand", "randn", "bernoulli", "rand_like",
+              "randn_like"}
+IGNORED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
+# Ops mapped whole, kept out of the decompositions (vkml has them as one op or composition).
+KEPT = {"linear", "layer_norm", "scaled_dot_product_attention", "gelu", "silu", "batch_norm",
+        "conv2d", "conv1d", "conv_transpose2d", "group_norm", "rms_norm", "softmax",
+        "log_softmax", "hardswish", "hardsigmoid", "matmul", "embedding", "dropout",
+        "adaptive_avg_pool2d", "instance_norm", "einsum", "leaky_relu", "elu", "mish",
+        "softplus"}
+
+
+def aten(*names: str) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        for n in names:
+            ATEN[n] = fn
+        return fn
+    return register
+
+
+def _tensor(b: _Builder, v: Value | None) -> Tensor | None:
+    return None if v is None else b.device(v)
+
+
+@aten(*IGNORED)
+def _ignored(b, *args, **kwargs):
+    return None
+
+
+@aten("getitem")
+def _getitem(b, seq, index):
+    out = seq[index]
+    if out is None:
+        raise Refuse("reads an output vkml does not compute (e.g. batch-norm statistics)")
+    return out
+
+
+@aten("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_to_copy", "to",
+      "_unsafe_view_copy")
+def _identity(b, x, *args, **kwargs):
+    dtype = kwargs.get("dtype")
+    if dtype is not None and isinstance(x, Tensor):
+        want = "f32" if dtype.is_floating_point else "i32"
+        if want != x.dtype:
+            if not hasattr(b.g, "cast"):
+                raise Refuse(f"a cast from {x.dtype} to {want} needs vkml's cast op")
+            return b.g.cast(x, want)
+    return x
+
+
+@aten("linear")
+def _linear(b, x, w, bias=None):
+    return linear(b.g, b.device(x), b.device(w), _tensor(b, bias))
+
+
+def linear(g: Graph, x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear as vkml.nn.Linear computes it (leading axes flattened into one product)."""
+    lead = x.shape[:-1]
+    flat = g.reshape(x, (-1, x.shape[-1])) if len(lead) != 1 else x
+    y = g.matmul(flat, w, transpose_b=True)
+    if bias is not None:
+        y = g.bias_add(y, bias)
+    return g.reshape(y, (*lead, w.shape[0])) if len(lead) != 1 else y
+
+
+@aten("addmm")
+def _addmm(b, bias, x, w, beta=1, alpha=1):
+    g = b.g
+    y = g.matmul(b.device(x), b.device(w))
+    if alpha != 1:
+        y = g.mul(y, float(alpha))
+    c = b.device(bias)
+    if beta != 1:
+        c = g.mul(c, float(beta))
+    return g.bias_add(y, c) if c.shape == y.shape[-1:] else g.add(y, c)
+
+
+@aten("mm", "bmm", "matmul")
+def _matmul(b, x, w):
+    return matmul(b.g, b.device(x), b.device(w))
+
+
+@aten("t")
+def _t(b, x):
+    x = b.device(x)
+    return b.g.transpose(x) if len(x.shape) == 2 else x
+
+
+@aten("permute")
+def _permute(b, x, dims):
+    x = b.device(x)
+    dims = [d % len(x.shape) for d in dims]
+    return x if dims == sorted(dims) else b.g.transpose(x, dims)
+
+
+@aten("transpose")
+def _transpose(b, x, d0, d1):
+    x = b.device(x)
+    perm = list(range(len(x.shape)))
+    d0, d1 = d0 % len(perm), d1 % len(perm)
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return x if d0 == d1 else b.g.transpose(x, perm)
+
+
+@aten("view", "reshape", "_unsafe_view")
+def _view(b, x, shape):
+    return b.g.reshape(b.device(x), [int(d) for d in shape])
+
+
+@aten("expand")
+def _expand(b, x, shape, implicit=False):
+    return b.g.expand(b.device(x), [int(d) for d in shape])
+
+
+@aten("repeat")
+def _repeat(b, x, repeats):
+    return b.g.tile(b.device(x), [int(r) for r in repeats])
+
+
+@aten("unsqueeze")
+def _unsqueeze(b, x, dim):
+    x = b.device(x)
+    dim %= len(x.shape) + 1
+    return b.g.reshape(x, (*x.shape[:dim], 1, *x.shape[dim:]))
+
+
+@aten("squeeze")
+def _squeeze(b, x, dims=None):
+    x = b.device(x)
+    if dims is None:
+        dims = [a for a, d in enumerate(x.shape) if d == 1]
+    dims = {d % len(x.shape) for d in ([dims] if isinstance(dims, int) else dims)}
+    return b.g.reshape(x, [d for a, d in enumerate(x.shape) if not (a in dims and d == 1)])
+
+
+@aten("flatten")
+def _flatten(b, x, start=0, end=-1):
+    x = b.device(x)
+    start, end = start % len(x.shape), end % len(x.shape)
+    return b.g.reshape(x, (*x.shape[:start], math.prod(x.shape[start:end + 1]),
+                           *x.shape[end + 1:]))
+
+
+@aten("cat", "concat")
+def _cat(b, xs, dim=0):
+    xs = [b.device(x) for x in xs if not (hasattr(x, "numel") and x.numel() == 0)]
+    return b.g.concat(xs, dim % len(xs[0].shape))
+
+
+@aten("split", "split_with_sizes")
+def _split(b, x, sizes, dim=0):
+    x = b.device(x)
+    return b.g.split(x, sizes, dim % len(x.shape))
+
+
+@aten("slice")
+def _slice(b, x, dim=0, start=None, end=None, step=1):
+    x = b.device(x)
+    dim %= len(x.shape)
+    n = x.shape[dim]
+    if step != 1:
+        raise Refuse(f"slices with step {step} are not supported (step 1 is)")
+    lo = 0 if start is None else (start + n if start < 0 else start)
+    hi = n if end is None else (end + n if end < 0 else end)
+    lo, hi = max(0, min(n, lo)), max(0, min(n, hi))
+    if hi <= lo:
+        raise Refuse(f"an empty slice [{start}:{end}] of axis {dim} ({n})")
+    return x if (lo, hi) == (0, n) else b.g.slice(x, dim, lo, hi)
+
+
+@aten("select")
+def _select(b, x, dim, index):
+    x = b.device(x)
+    dim %= len(x.shape)
+    index %= x.shape[dim]
+    y = b.g.slice(x, dim, index, index + 1) if x.shape[dim] > 1 else x
+    return b.g.reshape(y, x.shape[:dim] + x.shape[dim + 1:])
+
+
+@aten("index_select")
+def _index_select(b, x, dim, index):
+    x = b.device(x)
+    return b.g.index_select(x, dim % len(x.shape), b.device(index))
+
+
+@aten("gather")
+def _gather(b, x, dim, index, sparse_grad=False):
+    x = b.device(x)
+    return b.g.gather_elements(x, b.device(index), dim % len(x.shape))
+
+
+@aten("embedding")
+def _embedding(b, weight, ids, padding_idx=-1, scale_grad=False, sparse=False):
+    return b.g.embedding(b.device(ids), b.device(weight))
+
+
+BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div"}
+
+
+def _make_binary(name: str) -> Handler:
+    def handler(b, x, y, alpha=1, rounding_mode=None):
+        if rounding_mode is not None:
+            raise Refuse(f"division with rounding_mode={rounding_mode!r} is not supported")
+        if alpha != 1:
+            y = b.g.mul(b.device(y), float(alpha)) if not isinstance(y, (int, float)) \
+                else y * alpha
+        return getattr(b.g, BINARY[name])(b.operand(x), b.operand(y))
+    return handler
+
+
+for _name in BINARY:
+    ATEN[_name] = _make_binary(_name)
+
+
+@aten("rsub")
+def _rsub(b, x, y, alpha=1):
+    return ATEN["sub"](b, y, x, alpha)
+
+
+UNARY = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "exp": "exp", "log": "log",
+         "neg": "neg", "sqrt": "sqrt", "rsqrt": "rsqrt", "abs": "abs", "erf": "erf",
+         "silu": "silu", "sin": "sin", "cos": "cos", "reciprocal": "reciprocal",
+         "hardswish": "hardswish", "hardsigmoid": "hardsigmoid", "floor": "floor",
+         "ceil": "ceil", "round": "round", "sign": "sign", "mish": "mish", "log1p": "log1p",
+         "expm1": "expm1", "square": "square"}
+
+
+def _make_unary(name: str) -> Handler:
+    def handler(b, x):
+        return getattr(b.g, UNARY[name])(b.device(x))
+    return handler
+
+
+for _name in UNARY:
+    ATEN[_name] = _make_unary(_name)
+
+
+@aten("gelu")
+def _gelu(b, x, approximate="none"):
+    return b.g.gelu(b.device(x), approximate)
+
+
+@aten("leaky_relu")
+def _leaky_relu(b, x, slope=0.01):
+    return b.g.leaky_relu(b.device(x), float(slope))
+
+
+@aten("elu")
+def _elu(b, x, alpha=1.0, scale=1.0, input_scale=1.0):
+    if scale != 1.0 or input_scale != 1.0:
+        raise Refuse("elu with a scale is not supported")
+    return b.g.elu(b.device(x), float(alpha))
+
+
+@aten("softplus")
+def _softplus(b, x, beta=1.0, threshold=20.0):
+    return b.g.softplus(b.device(x), float(beta), float(threshold))
+
+
+@aten("hardtanh", "clamp")
+def _clamp(b, x, low=None, high=None):
+    return b.g.clamp(b.device(x), low, high)
+
+
+@aten("pow")
+def _pow(b, x, e):
+    if isinstance(e, (int, float)):
+        return power(b.g, b.device(x), float(e))
+    return b.g.pow(b.operand(x), b.operand(e))
+
+
+PREDICATES = {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal",
+              "gt": "greater", "ge": "greater_equal", "logical_and": "logical_and",
+              "logical_or": "logical_or"}
+
+
+def _make_predicate(name: str) -> Handler:
+    def handler(b, x, y):
+        return getattr(b.g, PREDICATES[name])(b.operand(x), b.operand(y))
+    return handler
+
+
+for _name in PREDICATES:
+    ATEN[_name] = _make_predicate(_name)
+
+
+@aten("logical_not")
+def _logical_not(b, x):
+    return b.g.logical_not(b.device(x))
+
+
+@aten("where")
+def _where(b, cond, x, y):
+    return b.g.where(b.device(cond), b.operand(x), b.operand(y))
+
+
+@aten("masked_fill")
+def _masked_fill(b, x, mask, value):
+    return b.g.where(b.device(mask), b.operand(value), b.device(x))
+
+
+def _dims(x: Tensor, dims) -> list[int] | None:
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        return None
+    return [d % len(x.shape) for d in ([dims] if isinstance(dims, int) else dims)]
+
+
+def _make_reduce(name: str) -> Handler:
+    def handler(b, x, dims=None, keepdim=False, dtype=None):
+        x = b.device(x)
+        return getattr(b.g, name)(x, _dims(x, dims), keepdims=bool(keepdim))
+    return handler
+
+
+for _name in ("mean", "sum", "amax", "amin"):
+    ATEN[_name] = _make_reduce(_name)
+
+
+@aten("argmax")
+def _argmax(b, x, dim=None, keepdim=False):
+    x = b.device(x)
+    if dim is None:
+        x, dim = b.g.reshape(x, (x.size,)), 0
+    return b.g.argmax(x, dim, bool(keepdim))
+
+
+def _make_softmax(log: bool) -> Handler:
+    def handler(b, x, dim, *rest):
+        x = b.device(x)
+        return last_axis(b.g, x, dim, b.g.log_softmax if log else b.g.softmax)
+    return handler
+
+
+for _name in ("softmax", "_softmax"):
+    ATEN[_name] = _make_softmax(False)
+for _name in ("log_softmax", "_log_softmax"):
+    ATEN[_name] = _make_softmax(True)
+
+
+@aten("layer_norm")
+def _layer_norm(b, x, shape, weight=None, bias=None, eps=1e-5, *rest):
+    return b.g.layer_norm(b.device(x), tuple(shape), _tensor(b, weight), _tensor(b, bias),
+                          float(eps))
+
+
+ATEN["native_layer_norm"] = lambda b, *a: (_layer_norm(b, *a), None, None)
+
+
+@aten("rms_norm")
+def _rms_norm(b, x, shape, weight=None, eps=None):
+    x = b.device(x)
+    if len(shape) != 1:
+        raise Refuse("RMSNorm over more than the last axis is not supported")
+    eps = float(np.finfo(np.float32).eps) if eps is None else float(eps)
+    return b.g.rms_norm(x, _tensor(b, weight), eps)
+
+
+@aten("group_norm")
+def _group_norm(b, x, groups, weight=None, bias=None, eps=1e-5, *rest):
+    return b.g.group_norm(b.device(x), int(groups), _tensor(b, weight), _tensor(b, bias),
+                          float(eps))
+
+
+@aten("native_group_norm")
+def _native_group_norm(b, x, weight, bias, n, c, hw, groups, eps):
+    return (_group_norm(b, x, groups, weight, bias, eps), None, None)
+
+
+@aten("instance_norm")
+def _instance_norm(b, x, weight=None, bias=None, rm=None, rv=None, use_input_stats=True,
+                   momentum=0.1, eps=1e-5, cudnn=False):
+    if not use_input_stats:
+        raise Refuse("instance norm from running statistics is not supported")
+    return b.g.instance_norm(b.device(x), _tensor(b, weight), _tensor(b, bias), float(eps))
+
+
+def batch_norm(b: _Builder, x, weight, bias, mean, var, training: bool, eps: float) -> Tensor:
+    train = bool(training) and b.training
+    return b.g.batch_norm(b.device(x), _tensor(b, mean), _tensor(b, var), _tensor(b, weight),
+                          _tensor(b, bias), training=train, eps=float(eps))
+
+
+@aten("batch_norm")
+def _batch_norm(b, x, weight, bias, mean, var, training, momentum, eps, cudnn=False):
+    return batch_norm(b, x, weight, bias, mean, var, training, eps)
+
+
+@aten("_native_batch_norm_legit_functional")
+def _bn_functional(b, x, weight, bias, mean, var, training, momentum, eps):
+    return (batch_norm(b, x, weight, bias, mean, var, training, eps), None, None, None, None)
+
+
+@aten("_native_batch_norm_legit_no_training")
+def _bn_no_training(b, x, weight, bias, mean, var, momentum, eps):
+    return (batch_norm(b, x, weight, bias, mean, var, False, eps), None, None)
+
+
+def _conv_padding(x: Tensor, w: Tensor, padding, dilation) -> Any:
+    if padding == "same":
+        return tuple(d * (k - 1) // 2 for d, k in zip(dilation, w.shape[2:]))
+    if padding == "valid":
+        return 0
+    return padding
+
+
+def _first(v: Any) -> int:
+    return v if isinstance(v, int) else v[0]
+
+
+@aten("conv2d", "conv1d")
+def _conv(b, x, w, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    x, w = b.device(x), b.device(w)
+    rank = len(w.shape) - 2
+    dilation = [dilation] * rank if isinstance(dilation, int) else list(dilation)
+    padding = _conv_padding(x, w, padding, dilation)
+    if rank == 1:
+        return b.g.conv1d(x, w, _tensor(b, bias), _first(stride), _first(padding),
+                          dilation[0], groups)
+    return b.g.conv2d(x, w, _tensor(b, bias), stride, padding, dilation, groups)
+
+
+@aten("convolution")
+def _convolution(b, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed:
+        return _conv_transpose(b, x, w, bias, stride, padding, output_padding, groups, dilation)
+    return _conv(b, x, w, bias, stride, padding, dilation, groups)
+
+
+@aten("conv_transpose2d")
+def _conv_transpose(b, x, w, bias=None, stride=1, padding=0, output_padding=0, groups=1,
+                    dilation=1):
+    return b.g.conv_transpose2d(b.device(x), b.device(w), _tensor(b, bias), stride, padding,
+                                output_padding, dilation, groups)
+
+
+@aten("max_pool2d")
+def _max_pool(b, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
+    if ceil_mode:
+        raise Refuse("ceil_mode=True pooling is not supported")
+    if dilation not in (1, [1, 1], (1, 1)):
+        raise Refuse("dilated pooling is not supported")
+    return b.g.max_pool2d(b.device(x), kernel, stride or None, padding)
+
+
+ATEN["max_pool2d_with_indices"] = lambda b, *a, **k: (_max_pool(b, *a, **k), None)
+
+
+@aten("avg_pool2d")
+def _avg_pool(b, x, kernel, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+              divisor_override=None):
+    if ceil_mode or divisor_override is not None:
+        raise Refuse("ceil_mode or divisor_override in average pooling is not supported")
+    if not count_include_pad and padding not in (0, [0, 0], (0, 0)):
+        raise Refuse("average pooling over padding with count_include_pad=False is not "
+                     "supported")
+    return b.g.avg_pool2d(b.device(x), kernel, stride or None, padding)
+
+
+@aten("adaptive_avg_pool2d", "_adaptive_avg_pool2d")
+def _adaptive_avg_pool(b, x, size):
+    x = b.device(x)
+    h, w = x.shape[-2:]
+    oh, ow = (size, size) if isinstance(size, int) else size
+    if (oh, ow) == (1, 1):
+        return b.g.mean(x, (2, 3), keepdims=True)
+    if h % oh or w % ow:
+        raise Refuse(f"adaptive average pooling from {h}x{w} to {oh}x{ow} (not a whole "
+                     "window per output) is not supported")
+    return b.g.avg_pool2d(x, (h // oh, w // ow))
+
+
+@aten("upsample_nearest2d")
+def _upsample_nearest(b, x, size=None, scales_h=None, scales_w=None):
+    x = b.device(x)
+    h, w = x.shape[-2:]
+    if size is not None:
+        fy, fx = size[0] / h, size[1] / w
+    else:
+        fy, fx = scales_h, scales_w
+    if fy != fx or fy != int(fy):
+        raise Refuse("nearest upsampling by a factor other than one integer for both axes is "
+                     "not supported")
+    return b.g.upsample_nearest(x, int(fy))
+
+
+@aten("scaled_dot_product_attention")
+def _sdpa(b, q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p and b.training:
+        raise Refuse("attention dropout in training is not supported")
+    if mask is not None:
+        if not isinstance(mask, Tensor) and mask.dtype == b.torch.bool:
+            mask = b.torch.zeros(mask.shape).masked_fill(~mask, MASKED)
+        elif isinstance(mask, Tensor) and mask.dtype == "i32":
+            mask = b.g.where(mask, 0.0, MASKED)
+        mask = b.device(mask)
+    return b.g.scaled_dot_product_attention(b.device(q), b.device(k), b.device(v), mask,
+                                            bool(is_causal), scale)
+
+
+@aten("dropout")
+def _dropout(b, x, p, train):
+    live = bool(train) and b.training and p > 0
+    if not live:
+        return x
+    if not hasattr(b.g, "dropout"):
+        raise Refuse("a live dropout (training=True, module in train mode) needs vkml's "
+                     "dropout op")
+    return b.g.dropout(b.device(x), float(p))
+
+
+ATEN["native_dropout"] = lambda b, x, p, train: (_dropout(b, x, p, train), None)
+
+
+@aten("einsum")
+def _einsum(b, equation, operands):
+    return b.g.einsum(equation, *[b.device(x) for x in operands])
+
