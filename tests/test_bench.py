@@ -100,3 +100,15 @@ def test_kernel_lab_times_a_tiling_by_name():
     proc = subprocess.run([*lab, "--tilings", "s64x32k8r6x4"], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "s<BM>x<BN>k<BK>r<TM>x<TN>" in proc.stderr, proc.stderr
+
+
+def test_redraw_makes_a_saved_runs_markdown_and_chart_again(tmp_path):
+    # tools/results/ keeps a run's JSON and markdown; its chart is made again from the JSON.
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench
+
+    run = REPO / "tools" / "results" / "bench-20261202-190407-full-vulkan.json"
+    assert bench.main(["--redraw", str(run), "--out-dir", str(tmp_path)]) == 0
+    markdown = run.with_suffix(".md")
+    assert (tmp_path / markdown.name).read_text() == markdown.read_text()
+    assert (tmp_path / run.with_suffix(".png").name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -53,8 +53,11 @@ Figures per row:
 Order, for a run cut short by a time limit: each workload's rows (timings and gates), then the
 matmul, then the compile subprocesses; the JSON is rewritten after every row, the markdown after
 every workload, the chart at the end (also on SIGTERM). `--budget-s` stops starting new work past
-that many seconds and records what was skipped. Output: tools/results/bench-<UTC time>-<config>-
-<backend>.{json,md,png}; a short summary table is printed last.
+that many seconds and records what was skipped. Output: out/results/bench-<UTC time>-<config>-
+<backend>.{json,md,png} (out/ is not committed: copy a run's files into tools/results/ when the
+README or tools/KERNELS.md cites it); a short summary table is printed last. `--redraw RUN.json`
+makes a saved run's markdown and chart again from its JSON (tools/results/ keeps the JSON and
+markdown of the runs it cites, without their charts).
 """
 
 from __future__ import annotations
@@ -1232,7 +1235,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new work after this many seconds (skips are recorded)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default=str(REPO / "tools" / "results"))
+    p.add_argument("--out-dir", default=str(REPO / "out" / "results"))
+    p.add_argument("--redraw", type=Path, metavar="RUN.json",
+                   help="only write this saved run's markdown and chart again, into --out-dir")
     p.add_argument("--note", default="", help="free text stored in the JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
@@ -1243,8 +1248,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return opts
 
 
+def redraw(run: Path, out_dir: Path) -> list[Path]:
+    """A saved run's markdown and chart, made again from its JSON into `out_dir`."""
+    data = json.loads(run.read_text())
+    report = Report(out_dir / run.stem, data["meta"])
+    report.rows, report.matmul = data["rows"], data["matmul"]
+    return [p for p in (report.write_markdown(), report.write_chart()) if p is not None]
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
+    if opts.redraw:
+        for path in redraw(opts.redraw, Path(opts.out_dir)):
+            print(f"wrote {path}")
+        return 0
     if opts.child:
         print(json.dumps(child_compile(json.loads(opts.child))))
         return 0

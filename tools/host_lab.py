@@ -67,7 +67,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--only", default="whisper_encoder,resnet,unet,smolvla_expert,smollm2")
     ap.add_argument("--phases", default="infer,train")
-    ap.add_argument("--out", default="host_lab.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "out"
+                                         / "host_lab.json"))
     ap.add_argument("--tiny", action="store_true")
     opts = ap.parse_args()
     device = vkml.Device()
@@ -104,6 +105,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             for s in sessions.values():
                 s.close()
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(results, indent=1))
 
 
