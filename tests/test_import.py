@@ -234,3 +234,77 @@ def test_onnx_transformer_block_matches_onnxruntime(device, tmp_path):
     s.forward()
     (ref,) = onnxruntime_run(path, {"x": x.numpy()})
     assert rel_l2(s.read("logits"), ref) < FORWARD_TOL
+
+
+def _refused_model():
+    """x -> Relu -> [Det, two vendor ops, NonZero] -> Add: ops vkml lacks, and a node whose
+    output's shape depends on the data."""
+    from onnx import TensorProto, helper
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Det", ["r"], ["d"], name="det"),
+             helper.make_node("FusedGemm", ["r", "r"], ["f1"], name="fused1",
+                              domain="com.example"),
+             helper.make_node("FusedGemm", ["f1", "r"], ["f2"], name="fused2",
+                              domain="com.example"),
+             helper.make_node("NonZero", ["r"], ["nz"], name="nonzero"),
+             helper.make_node("Add", ["f2", "r"], ["y"], name="add")]
+    graph = helper.make_graph(
+        nodes, "refused", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (3, 3))],
+        [helper.make_tensor_value_info(n, t, shape) for n, t, shape in
+         (("y", TensorProto.FLOAT, (3, 3)), ("d", TensorProto.FLOAT, ()),
+          ("nz", TensorProto.INT64, (2, "nonzeros")))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("com.example", 1)])
+
+
+def test_onnx_refusal_lists_everything_at_once():
+    with pytest.raises(vkml.ModelImportError) as info:
+        vkml.import_onnx(_refused_model())
+    error = info.value
+    assert isinstance(error, ImportError) and isinstance(error, vkml.VkmlError)
+    assert error.unsupported == {"Det": 1, "com.example::FusedGemm": 2}
+    assert error.refused_nodes == ["nonzero"]
+    message = str(error)
+    assert "com.example::FusedGemm x2: fused1, fused2" in message
+    assert "nonzero (NonZero): data-dependent" in message
+
+
+def test_torch_refusal_names_the_op():
+    class Sorting(torch.nn.Module):
+        def forward(self, x):
+            return torch.sort(x, dim=-1).values * 2
+
+    with pytest.raises(vkml.ModelImportError, match=r"aten\.sort x1"):
+        vkml.import_torch(Sorting(), (torch.randn(2, 5),))
+
+
+def test_onnx_bad_files_are_named(tmp_path):
+    torch.manual_seed(0)
+    path = export_onnx(MLP(), (torch.randn(2, 6),), tmp_path / "mlp.onnx", ["x"])
+    data = open(path, "rb").read()
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(vkml.ModelImportError, match="truncated.onnx"):
+        vkml.import_onnx(truncated)
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"\xff\x00not an onnx model" * 10)
+    with pytest.raises(vkml.ModelImportError, match="garbage.onnx"):
+        vkml.import_onnx(garbage)
+    with pytest.raises(vkml.ModelImportError, match="no such file"):
+        vkml.import_onnx(tmp_path / "absent.onnx")
+
+    model = onnx.load(path)
+    model.opset_import[0].version = 999
+    with pytest.raises(vkml.ModelImportError, match="opset 999"):
+        vkml.import_onnx(model)
+    model.opset_import[0].version = 11
+    with pytest.raises(vkml.ModelImportError, match="opset 11.*convert_version"):
+        vkml.import_onnx(model)
+
+    external = tmp_path / "external.onnx"
+    onnx.save_model(onnx.load(path), str(external), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    assert set(vkml.import_onnx(external).graph.params) == set(dict(MLP().named_parameters()))
+    (tmp_path / "weights.bin").unlink()
+    with pytest.raises(vkml.ModelImportError, match="weights.bin"):
+        vkml.import_onnx(external)
