@@ -3,7 +3,7 @@ output tiles, with the operands read through loaders, so one generator serves ma
 transposed, batched) and convolution as implicit GEMM (forward, input gradient, weight gradient):
 the caller says how to read an element of A and of B and how to store an element of C.
 
-Two variants, chosen by the device:
+Three variants, chosen by the device and the product (measurements: tools/KERNELS.md):
 - staged (GPUs): a workgroup computes a BM x BN tile; each thread holds a TM x TN register tile
   of scalar accumulators (generated unrolled: a dynamically indexed local array would live in
   slow local memory). Every BK-deep slice of A and B goes through workgroup memory as vec4 rows,
@@ -26,14 +26,10 @@ Two variants, chosen by the device:
   a gradient operand is first scaled by a power of two into f16's range (`_scales`, from the
   largest magnitudes compiler/scale.py provides), undone as C is stored. Below those the
   staged f32 kernel is used even in accelerated mode.
-  On an H200 (tools/KERNELS.md, v3, v7, v9, v10): once naga's workgroup zeroing was dropped
-  (vk/spirv.py) the cooperative tiles beat f32 on the transformers' matmuls (Whisper's FFN
-  down projection 0.095 -> 0.045 ms, q/k/v 0.028 -> 0.017, attention times values, 64
-  columns, 0.097 -> 0.050), over a short k only where fragments store straight to C (its
-  64-deep attention scores: 0.061 -> 0.063 through workgroup memory, 0.063 -> 0.047 stored
-  straight, v13); on convolutions they ran
-  slower (U-Net, ResNet-50) and ResNet-50's accelerated training failed its gradient gates
-  (batch norm over f16 convolutions), so convolutions keep COOP_MIN.
+  Matmuls take cooperative tiles from a smaller size than convolutions: on transformer matmuls
+  they beat f32 (over a short k only where fragments store straight to C), while on
+  convolutions they were slower and, in ResNet-50's training, failed the gradient gates (batch
+  norm over f16 convolutions).
 """
 
 from __future__ import annotations
@@ -158,15 +154,13 @@ class CoopTiling:
         return f"c{self.bm}x{self.bn}k{self.bk}f{self.fm}x{self.fn}"
 
 
-# naga gives each accumulator a variable of its own; more than 16 a subgroup spills on NVIDIA.
-# At 4096^3 on an H200 (tools/KERNELS.md, v10, v13) sixteen subgroups of 4 x 2 fragments over
-# 128 x 256 ran 235 TFLOP/s, eight of 4 x 4 221, four over 128 x 128 196 (sixteen of 2 x 2
-# there: 125); deeper or shallower slices than 32, two slices staged in turn, and the staged
-# slice held as f16 from its loads were slower.
+# Largest first. naga gives each accumulator a variable of its own, and more than 16 a subgroup
+# spill on NVIDIA; among the tilings that fit, many subgroups of 4 x 2 fragments ran large
+# products fastest, and 32-deep slices staged one at a time as f32 beat the alternatives tried.
 COOP = (CoopTiling(2, 8, 4, 2), CoopTiling(2, 2, 4, 4), CoopTiling(2, 2, 2, 4),
         CoopTiling(2, 2, 2, 2), CoopTiling(2, 2, 1, 2), CoopTiling(2, 2, 1, 1))
-# Workgroups it takes to fill a large GPU (an H200 has 132 multiprocessors, two resident
-# workgroups each at these sizes); below this a smaller tile wins by keeping more of it busy.
+# Workgroups it takes to fill a large GPU (about 130 multiprocessors, two resident workgroups
+# each at these sizes); below this a smaller tile wins by keeping more of it busy.
 FILL = 264
 
 
@@ -180,10 +174,8 @@ def direct_tiling(m: int, n: int) -> Tiling:
 
 def stores_wide(tiling: Tiling | CoopTiling, k: int) -> bool:
     """Whether a kernel whose C runs along memory in fours takes `WideStore`: on the staged
-    variant, except for register tiles of more than 16 outputs over a long k. Measured on an
-    H200 (tools/KERNELS.md, v9): Whisper's 64-deep attention scores (128 x 128 tiles, 8 x 8 a
-    thread) 0.106 -> 0.063 ms, every model's step 2-9% faster, but the 4096^3 product (the same
-    tiles over k = 4096) 40.0 -> 34.3 TFLOP/s."""
+    variant, except for register tiles of more than 16 outputs over a long k, where the wide
+    stores made large products slower while they sped up every model's shallow products."""
     return (isinstance(tiling, Tiling) and tiling.staged
             and (tiling.tm * tiling.tn <= 16 or k <= WIDE_STORE_MAX_K))
 
@@ -203,14 +195,11 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     64 x 64 tile (32 x 32 for thin matrices, and for `plain` products, whose operands are
     matrices in memory rather than gathered like a convolution's patches: matmuls and pointwise
     convolutions, kernels/conv.py `plain`; where 64 x 64 tiles do not fill it either) that the
-    split stage gives more workgroups by splitting k where it still needs them. Measured on an
-    H200 (tools/kernel_lab.py, tools/KERNELS.md v2, v7): 64 x 64 with splits beat the smaller
-    tiles unsplit by 2-4x on the convolutions; on the transformers' products 32 x 32 tiles were
-    faster in 8 of 13 shapes (by 9-24%) and slower in one; at 2048^3, which 64 x 64 tiles fill,
-    32 x 32 lost 14%; taking the rule for ResNet-50's 1x1 convolutions ran its training step
-    11.2 -> 10.8 ms and its inference 3.28 -> 3.04 (KERNELS.md v8). `coop_min`: the fewest rows
-    and columns, and the shallowest depth, that take cooperative tiles in accelerated mode
-    (default COOP_MIN for all three)."""
+    split stage gives more workgroups by splitting k where it still needs them (tools/
+    kernel_lab.py times the choices: 64 x 64 with splits beats smaller tiles unsplit on
+    convolutions, 32 x 32 wins on most of the transformers' smaller products). `coop_min`: the
+    fewest rows and columns, and the shallowest depth, that take cooperative tiles in
+    accelerated mode (default COOP_MIN for all three)."""
     if on_cpu(caps):
         return direct_tiling(m, n)
     outputs, depth = (COOP_MIN, COOP_MIN) if coop_min is None else coop_min
@@ -232,9 +221,8 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
            else [t for t in usable if t.bm * t.bn <= 128 * 128][:1])
     for t in top:  # the largest only where it pads the matrix no more than the next
         if tiles(t) >= FILL and padded(t) <= padded(top[-1]):
-            # or a tile of half its outputs where that covers a quarter fewer or less:
-            # ResNet's stem convolution, 64 channels, ran 0.376 ms on 128 x 128 tiles (half of
-            # each idle) and 0.340 on 128 x 64 (H200, KERNELS.md v15)
+            # or a tile of half its outputs where that covers a quarter fewer or less (a
+            # 64-channel product on 128 x 128 tiles leaves half of each idle)
             halves = [u for u in usable
                       if 2 * u.bm * u.bn == t.bm * t.bn and 4 * padded(u) <= 3 * padded(t)]
             return min(halves, key=padded, default=t)
@@ -270,18 +258,17 @@ def splits(m: int, n: int, k: int, z: int, caps: Capabilities, plain: bool = Fal
 
 
 WIDE_STORE_MAX_K = 256  # see stores_wide
-# Tiles of more than 128 x 128 outputs only over sums this long: on an H200 (tools/KERNELS.md
-# v11) 256 x 128 f32 tiles ran the 4096^3 product 5% faster than 128 x 128 ones and Whisper's
-# 64-deep attention scores 25% slower (0.084 against 0.063 ms); depths between, unmeasured.
+# Tiles of more than 128 x 128 outputs only over sums this long: they speed up long sums and
+# slow down shallow ones (depths between 64 and 4096 were not measured).
 LARGE_TILE_MIN_K = 1024
-COOP_MIN = 2048  # the smallest product where cooperative tiles beat staged f32 on an H200
+COOP_MIN = 2048  # the smallest product where cooperative tiles beat staged f32 (measured)
 COOP_MIN_MATMUL = (64, 256)  # rows and columns, depth: matmuls (see the module's docstring)
 # SHALLOW: cooperative tiles over sums shallower than COOP_MIN_MATMUL's depth (kernels/matmul.py
-# takes them for plain products from 64) are 64 x 64: Whisper's 64-deep attention scores ran
-# 0.047 ms on them, 0.057 on 128 x 128 ones and 0.063 on f32 tiles (H200, tools/KERNELS.md v13).
-# Backward products (scaled operands) take cooperative tiles from this many rows: SmolLM2's, of
-# 128 rows, ran its accelerated training step 10.3 -> 11.5 ms on an H200 that way (the largest
-# magnitudes a dispatch and a level before each product; tools/KERNELS.md v12).
+# takes them for plain products from 64) are 64 x 64, which ran such products faster than
+# larger cooperative tiles or f32 ones.
+# Backward products (scaled operands) take cooperative tiles from this many rows: below it the
+# extra dispatch and level for the largest magnitudes before each product cost more than the
+# tiles gain (SmolLM2's 128-row products).
 SCALED_MIN_ROWS = 256
 THIN = 48  # below this many rows or columns a 64-wide tile is mostly idle
 MIN_STEPS = 8  # k-steps a split keeps at the least
@@ -566,9 +553,8 @@ def _scales(m: int, n: int, t: CoopTiling, begin: str, end: str,
     return [*lines, "  workgroupBarrier();"]
 
 
-# The cooperative kernel checks every edge, needed or not: without the checks its 4096^3
-# product ran 168 against 203 TFLOP/s on an H200 (tools/KERNELS.md v11), where the f32 kernels
-# gained from dropping them.
+# The cooperative kernel checks every edge, needed or not: dropping the checks made it slower
+# (it made the f32 kernels faster).
 COOP_EDGES = Edges(True, True, True)
 
 
