@@ -243,6 +243,11 @@ Operand = Tensor | float | int
 # Checkpoints keep optimizer state under this prefix ("optimizer/<param>/<state>"): a name of
 # the graph starting with it could be overwritten by that state on save, so none may.
 STATE_PREFIX = "optimizer/"
+# The input (i32, a scalar) by which ops that act only in training (dropout) know the step: the
+# session sets it itself before each submission, to the number of the training step (1, 2, ...
+# counted per session) in step(), chunked or not, and record(); to 0 in forward() and in every
+# step of a session compiled without a loss. A write like any input's: nothing is recorded again.
+TRAINING_STEP = "vkml/training_step"
 # Random initial values are drawn this many elements at a time into the f32 result, so a
 # parameter needs its own bytes on the host and not twice as many again in float64; numpy
 # draws the same values whatever the cut.
@@ -349,11 +354,23 @@ class Graph:
     def input(self, name: str, shape: int | Sequence[int], dtype: DType = "f32") -> Tensor:
         """A value the user sets before each step (`session.set_input(name, array)`).
         `shape`: a tuple of ints, or an int for one axis (as numpy takes shapes)."""
+        if name == TRAINING_STEP:
+            raise GraphError(f"the input name '{name}' is the one the session sets itself "
+                             "(graph.training_step()); give this input another name")
         self._claim(name, "input")
         t = self.apply("input", [], name=name, shape=as_shape(shape, f"input '{name}'"),
                        dtype=dtype)
         self.inputs[name] = t
         return t
+
+    def training_step(self) -> Tensor:
+        """The i32 scalar input that numbers the training steps, 0 outside training (see
+        TRAINING_STEP): made on first use, set by the session, never by the user."""
+        if TRAINING_STEP not in self.inputs:
+            self._claim(TRAINING_STEP, "input")
+            self.inputs[TRAINING_STEP] = self.apply("input", [], name=TRAINING_STEP, shape=(),
+                                                    dtype="i32")
+        return self.inputs[TRAINING_STEP]
 
     def param(self, name: str, shape: int | Sequence[int],
               init: str | float | np.ndarray | np.number = "zeros",

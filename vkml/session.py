@@ -17,7 +17,7 @@ import numpy as np
 from vkml.compiler.schedule import Plan
 from vkml.compiler.stages import Trainable, compile_plan
 from vkml.errors import DeviceError, InputError, NonFiniteError, NotComputedError
-from vkml.graph import Graph, Tensor
+from vkml.graph import TRAINING_STEP, Graph, Tensor
 from vkml.optim import Optimizer
 from vkml.runtime import checkpoint, sharing
 from vkml.runtime.bound import BoundPlan
@@ -182,7 +182,7 @@ class Session:
     def inputs(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Each input's (shape, dtype), as `set_input` expects them."""
         return {name: (self.plan.slots[s].shape, self.plan.slots[s].dtype)
-                for name, s in self.plan.inputs.items()}
+                for name, s in self.plan.inputs.items() if name != TRAINING_STEP}
 
     @property
     def kernel_count(self) -> int:
@@ -200,8 +200,11 @@ class Session:
         """Keep `value` (a copy) as input `name` of the next step, and return at once: the
         step in flight keeps the values it started with (the inputs go through two staging
         buffers, written when a step's first piece is submitted)."""
+        if name == TRAINING_STEP:
+            raise InputError(f"'{name}' numbers the training steps and the session sets it "
+                             "itself; it is not for set_input")
         if name not in self.plan.inputs:
-            known = ", ".join(f"'{n}'" for n in self.plan.inputs) or "none"
+            known = ", ".join(f"'{n}'" for n in self.inputs) or "none"
             raise InputError(f"unknown input '{name}'; this session's inputs are: {known}")
         slot = self.plan.slots[self.plan.inputs[name]]
         array = _conform(f"input '{name}'", value, slot.shape, slot.dtype)
@@ -436,14 +439,16 @@ class Session:
 
     @_serialized
     def forward(self) -> None:
-        """Compute the outputs (and loss) only: no gradients, no update."""
-        self._submit(self._bound.forward_program, False)
+        """Compute the outputs (and loss) only: no gradients, no update, and in inference
+        form (dropout passes its input through)."""
+        self._submit(self._bound.forward_program, False, forward_only=True)
         self._computed.add("outputs")
 
-    def _submit(self, program: object, updates: bool) -> None:
+    def _submit(self, program: object, updates: bool, forward_only: bool = False) -> None:
         self._chunker.finish()
         self._bound.require_inputs()
-        self._bound.submit([program], updates=int(updates), total_updates=int(updates))
+        self._bound.submit([program], updates=int(updates), total_updates=int(updates),
+                           forward_only=forward_only)
 
     @_serialized
     def wait(self) -> None:

@@ -618,3 +618,66 @@ register(OpDef(
 def one_hot(g: Graph, labels: Tensor, num_classes: int) -> Tensor:
     """i32 class indices (...) -> f32 rows (..., num_classes) of 0 and 1."""
     return g.apply("one_hot", [labels], num_classes=int(num_classes))
+
+
+# ---- dropout -------------------------------------------------------------------------------------
+# Counter-based: whether an element is kept is a hash of (the node's salt, the training step,
+# the element's index), so nothing is stored, the gradient draws the same mask again (it is the
+# same op applied to the output's gradient), and a step is the same whole or in chunks. The step
+# is graph.training_step(): 1, 2, ... in training, 0 in forward() and inference (identity).
+DROPOUT_HELPER = """
+fn vkml_hash(v: u32) -> u32 {
+  // PCG's output permutation of one LCG step (Jarzynski & Olano, Hash Functions for GPU
+  // Rendering, 2020)
+  let state = v * 747796405u + 2891336453u;
+  let word = ((state >> ((state >> 28u) + 4u)) ^ state) * 277803737u;
+  return (word >> 22u) ^ word;
+}
+fn vkml_dropout(x: f32, step: i32, salt: i32, index: u32, threshold: u32, scale: f32) -> f32 {
+  if (step == 0) { return x; }
+  let h = vkml_hash(vkml_hash(vkml_hash(u32(salt)) ^ u32(step)) ^ index);
+  return x * select(0.0, scale, h >= threshold);  // x * 0 keeps a NaN, as torch's x * mask
+}
+"""
+
+
+def _dropout_shape(inputs, attrs):
+    x, step, salt = inputs
+    if x.dtype != "f32" or step.dtype != "i32" or salt.dtype != "i32":
+        raise GraphError("expects f32 values, the i32 training step and an i32 salt")
+    return x.shape, "f32"
+
+
+def _dropout_expr(node: Tensor) -> Expr:
+    shape = node.shape
+    strides = contiguous_strides(shape)
+    index = call(" + ".join(f"{{{a}}} * {s}u" for a, s in enumerate(strides)) or "0u",
+                 *(Axis(a) for a in range(len(shape))))
+    p = node.attrs["p"]
+    # kept where the hash is at least p 2^32 (exact in integers); p = 1 keeps nothing
+    threshold, scale = (0xFFFFFFFF, 0.0) if p == 1 else (min(round(p * 2**32), 0xFFFFFFFF),
+                                                           1.0 / (1.0 - p))
+    return call(f"vkml_dropout({{0}}, {{1}}, {{2}}, {{3}}, {threshold}u, {scale!r})",
+                Arg(0), Arg(1), Arg(2), index, helper=DROPOUT_HELPER)
+
+
+register(OpDef("dropout", _dropout_shape, "pointwise",
+               grad=lambda g, node, d: [g.apply("dropout", [d, *node.inputs[1:]], **node.attrs),
+                                        None, None],
+               expr=_dropout_expr))
+
+
+@builder(tensor=True)
+def dropout(g: Graph, x: Tensor, p: float = 0.5, training: bool = True,
+            seed: int | None = None) -> Tensor:
+    """F.dropout: in a training step each element is zeroed with probability p and the others
+    scaled by 1 / (1 - p), a fresh mask each step; in forward() and in sessions without a loss
+    the identity. `seed` (by default the node's position in the graph) picks the masks: the
+    same graph gives the same masks, step by step, in every session. `training=False`: x."""
+    if not 0.0 <= p <= 1.0:
+        raise GraphError(f"dropout probability has to be between 0 and 1, got {p}")
+    if not training or p == 0.0:
+        return x
+    salt = len(g.nodes) if seed is None else int(seed)
+    return g.apply("dropout", [x, g.training_step(), g.constant(salt % 2**31, "i32")],
+                   p=float(p))

@@ -32,6 +32,7 @@ import numpy as np
 
 from vkml.compiler.schedule import Plan, Slot
 from vkml.errors import InputError
+from vkml.graph import TRAINING_STEP
 from vkml.hal import Barrier, Binding, Command, Copy, Dispatch, HostWrite
 from vkml.runtime.device import Device
 
@@ -106,6 +107,11 @@ class BoundPlan:
         if owner is not None:
             owner.sharers.append(self)
         self.unset_inputs = set(plan.inputs)
+        # The training steps this session has begun (graph.TRAINING_STEP): none in a session
+        # without a loss, whose steps are all inference.
+        self.training_steps = 0
+        if TRAINING_STEP in plan.inputs:
+            self.write_input(TRAINING_STEP, np.zeros((), np.int32))
 
     @property
     def staging_buffers(self) -> list[object]:
@@ -181,12 +187,18 @@ class BoundPlan:
             missing = ", ".join(f"'{n}'" for n in sorted(self.unset_inputs))
             raise InputError(f"input {missing} was never set; call set_input(name, array) first")
 
-    def upload(self) -> int | None:
+    def upload(self, forward_only: bool = False) -> int | None:
         """Bring the staging buffer the next step copies its inputs from up to date; returns
         its index (None without inputs). That buffer was last read by the step before the
-        previous one, so this waits only if that one is still running."""
+        previous one, so this waits only if that one is still running. The training step's
+        number goes with them (0 for a `forward_only` pass or where there is no loss)."""
         if not self._staging:
             return None
+        if TRAINING_STEP in self.plan.inputs:
+            training = self.plan.trainable is not None and not forward_only
+            self.training_steps += training
+            self.write_input(TRAINING_STEP, np.array(self.training_steps if training else 0,
+                                                     np.int32))
         b = self._next_staging
         held = self._held[b]
         stale = [n for n, v in self._version.items() if held.get(n) != v]
@@ -218,13 +230,16 @@ class BoundPlan:
                 "parameters (they would see some layers old and some new)")
 
     def submit(self, programs: Sequence[object], *, begins: bool = True, ends: bool = True,
-               updates: int = 0, total_updates: int = 0, upload: bool | None = None) -> None:
+               updates: int = 0, total_updates: int = 0, upload: bool | None = None,
+               forward_only: bool = False) -> None:
         """Submit `programs` in one queue submission, after the inputs' upload when the batch
         begins a step (`upload`, by default `begins`). `updates`: programs among them that
-        write parameters; `total_updates`: all of the step's such programs (when `begins`)."""
+        write parameters; `total_updates`: all of the step's such programs (when `begins`);
+        `forward_only`: the batch is a forward pass (forward()), not a training step."""
         self.check_submit(begins, updates)
         batch = list(programs)
-        staging = self.upload() if (begins if upload is None else upload) else None
+        staging = (self.upload(forward_only) if (begins if upload is None else upload)
+                   else None)
         if staging is not None:
             batch.insert(0, self._upload_programs[staging])
         if ends and self.download_program is not None:
