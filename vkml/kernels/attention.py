@@ -10,11 +10,11 @@ top-left aligned (query i sees keys j <= i), as torch's is_causal.
 On GPUs the forward and log-sum-exp passes are tiled (`_tiled`): a workgroup takes BLOCK_Q query
 rows, stages KEY_TILE keys and values at a time in workgroup memory (read 16 bytes a load) and
 gives each query row PARTS threads, each with its own slice of every tile and its own online
-softmax, merged through workgroup memory at the end. One thread a row alone would leave the
-H200 9000 threads for Whisper's 6 x 1500 queries (about two warps a multiprocessor). On the
-H200 this runs Whisper's attention at 11 TFLOP/s, level with the composed attention's products
-and softmax (tools/KERNELS.md, v8), so the composition stays the default; a register-tiled
-variant (4 x 2 scores and 4 x 4 outputs a thread, as the GEMM core) measured slower still.
+softmax, merged through workgroup memory at the end. One thread a row alone would leave a large
+GPU a few warps a multiprocessor (Whisper's 6 x 1500 queries are 9000 threads). Tiled, it runs
+level with the composed attention's products and softmax, so the composition stays the
+default; a register-tiled variant (4 x 2 scores and 4 x 4 outputs a thread, as the GEMM core)
+measured slower still.
 
 At precision "f16" the forward pass runs on cooperative matrices (`_cooperative`): 16 query
 rows a subgroup, keys COOP_KEYS a tile, f16 operands and f32 accumulators, in two passes over
@@ -243,9 +243,8 @@ def _estimates(node: Tensor, pass_: Pass) -> dict[str, int]:
 COOP_SUBGROUPS, COOP_KEYS = 4, 64  # a workgroup: 4 subgroups of 16 query rows; keys a tile
 COOP_PAD, COOP_SCORES = 8, 20  # f16 added to staged rows; f32 a row of a subgroup's S^T
 # The most keys the cooperative kernel takes: each workgroup runs its tiles of keys one after
-# another (twice), and on an H200 Whisper's 1500 keys (24 tiles) ran at 0.22 ms a layer against
-# the composition's 0.16, 0.16 with the keys cut into four parts of a workgroup each, where
-# SmolLM2's 128 keys and SmolVLA's 50 and 16 ran the inference 4-7% faster (tools/KERNELS.md v14).
+# another (twice), which over long sequences (Whisper's 1500 keys) is slower than the
+# composition, and over short ones (SmolLM2's 128, SmolVLA's 50 and 16) faster.
 COOP_MAX_KEYS = 256
 MASKED = -3.4028235e38  # a masked score; a row's running max starts at -1e30, above it
 

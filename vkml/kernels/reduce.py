@@ -199,9 +199,7 @@ def _term_loops(reduced: int, wg: int, times: int, body: list[str], first: str =
 # Sums over leading axes on GPUs (the columns of a matrix: a bias's gradient over 1500 tokens)
 # take a workgroup of COLUMNS neighbouring columns x lanes of rows (COLUMN_THREADS in all), so a
 # warp reads whole 32-byte sectors along each row; one workgroup per column, its threads
-# reading down the column, touched a sector for each 4 bytes and chained its loads (SmolVLA's
-# 50-row sums 21.6 -> 4.9 us a call on an H200, Whisper's 1500-row bias gradients 16.7 ->
-# 14.7; tools/KERNELS.md v13).
+# reading down the column, touched a sector for each 4 bytes and chained its loads.
 COLUMN_THREADS = 256
 COLUMNS = 8
 COLUMN_TERMS = 64  # terms a thread sums at most; longer columns take the workgroup per output
@@ -300,8 +298,7 @@ def generate_log_softmax(node: Tensor, caps: Capabilities) -> Kernel:
 
 
 # A row this many elements a thread or fewer is held in registers: read once, each exponential
-# computed once. Passes over memory instead (three reads of the row) made Whisper's softmax over
-# 9000 rows of 1500 scores 0.068 ms on an H200, 1.6 TB/s (tools/KERNELS.md, v8).
+# computed once, where passes over memory read the row three times (max, sum, write).
 HELD = 32
 
 
