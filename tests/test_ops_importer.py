@@ -119,6 +119,11 @@ CASES = [
     Case("interpolate_linear_1d", [(2, 3, 6)],
          lambda g, x: g.interpolate(x, scale_factor=1.5, mode="linear"),
          lambda x: F.interpolate(x, scale_factor=1.5, mode="linear")),
+    Case("max_pool2d_ceil_mode", [(2, 3, 8, 6)], lambda g, x: g.max_pool2d(x, 3, 2, ceil_mode=True),
+         lambda x: F.max_pool2d(x, 3, 2, ceil_mode=True)),
+    Case("max_pool2d_ceil_mode_padded", [(1, 2, 6, 5)],
+         lambda g, x: g.max_pool2d(x, 2, 2, 1, ceil_mode=True),
+         lambda x: F.max_pool2d(x, 2, 2, 1, ceil_mode=True)),
     Case("reduce_l2_keepdims", [(3, 4, 5)], lambda g, x: g.reduce_l2(x, -1, keepdims=True),
          lambda x: torch.linalg.vector_norm(x, 2, -1, keepdim=True)),
 ]

@@ -153,7 +153,17 @@ def _max_pool2d(inputs, attrs):
     if ph > kh // 2 or pw > kw // 2:
         raise GraphError("max_pool2d: padding must be at most half the kernel (PyTorch's rule)")
     n, c, h, w = x.shape
-    return (n, c, kernels.out_extent(h, kh, sh, ph, 1), kernels.out_extent(w, kw, sw, pw, 1)), "f32"
+    if not attrs.get("ceil_mode"):
+        return (n, c, kernels.out_extent(h, kh, sh, ph, 1),
+                kernels.out_extent(w, kw, sw, pw, 1)), "f32"
+    return (n, c, _ceil_extent(h, kh, sh, ph), _ceil_extent(w, kw, sw, pw)), "f32"
+
+
+def _ceil_extent(size: int, kernel: int, stride: int, pad: int) -> int:
+    """Windows along an axis with ceil_mode: a last partial window too, if it starts inside the
+    input or its left padding (PyTorch's rule); its taps outside the input are skipped."""
+    out = -(-(size + 2 * pad - kernel) // stride) + 1
+    return out - 1 if (out - 1) * stride >= size + pad else out
 
 
 def _max_pool2d_grad(g, node, d):
@@ -169,11 +179,14 @@ register(OpDef("max_pool2d_backward", lambda inputs, attrs: (inputs[0].shape, "f
 
 
 @builder
-def max_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
-    """F.max_pool2d (the first maximum of a window takes its gradient, as PyTorch's)."""
+def max_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0,
+               ceil_mode: bool = False) -> Tensor:
+    """F.max_pool2d (the first maximum of a window takes its gradient, as PyTorch's);
+    `ceil_mode`: a last window that runs past the input where it starts inside it."""
     kernel = pair(kernel_size)
     return g.apply("max_pool2d", [x], kernel=kernel,
-                   stride=kernel if stride is None else pair(stride), padding=pair(padding))
+                   stride=kernel if stride is None else pair(stride), padding=pair(padding),
+                   **({"ceil_mode": True} if ceil_mode else {}))
 
 
 def pair(v) -> tuple[int, int]:
