@@ -161,3 +161,15 @@ def test_the_training_step_is_the_sessions_own(device):
         g.dropout(g.input("x", (2,)), 1.5)
     x = g.input("y", (2,))
     assert g.dropout(x, 0.5, training=False) is x and g.dropout(x, 0.0) is x
+
+
+def test_a_resumed_run_draws_the_masks_it_would_have(device, tmp_path):
+    run, resumed = (session_of(device, vkml.Adam(lr=0.01)) for _ in range(2))
+    run.step()
+    run.step()
+    run.save(tmp_path / "ckpt.safetensors")
+    resumed.load(tmp_path / "ckpt.safetensors")
+    for _ in range(2):
+        run.step()
+        resumed.step()
+        np.testing.assert_array_equal(resumed.read("out"), run.read("out"))

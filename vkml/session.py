@@ -582,7 +582,8 @@ class Session:
     def save(self, path: str | os.PathLike) -> None:
         """Write a safetensors checkpoint atomically (a crash never leaves half a file), with
         the permissions a new file gets from open() (the umask applies; an existing file keeps
-        its own). The metadata names the optimizer and its hyperparameters."""
+        its own). The metadata names the optimizer and its hyperparameters, and the training
+        steps taken where the graph numbers them (dropout's masks)."""
         self._chunker.finish()
         checkpoint.save(self._bound, path, self._entries, self._hyperparams)
 
@@ -598,8 +599,10 @@ class Session:
         Floating-point tensors of any precision (F32, F16, BF16, F64) load into the f32
         parameters; integer and boolean tensors are refused. The optimizer state must come
         from the same optimizer (kind and hyperparameter names, and values that compile the
-        same update, e.g. SGD's momentum); `optimizer_state=False` loads the parameters (and
-        extras) alone and keeps this session's optimizer state and hyperparameters, e.g. to
+        same update, e.g. SGD's momentum); with it the count of training steps comes back too,
+        so dropout draws the masks the saved run would have drawn next.
+        `optimizer_state=False` loads the parameters (and extras) alone and keeps this
+        session's optimizer state, hyperparameters and step count, e.g. to
         fine-tune with another optimizer. A tensor the graph declares unsupported
         (`Graph.unsupported`) is refused even with strict=False. A session that shares
         another's parameters (share_params_with) cannot load: load the owner."""

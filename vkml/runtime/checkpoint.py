@@ -24,12 +24,15 @@ import numpy as np
 
 from vkml.compiler.schedule import Slot
 from vkml.errors import CheckpointError, InputError
-from vkml.graph import STATE_PREFIX
+from vkml.graph import STATE_PREFIX, TRAINING_STEP
 from vkml.runtime.bound import BoundPlan
 
 HYPERPARAMS = STATE_PREFIX + "hyperparams"
 # Metadata key of the hyperparameters as the user gave them (JSON, float64): the tensor holds f32.
 EXACT = "hyperparam_values"
+# Metadata key of the training steps taken (graph.TRAINING_STEP), where the graph numbers them
+# (dropout's masks), so that a resumed run draws the masks it would have drawn.
+TRAINING_STEPS = "training_steps"
 
 # safetensors' dtype names -> numpy, little-endian as the format stores them. BF16 has no numpy
 # dtype: it is the upper half of an f32, widened by hand (decode()).
@@ -77,6 +80,8 @@ def save(bound: BoundPlan, path: str | os.PathLike, entries: Entries | None = No
         metadata["hyperparams"] = ",".join(plan.hyperparams)
         if hyperparams:
             metadata[EXACT] = json.dumps({k: float(v) for k, v in hyperparams.items()})
+    if TRAINING_STEP in plan.inputs:
+        metadata[TRAINING_STEPS] = str(bound.training_steps)
     _write_atomic(os.fspath(path), serialize(state_dict(bound, entries), metadata=metadata))
 
 
@@ -207,6 +212,9 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
             problems.append(problem)
         else:
             values[name] = value
+    steps = metadata.get(TRAINING_STEPS) if optimizer_state else None
+    if steps is not None and not steps.isdigit():
+        problems.append(f"its metadata's {TRAINING_STEPS} is {steps!r}, not a count")
     if problems:
         hint = (" (load(path, optimizer_state=False) loads the parameters alone)"
                 if state_problems or (strict and missing_state) else "")
@@ -228,6 +236,8 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
     bound.write_slots(writes)
     if restores and hyperparams is not None:
         hyperparams.update(saved_hyperparams)
+    if steps is not None and TRAINING_STEP in plan.inputs:
+        bound.training_steps = int(steps)
 
 
 def _as_float(name: str, entry: Mapping[str, Any], what: str) -> tuple[np.ndarray, str]:
