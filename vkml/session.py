@@ -112,6 +112,7 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
             raise InputError("share_params_with: that session is closed")
         device = share_params_with.device
     device = device or default_device()
+    device.backend.preload()  # a cold cache's translator loads beside the lowering
     plan = compile_plan(graph, device.caps, **options)
     return Session(plan, device, check_finite, graph=graph, share_params_with=share_params_with)
 

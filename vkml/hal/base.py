@@ -81,8 +81,12 @@ class BackendBase:
         """One read_buffer per read where a backend has nothing better (wgpu maps each)."""
         return [self.read_buffer(*r) for r in reads]
 
+    # Nothing to load or start where the driver takes the kernel as it is (wgpu takes WGSL).
+    def preload(self) -> None:
+        pass
+
     def prefetch(self, kernels: Sequence[Kernel]) -> None:
-        """Nothing to start where the driver takes the kernel as it is (wgpu takes WGSL)."""
+        pass
 
     def why_absent(self, capability: str) -> str:
         return f"{type(self).__name__} does not offer {capability!r}"

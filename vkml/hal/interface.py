@@ -104,6 +104,12 @@ class Backend(Protocol):
         afterwards, which queues behind whatever was submitted in between."""
         ...
 
+    def preload(self) -> None:
+        """A compile is starting: begin loading, in the background, what translating its kernels
+        will need (Vulkan: naga's wasm module, where no compiled one is cached), so that it
+        overlaps the lowering; return at once."""
+        ...
+
     def prefetch(self, kernels: Sequence[Kernel]) -> None:
         """Start, in the background, whatever turning these kernels into pipelines needs before
         the driver sees them (Vulkan: WGSL -> SPIR-V through naga, for kernels no cache

@@ -81,7 +81,6 @@ class VulkanBackend(BackendBase):
     def __init__(self, selector: str | None = None, *, timeline_semaphores: bool = True,
                  adopt: Adopted | None = None, queue_lock: Any = None) -> None:
         super().__init__(queue_lock)
-        naga.preload()  # a cold cache's wasm compile runs beside whatever comes before kernels
         self._pool: Any = None
         # Vulkan leaves the command pool's synchronisation to the application (allocating,
         # recording into and freeing its command buffers): sessions on several threads share it.
@@ -320,6 +319,10 @@ class VulkanBackend(BackendBase):
         self.free_buffer(staging)
 
     # -- pipelines ----------------------------------------------------------------------------
+
+    def preload(self) -> None:
+        # Not when the device opens: on two cores that slowed the graph's building as well.
+        naga.preload()
 
     def prefetch(self, kernels: Sequence[Kernel]) -> None:
         """Translate the kernels no SPIR-V cache holds in background threads (naga), while the
