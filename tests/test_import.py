@@ -308,3 +308,101 @@ def test_onnx_bad_files_are_named(tmp_path):
     (tmp_path / "weights.bin").unlink()
     with pytest.raises(vkml.ModelImportError, match="weights.bin"):
         vkml.import_onnx(external)
+
+
+class RMSNorm(torch.nn.Module):
+    """As Hugging Face's LlamaRMSNorm writes it."""
+
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(torch.rand(dim) + 0.5), eps
+
+    def forward(self, x):
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaBlock(torch.nn.Module):
+    """A LLaMA decoder layer as Hugging Face spells it: RMSNorm, RoPE through rotate_half
+    with its tables computed in forward, causal SDPA, a SiLU-gated MLP."""
+
+    def __init__(self, dim=16, heads=2, hidden=24, theta=10000.0):
+        super().__init__()
+        self.heads, self.theta = heads, theta
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(dim), RMSNorm(dim)
+        for name, (i, o) in LLAMA_LINEARS(dim, hidden).items():
+            setattr(self, name, torch.nn.Linear(i, o, bias=False))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        hd = d // self.heads
+        h = self.input_layernorm(x)
+        q, k, v = (p(h).view(b, t, self.heads, hd).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        q, k = (z * cos + rotate_half(z) * sin for z in (q, k))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, d))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def LLAMA_LINEARS(dim, hidden):
+    return {"q_proj": (dim, dim), "k_proj": (dim, dim), "v_proj": (dim, dim),
+            "o_proj": (dim, dim), "gate_proj": (dim, hidden), "up_proj": (dim, hidden),
+            "down_proj": (hidden, dim)}
+
+
+def hand_built_llama(shape, dim=16, heads=2, hidden=24, theta=10000.0):
+    """The same layer written with vkml's own ops."""
+    from vkml import nn
+    g = vkml.Graph()
+    x = g.input("x", shape)
+    b, t, _ = shape
+    lin = {name: nn.Linear(g, name, i, o, bias=False)
+           for name, (i, o) in LLAMA_LINEARS(dim, hidden).items()}
+    h = g.rms_norm(x, g.param("input_layernorm.weight", (dim,)), 1e-5)
+    q, k, v = (g.transpose(g.reshape(lin[p](h), (b, t, heads, dim // heads)), (0, 2, 1, 3))
+               for p in ("q_proj", "k_proj", "v_proj"))
+    a = g.scaled_dot_product_attention(g.rope(q, theta), g.rope(k, theta), v, causal=True)
+    x = x + lin["o_proj"](g.reshape(g.transpose(a, (0, 2, 1, 3)), (b, t, dim)))
+    h = g.rms_norm(x, g.param("post_attention_layernorm.weight", (dim,)), 1e-5)
+    out = x + lin["down_proj"](g.swiglu(lin["gate_proj"](h), lin["up_proj"](h)))
+    return g, g.output("output", out)
+
+
+@vulkan_only
+def test_llama_block_imports_to_the_hand_built_plan(device):
+    """RMSNorm, RoPE's rotate_half, SDPA and the gated MLP as PyTorch spells them import to
+    vkml's rms_norm, rotate_half, scaled_dot_product_attention and swiglu: the same dispatches
+    and kernels as the layer written with vkml's ops, in inference and in training; and the
+    same numbers as PyTorch."""
+    from collections import Counter
+
+    from vkml.compiler.stages import compile_plan
+    torch.manual_seed(0)
+    module = LlamaBlock()
+    x = torch.randn(1, 6, 16)
+    imp = vkml.import_torch(module, (x,))
+    hand, out = hand_built_llama(tuple(x.shape))
+    plans = []
+    for g, y in ((imp.graph, imp.outputs["output"]), (hand, out)):
+        loss = g.mean(g.square(y))
+        plans.append([compile_plan(g, device.caps, loss=loss, optimizer=vkml.AdamW(),
+                                   outputs={"output": y}),
+                      compile_plan(g, device.caps, outputs={"output": y})])
+    for imported, built in zip(*plans):
+        assert (Counter(d.kernel.name for d in imported.dispatches)
+                == Counter(d.kernel.name for d in built.dispatches))
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.forward()
+    assert rel_l2(s.read("output"), module(x).detach().numpy()) < FORWARD_TOL

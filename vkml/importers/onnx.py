@@ -285,14 +285,13 @@ class _Builder:
                                    f"shapes={{'{unresolved[0].split(chr(39))[1]}': (1, ...)}}")
 
     def walk(self, nodes) -> None:
-        skip = patterns.match_onnx(self, nodes)
+        producer = {out: node for node in nodes for out in node.output}
         for index, node in enumerate(nodes):
-            if index in skip:
-                fused = skip[index]
-                if fused is not None:
-                    self._fused(node, fused)
-                continue
-            self.node(node, index)
+            composite = patterns.onnx_composite(self, node, producer)
+            if composite is not None:
+                self._fused(node, composite)
+            else:
+                self.node(node, index)
 
     def _fused(self, node, build: Callable[[], Tensor]) -> None:
         """A recognised pattern ending at `node`: its composite op replaces its nodes."""

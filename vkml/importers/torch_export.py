@@ -24,6 +24,7 @@ import numpy as np
 
 from vkml.errors import ModelImportError
 from vkml.graph import Graph, Tensor
+from vkml.importers import patterns
 from vkml.importers.common import (
     ImportedModel,
     Refusals,
@@ -124,9 +125,17 @@ class _Builder:
         buffers = dict(sig.inputs_to_buffers)
         constants = dict(sig.inputs_to_lifted_tensor_constants)
         needed = self._needed()
+        composites = patterns.match_fx(self.program.graph.nodes)
         for node in self.program.graph.nodes:
             if node.op == "placeholder":
                 self._placeholder(node, params, buffers, constants, state)
+            elif node.name in composites and not any(
+                    a.name in self.poisoned for a in node.all_input_nodes):
+                value = convert_guarded(self.refusals, node.name, "pattern",
+                                        lambda f=composites[node.name]: f(self))
+                if value is None:
+                    self.poisoned.add(node.name)
+                self.env[node.name] = value
             elif node.op == "call_function" and node.name in needed:
                 self._call(node)
             elif node.op == "output":
