@@ -94,6 +94,9 @@ CASES = [
           ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 5)]),
           ("ij,jk", [(2, 3), (3, 4)]),
           ("bn,anm,bm->ba", [(2, 3), (4, 3, 5), (2, 5)]),
+          ("ii->i", [(4, 4)]),
+          ("ii", [(3, 3)]),
+          ("bjij,jk->bik", [(2, 3, 4, 3), (3, 5)]),
       ]],
     Case("interpolate_nearest_2x", [(2, 3, 3, 4)],
          lambda g, x: g.interpolate(x, scale_factor=2),
@@ -198,11 +201,13 @@ def test_argmax_and_argmin_take_the_first_extreme_as_torch(axis, keepdims, devic
         np.testing.assert_array_equal(got, fn(ref, axis, keepdims).numpy())
 
 
-def test_einsum_refuses_diagonals_naming_the_equation():
+def test_einsum_refuses_what_it_cannot_do_naming_the_equation():
     g = vkml.Graph()
-    x = g.input("x", (3, 3))
-    with pytest.raises(vkml.GraphError, match=r"einsum 'ii->i'.*repeats a label"):
+    x = g.input("x", (3, 4))
+    with pytest.raises(vkml.GraphError, match=r"einsum 'ii->i'.*different lengths"):
         g.einsum("ii->i", x)
+    with pytest.raises(vkml.GraphError, match=r"einsum 'ij,jk->ik': 2 operand terms"):
+        g.einsum("ij,jk->ik", x)
 
 
 def test_einsum_of_attention_scores_is_one_product_and_no_transpose():

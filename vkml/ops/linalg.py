@@ -92,8 +92,9 @@ def _parse_einsum(equation: str, operands: Sequence[Tensor]) -> tuple[list[Label
             raise refuse(f"term '{term}' does not name the {len(x.shape)} axes of {x.label}")
         head, _, tail = term.partition("...")
         own = [*head, *[f"...{longest - span + i}" for i in range(span)], *tail]
-        if len(set(own)) != len(own):
-            raise refuse(f"term '{term}' repeats a label (diagonals are not supported)")
+        if any(x.shape[own.index(n)] != d for n, d in zip(own, x.shape)):
+            raise refuse(f"term '{term}' repeats a label over axes of {x.label} of different "
+                         "lengths")
         labels.append(own)
     if arrow:
         head, _, tail = output.partition("...")
@@ -132,6 +133,22 @@ def _pair(g: Graph, a: Tensor, la: Labels, b: Tensor, lb: Labels, keep: set[str]
     return g.reshape(product, [size[n] for n in result]), result
 
 
+def _diagonals(g: Graph, x: Tensor, own: Labels) -> tuple[Tensor, Labels]:
+    """x with each label it repeats taken once, along the diagonal: the two axes moved last,
+    flattened, and every (n + 1)-th element sliced out."""
+    while len(set(own)) != len(own):
+        label = next(n for n in own if own.count(n) > 1)
+        first = own.index(label)
+        second = own.index(label, first + 1)
+        rest = [a for a in range(len(own)) if a not in (first, second)]
+        if rest + [first, second] != list(range(len(own))):
+            x = g.transpose(x, rest + [first, second])
+        n = x.shape[-1]
+        x = g.slice(g.reshape(x, (*x.shape[:-2], n * n)), -1, 0, n * n, n + 1)
+        own = [own[a] for a in rest] + [label]
+    return x, own
+
+
 def _sum_unused(g: Graph, x: Tensor, own: Labels, keep: set[str]) -> tuple[Tensor, Labels]:
     """x summed over its labels outside `keep`."""
     gone = [i for i, n in enumerate(own) if n not in keep]
@@ -142,8 +159,8 @@ def _sum_unused(g: Graph, x: Tensor, own: Labels, keep: set[str]) -> tuple[Tenso
 def einsum(g: Graph, equation: str, *operands: Tensor) -> Tensor:
     """torch.einsum / ONNX Einsum, as matmuls (one a pair of operands, left to right), sums,
     transposes and reshapes: e.g. 'bhqd,bhkd->bhqk', 'bij,bjk->bik', 'ij->ji', '...ij,jk'.
-    Axes of size 1 broadcast against their label's size. A label repeated within one term
-    (a diagonal, 'ii->i') is refused."""
+    Axes of size 1 broadcast against their label's size; a label repeated within one term
+    takes the diagonal ('ii->i', 'ii' the trace)."""
     if not operands:
         raise GraphError(f"einsum '{equation}': no operands")
     labels, out = _parse_einsum(equation, operands)
@@ -157,7 +174,7 @@ def einsum(g: Graph, equation: str, *operands: Tensor) -> Tensor:
     items = []
     for k, (x, own) in enumerate(zip(operands, labels)):
         full = tuple(size[n] for n in own)
-        x = x if x.shape == full else g.broadcast_to(x, full)
+        x, own = _diagonals(g, x if x.shape == full else g.broadcast_to(x, full), own)
         # a label no other operand nor the output has is summed away first
         others = set(out).union(*[set(o) for j, o in enumerate(labels) if j != k])
         items.append(_sum_unused(g, x, own, others))
