@@ -46,8 +46,8 @@ from vkml.vk.programs import (
 MAX_READERS = 256
 STAGING_BATCH = 64 << 20  # bytes staged per submission by write_buffers (larger writes: their own)
 # Host writes into mapped memory run in pieces of this size on several threads (ctypes' memmove
-# and memset run outside Python's lock) where a call writes more than one piece: SmolLM2's
-# 540 MB of parameters took 0.16 s of its 0.56 s warm compile on an H200 on one thread.
+# and memset run outside Python's lock) where a call writes more than one piece: on one thread a
+# large model's parameters are a good share of a warm compile.
 HOST_PIECE = 16 << 20
 
 
@@ -99,7 +99,7 @@ class VulkanBackend(BackendBase):
         self._readers: dict[tuple[int, int, int], tuple[Buffer, Program]] = {}
         self._pipelines: set[Pipeline] = set()
         # Drivers compile SPIR-V outside Python's lock and a VkPipelineCache takes concurrent
-        # use: on the H200 one driver compile takes ~60 ms, 17 of ResNet-50's 18 s cold compile.
+        # use; on a GPU the driver's compiles are most of a cold compile.
         self.pipeline_threads = compile_threads(host_shares_device=not dev.owned)
         self._programs: set[Program] = set()
         self._in_flight: set[Program] = set()  # fence mode only
@@ -194,8 +194,7 @@ class VulkanBackend(BackendBase):
         for w in writes:
             self.check_transfer("write", w.buffer, w.offset, w.nbytes)
             # Zeros go to the device where the mapping is uncached (VRAM behind a resizable BAR):
-            # writing them from the CPU crosses the bus (SmolLM2 training's Adam state, 1.1 GB,
-            # 0.2 s of its 0.7 s warm compile on an H200, tools/KERNELS.md v8).
+            # writing them from the CPU crosses the bus (an optimizer's state: gigabytes).
             if w.nbytes and w.buffer.host_write and (w.data is not None or w.buffer.host_read):
                 mapped.append((w.buffer.pointer + w.offset, w))
             elif w.nbytes:

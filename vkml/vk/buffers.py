@@ -41,8 +41,7 @@ def memory_candidates(types: Sequence[tuple[int, int]], heap_sizes: Sequence[int
         # Uncached reads of write-combined memory run at a few MB/s on discrete GPUs.
         return sorted(host, key=lambda i: not has(i, HOST_CACHED))
     # Staging for uploads goes where all of VRAM is mappable, so a step's copy of its inputs
-    # stays on the device (ResNet-50's 2.4 MB: 2.42 -> 2.36 ms a step on an H200, KERNELS.md
-    # v16); elsewhere in system memory, keeping a scarce BAR window for the device.
+    # stays on the device; elsewhere in system memory, keeping a scarce BAR window for the device.
     return sorted(host, key=lambda i: (i not in mapped, has(i, DEVICE_LOCAL)))
 
 

@@ -24,10 +24,9 @@ VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 # a loaded machine can take tens of seconds for what a GPU does in milliseconds.
 WAIT_TIMEOUT_NS = int(float(os.environ.get("VKML_WAIT_TIMEOUT", "300")) * 10**9)
 # How long a wait polls for the work's completion before it sleeps in the driver: waking from
-# the driver's blocking wait cost 0.07-0.1 ms a step on an H200 (U-Net inference 0.81 -> 0.72 ms
-# a step, tools/KERNELS.md v16), as much as a small model's kernels. The host thread is busy
-# meanwhile, as CUDA's default synchronisation keeps it. 0 never polls; CPU drivers never do
-# (their work runs on the cores polling would take).
+# the driver's blocking wait costs a GPU step about as much as a small model's kernels. The host
+# thread is busy meanwhile, as CUDA's default synchronisation keeps it. 0 never polls; CPU
+# drivers never do (their work runs on the cores polling would take).
 WAIT_POLL_S = float(os.environ.get("VKML_WAIT_POLL", "0.02"))
 
 

@@ -178,8 +178,7 @@ def missing_wasm_advice() -> str:
 # Cranelift's optimization level for naga's wasm (see Compiler._load_module)
 WASM_OPT_LEVEL = "none"
 # Threads translating at once for `prefetch`, each with its own naga instance (a few MB). Most of
-# a translation runs inside wasm, outside Python's lock (ResNet-50 training's 246 kernels on 2
-# cores: 0.66 s with one thread, 0.40 s with two), so threads scale with the cores
+# a translation runs inside wasm, outside Python's lock, so threads scale with the cores
 # (vkml.threads), up to a few.
 PREFETCH_THREADS = 8
 

@@ -29,10 +29,11 @@ class Pipeline:
 class PipelineCache:
     """A VkPipelineCache seeded from and saved to a file keyed by device, driver and cache UUID.
 
-    Driver compilation dominates pipeline creation (0.1-0.5 s per kernel on NVIDIA), so a second
-    run of the same model should not pay it again. The driver only checks the blob's header
-    before trusting the rest, so the file is a cache entry (vkml/cachedir.py) with a digest over
-    the blob: a damaged one is dropped, and the cache starts empty and is saved again.
+    Driver compilation dominates pipeline creation (a tenth of a second or more per kernel on a
+    GPU driver), so a second run of the same model should not pay it again. The driver only
+    checks the blob's header before trusting the rest, so the file is a cache entry
+    (vkml/cachedir.py) with a digest over the blob: a damaged one is dropped, and the cache
+    starts empty and is saved again.
     """
 
     def __init__(self, dev: Any) -> None:
