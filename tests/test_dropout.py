@@ -173,3 +173,22 @@ def test_a_resumed_run_draws_the_masks_it_would_have(device, tmp_path):
         run.step()
         resumed.step()
         np.testing.assert_array_equal(resumed.read("out"), run.read("out"))
+
+
+def test_dropout_fused_into_a_sum_reads_each_elements_own_mask(device):
+    """A dropout that only a loss's sum reads becomes the sum's summand; its elements' indices
+    there (three axes, a broadcast factor) are the tensor's own."""
+    p, shape = 0.4, (4, 5, 6)
+    rng = np.random.default_rng(8)
+    x0, w = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(6)
+    g = vkml.Graph()
+    x = g.param("x", shape, init=x0)
+    loss = g.sum(g.dropout(x, p, seed=3) * g.constant(w.astype(np.float32)))
+    s = vkml.compile(g, loss=loss, device=device)
+    assert any("sum" in d.name for d in s.plan.dispatches)
+    assert not any(d.node is not None and d.node.op == "dropout" for d in s.plan.dispatches)
+    for step in (1, 2):
+        s.step()
+        factor = kept(3, step, shape, p) / (1 - p) * w
+        assert abs(float(s.read("loss")) - np.sum(x0 * factor)) < 1e-5 * np.sum(np.abs(x0 * factor))
+        assert rel_l2(s.grad("x"), factor) < 1e-6

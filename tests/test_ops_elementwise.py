@@ -165,7 +165,8 @@ def test_casts_and_integer_arithmetic_match_torch(device):
     g = vkml.Graph()
     xi, ii = g.input("x", x.shape), g.input("ids", ids.shape, "i32")
     outputs = {"trunc": g.cast(xi, "i32"), "to_f32": ii.cast("f32"), "add": ii + 1,
-               "sub": 2 - ii, "mul": ii * ii, "mixed": g.add(g.mul(ii, 3), g.cast(xi, "i32"))}
+               "sub": 2 - ii, "mul": ii * ii, "mixed": g.add(g.mul(ii, 3), g.cast(xi, "i32")),
+               "where_i32": g.where(ii, xi, -1.0), "max_i32": g.maximum(ii, 7)}
     for name, t in outputs.items():
         g.output(name, t)
     assert g.cast(xi, "f32") is xi
@@ -175,7 +176,9 @@ def test_casts_and_integer_arithmetic_match_torch(device):
     session.forward()
     tx, ti = torch.tensor(x), torch.tensor(ids)
     expected = {"trunc": tx.to(torch.int32), "to_f32": ti.to(torch.float32), "add": ti + 1,
-                "sub": 2 - ti, "mul": ti * ti, "mixed": ti * 3 + tx.to(torch.int32)}
+                "sub": 2 - ti, "mul": ti * ti, "mixed": ti * 3 + tx.to(torch.int32),
+                "where_i32": torch.where(ti != 0, tx, -1.0),
+                "max_i32": torch.maximum(ti, torch.tensor(7, dtype=torch.int32))}
     for name, want in expected.items():
         got = session.read(name)
         assert got.dtype == want.numpy().dtype, name
