@@ -325,7 +325,7 @@ class Session:
     def record_pieces(self, chunks: int | None = None, budget_ms: float | None = None) -> int:
         """Record the command buffers of the pieces step(chunks=...) / step(budget_ms=...)
         would submit, now (otherwise the first step cut that way records them, which a frame
-        loop would feel: about 15 ms for a hundred pieces on lavapipe). Returns how many
+        loop would feel: milliseconds for a hundred pieces on a CPU driver). Returns how many
         pieces there are. Submits nothing."""
         cuts = self._chunker.cuts(chunks, budget_ms)
         if cuts is None:

@@ -1,6 +1,6 @@
 """The plan cache: a graph compiled before, with the same options, for the same device, by the
 same vkml, gets its Plan from disk (`<cache>/plans/<key>.pkl`) instead of going through the
-stages again (a warm `vkml.compile` of SmolLM2's training step: 0.4 s of lowering -> 0.1 s).
+stages again (lowering a large model's training step takes tenths of a second).
 
 The key is a sha256 of everything lowering reads, and nothing is cached where that cannot be
 told:

@@ -253,11 +253,10 @@ def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor]
 
 # The parameters whose gradients are computed one after another share an update dispatch, up to
 # this many bytes of parameters: a dispatch and the barrier slot it takes cost a few
-# microseconds on a GPU whatever its size (ResNet-50 training ran 161 updates, one a parameter,
-# at 5 us each), while Adam over 16 MiB of parameters moves about 112 MB (some 25 us on an H200).
-# The gradients of a pack stay in memory until its update, so the cap also bounds how much
-# memory the packing holds beyond one parameter at a time (32 MiB packs took ResNet-50's
-# training plan from 653 to 691 MiB, 16 MiB ones to 668).
+# microseconds on a GPU whatever its size, while Adam over 16 MiB of parameters moves about
+# 112 MB, which takes several times longer. The gradients of a pack stay in memory until its
+# update, so the cap also bounds how much memory the packing holds beyond one parameter at a
+# time.
 PACK_BYTES = 16 << 20
 
 

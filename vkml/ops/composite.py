@@ -197,7 +197,7 @@ def grouped_heads(g: Graph, q: Tensor, k: Tensor, v: Tensor, scale: float
     """q (scaled) as (..., Hkv, H / Hkv, L, D), k as (..., Hkv, 1, S, D) and v as
     (..., Hkv, 1, S, Dv), so batched products pair each query head with its key/value head.
     The scale goes on q (L x D) rather than on the scores (L x S): a pass over the score
-    matrix fewer each way (on Whisper's 6 x 1500 x 1500 scores, 0.05 ms a layer on an H200)."""
+    matrix fewer each way."""
     *lead, h, length, dim = q.shape
     hkv = k.shape[-3]
     return (g.reshape(g.mul(q, scale), (*lead, hkv, h // hkv, length, dim)),

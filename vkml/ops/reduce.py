@@ -48,7 +48,7 @@ def sum(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,  # noqa: A
 def _reduce(g: Graph, op: str, x: Tensor, axes: tuple[int, ...], keepdims: bool) -> Tensor:
     """`op` over `axes`, leaving out the axes of size 1: reducing over one element is a
     reshape (no kernel, no memory: a batch-of-1 weight gradient summed over its batch axis
-    cost 80 ms as a kernel on lavapipe), and the kernel sees the simpler shape."""
+    would be a whole pass), and the kernel sees the simpler shape."""
     real = tuple(a for a in axes if x.shape[a] != 1)
     out = g.apply(op, [x], axes=real) if real else x
     if keepdims:
