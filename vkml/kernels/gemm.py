@@ -3,7 +3,7 @@ output tiles, with the operands read through loaders, so one generator serves ma
 transposed, batched) and convolution as implicit GEMM (forward, input gradient, weight gradient):
 the caller says how to read an element of A and of B and how to store an element of C.
 
-Three variants, chosen by the device and the product (measurements: tools/KERNELS.md):
+Three variants, chosen by the device and the product:
 - staged (GPUs): a workgroup computes a BM x BN tile; each thread holds a TM x TN register tile
   of scalar accumulators (generated unrolled: a dynamically indexed local array would live in
   slow local memory). Every BK-deep slice of A and B goes through workgroup memory as vec4 rows,
