@@ -59,7 +59,7 @@ def test_capture_stops_at_compile_and_leaves_vkml_compile_alone(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.replace("vkml.SGD()", "vkml.SGD(), rewrite='none'"))
     call = dump.capture(str(script), [])
-    assert call.options["rewrite"] == "none" and isinstance(call.options["optimizer"], vkml.SGD)
+    assert call.options.rewrite == "none" and isinstance(call.options.optimizer, vkml.SGD)
     assert vkml.compile is session.compile  # nothing was replaced, nothing left behind
     assert not session._stopping_at_compile.get()
 

@@ -38,7 +38,7 @@ def expected_kernels() -> dict[str, dict]:
         call = dump.capture(target, argv)
         for device_type in DEVICE_TYPES:
             stages = lower(call.graph, dataclasses.replace(caps, device_type=device_type),
-                           **call.options)
+                           call.options)
             for name, wgsl in stages.kernels().items():
                 entry = kernels.setdefault(naga.wgsl_hash(wgsl), {"name": name, "wgsl": wgsl,
                                                                   "used_by": []})

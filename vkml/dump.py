@@ -48,7 +48,7 @@ def capture(target: str, argv: list[str]) -> CompileCalled:
 def stages_of(target: str, argv: list[str]) -> Stages:
     """Every compiler stage of what `target` compiles first, for the device it asks for."""
     call = capture(target, argv)
-    return lower(call.graph, (call.device or default_device()).caps, **call.options)
+    return lower(call.graph, (call.device or default_device()).caps, call.options)
 
 
 def spirv(stages: Stages) -> dict[str, bytes]:

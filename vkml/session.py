@@ -14,8 +14,9 @@ from typing import Any, NamedTuple, TypeVar, overload
 
 import numpy as np
 
+from vkml.compiler.options import CompileOptions, Trainable
 from vkml.compiler.schedule import Plan
-from vkml.compiler.stages import Trainable, compile_plan
+from vkml.compiler.stages import compile_plan
 from vkml.errors import DeviceError, InputError, NonFiniteError, NotComputedError
 from vkml.graph import TRAINING_STEP, Graph, Tensor
 from vkml.optim import Optimizer
@@ -35,9 +36,9 @@ class ChunkSubmission(NamedTuple):
 
 class CompileCalled(Exception):
     """Raised by `vkml.compile` inside `stop_at_compile()`, instead of compiling: the call's graph,
-    device (None: the default) and the options `compile_plan` takes, by name."""
+    device (None: the default) and options."""
 
-    def __init__(self, graph: Graph, device: Device | None, options: dict[str, Any]) -> None:
+    def __init__(self, graph: Graph, device: Device | None, options: CompileOptions) -> None:
         super().__init__("vkml.compile called inside stop_at_compile()")
         self.graph, self.device, self.options = graph, device, options
 
@@ -95,9 +96,8 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     the owner's pieces that update parameters while this session's chunked step is
     part-way. The owner's memory stays allocated until both are closed.
     """
-    options = dict(loss=loss, optimizer=optimizer, outputs=outputs, rewrite=rewrite,
-                   keep_grads=keep_grads, trainable=trainable, precision=precision,
-                   check_finite=check_finite)
+    options = CompileOptions(loss, optimizer, {} if outputs is None else outputs, rewrite,
+                             keep_grads, trainable, precision, check_finite)
     if _stopping_at_compile.get():
         owner = share_params_with
         raise CompileCalled(graph, device or (owner.device if isinstance(owner, Session) else None),
@@ -113,8 +113,9 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
         device = share_params_with.device
     device = device or default_device()
     device.backend.preload()  # a cold cache's translator loads beside the lowering
-    plan = compile_plan(graph, device.caps, **options)
-    return Session(plan, device, check_finite, graph=graph, share_params_with=share_params_with)
+    plan = compile_plan(graph, device.caps, options)
+    return Session(plan, device, options.check_finite, graph=graph,
+                   share_params_with=share_params_with)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

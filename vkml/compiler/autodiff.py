@@ -7,6 +7,8 @@ through the same rewrite, planning and codegen stages as the forward pass.
 
 from __future__ import annotations
 
+from vkml.compiler.options import CompileOptions
+from vkml.compiler.rooted import Rooted
 from vkml.errors import GraphError
 from vkml.graph import OPS, Graph, Tensor
 
@@ -52,3 +54,14 @@ def gradients(graph: Graph, loss: Tensor, params: dict[str, Tensor] | None = Non
             grad_of[inp.id] = g if previous is None else graph.add(previous, g)
 
     return {name: grad_of[p.id] for name, p in params.items() if p.id in grad_of}
+
+
+def differentiate(graph: Graph, options: CompileOptions) -> Rooted:
+    """The first stage: a copy of `graph` with the backward pass of the options' loss appended
+    (none without one), rooted at what the compilation computes by name and at the trained
+    parameters' gradients."""
+    work = graph.copy()
+    named = options.named(graph)
+    grads = (gradients(work, options.loss, options.trained(graph))
+             if options.loss is not None else {})
+    return Rooted(work, named, grads)

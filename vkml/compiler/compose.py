@@ -11,15 +11,15 @@ too (a layout change it writes directly)."""
 from __future__ import annotations
 
 from vkml.compiler.rebuild import Emit, rebuild
-from vkml.graph import OPS, Composition, Graph, Tensor
+from vkml.compiler.rooted import Rooted
+from vkml.graph import OPS, Composition, Tensor
 from vkml.hal import Capabilities
 
 
-def fuse_compositions(graph: Graph, roots: list[Tensor], caps: Capabilities
-                      ) -> tuple[Graph, dict[int, Tensor]]:
-    """The graph with each composition an op's `composes` rule finds replaced by that op, and
-    a map from the id of each node of `graph` kept to its new node."""
+def fuse_compositions(rooted: Rooted, caps: Capabilities) -> Rooted:
+    """The graph with each composition an op's `composes` rule finds replaced by that op."""
     rules = [op.composes for op in OPS.values() if op.composes is not None]
+    graph, roots = rooted.graph, rooted.roots
     order = graph.reachable(roots)
     readers: dict[int, list[Tensor]] = {}
     for t in order:
@@ -54,5 +54,5 @@ def fuse_compositions(graph: Graph, roots: list[Tensor], caps: Capabilities
         return new_of[node.id]
 
     if not found:
-        return graph, {t.id: t for t in order}
-    return rebuild(graph, roots, make)  # the interior nodes stay behind, unreachable
+        return rooted
+    return rebuild(rooted, make)  # the interior nodes stay behind, unreachable

@@ -1,10 +1,12 @@
-"""A new graph from an old one, node by node: how the stages after rewriting (compiler/split.py,
-compiler/scale.py) replace nodes, each a function of the node and its inputs' replacements."""
+"""A new graph from an old one, node by node: how the stages after rewriting (compiler/compose.py,
+compiler/split.py, compiler/scale.py) replace nodes, each a function of the node and its inputs'
+replacements."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
+from vkml.compiler.rooted import Rooted
 from vkml.graph import Graph, Shape, Tensor
 
 # emit(op, inputs, shape, attrs, template) -> the new node (dtype, name and source line taken
@@ -14,12 +16,13 @@ Emit = Callable[[str, list[Tensor], Shape, dict, Tensor], Tensor]
 Make = Callable[[Tensor, list[Tensor], Emit], Tensor]
 
 
-def rebuild(old: Graph, roots: Iterable[Tensor], make: Make) -> tuple[Graph, dict[int, Tensor]]:
-    """A new graph of the nodes `roots` depend on: each node's replacement is `make(node, its
-    inputs' replacements, emit)`, where `emit` appends a node. Returns the graph and a map from
-    old node ids to new nodes."""
+def rebuild(old: Rooted, make: Make) -> Rooted:
+    """A new graph of the nodes the roots depend on: each node's replacement is `make(node, its
+    inputs' replacements, emit)`, where `emit` appends a node; the roots are the replacements
+    of the old ones."""
+    graph = old.graph
     new = Graph.__new__(Graph)
-    new.nodes, new.rng, new.initial_values, new.created_at = [], old.rng, {}, old.created_at
+    new.nodes, new.rng, new.initial_values, new.created_at = [], graph.rng, {}, graph.created_at
     new_of: dict[int, Tensor] = {}
 
     def emit(op: str, inputs: list[Tensor], shape: Shape, attrs: dict,
@@ -29,11 +32,11 @@ def rebuild(old: Graph, roots: Iterable[Tensor], make: Make) -> tuple[Graph, dic
         new.nodes.append(t)
         return t
 
-    for node in old.reachable(roots):
+    for node in graph.reachable(old.roots):
         new_of[node.id] = make(node, [new_of[i.id] for i in node.inputs], emit)
-        if node.id in old.initial_values:
-            new.initial_values[new_of[node.id].id] = old.initial_values[node.id]
-    new.inputs = {n: new_of[t.id] for n, t in old.inputs.items() if t.id in new_of}
-    new.params = {n: new_of[t.id] for n, t in old.params.items() if t.id in new_of}
-    new.outputs = {n: new_of[t.id] for n, t in old.outputs.items() if t.id in new_of}
-    return new, new_of
+        if node.id in graph.initial_values:
+            new.initial_values[new_of[node.id].id] = graph.initial_values[node.id]
+    new.inputs = {n: new_of[t.id] for n, t in graph.inputs.items() if t.id in new_of}
+    new.params = {n: new_of[t.id] for n, t in graph.params.items() if t.id in new_of}
+    new.outputs = {n: new_of[t.id] for n, t in graph.outputs.items() if t.id in new_of}
+    return old.renamed(new, new_of)

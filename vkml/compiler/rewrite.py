@@ -23,6 +23,7 @@ from collections import Counter
 
 import numpy as np
 
+from vkml.compiler.rooted import Rooted
 from vkml.expr import Arg, Body, Lazy, Lit, Shape, Subst, contiguous_strides, in_order, materialize
 from vkml.graph import OPS, Graph, Tensor, body_of
 
@@ -66,18 +67,14 @@ def _literal(t: Tensor, values: dict[int, np.ndarray]) -> Lit | None:
     return Lit(value) if np.isfinite(value) else None
 
 
-def fuse(graph: Graph, roots: list[Tensor], max_inputs: int) -> tuple[Graph, dict[int, Tensor]]:
-    """The fused graph, and a map from the id of each node of `graph` kept to its new node.
-    `max_inputs`: the most buffers a fused kernel may read (the device's storage bindings per
-    stage, less the output)."""
-    changed, mapping = True, {t.id: t for t in graph.reachable(roots)}
+def fuse(rooted: Rooted, max_inputs: int) -> Rooted:
+    """The fused graph. `max_inputs`: the most buffers a fused kernel may read (the device's
+    storage bindings per stage, less the output)."""
+    changed = True
     while changed:
-        graph, step_mapping, changed = _fuse_once(graph, [mapping[r.id] for r in roots],
-                                                  max_inputs)
-        mapping = {old: step_mapping[new.id] for old, new in mapping.items()
-                   if new.id in step_mapping}
-    _materialize_bodies(graph)
-    return graph, mapping
+        rooted, changed = _fuse_once(rooted, max_inputs)
+    _materialize_bodies(rooted.graph)
+    return rooted
 
 
 def _materialize_bodies(graph: Graph) -> None:
@@ -98,8 +95,8 @@ def _materialize_bodies(graph: Graph) -> None:
             t.attrs = {k: done.get(id(v), v) for k, v in t.attrs.items()}
 
 
-def _fuse_once(old: Graph, roots: list[Tensor], max_inputs: int
-               ) -> tuple[Graph, dict[int, Tensor], bool]:
+def _fuse_once(rooted: Rooted, max_inputs: int) -> tuple[Rooted, bool]:
+    old, roots = rooted.graph, rooted.roots
     order = old.reachable(roots)
     pinned = {t.id for t in roots}
     consumers = Counter(i.id for t in order for i in {x.id: x for x in t.inputs}.values())
@@ -148,7 +145,7 @@ def _fuse_once(old: Graph, roots: list[Tensor], max_inputs: int
     new.inputs = {n: new_of[t.id] for n, t in old.inputs.items() if t.id in new_of}
     new.params = {n: new_of[t.id] for n, t in old.params.items() if t.id in new_of}
     new.outputs = {n: new_of[t.id] for n, t in old.outputs.items() if t.id in new_of}
-    return new, new_of, changed
+    return rooted.renamed(new, new_of), changed
 
 
 def _duplicable(order: list[Tensor], pinned: set[int], consumers: Counter[int]) -> set[int]:

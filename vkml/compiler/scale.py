@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from vkml.compiler.codegen import phase_target
 from vkml.compiler.rebuild import Emit, rebuild
-from vkml.graph import OPS, Graph, Tensor
+from vkml.compiler.rooted import Rooted
+from vkml.graph import OPS, Tensor
 from vkml.hal import Capabilities
 
 
-def scale_operands(old: Graph, roots: list[Tensor], caps: Capabilities,
-                   forward_roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor]]:
-    """The graph with the backward pass's cooperative products scaled, and a map from the id of
-    each kept node to its new node."""
-    forward = {t.id for t in old.reachable(forward_roots)}
+def scale_operands(rooted: Rooted, caps: Capabilities) -> Rooted:
+    """The graph with the backward pass's cooperative products scaled (nodes the outputs
+    depend on are the forward pass)."""
+    forward = {t.id for t in rooted.graph.reachable(rooted.outputs.values())}
     backward = phase_target(caps, False)
     magnitudes: dict[int, Tensor] = {}  # new tensor id -> the largest magnitude of each row
 
@@ -47,4 +47,4 @@ def scale_operands(old: Graph, roots: list[Tensor], caps: Capabilities,
                             {**node.attrs, "scales": modes}, node)
         return emit(node.op, inputs, node.shape, node.attrs, node)
 
-    return rebuild(old, roots, make)
+    return rebuild(rooted, make)

@@ -22,9 +22,11 @@ from typing import Literal
 import numpy as np
 
 from vkml.compiler.memory_plan import FOREVER, Lifetime, MemoryPlan, plan_memory
+from vkml.compiler.options import CompileOptions
+from vkml.compiler.rooted import Rooted
 from vkml.errors import GraphError
 from vkml.expr import in_order
-from vkml.graph import OPS, Graph, Tensor, body_of
+from vkml.graph import OPS, Tensor, body_of
 from vkml.hal import Access, Capabilities, Kernel
 from vkml.optim import Optimizer
 
@@ -182,19 +184,20 @@ class Plan:
     __str__ = dump
 
 
-def make_plan(graph: Graph, outputs: dict[str, Tensor], grads: dict[str, Tensor],
-              optimizer: Optimizer | None, caps: Capabilities, keep_grads: bool = True,
-              has_loss: bool = False, check_finite: bool = False,
+def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
               timings: dict[str, float] | None = None) -> Plan:
-    """`keep_grads`: gradients stay readable after the step (else an optimizer consumes them
-    and their memory is reused). `has_loss`: `grads` holds the gradients of a loss (possibly
-    none, when every parameter is frozen). `timings` (if given) gets the seconds spent in
+    """The plan of `rooted`'s graph: its outputs readable after a step, its gradients too
+    where the options keep them (else an optimizer consumes them and their memory is reused),
+    the options' optimizer's updates. `timings` (if given) gets the seconds spent in
     "schedule" and "memory"."""
     started = time.perf_counter()
+    graph, outputs, grads = rooted.graph, rooted.outputs, rooted.grads
+    optimizer, keep_grads = options.optimizer, options.keeps_grads
+    check_finite, has_loss = options.check_finite, options.loss is not None
     for name, t in outputs.items():
         if not graph._owns(t):
             raise GraphError(f"output '{name}' ({t.label}) is not a node of this graph")
-    roots = [*outputs.values(), *grads.values()]
+    roots = rooted.roots
     nodes = graph.reachable(roots)
     grad_ids = {t.id for t in grads.values()}
     forward_ids = {t.id for t in graph.reachable(outputs.values())}

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from vkml.compiler.codegen import phase_target
 from vkml.compiler.rebuild import Emit, rebuild
+from vkml.compiler.rooted import Rooted
 from vkml.expr import Arg, Body, contiguous_strides
-from vkml.graph import OPS, Graph, Tensor
+from vkml.graph import OPS, Tensor
 from vkml.hal import Capabilities
 
 
-def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
-               forward_roots: list[Tensor]) -> tuple[Graph, dict[int, Tensor]]:
-    """The graph with long sums split, and a map from the id of each kept node to its new node.
-    Nodes `forward_roots` depend on are the forward pass; the others are split as the kernels
-    the backward pass's target makes of them (codegen.phase_target: scaled operands)."""
-    forward = {t.id for t in old.reachable(forward_roots)}
+def split_sums(rooted: Rooted, caps: Capabilities) -> Rooted:
+    """The graph with long sums split. Nodes the outputs depend on are the forward pass; the
+    others are split as the kernels the backward pass's target makes of them
+    (codegen.phase_target: scaled operands)."""
+    forward = {t.id for t in rooted.graph.reachable(rooted.outputs.values())}
 
     def make(node: Tensor, inputs: list[Tensor], emit: Emit) -> Tensor:
         rule = OPS[node.op].splits
@@ -31,7 +31,7 @@ def split_sums(old: Graph, roots: list[Tensor], caps: Capabilities,
             return _split(node, inputs, pieces, emit)
         return emit(node.op, inputs, node.shape, node.attrs, node)
 
-    return rebuild(old, roots, make)
+    return rebuild(rooted, make)
 
 
 def _split(node: Tensor, inputs: list[Tensor], pieces: int, emit: Emit) -> Tensor:
