@@ -16,7 +16,7 @@ import numpy as np
 from vkml.errors import GraphError
 from vkml.expr import Arg, call
 from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
-from vkml.ops.conv import pair
+from vkml.ops.conv import pair, pool_extent
 from vkml.ops.pointwise import broadcast_shapes, sum_to
 
 
@@ -303,12 +303,35 @@ def conv1d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
 
 
 @builder
-def avg_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
-    """F.avg_pool2d (count_include_pad=True): a depthwise conv2d with constant weights."""
-    kh, kw = pair(kernel_size)
-    c = x.shape[1]
-    weight = g.constant(np.full((c, 1, kh, kw), 1.0 / (kh * kw), np.float32))
-    return g.conv2d(x, weight, None, (kh, kw) if stride is None else stride, padding, 1, c)
+def avg_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0,
+               ceil_mode: bool = False, count_include_pad: bool = True,
+               divisor_override: int | None = None) -> Tensor:
+    """F.avg_pool2d: a depthwise conv2d with constant weights. Where windows differ in what
+    they divide by (count_include_pad=False, ceil_mode's partial windows, divisor_override),
+    the conv sums (over zeros added past the input for ceil_mode's windows) and a constant
+    (out_h, out_w) map of torch's divisors divides."""
+    kernel, pads = pair(kernel_size), pair(padding)
+    strides = kernel if stride is None else pair(stride)
+    c, spatial = x.shape[1], x.shape[2:]
+    starts = [np.arange(pool_extent(n, k, s, p, ceil_mode)) * s - p
+              for n, k, s, p in zip(spatial, kernel, strides, pads)]
+    # torch's divisor per axis: the window within the padded input, or within the input alone
+    padded = [np.minimum(a + k, n + p) - a for a, n, k, p in zip(starts, spatial, kernel, pads)]
+    inside = [np.minimum(a + k, n) - np.maximum(a, 0) for a, n, k in zip(starts, spatial, kernel)]
+    counts = np.outer(*(padded if count_include_pad else inside)).astype(np.float64)
+    if divisor_override is None and np.all(counts == kernel[0] * kernel[1]) and all(
+            len(a) == pool_extent(n, k, s, p, False)
+            for a, n, k, s, p in zip(starts, spatial, kernel, strides, pads)):
+        weight = g.constant(np.full((c, 1, *kernel), 1.0 / (kernel[0] * kernel[1]), np.float32))
+        return g.conv2d(x, weight, None, strides, pads, 1, c)
+    for axis, (a, n, k, p) in enumerate(zip(starts, spatial, kernel, pads), 2):
+        beyond = int(a[-1]) + k - (n + p)  # how far ceil_mode's last window runs past the pad
+        if beyond > 0:
+            x = g.pad(x, axis, 0, beyond)
+    sums = g.conv2d(x, g.constant(np.ones((c, 1, *kernel), np.float32)), None, strides, pads,
+                    1, c)
+    divisor = np.full_like(counts, divisor_override) if divisor_override else counts
+    return g.mul(sums, g.constant((1.0 / divisor).astype(np.float32)))
 
 
 @builder

@@ -153,15 +153,15 @@ def _max_pool2d(inputs, attrs):
     if ph > kh // 2 or pw > kw // 2:
         raise GraphError("max_pool2d: padding must be at most half the kernel (PyTorch's rule)")
     n, c, h, w = x.shape
-    if not attrs.get("ceil_mode"):
-        return (n, c, kernels.out_extent(h, kh, sh, ph, 1),
-                kernels.out_extent(w, kw, sw, pw, 1)), "f32"
-    return (n, c, _ceil_extent(h, kh, sh, ph), _ceil_extent(w, kw, sw, pw)), "f32"
+    ceil = attrs.get("ceil_mode", False)
+    return (n, c, pool_extent(h, kh, sh, ph, ceil), pool_extent(w, kw, sw, pw, ceil)), "f32"
 
 
-def _ceil_extent(size: int, kernel: int, stride: int, pad: int) -> int:
-    """Windows along an axis with ceil_mode: a last partial window too, if it starts inside the
-    input or its left padding (PyTorch's rule); its taps outside the input are skipped."""
+def pool_extent(size: int, kernel: int, stride: int, pad: int, ceil_mode: bool) -> int:
+    """Pooling windows along an axis; with ceil_mode a last partial window too, if it starts
+    inside the input or its left padding (PyTorch's rule; its taps outside are skipped)."""
+    if not ceil_mode:
+        return kernels.out_extent(size, kernel, stride, pad, 1)
     out = -(-(size + 2 * pad - kernel) // stride) + 1
     return out - 1 if (out - 1) * stride >= size + pad else out
 
