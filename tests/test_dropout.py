@@ -192,3 +192,25 @@ def test_dropout_fused_into_a_sum_reads_each_elements_own_mask(device):
         factor = kept(3, step, shape, p) / (1 - p) * w
         assert abs(float(s.read("loss")) - np.sum(x0 * factor)) < 1e-5 * np.sum(np.abs(x0 * factor))
         assert rel_l2(s.grad("x"), factor) < 1e-6
+
+
+def test_attention_dropout_matches_torch_given_the_mask(device):
+    """scaled_dot_product_attention(dropout_p=...): the weights' dropout, torch's composition
+    given the mask the hash draws, values and gradients."""
+    p, shapes = 0.2, [(1, 2, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)]
+    rng = np.random.default_rng(9)
+    values = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+    g = vkml.Graph()
+    q, k, v = (g.param(n, x.shape, init=x) for n, x in zip("qkv", values))
+    out = g.scaled_dot_product_attention(q, k, v, dropout_p=p)
+    (node,) = [t for t in g.nodes if t.op == "dropout"]
+    salt = int(g.initial_values[node.inputs[2].id])
+    s = vkml.compile(g, loss=g.sum(g.square(out)), outputs={"out": out}, device=device)
+    s.step()
+    tq, tk, tv = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in values)
+    weights = torch.softmax(tq @ tk.transpose(-1, -2) / np.sqrt(8), -1)
+    ref = (weights * torch.tensor(kept(salt, 1, node.shape, p)) / (1 - p)) @ tv
+    ref.square().sum().backward()
+    assert rel_l2(s.read("out"), ref.detach().numpy()) < 1e-5
+    for name, t in zip("qkv", (tq, tk, tv)):
+        assert rel_l2(s.grad(name), t.grad.numpy()) < 1e-5, name

@@ -224,11 +224,12 @@ def attention_scores(g: Graph, q5: Tensor, k5: Tensor, causal: bool) -> Tensor:
 @builder
 def scaled_dot_product_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask=None,
                                  causal: bool = False, scale: float | None = None,
-                                 fused: bool = False) -> Tensor:
+                                 fused: bool = False, dropout_p: float = 0.0) -> Tensor:
     """q (..., H, L, D), k (..., Hkv, S, D), v (..., Hkv, S, Dv) -> (..., H, L, Dv); H a multiple
     of Hkv (query head h uses key/value head h // (H / Hkv), as torch's enable_gqa). `mask`: an
     additive f32 tensor broadcastable to (..., H, L, S); `causal`: query i sees keys j <= i.
-    `fused`: one flash-style kernel (`flash_attention`) instead of the composition."""
+    `fused`: one flash-style kernel (`flash_attention`) instead of the composition.
+    `dropout_p`: dropout on the attention weights in training steps, as torch's."""
     if len(q.shape) < 3 or len(k.shape) != len(q.shape) or len(v.shape) != len(q.shape):
         raise GraphError(f"attention takes q, k, v of one rank >= 3 (..., heads, seq, dim), got "
                          f"{q.type}, {k.type}, {v.type}")
@@ -240,14 +241,18 @@ def scaled_dot_product_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask
     dv = v.shape[-1]
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     if fused:
-        if mask is not None:
-            raise GraphError("fused attention takes no additive mask (causal or full only)")
+        if mask is not None or dropout_p:
+            raise GraphError("fused attention takes no additive mask (causal or full only) and "
+                             "no dropout: use fused=False")
         return g.apply("flash_attention", [q, k, v], causal=bool(causal), scale=scale)
     q5, k5, v5 = grouped_heads(g, q, k, v, scale)
     scores = g.reshape(attention_scores(g, q5, k5, causal), (*lead, h, length, s))
     if mask is not None:
         scores = g.add(scores, mask)
-    probs = g.reshape(g.softmax(scores), (*lead, hkv, rep, length, s))
+    probs = g.softmax(scores)
+    if dropout_p:
+        probs = g.dropout(probs, dropout_p)
+    probs = g.reshape(probs, (*lead, hkv, rep, length, s))
     return g.reshape(g.matmul(probs, v5), (*lead, h, length, dv))
 
 
