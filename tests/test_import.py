@@ -406,3 +406,20 @@ def test_llama_block_imports_to_the_hand_built_plan(device):
     s.set_input("x", x.numpy())
     s.forward()
     assert rel_l2(s.read("output"), module(x).detach().numpy()) < FORWARD_TOL
+
+
+def test_readme_bring_your_own_model_runs(tmp_path, capsys):
+    """README's "Bring your own model" example, as printed (files in a temporary folder)."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Bring your own model", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    code = code.replace("/tmp/", f"{tmp_path}/")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "onnxruntime agrees: True" in out
+    first, = re.findall(r"loss ([0-9.]+)", out)
+    assert float(first) < np.log(10)
