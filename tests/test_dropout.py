@@ -110,6 +110,14 @@ def test_forward_and_inference_are_the_identity(device):
     s.forward()
     g, out = mlp()
     plain = vkml.compile(g, device=device)  # no loss: inference, every step
+    # compiled without a loss, the plan is that of the graph without dropout
+    assert vkml.graph.TRAINING_STEP not in plain.plan.inputs
+    without = vkml.Graph()
+    x = without.input("x", (8, 12))
+    w1, b, w2 = (without.param(n, v.shape, init=v) for n, v in plain.params().items())
+    without.output("out", without.gelu(x @ w1 + b) @ w2)
+    assert ([d.name for d in vkml.compile(without, device=device).plan.dispatches]
+            == [d.name for d in plain.plan.dispatches])
     plain.set_input("x", X)
     plain.step()
     reference = s.read("out")

@@ -79,6 +79,10 @@ class OpDef:
     # (compiler/compose.py puts this op in its place).
     composes: Callable[[Tensor, dict[int, np.ndarray], Capabilities], Composition | None] | None \
         = None
+    # `training_only`: an op that acts in training steps alone (dropout): compiled without a
+    # loss, a node of it is its first input (compiler/stages.py), so that inference plans are
+    # those of the graph without it.
+    training_only: bool = False
 
 
 class Composition(Protocol):

@@ -28,6 +28,7 @@ from typing import Any
 from vkml.compiler import autodiff, codegen, plan_cache
 from vkml.compiler.compose import fuse_compositions
 from vkml.compiler.options import CompileOptions
+from vkml.compiler.rebuild import rebuild
 from vkml.compiler.rewrite import fuse
 from vkml.compiler.rooted import Rooted
 from vkml.compiler.scale import scale_operands
@@ -180,12 +181,24 @@ class _Clock:
         self.last = now
 
 
+def inference_forms(rooted: Rooted) -> Rooted:
+    """Compiled without a loss, every step is inference: a node of an op that acts in training
+    steps alone (OpDef.training_only: dropout) is its first input."""
+    if not any(OPS[t.op].training_only for t in rooted.graph.reachable(rooted.roots)):
+        return rooted
+    return rebuild(rooted, lambda node, inputs, emit: (
+        inputs[0] if OPS[node.op].training_only
+        else emit(node.op, inputs, node.shape, node.attrs, node)))
+
+
 def _lower(graph: Graph, caps: Capabilities, options: CompileOptions) -> Stages:
     """The pipeline."""
     caps = options.target(caps)
     timings: dict[str, float] = {}
     clock = _Clock(timings)
     differentiated = autodiff.differentiate(graph, options)
+    if options.loss is None:
+        differentiated = inference_forms(differentiated)
     clock.lap("autodiff")
     rewritten = differentiated
     if options.rewrite == "greedy":

@@ -664,7 +664,7 @@ def _dropout_expr(node: Tensor) -> Expr:
 register(OpDef("dropout", _dropout_shape, "pointwise",
                grad=lambda g, node, d: [g.apply("dropout", [d, *node.inputs[1:]], **node.attrs),
                                         None, None],
-               expr=_dropout_expr))
+               expr=_dropout_expr, training_only=True))
 
 
 @builder(tensor=True)
