@@ -52,6 +52,19 @@ CASES = [
     Case("pad_stride", [(2, 3)], lambda g, x: g.pad(x, 1, 2, 1, stride=3),
          lambda x: F.pad(
              torch.stack([x, *[torch.zeros_like(x)] * 2], -1).reshape(2, 9)[:, :7], (2, 1))),
+    Case("pad_reflect", [(2, 3, 5)], lambda g, x: g.pad(x, -1, 2, 1, mode="reflect"),
+         lambda x: F.pad(x, (2, 1), mode="reflect")),
+    Case("pad_replicate", [(2, 3, 5)], lambda g, x: g.pad(x, 1, 1, 2, mode="replicate"),
+         lambda x: F.pad(x, (0, 0, 1, 2), mode="replicate")),
+    Case("pad_circular", [(2, 3, 5)], lambda g, x: g.pad(x, 2, 1, 3, mode="circular"),
+         lambda x: F.pad(x, (1, 3), mode="circular")),
+    Case("pad_value", [(2, 3)], lambda g, x: g.pad(x, 1, 1, 2, value=1.5),
+         lambda x: F.pad(x, (1, 2), value=1.5)),
+    Case("pad_crop", [(2, 5)], lambda g, x: g.pad(x, 1, -1, 2),
+         lambda x: F.pad(x, (-1, 2))),
+    Case("flip", [(2, 3, 4)], lambda g, x: g.flip(x, (0, 2)), lambda x: torch.flip(x, (0, 2))),
+    Case("roll", [(3, 2, 5)], lambda g, x: g.roll(x, (1, -2), (0, 2)),
+         lambda x: torch.roll(x, (1, -2), (0, 2))),
     Case("expand", [(3, 1)], lambda g, x: g.expand(x, (2, -1, 4)),
          lambda x: x.expand(2, -1, 4)),
     Case("expand_onnx_two_way", [(3, 1)], lambda g, x: g.expand(x, (1, 5)),
@@ -283,3 +296,17 @@ def test_resize_matches_onnxruntime(mode, coordinates, rounding, target, device,
     session.forward()
     np.testing.assert_allclose(session.read("y"), want, rtol=1e-5, atol=1e-6)
     check_finite_differences(case, device, rng)
+
+
+def test_pad_with_infinity_leaves_maxima_alone(device, rng):
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    g = vkml.Graph()
+    xi = g.input("x", x.shape)
+    padded = g.output("padded", g.pad(xi, 1, 1, 2, value=-np.inf))
+    g.output("max", g.amax(padded, 1))
+    session = vkml.compile(g, device=device)
+    session.set_input("x", x)
+    session.forward()
+    np.testing.assert_array_equal(session.read("padded"),
+                                  F.pad(torch.tensor(x), (1, 2), value=-np.inf).numpy())
+    np.testing.assert_array_equal(session.read("max"), x.max(1))

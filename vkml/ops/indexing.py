@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from vkml.errors import GraphError
 from vkml.expr import contiguous_strides
 from vkml.graph import Graph, OpDef, Tensor, builder, register
@@ -93,7 +95,7 @@ def _pad_body(node: Tensor) -> list[str]:
     if stride != 1:
         inside += f" && (i{axis} - {before}u) % {stride}u == 0u"
     idx = [at.format(n) if a == axis else n for a, n in enumerate(_indices(node))]
-    return ["  var v = 0.0;",
+    return [f"  var v = {_f32(node.attrs.get('value', 0.0))};",
             f"  if ({inside}) {{",
             f"    v = in0[{offset(idx, contiguous_strides(x.shape))}];", "  }",
             "  out[idx] = v;"]
@@ -102,12 +104,80 @@ def _pad_body(node: Tensor) -> list[str]:
 register(OpDef("pad", _pad, "kernel", grad=_pad_grad, lower=kernels.lowering(_pad_body)))
 
 
+def _f32(value: float) -> str:
+    """A WGSL f32 literal, infinities included."""
+    if math.isinf(value):
+        return f"bitcast<f32>({'0xff800000u' if value < 0 else '0x7f800000u'})"
+    return f"{value:.9e}"
+
+
+PAD_MODES = ("constant", "reflect", "replicate", "circular")
+
+
 @builder
-def pad(g: Graph, x: Tensor, axis: int, before: int, after: int, stride: int = 1) -> Tensor:
-    """Zero padding along one axis; `stride` > 1 also puts stride - 1 zeros between elements
-    (the gradient of a strided slice)."""
-    attrs = {"stride": int(stride)} if stride != 1 else {}
-    return g.apply("pad", [x], axis=int(axis), before=int(before), after=int(after), **attrs)
+def pad(g: Graph, x: Tensor, axis: int, before: int, after: int, stride: int = 1,
+        mode: str = "constant", value: float = 0.0) -> Tensor:
+    """Padding along one axis (F.pad, ONNX Pad): mode "constant" (with `value`), "reflect",
+    "replicate" (ONNX's edge) or "circular"; a negative amount crops, as ONNX's. `stride` > 1
+    also puts stride - 1 values between elements (the gradient of a strided slice). Only the
+    constant mode is a kernel of its own: the others are slices, flips, broadcasts and a
+    concat of x."""
+    axis, before, after = _axis_of(x, axis), int(before), int(after)
+    if mode not in PAD_MODES or math.isnan(value) or (
+            stride != 1 and (mode != "constant" or min(before, after) < 0)):
+        raise GraphError(f"pad: mode {mode!r}, value {value}, stride {stride}, amounts "
+                         f"({before}, {after}): modes are {PAD_MODES}, the value is not NaN, "
+                         "and a stride needs the constant mode and amounts >= 0")
+    n = x.shape[axis]
+    if before < 0 or after < 0:  # crop first
+        x = g.slice(x, axis, max(-before, 0), n + min(after, 0))
+        before, after, n = max(before, 0), max(after, 0), x.shape[axis]
+    if before == after == 0 and stride == 1:
+        return x
+    if mode == "constant":
+        attrs = ({"stride": int(stride)} if stride != 1 else {}) | (
+            {"value": float(value)} if value != 0 else {})
+        return g.apply("pad", [x], axis=axis, before=before, after=after, **attrs)
+    if max(before, after) > (n - 1 if mode == "reflect" else n):
+        raise GraphError(f"pad: {mode} padding by ({before}, {after}) along axis {axis} of "
+                         f"{x.label} needs amounts below its length {n}")
+
+    def edge(start: int, count: int) -> Tensor:  # element `start` repeated `count` times
+        shape = tuple(count if a == axis else d for a, d in enumerate(x.shape))
+        return g.broadcast_to(g.slice(x, axis, start, start + 1), shape)
+
+    sides = {"reflect": lambda: (before and g.flip(g.slice(x, axis, 1, before + 1), axis),
+                                 after and g.flip(g.slice(x, axis, n - 1 - after, n - 1), axis)),
+             "replicate": lambda: (before and edge(0, before), after and edge(n - 1, after)),
+             "circular": lambda: (before and g.slice(x, axis, n - before, n),
+                                  after and g.slice(x, axis, 0, after))}[mode]()
+    return g.concat([t for t in (sides[0], x, sides[1]) if t], axis)
+
+
+@builder
+def flip(g: Graph, x: Tensor, axis: int | Sequence[int]) -> Tensor:
+    """torch.flip: `x` reversed along `axis` (one or several), each a gather at constant
+    indices."""
+    for a in (axis,) if isinstance(axis, int) else axis:
+        a = _axis_of(x, a)
+        x = g.gather(x, g.constant(np.arange(x.shape[a] - 1, -1, -1), "i32"), a)
+    return x
+
+
+@builder
+def roll(g: Graph, x: Tensor, shift: int | Sequence[int], axis: int | Sequence[int]) -> Tensor:
+    """torch.roll: `x` shifted cyclically by `shift` along `axis` (ints, or sequences of one
+    length): two slices and a concat an axis."""
+    shifts, axes = ((shift,), (axis,)) if isinstance(axis, int) else (tuple(shift), tuple(axis))
+    if len(shifts) != len(axes):
+        raise GraphError(f"roll: {len(shifts)} shifts for {len(axes)} axes")
+    for s, a in zip(shifts, axes):
+        a = _axis_of(x, a)
+        n = x.shape[a]
+        s = int(s) % n
+        if s:
+            x = g.concat([g.slice(x, a, n - s, n), g.slice(x, a, 0, n - s)], a)
+    return x
 
 
 def _concat(inputs, attrs):
