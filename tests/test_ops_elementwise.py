@@ -105,9 +105,9 @@ def test_special_values_match_torch(device):
                                    equal_nan=True, err_msg=name)
 
 
-def test_log1p_expm1_keep_tiny_arguments_digits(device):
+def test_log1p_expm1_erf_keep_tiny_arguments_digits(device):
     x = np.array([1e-7, -3e-6, 2e-4, -1e-3, 0.01, -0.2, 0.45, -0.45], np.float32)
-    got = run_unary(device, x, ["log1p", "expm1"])
+    got = run_unary(device, x, ["log1p", "expm1", "erf"])
     for name in got:
         want = getattr(torch, name)(torch.tensor(x, dtype=torch.float64)).numpy()
         np.testing.assert_allclose(got[name], want, rtol=3e-7, err_msg=name)
