@@ -358,10 +358,11 @@ def upsample_nearest(g: Graph, x: Tensor, scale: int | tuple[int, int] = 2) -> T
 # ---- resizing (ONNX Resize, F.interpolate) ------------------------------------------------------
 # Each resized axis is a map from output to input positions, computed here in float32 as
 # onnxruntime's and torch's CPU kernels compute them. Nearest resizing gathers along each axis
-# (or, for integer upsampling, broadcasts as upsample_nearest); linear resizing multiplies each
-# axis by its constant interpolation matrix (two weights a row), so both differentiate as the
-# gather or the product does. The product reads every input of a row: an infinite or NaN input
-# spreads along its row and column, where torch keeps it to the outputs that weigh it.
+# (or, for integer upsampling, broadcasts as upsample_nearest); linear and cubic resizing
+# multiply each axis by its constant interpolation matrix (two or four weights a row), so both
+# differentiate as the gather or the product does. The product reads every input of a row: an
+# infinite or NaN input spreads along its row and column, where torch keeps it to the outputs
+# that weigh it.
 COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric")
 NEAREST_MODES = {"floor": np.floor, "ceil": np.ceil,
                  "round_prefer_floor": lambda v: np.ceil(v - np.float32(0.5)),
@@ -396,24 +397,46 @@ def _interpolation_matrix(size: int, out: int, source: np.ndarray) -> np.ndarray
     return matrix
 
 
+def _cubic_matrix(size: int, out: int, source: np.ndarray, a: float) -> np.ndarray:
+    """(out, size): each output position's four cubic-convolution weights (coefficient `a`),
+    taps past the input read at its edge, as torch's bicubic and onnxruntime's cubic read."""
+    f32 = np.float32
+    low = np.floor(source)
+    t = (source - low).astype(f32)
+    a = f32(a)
+
+    def inner(d: np.ndarray) -> np.ndarray:  # the weight of a tap at distance d <= 1
+        return ((a + 2) * d - (a + 3)) * d * d + 1
+
+    def outer(d: np.ndarray) -> np.ndarray:  # at distance 1 < d < 2
+        return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+
+    matrix = np.zeros((out, size), f32)
+    for tap, weight in ((-1, outer(t + 1)), (0, inner(t)), (1, inner(1 - t)), (2, outer(2 - t))):
+        at = np.clip(low + tap, 0, size - 1).astype(np.int64)
+        np.add.at(matrix, (np.arange(out), at), weight.astype(f32))
+    return matrix
+
+
 @builder
 def resize(g: Graph, x: Tensor, size: Sequence[int] | None = None,
            scale: Sequence[float] | None = None, mode: str = "nearest",
-           coordinate_mode: str = "half_pixel",
-           nearest_mode: str = "round_prefer_floor") -> Tensor:
+           coordinate_mode: str = "half_pixel", nearest_mode: str = "round_prefer_floor",
+           cubic_coeff_a: float = -0.75) -> Tensor:
     """ONNX Resize of the axes after the first two of an (N, C, L) or (N, C, H, W) tensor, to
-    `size` or by `scale` (output / input, the output floor(input * scale)). `mode`: "nearest" or
-    "linear"; `coordinate_mode`: half_pixel, pytorch_half_pixel, align_corners or asymmetric;
-    `nearest_mode`: floor, ceil, round_prefer_floor or round_prefer_ceil."""
+    `size` or by `scale` (output / input, the output floor(input * scale)). `mode`: "nearest",
+    "linear" or "cubic" (taps outside read the edge: exclude_outside=0); `coordinate_mode`:
+    half_pixel, pytorch_half_pixel, align_corners or asymmetric; `nearest_mode`: floor, ceil,
+    round_prefer_floor or round_prefer_ceil."""
     spatial = x.shape[2:]
     if len(spatial) not in (1, 2) or (size is None) == (scale is None):
         raise GraphError(f"resize takes an (N, C, L) or (N, C, H, W) tensor and one of size "
                          f"and scale, got {x.label}, size={size}, scale={scale}")
-    if mode not in ("nearest", "linear") or coordinate_mode not in COORDINATE_MODES or (
+    if mode not in ("nearest", "linear", "cubic") or coordinate_mode not in COORDINATE_MODES or (
             nearest_mode not in NEAREST_MODES):
         raise GraphError(f"resize: mode {mode!r}, coordinate_mode {coordinate_mode!r} or "
-                         f"nearest_mode {nearest_mode!r} is not one of ('nearest', 'linear'), "
-                         f"{COORDINATE_MODES}, {tuple(NEAREST_MODES)}")
+                         f"nearest_mode {nearest_mode!r} is not one of ('nearest', 'linear', "
+                         f"'cubic'), {COORDINATE_MODES}, {tuple(NEAREST_MODES)}")
     scales = [None] * len(spatial) if scale is None else [float(f) for f in scale]
     sizes = ([int(math.floor(n * f)) for n, f in zip(spatial, scales)] if size is None
              else [int(n) for n in size])
@@ -425,7 +448,8 @@ def resize(g: Graph, x: Tensor, size: Sequence[int] | None = None,
     if mode == "nearest":
         return _resize_nearest(g, x, sizes, sources, NEAREST_MODES[nearest_mode])
     for axis, (n, out, src) in reversed(list(enumerate(zip(spatial, sizes, sources), 2))):
-        matrix = _interpolation_matrix(n, out, src)
+        matrix = (_interpolation_matrix(n, out, src) if mode == "linear"
+                  else _cubic_matrix(n, out, src, cubic_coeff_a))
         if out == n and np.array_equal(matrix, np.eye(n, dtype=np.float32)):
             continue
         if axis == len(x.shape) - 1:  # the last axis: x (..., n) times the matrix transposed
@@ -455,7 +479,8 @@ def interpolate(g: Graph, x: Tensor, size: int | Sequence[int] | None = None,
                 scale_factor: float | Sequence[float] | None = None, mode: str = "nearest",
                 align_corners: bool | None = None) -> Tensor:
     """F.interpolate of an (N, C, L) or (N, C, H, W) tensor: modes "nearest" (torch's floor
-    rule), "nearest-exact", "linear" and "bilinear" (align_corners False or True)."""
+    rule), "nearest-exact", "linear", "bilinear" and "bicubic" (align_corners False or True;
+    no antialias)."""
     spatial = len(x.shape) - 2
 
     def per_axis(v):
@@ -467,10 +492,11 @@ def interpolate(g: Graph, x: Tensor, size: int | Sequence[int] | None = None,
         return g.resize(x, per_axis(size), per_axis(scale_factor), "nearest",
                         "half_pixel" if exact else "asymmetric",
                         "round_prefer_ceil" if exact else "floor")
-    if mode not in ("linear", "bilinear"):
+    if mode not in ("linear", "bilinear", "bicubic"):
         raise GraphError(f"interpolate: mode {mode!r} is not supported; use 'nearest', "
-                         "'nearest-exact', 'linear' or 'bilinear'")
-    return g.resize(x, per_axis(size), per_axis(scale_factor), "linear",
+                         "'nearest-exact', 'linear', 'bilinear' or 'bicubic'")
+    return g.resize(x, per_axis(size), per_axis(scale_factor),
+                    "cubic" if mode == "bicubic" else "linear",
                     "align_corners" if align_corners else "half_pixel")
 
 
