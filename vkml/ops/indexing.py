@@ -19,6 +19,7 @@ from vkml.graph import Graph, OpDef, Tensor, builder, register
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather as kernels
 from vkml.kernels.common import check_loop, offset
+from vkml.ops.pointwise import broadcast_shapes
 
 
 def _axis_of(x, axis: int) -> int:
@@ -442,6 +443,49 @@ def index_select(g: Graph, x: Tensor, axis: int, index: Tensor) -> Tensor:
         raise GraphError(f"index_select takes a 1-D index, got {index.label}; use gather for "
                          "an index of any shape")
     return g.gather(x, index, axis)
+
+
+@builder
+def index(g: Graph, x: Tensor, indices: Sequence[Tensor | None]) -> Tensor:
+    """torch's advanced indexing x[i0, i1, ...] (aten.index; ONNX GatherND over leading axes):
+    an i32 index tensor, or None for the whole axis, for each of x's leading axes, the tensors
+    broadcast together. Their shape replaces the indexed axes where they are adjacent, else it
+    comes first (torch's rule); a negative index counts from its axis's end. One gather along
+    the indexed axes flattened, at the flat index computed from the tensors (i32 arithmetic).
+    Indices from an input or a constant are range-checked as a whole flat index, not per axis."""
+    if len(indices) > len(x.shape):
+        raise GraphError(f"index: {len(indices)} indices for {x.label}")
+    used = [a for a, i in enumerate(indices) if i is not None]
+    if not used:
+        return x
+    tensors = [indices[a] for a in used]
+    for a, t in zip(used, tensors):
+        if not isinstance(t, Tensor) or t.dtype != "i32":
+            raise GraphError(f"index takes i32 index tensors (or None), got {t!r}")
+        if t.op == "constant" and t.size:
+            values, n = g.initial_values[t.id], x.shape[a]
+            if values.min() < -n or values.max() >= n:
+                raise GraphError(f"index: constant indices {t.label} hold values outside "
+                                 f"[{-n}, {n}), the range of axis {a} of {x.label}")
+    if len(used) == 1:
+        return g.gather(x, tensors[0], used[0])
+    shape: tuple[int, ...] = ()
+    for t in tensors:
+        shape = broadcast_shapes(shape, t.shape)
+    if used != list(range(used[0], used[-1] + 1)):  # apart: indexed axes first, as torch
+        x = g.transpose(x, used + [a for a in range(len(x.shape)) if a not in used])
+        used = list(range(len(used)))
+    dims = x.shape[used[0]:used[-1] + 1]
+    flat: Tensor | None = None
+    for k, (n, t) in enumerate(zip(dims, tensors)):
+        term = g.where(g.less(t, 0), g.add(t, n), t)  # each axis's own negative indices
+        stride = math.prod(dims[k + 1:])
+        term = g.mul(term, stride) if stride != 1 else term
+        flat = term if flat is None else g.add(flat, term)
+    assert flat is not None
+    flat = flat if flat.shape == shape else g.broadcast_to(flat, shape)
+    rows = g.reshape(x, (*x.shape[:used[0]], math.prod(dims), *x.shape[used[-1] + 1:]))
+    return g.gather(rows, flat, used[0])
 
 
 def _gather_elements(inputs, attrs):
