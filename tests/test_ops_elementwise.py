@@ -194,3 +194,24 @@ def test_integer_operands_refuse_fractions_and_division():
         ids / 2
     with pytest.raises(vkml.GraphError, match="'f32' or 'i32'"):
         g.cast(ids, "f16")
+
+
+def test_integer_division_matches_torch_for_every_sign(device):
+    a, b = (v.astype(np.int32) for v in np.meshgrid(np.arange(-7, 8), [-3, -2, -1, 1, 2, 5],
+                                                     indexing="ij"))
+    g = vkml.Graph()
+    ai, bi = g.input("a", a.shape, "i32"), g.input("b", b.shape, "i32")
+    for name, t in {"floor": ai // bi, "trunc": g.trunc_divide(ai, bi), "remainder": ai % bi,
+                    "fmod": g.fmod(ai, bi), "by_number": ai // 2 + ai % 3}.items():
+        g.output(name, t)
+    session = vkml.compile(g, device=device)
+    session.set_input("a", a)
+    session.set_input("b", b)
+    session.forward()
+    ta, tb = torch.tensor(a), torch.tensor(b)
+    expected = {"floor": ta // tb, "trunc": torch.div(ta, tb, rounding_mode="trunc"),
+                "remainder": ta % tb, "fmod": torch.fmod(ta, tb), "by_number": ta // 2 + ta % 3}
+    for name, want in expected.items():
+        np.testing.assert_array_equal(session.read(name), want.numpy(), err_msg=name)
+    with pytest.raises(vkml.GraphError, match="i32"):
+        g.floor_divide(g.input("x", (2,)), 2.0)

@@ -230,6 +230,8 @@ class Tensor:
     def __matmul__(self, other: Tensor) -> Tensor: return self.graph.matmul(self, other)
     def __neg__(self) -> Tensor: return self.graph.neg(self)
     def __pow__(self, other: Operand) -> Tensor: return self.graph.pow(self, other)
+    def __floordiv__(self, other: Operand) -> Tensor: return self.graph.floor_divide(self, other)
+    def __mod__(self, other: Operand) -> Tensor: return self.graph.remainder(self, other)
     def __rpow__(self, other: Operand) -> Tensor: return self.graph.pow(other, self)
     # Comparisons give f32 masks; == and != stay Python's identity tests (tensors are dict keys).
     def __lt__(self, other: Operand) -> Tensor: return self.graph.less(self, other)

@@ -493,6 +493,40 @@ def where(g: Graph, cond: Tensor, a: Operand, b: Operand) -> Tensor:
     return g.apply("where", [cond, *_lifted(g, a, b)])
 
 
+# ---- integer division ---------------------------------------------------------------------
+# i32 index arithmetic (f32 division rounds before it could be floored, which torch avoids):
+# name -> (WGSL of {0}, {1}: i32, whose / and % truncate toward zero as C's, what it is).
+# A zero divisor gives WGSL's a / 0 = a and a % 0 = 0, where torch raises.
+INTEGER_DIVISION = {
+    "floor_divide": ("{0} / {1} - select(0i, 1i, {0} % {1} != 0i && ({0} < 0i) != ({1} < 0i))",
+                     "torch's a // b (div with rounding_mode='floor'): the quotient rounded down"),
+    "trunc_divide": ("{0} / {1}", "torch.div(a, b, rounding_mode='trunc'), ONNX Div of integers: "
+                     "the quotient rounded toward zero"),
+    "remainder": ("select({0} % {1}, {0} % {1} + {1}, {0} % {1} != 0i && ({0} % {1} < 0i) != "
+                  "({1} < 0i))", "torch's a % b, ONNX Mod: the remainder with b's sign"),
+    "fmod": ("{0} % {1}", "torch.fmod, ONNX Mod(fmod=1): the remainder with a's sign"),
+}
+
+
+def _integers(inputs, attrs):
+    if any(x.dtype != "i32" for x in inputs):
+        raise GraphError(f"divides i32 operands, got {inputs[0].dtype} and {inputs[1].dtype}")
+    return broadcast_shapes(inputs[0].shape, inputs[1].shape), "i32"
+
+
+def _integer_division(name: str, template: str, what: str) -> None:
+    register(OpDef(name, _integers, "pointwise", expr=lambda n: call(template, Arg(0), Arg(1))))
+
+    def method(g: Graph, a: Operand, b: Operand) -> Tensor:
+        return g.apply(name, _lifted(g, a, b))
+    method.__name__, method.__doc__ = name, f"{what}; i32 operands, numpy broadcasting"
+    builder(method)
+
+
+for _name, _rule in INTEGER_DIVISION.items():
+    _integer_division(_name, *_rule)
+
+
 # ---- casts ---------------------------------------------------------------------------------------
 def _cast_shape(inputs, attrs):
     if attrs["dtype"] not in ("f32", "i32"):
