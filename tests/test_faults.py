@@ -4,19 +4,32 @@ guarantees").
 
 - corrupted cache entries (cut short, bits flipped, a constant changed in valid SPIR-V): each
   dropped, reported once by name, compiled again; the loss equals the clean run's exactly;
+- a plan larger than the device's memory: refused before anything is allocated, naming the
+  sizes (lavapipe reports a 2 GiB heap and would hand out more);
 - out of device memory (or any other failure) at any point of binding a compiled plan: the
   error is raised and everything made before it is freed, so a smaller model compiles next;
+- Ctrl-C (SIGINT) at random moments of a step loop, in a process of its own under the
+  validation layer: every step is submitted whole or not at all, the layer stays silent, and
+  the session goes on stepping;
+- SIGKILL while a checkpoint is saved: the file is the old one or the new one, never half.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 import vkml
 from vkml import nn
@@ -164,6 +177,45 @@ def test_a_valid_but_changed_spirv_entry_is_not_used(cache):
     assert train_in_a_fresh_process_state() != clean
 
 
+# ---- out of memory ---------------------------------------------------------------------------
+def larger_than(nbytes: int, caps: vkml.Capabilities) -> vkml.Graph:
+    """An inference graph of more than `nbytes`: parameters as large as a binding may be (no
+    host memory is touched: numpy's zeros are allocated lazily), each doubled into an output."""
+    g = vkml.Graph(seed=0)
+    size = min(caps.max_storage_buffer_range, 1 << 30) // 4
+    for i in range(nbytes // (8 * size) + 1):
+        g.output(f"out{i}", g.param(f"p{i}", (size,), "zeros") * 2.0)
+    return g
+
+
+def test_a_plan_larger_than_the_device_memory_is_refused_before_allocating(monkeypatch):
+    device = vkml.Device(backend="vulkan")
+    try:
+        backend = device.backend
+        memory = backend.device_memory()
+        baseline = backend.live_objects()
+        with pytest.raises(DeviceError) as refused:
+            vkml.compile(larger_than(memory.size, device.caps), device=device)
+        message = str(refused.value)
+        assert f"heap {memory.heap} holds {memory.size / 2**30:.2f} GiB" in message
+        assert "smaller model or batch" in message
+        assert backend.live_objects() == baseline
+        # Where the driver reports a budget, that is the limit (as VK_EXT_memory_budget says).
+        half = dataclasses.replace(memory, available=memory.size // 2)
+        monkeypatch.setattr(backend, "device_memory", lambda: half)
+        with pytest.raises(DeviceError, match="VK_EXT_memory_budget"):
+            vkml.compile(larger_than(memory.size // 2, device.caps), device=device)
+        assert backend.live_objects() == baseline
+        monkeypatch.undo()
+        small = small_training_session(device, 5)  # and a model that fits compiles
+        assert backend.live_objects() != baseline
+        small.close()
+        assert backend.live_objects() == baseline
+        assert backend.validation_messages == []
+    finally:
+        device.close()
+
+
 # ---- failures while binding a plan -----------------------------------------------------------
 # What binding makes on the device, one object per call.
 MAKERS = ("create_buffer", "create_pipeline", "record")
@@ -220,3 +272,132 @@ def test_a_failure_at_any_point_of_binding_frees_everything_made_before_it(devic
     assert np.isfinite(session.read("loss"))
     session.close()
     assert backend.live_objects() == baseline
+
+
+# ---- Ctrl-C in a step loop -------------------------------------------------------------------
+# p starts at 0 and each SGD update lowers it by lr * x = 1, so -p counts the updates applied.
+# Each trial steps (whole, or in 3 pieces) until a SIGINT sent after a random delay stops it;
+# then 10 more steps. At the end, a buffer of size 0 (VUID-VkBufferCreateInfo-size-00912) shows
+# that the validation layer was on and reporting.
+STEP_LOOP_INTERRUPTED = """
+import json, os, random, signal, sys, threading, time
+import numpy as np
+import vkml
+
+device = vkml.Device(backend="vulkan")
+g = vkml.Graph(seed=0)
+x = g.input("x", (1, 8))
+loss = g.sum(g.param("p", (1, 8), "zeros") * x)
+session = vkml.compile(g, loss=loss, optimizer=vkml.SGD(lr=1.0), device=device)
+session.set_input("x", np.ones((1, 8), np.float32))
+updates = lambda: -int(session.read("p")[0, 0])
+rng = random.Random(0)
+trials, seconds = int(sys.argv[1]), float(sys.argv[2])
+results, start = [], time.perf_counter()
+while len(results) < trials and time.perf_counter() - start < seconds:
+    chunks = rng.choice([None, 3])
+    before, calls = updates(), 0
+    timer = threading.Timer(rng.uniform(0, 0.01), os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        while True:
+            session.step(chunks=chunks)
+            calls += 1
+    except KeyboardInterrupt:
+        pass
+    timer.join()
+    session.wait()
+    results.append((chunks, calls, updates() - before, session.pieces_left))
+before = updates()
+for _ in range(10):
+    session.step(chunks=3)
+tail = updates() - before
+messages = list(device.backend.validation_messages)
+dev = device.backend._dev
+info = dev.ffi.new("VkBufferCreateInfo*", {
+    "sType": dev.vk.VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO, "size": 0,
+    "usage": dev.vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT,
+    "sharingMode": dev.vk.VK_SHARING_MODE_EXCLUSIVE})
+out = dev.ffi.new("VkBuffer*")
+if dev.lib.vkCreateBuffer(dev.device, info, dev.ffi.NULL, out) == 0:
+    dev.lib.vkDestroyBuffer(dev.device, out[0], dev.ffi.NULL)
+control = list(device.backend.validation_messages[len(messages):])
+print(json.dumps({"results": results, "tail": tail, "messages": messages,
+                  "control": control}))
+"""
+
+
+def test_ctrl_c_in_a_step_loop_leaves_every_step_whole_and_vulkan_valid():
+    env = subprocess_env(VK_INSTANCE_LAYERS="VK_LAYER_KHRONOS_validation")
+    proc = subprocess.run([sys.executable, "-c", STEP_LOOP_INTERRUPTED, "300", "6"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert any("VUID-VkBufferCreateInfo-size-00912" in m for m in report["control"]), (
+        "the validation layer was not on", report["control"])
+    assert report["messages"] == []
+    results = report["results"]
+    assert len(results) >= 20, results
+    for chunks, calls, applied, pieces_left in results:
+        # The interrupted call's step went whole or not at all; nothing was left half-way.
+        assert applied in (calls, calls + 1) and pieces_left == 0, (chunks, calls, applied)
+    assert {chunks for chunks, *_ in results} == {None, 3}
+    assert report["tail"] == 10
+
+
+def test_step_finishes_a_step_begun_with_step_chunk_then_runs_its_own(device):
+    g = vkml.Graph(seed=0)
+    x = g.input("x", (1, 8))
+    loss = g.sum(g.param("p", (1, 8), "zeros") * x)
+    session = vkml.compile(g, loss=loss, optimizer=vkml.SGD(lr=1.0), device=device)
+    session.set_input("x", np.ones((1, 8), np.float32))
+    assert session.step_chunk(chunks=3) > 0  # a step begun, its update not yet submitted
+    session.step()
+    assert session.read("p")[0, 0] == -2.0  # that step's update, then this one's
+    session.close()
+
+
+# ---- SIGKILL while saving --------------------------------------------------------------------
+# Saves a 16 MiB checkpoint over and over, its parameter all 1, then all 2, then all 3...
+SAVING_FOREVER = """
+import sys
+import numpy as np
+import vkml
+
+g = vkml.Graph(seed=0)
+p = g.param("p", (1 << 22,), "zeros")
+g.output("out", p * 2.0)
+session = vkml.compile(g, device=vkml.Device(backend="vulkan"))
+value = 0
+while True:
+    value += 1
+    session.set_param("p", np.full(1 << 22, value, np.float32))
+    session.save(sys.argv[1])
+    print(value, flush=True)
+"""
+
+
+def test_a_save_killed_at_any_moment_leaves_the_old_file_or_the_new_one(tmp_path):
+    from safetensors.numpy import load_file
+
+    path = tmp_path / "checkpoint.safetensors"
+    child = subprocess.Popen([sys.executable, "-c", SAVING_FOREVER, str(path)],
+                             env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "1"  # a save finished: time one
+        started = time.perf_counter()
+        assert child.stdout.readline().strip() == "2"
+        # Most of the loop is saving: killed within the next save or two, most likely in one.
+        time.sleep(float(np.random.default_rng().uniform(0, 2) * (time.perf_counter() - started)))
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    last = int(["2", *child.stdout.read().split()][-1])  # the last save it finished
+    tensors = load_file(path)
+    values = np.unique(tensors["p"])
+    # That one, or the one it was in: replaced, but not yet printed.
+    assert values.size == 1 and values[0] in (last, last + 1), (values, last)
+    assert tensors["p"].shape == (1 << 22,)
+    # The only other file: a temporary a killed save could not remove, never the checkpoint.
+    leftovers = {p.name for p in tmp_path.iterdir()} - {path.name}
+    assert all(name.endswith(".tmp") for name in leftovers), leftovers

@@ -19,6 +19,7 @@ from vkml.compiler.schedule import Plan
 from vkml.compiler.stages import compile_plan
 from vkml.errors import DeviceError, InputError, NonFiniteError, NotComputedError
 from vkml.graph import TRAINING_STEP, Graph, Tensor
+from vkml.interrupts import deferred_interrupts
 from vkml.optim import Optimizer
 from vkml.runtime import checkpoint, sharing
 from vkml.runtime.bound import BoundPlan
@@ -226,10 +227,16 @@ class Session:
         `budget_ms=b`: as many pieces as needed for each to fit b ms of measured GPU time (a
         level longer than b is a piece of its own); when nothing was measured yet this step
         runs whole with timestamps, blocks until done, and later steps are cut by what it
-        measured. Results are bit-identical to a whole step either way."""
+        measured. Results are bit-identical to a whole step either way.
+
+        A step is submitted whole or not at all: a KeyboardInterrupt (Ctrl-C) that arrives
+        while it is submitted is raised once all its pieces are, so a loop of N calls applies
+        N updates whichever call the interrupt stops. A step begun with step_chunk() and not
+        finished is finished first (its remaining pieces submitted, its update applied), as
+        forward(), save(), load(), profile(), record() and close() do: then this step runs."""
         if chunks is None and budget_ms is None:
-            self._submit(self._bound.step_program, self._bound.step_writes_params)
-            self._computed |= {"outputs", "grads"}
+            self._submit(self._bound.step_program, self._bound.step_writes_params,
+                         {"outputs", "grads"})
             self._check_loss()
             return
         self._chunker.finish()
@@ -239,9 +246,10 @@ class Session:
         if cuts is None:
             self._measure_for_budget()
             return
-        self._chunker.start(cuts)
-        self._chunker.finish()
-        self._computed |= {"outputs", "grads"}
+        with deferred_interrupts():
+            self._chunker.start(cuts)
+            self._chunker.finish()
+            self._computed |= {"outputs", "grads"}
         self._check_loss()
 
     @overload
@@ -288,14 +296,17 @@ class Session:
                 if max_ms is None:
                     return 0
                 return ChunkSubmission(0, sum(chunker.dispatch_ms or ()))
-            chunker.start(cuts)
-        if max_ms is None:
-            chunker.submit_next()
-        else:
-            count = min(max(chunker.fitting(max_ms), int(at_least_one)), chunker.allowed())
-            cost = chunker.submit(count)
+        with deferred_interrupts():  # a step is begun together with its first piece
+            if not chunker.in_progress:
+                chunker.start(cuts)
+            if max_ms is None:
+                chunker.submit_next()
+            else:
+                count = min(max(chunker.fitting(max_ms), int(at_least_one)), chunker.allowed())
+                cost = chunker.submit(count)
+            if not chunker.pieces_left:
+                self._computed |= {"outputs", "grads"}
         if not chunker.pieces_left:
-            self._computed |= {"outputs", "grads"}
             self._check_loss()
         if max_ms is None:
             return chunker.pieces_left
@@ -443,14 +454,16 @@ class Session:
     def forward(self) -> None:
         """Compute the outputs (and loss) only: no gradients, no update, and in inference
         form (dropout passes its input through)."""
-        self._submit(self._bound.forward_program, False, forward_only=True)
-        self._computed.add("outputs")
+        self._submit(self._bound.forward_program, False, {"outputs"}, forward_only=True)
 
-    def _submit(self, program: object, updates: bool, forward_only: bool = False) -> None:
+    def _submit(self, program: object, updates: bool, computes: set[str],
+                forward_only: bool = False) -> None:
         self._chunker.finish()
         self._bound.require_inputs()
-        self._bound.submit([program], updates=int(updates), total_updates=int(updates),
-                           forward_only=forward_only)
+        with deferred_interrupts():  # submitted, then known to be
+            self._bound.submit([program], updates=int(updates), total_updates=int(updates),
+                               forward_only=forward_only)
+            self._computed |= computes
 
     @_serialized
     def wait(self) -> None:

@@ -14,9 +14,17 @@ from vkml.hal.commands import (
     Fill,
     check_commands,
 )
-from vkml.hal.interface import Backend, HostRecording, HostWrite, TimelineSync, Timestamps
+from vkml.hal.interface import (
+    Backend,
+    DeviceMemory,
+    HostRecording,
+    HostWrite,
+    TimelineSync,
+    Timestamps,
+)
 from vkml.hal.kernel import Access, Kernel
 
 __all__ = ["Access", "Backend", "BackendBase", "BackendTimestamps", "Barrier", "Binding",
-           "BufferKind", "Capabilities", "Command", "Copy", "Dispatch", "Fill", "HostRecording",
-           "HostWrite", "Kernel", "TimelineSync", "Timestamps", "check_commands"]
+           "BufferKind", "Capabilities", "Command", "Copy", "DeviceMemory", "Dispatch", "Fill",
+           "HostRecording", "HostWrite", "Kernel", "TimelineSync", "Timestamps",
+           "check_commands"]

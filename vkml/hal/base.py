@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from vkml.errors import DeviceError
 from vkml.hal.capabilities import Capabilities
 from vkml.hal.commands import Command, check_commands
-from vkml.hal.interface import HostRecording, HostWrite, TimelineSync, Timestamps
+from vkml.hal.interface import DeviceMemory, HostRecording, HostWrite, TimelineSync, Timestamps
 from vkml.hal.kernel import Kernel
 
 if TYPE_CHECKING:
@@ -90,6 +90,10 @@ class BackendBase:
 
     def why_absent(self, capability: str) -> str:
         return f"{type(self).__name__} does not offer {capability!r}"
+
+    def device_memory(self) -> DeviceMemory | None:
+        """Unknown by default (WebGPU tells no heap sizes)."""
+        return None
 
     def create_pipeline(self, kernel: Kernel) -> Any:
         raise NotImplementedError

@@ -53,6 +53,17 @@ class Timestamps(Protocol):
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """The memory heap a backend allocates "device" buffers from."""
+
+    heap: int  # its index among the device's heaps
+    size: int  # bytes
+    # Bytes this process may still allocate there where the driver says (VK_EXT_memory_budget:
+    # the budget less what the process uses), else None.
+    available: int | None
+
+
+@dataclass(frozen=True)
 class HostWrite:
     """`nbytes` bytes from the host into `buffer` at `offset`: `data`, or zeros where it is None."""
 
@@ -119,6 +130,12 @@ class Backend(Protocol):
     def why_absent(self, capability: str) -> str:
         """Why the optional capability `capability` ("timeline", "host_recording",
         "timestamps") is None on this backend, and what would provide it: for error messages."""
+        ...
+
+    def device_memory(self) -> DeviceMemory | None:
+        """The heap "device" buffers come from, checked against a plan before it is bound
+        (a driver may not refuse more than it has: lavapipe does not); None where the backend
+        cannot tell."""
         ...
 
     def create_pipeline(self, kernel: Kernel) -> object: ...

@@ -31,9 +31,10 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from vkml.compiler.schedule import Plan, Slot
-from vkml.errors import InputError
+from vkml.errors import DeviceError, InputError
 from vkml.graph import TRAINING_STEP
 from vkml.hal import Barrier, Binding, Command, Copy, Dispatch, HostWrite
+from vkml.interrupts import deferred_interrupts
 from vkml.runtime.device import Device
 
 NUMPY_DTYPE = {"f32": np.float32, "i32": np.int32}
@@ -41,6 +42,32 @@ STAGING_BUFFERS = 2
 # Outputs copied at the end of every step, at most this many bytes in all (the largest first
 # left out): an LLM's logits are read rarely and would cost a copy per step.
 DOWNLOAD_LIMIT = 16 << 20
+
+
+def check_fits(plan: Plan, device: Device) -> None:
+    """Refuse a plan whose arenas are larger than the heap they would be allocated from, or
+    than what the driver's budget leaves this process there: some drivers hand out more than
+    they have (lavapipe reports one 2 GiB heap and does not enforce it), others fail part-way."""
+    memory = device.backend.device_memory()
+    need = sum(plan.memory.arena_bytes)
+    if memory is None:
+        return
+    room, what = memory.size, f"its memory heap {memory.heap} holds {_gib(memory.size)}"
+    if memory.available is not None and memory.available < room:
+        room = memory.available
+        what += (f", of which {_gib(memory.available)} is left to this process "
+                 "(VK_EXT_memory_budget: other sessions and applications use the rest)")
+    if need > room:
+        raise DeviceError(
+            f"this model needs {_gib(need)} of device memory (parameters, optimizer state, "
+            f"activations and gradients in {len(plan.memory.arena_bytes)} arenas) but "
+            f"{device.name!r} cannot hold it: {what}. Use a "
+            "smaller model or batch, close other sessions on this device, or choose a device "
+            "with more memory (vkml.Device(...) or VKML_DEVICE)")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB ({nbytes} bytes)"
 
 
 class BoundPlan:
@@ -75,6 +102,7 @@ class BoundPlan:
         self.updated_some = False  # one of its pieces that write parameters was submitted
         params = {s for s in plan.params.values()}
         self.step_writes_params = any(s in params for d in plan.dispatches for s in d.writes)
+        check_fits(plan, device)
         try:
             for i, n in enumerate(plan.memory.arena_bytes):  # one by one: close() frees them
                 self.arenas.append(backend.create_buffer(max(n, 4), "device", f"arena {i}"))
@@ -235,7 +263,13 @@ class BoundPlan:
         """Submit `programs` in one queue submission, after the inputs' upload when the batch
         begins a step (`upload`, by default `begins`). `updates`: programs among them that
         write parameters; `total_updates`: all of the step's such programs (when `begins`);
-        `forward_only`: the batch is a forward pass (forward()), not a training step."""
+        `forward_only`: the batch is a forward pass (forward()), not a training step. A Ctrl-C
+        meanwhile is raised after the submission and its bookkeeping."""
+        with deferred_interrupts():
+            self._submit(programs, begins, ends, updates, total_updates, upload, forward_only)
+
+    def _submit(self, programs: Sequence[object], begins: bool, ends: bool, updates: int,
+                total_updates: int, upload: bool | None, forward_only: bool) -> None:
         self.check_submit(begins, updates)
         batch = list(programs)
         staging = (self.upload(forward_only) if (begins if upload is None else upload)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vkml.errors import InputError
+from vkml.interrupts import deferred_interrupts
 from vkml.runtime.bound import BoundPlan
 
 
@@ -222,13 +223,15 @@ class Chunker:
         first, end = self._next, min(self._next + count, len(self._pieces))
         if end <= first:
             return 0.0
-        self.bound.submit(self._pieces[first:end], begins=first == 0,
-                          ends=end == len(self._pieces), updates=sum(self._writes[first:end]),
-                          total_updates=self._total_writes)
-        self._next = end
-        cost = sum(self._costs[first:end]) if self._costs is not None else 0.0
-        if self._next == len(self._pieces):
-            self._pieces = None
+        with deferred_interrupts():  # submitted is counted as submitted
+            self.bound.submit(self._pieces[first:end], begins=first == 0,
+                              ends=end == len(self._pieces),
+                              updates=sum(self._writes[first:end]),
+                              total_updates=self._total_writes)
+            self._next = end
+            cost = sum(self._costs[first:end]) if self._costs is not None else 0.0
+            if self._next == len(self._pieces):
+                self._pieces = None
         return cost
 
     def submit_next(self) -> None:

@@ -18,13 +18,15 @@ from vkml.hal import (
     BufferKind,
     Command,
     Copy,
+    DeviceMemory,
     Fill,
     HostWrite,
     Kernel,
 )
+from vkml.interrupts import deferred_interrupts
 from vkml.threads import compile_threads
 from vkml.vk import naga
-from vkml.vk.buffers import Buffer, allocate_buffer, free_buffer
+from vkml.vk.buffers import Buffer, allocate_buffer, device_heap, free_buffer
 from vkml.vk.context import (
     WAIT_POLL_S,
     WAIT_TIMEOUT_NS,
@@ -169,6 +171,10 @@ class VulkanBackend(BackendBase):
         buf = allocate_buffer(self._dev, nbytes, kind, label)
         self._buffers.add(buf)
         return buf
+
+    def device_memory(self) -> DeviceMemory:
+        self._alive()
+        return device_heap(self._dev)
 
     def free_buffer(self, buffer: Buffer) -> None:
         """Release `buffer`; the caller guarantees no pending or recorded program still uses it."""
@@ -402,7 +408,9 @@ class VulkanBackend(BackendBase):
             if program.last_value > self._completed:
                 # A command buffer without SIMULTANEOUS_USE must not be pending twice.
                 self._wait_value(program.last_value)
-            with self.queue_lock:
+            # A Ctrl-C between the submit and noting its value would have the next submit
+            # signal the same value and resubmit a pending command buffer (vkml/interrupts.py).
+            with deferred_interrupts(), self.queue_lock:
                 value = self._value + 1
                 program.signal_value[0] = value
                 result = lib.vkQueueSubmit(self._queue, 1, program.submit_info, self._ffi.NULL)
@@ -411,12 +419,14 @@ class VulkanBackend(BackendBase):
         else:
             if program.in_flight:
                 self._wait_fences([program])
-            lib.vkResetFences(self._device, 1, program.fence)
-            with self.queue_lock:
-                result = lib.vkQueueSubmit(self._queue, 1, program.submit_info, program.fence[0])
-            if result == 0:
-                program.in_flight = True
-                self._in_flight.add(program)
+            with deferred_interrupts():
+                lib.vkResetFences(self._device, 1, program.fence)
+                with self.queue_lock:
+                    result = lib.vkQueueSubmit(self._queue, 1, program.submit_info,
+                                               program.fence[0])
+                if result == 0:
+                    program.in_flight = True
+                    self._in_flight.add(program)
         if result != 0:
             self._check(result, f"vkQueueSubmit of program {program.label!r}")
         program.submitted = True
@@ -450,7 +460,7 @@ class VulkanBackend(BackendBase):
             "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "pNext": timeline,
             "commandBufferCount": len(programs), "pCommandBuffers": buffers,
             "signalSemaphoreCount": 1, "pSignalSemaphores": self._semaphore_array})
-        with self.queue_lock:
+        with deferred_interrupts(), self.queue_lock:
             value = self._value + 1
             signal[0] = value
             result = self._lib.vkQueueSubmit(self._queue, 1, info, ffi.NULL)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vkml.errors import DeviceError
-from vkml.hal import BufferKind
+from vkml.hal import BufferKind, DeviceMemory
 
 # VkMemoryPropertyFlagBits from the Vulkan spec; spelled out so the choice is testable without
 # the `vulkan` package.
@@ -43,6 +43,24 @@ def memory_candidates(types: Sequence[tuple[int, int]], heap_sizes: Sequence[int
     # Staging for uploads goes where all of VRAM is mappable, so a step's copy of its inputs
     # stays on the device; elsewhere in system memory, keeping a scarce BAR window for the device.
     return sorted(host, key=lambda i: (i not in mapped, has(i, DEVICE_LOCAL)))
+
+
+def device_heap(dev: Any) -> DeviceMemory:
+    """The heap of the memory type "device" buffers are tried in first, and what this process
+    may still allocate there where the device has VK_EXT_memory_budget."""
+    vk, ffi = dev.vk, dev.ffi
+    all_types = (1 << len(dev.memory_types)) - 1
+    first = memory_candidates(dev.memory_types, dev.heap_sizes, all_types, "device")[0]
+    heap = dev.memory_types[first][1]
+    available = None
+    if "VK_EXT_memory_budget" in dev.caps.extensions:
+        budget = ffi.new("VkPhysicalDeviceMemoryBudgetPropertiesEXT*", {
+            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT})
+        props = ffi.new("VkPhysicalDeviceMemoryProperties2*", {
+            "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2, "pNext": budget})
+        dev.lib.vkGetPhysicalDeviceMemoryProperties2(dev.physical, props)
+        available = max(0, budget.heapBudget[heap] - budget.heapUsage[heap])
+    return DeviceMemory(heap, dev.heap_sizes[heap], available)
 
 
 class Buffer:
