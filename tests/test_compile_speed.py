@@ -34,7 +34,7 @@ def eager(e, memo=None):
 def shape_of(root) -> list:
     """The expression as a list, each distinct node once, children by position in the list:
     equal lists mean equal expressions with the same nodes shared (what rendering shows)."""
-    order = expr._postorder(root)
+    order = expr.postorder(root)
     index = {id(e): i for i, e in enumerate(order)}
     out = []
     for e in order:
@@ -245,8 +245,8 @@ def test_a_cached_plan_is_the_plan_lowering_makes(plan_cache_dir, monkeypatch):
     cached = lowered(stages.compile_plan, g, caps, **options)
     assert cached.dump() == fresh.dump() and cached.dump_memory() == fresh.dump_memory()
     assert [d.kernel for d in cached.dispatches] == [d.kernel for d in fresh.dispatches]
-    assert [d.node.op for d in cached.dispatches if d.node] == [
-        d.node.op for d in fresh.dispatches if d.node]
+    assert [d.op for d in cached.dispatches if d.op] == [
+        d.op for d in fresh.dispatches if d.op]
     assert cached.optimizer is optimizer
     assert all(d.update.optimizer is optimizer for d in cached.dispatches if d.update)
     assert cached.initial_values.keys() == fresh.initial_values.keys()

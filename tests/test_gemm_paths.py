@@ -50,7 +50,7 @@ def test_matmul_variant_matches_numpy(name, device_type, device, rng):
     staged = any("var<workgroup>" in d.kernel.wgsl for d in session.plan.dispatches)
     assert staged == (device_type != "cpu")
     if name == "split_k" and device_type != "cpu":
-        assert [d.node.op for d in session.plan.dispatches] == ["matmul", "fused_sum"]
+        assert [d.op for d in session.plan.dispatches] == ["matmul", "fused_sum"]
     assert rel_l2(session.read("c"), expected) < 1e-5
 
 
@@ -97,16 +97,17 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
     caps = dataclasses.replace(device.caps, device_type=device_type.removesuffix("_short_loops"))
     if device_type == "cpu_short_loops":
         caps = dataclasses.replace(caps, max_loop_iterations=1)
-    session = Session(lower(g, caps, loss=loss).plan, device)
+    stages = lower(g, caps, loss=loss)
+    session = Session(stages.plan, device)
     session.step()
     tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     tw = torch.tensor(w, dtype=torch.float64, requires_grad=True)
     ty = F.conv2d(tx, tw, stride=stride, padding=padding, dilation=dilation, groups=groups)
     (ty * torch.tensor(weights, dtype=torch.float64)).sum().backward()
-    kinds = {d.node.op for d in session.plan.dispatches if d.node is not None}
+    kinds = {d.op for d in session.plan.dispatches if d.op is not None}
     assert {"conv2d", "conv2d_input_grad", "conv2d_weight_grad"} <= kinds
-    split = {d.node.op for d in session.plan.dispatches
-             if d.node is not None and d.node.attrs.get("splits", 1) > 1}
+    split = {node.op for node in stages.nodes
+             if node is not None and node.attrs.get("splits", 1) > 1}
     # a phased input gradient sums each tap into a partial sum of its own where a phase has
     # several (not at 1x1)
     expected = {"split_weight_grad": {"conv2d_weight_grad"}, "split_forward": {"conv2d"},
@@ -117,22 +118,22 @@ def test_conv_variant_and_gradients_match_torch(name, device_type, device, rng):
     own = {"conv2d": conv_cpu.generate_conv2d, "conv2d_weight_grad":
            conv_cpu.generate_conv2d_weight_grad, "conv2d_input_grad":
            conv_cpu.generate_conv2d_input_grad}
-    for d in session.plan.dispatches:
-        if d.node is not None and d.node.op in own and d.node.attrs.get("splits", 1) == 1:
-            assert (d.kernel.wgsl == own[d.node.op](d.node, caps).wgsl) == (device_type == "cpu")
+    for d, node in zip(stages.plan.dispatches, stages.nodes):
+        if d.op in own and node.attrs.get("splits", 1) == 1:
+            assert (d.kernel.wgsl == own[d.op](node, caps).wgsl) == (device_type == "cpu")
             assert ("var<workgroup>" in d.kernel.wgsl) == (device_type == "discrete" or (
-                device_type == "cpu" and d.node.op == "conv2d_weight_grad"))
+                device_type == "cpu" and d.op == "conv2d_weight_grad"))
     phased = {"let ry = " in d.kernel.wgsl for d in session.plan.dispatches
-              if d.node is not None and d.node.op == "conv2d_input_grad"}
+              if d.op is not None and d.op == "conv2d_input_grad"}
     assert phased == {name in PHASED and device_type == "discrete"}
     if name == "1x1_wide":
         # (vec4 inputs, vec4 output): the outputs run along memory in fours too (24 pixels an
         # image, 8 taps a weight row), so GPUs store four at once (gemm.WideStore)
-        wide = {d.node.op: (d.kernel.wgsl.count("in0: array<vec4<f32>>")
+        wide = {d.op: (d.kernel.wgsl.count("in0: array<vec4<f32>>")
                             + d.kernel.wgsl.count("in1: array<vec4<f32>>"),
                             d.kernel.wgsl.count("out: array<vec4<f32>>"))
                 for d in session.plan.dispatches
-                if d.node is not None and d.node.op.startswith("conv2d")}
+                if d.op is not None and d.op.startswith("conv2d")}
         assert wide == ({"conv2d": (2, 1), "conv2d_input_grad": (1, 1),
                          "conv2d_weight_grad": (2, 1)}
                         if device_type == "discrete" else dict.fromkeys(wide, (0, 0)))
@@ -179,9 +180,11 @@ def test_accelerated_mode_takes_cooperative_tiles_only_for_large_products(device
     backward = dataclasses.replace(caps, scaled_operands=True)
     assert isinstance(matmul.choose(scores, backward), gemm.Tiling)
     g.output("masked", g.add(scores, g.constant(np.zeros((1500, 1500), np.float32))))
-    fused = [d for d in lower(g, caps).plan.dispatches if "matmul" in d.kernel.name]
-    assert fused and all("epilogue" in d.node.attrs and "_s" in d.kernel.name
-                         for d in fused), [d.kernel.name for d in fused]
+    stages = lower(g, caps)
+    fused = [(d, node) for d, node in zip(stages.plan.dispatches, stages.nodes)
+             if "matmul" in d.kernel.name]
+    assert fused and all("epilogue" in node.attrs and "_s" in d.kernel.name
+                         for d, node in fused), [d.kernel.name for d, _ in fused]
     # Whisper's FFN down projection: cooperative as a matmul, f32 as a convolution's GEMM
     g = vkml.Graph()
     product = g.matmul(g.param("a", (1500, 1536)), g.param("b", (1536, 384)))
@@ -248,18 +251,20 @@ def test_backward_products_scale_their_operands_on_cooperative_tiles(device):
     x = g.input("x", (1, 256, 48, 48))
     h = g.conv2d(x, g.param("w", (2048, 256, 3, 3)), padding=1)
     y = g.matmul(g.reshape(h, (2048, 2304)), g.param("v", (512, 2304)), transpose_b=True)
-    plan = lower(g, caps, loss=g.mean(g.square(y)), precision="f16").plan
-    kernels = {(d.phase, d.node.op if d.node is not None else "update"): d.kernel
+    stages = lower(g, caps, loss=g.mean(g.square(y)), precision="f16")
+    plan = stages.plan
+    kernels = {(d.phase, d.op if d.op is not None else "update"): d.kernel
                for d in plan.dispatches}
     assert "_c" in kernels["forward", "matmul"].name  # cooperative, unscaled
     assert "_scaled" not in kernels["forward", "matmul"].name
     assert "_c" in kernels["forward", "conv2d"].name
     # dH = dY V: dY's rows scale A's rows; dV = dY^T H: dY's rows run along the sum
     assert "abs_max" in kernels["backward", "abs_max"].name
-    products = [d for d in plan.dispatches if d.phase == "backward" and d.node.op == "matmul"]
-    modes = sorted(d.node.attrs["scales"] for d in products)
+    products = [(d, node) for d, node in zip(plan.dispatches, stages.nodes)
+                if d.phase == "backward" and d.op == "matmul"]
+    modes = sorted(node.attrs["scales"] for _, node in products)
     assert modes == [("depth", None), ("rows", None)], modes
-    for d in products:
+    for d, _ in products:
         assert d.kernel.name.endswith("_scaled") and "a_scale[a_scale_base" in d.kernel.wgsl
         assert "ldexp(Cs[" in d.kernel.wgsl and "&mat_c[" not in d.kernel.wgsl  # undone
         compile_wgsl(d.kernel.wgsl, d.kernel.name)
@@ -270,14 +275,14 @@ def test_backward_products_scale_their_operands_on_cooperative_tiles(device):
     g = vkml.Graph()
     x = g.param("x", (512, 384))
     y = g.add(g.matmul(x, g.param("w1", (384, 384))), g.matmul(x, g.param("w2", (384, 384))))
-    plan = lower(g, caps, loss=g.mean(g.square(g.relu(y))), precision="f16").plan
-    backward = [d for d in plan.dispatches
-                if d.phase == "backward" and d.node.op in ("matmul", "fused_matmul")]
-    (fused,) = [d for d in backward if d.node.op == "fused_matmul"]
-    assert fused.node.attrs["scales"] == ("rows", None) and len(fused.node.inputs) == 4
+    stages = lower(g, caps, loss=g.mean(g.square(g.relu(y))), precision="f16")
+    backward = [(d, node) for d, node in zip(stages.plan.dispatches, stages.nodes)
+                if d.phase == "backward" and d.op in ("matmul", "fused_matmul")]
+    ((fused, fused_node),) = [(d, node) for d, node in backward if d.op == "fused_matmul"]
+    assert fused_node.attrs["scales"] == ("rows", None) and len(fused_node.inputs) == 4
     assert fused.kernel.wgsl.index("a_scale") < fused.kernel.wgsl.index("ep1")
-    assert {d.node.attrs["scales"] for d in backward} == {("rows", None), (None, "depth")}
-    for d in backward:
+    assert {node.attrs["scales"] for _, node in backward} == {("rows", None), (None, "depth")}
+    for d, _ in backward:
         compile_wgsl(d.kernel.wgsl, d.kernel.name)
 
 
@@ -292,7 +297,7 @@ def test_split_products_are_tiled_as_the_split_stage_planned(device):
     x = g.input("x", (4, 64, 56, 56))
     w = g.input("w", (64, 64, 3, 3))
     g.output("y", g.conv2d(x, w, padding=1))
-    kernels = [d.kernel.name for d in lower(g, caps).plan.dispatches if d.node.op == "conv2d"]
+    kernels = [d.kernel.name for d in lower(g, caps).plan.dispatches if d.op == "conv2d"]
     planned = gemm.choose(4 * 56 * 56, 64, 64 * 9, 1, caps)
     assert planned != gemm.choose(4 * 56 * 56, 64, 64 * 9, 3, caps)  # what choosing again gives
     assert len(kernels) == 1 and kernels[0].startswith("conv2d_3x"), kernels  # three splits
@@ -311,8 +316,8 @@ def test_pointwise_convolutions_are_tiled_as_matmuls(device):
         g = vkml.Graph()
         y = g.conv2d(g.param("x", x_shape), g.param("w", w_shape), padding=padding)
         loss = g.sum(g.mul(y, y))
-        return {d.node.op: d.kernel.name for d in lower(g, caps, loss=loss).plan.dispatches
-                if d.node.op.startswith("conv2d")}
+        return {d.op: d.kernel.name for d in lower(g, caps, loss=loss).plan.dispatches
+                if d.op.startswith("conv2d")}
 
     n, c, o, side = 4, 256, 64, 14  # ResNet-50's 1x1 reduction at 14 x 14: m = 784 pixels
     kernels = planned((n, c, side, side), (o, c, 1, 1))
@@ -455,7 +460,7 @@ def test_batch_norm_inference_and_residual_move_into_the_convolution(name, devic
     g.output("z", (normed + residual).relu())
     caps = dataclasses.replace(device.caps, device_type=device_type)
     session = Session(lower(g, caps).plan, device)
-    ops = [d.node.op for d in session.plan.dispatches]
+    ops = [d.op for d in session.plan.dispatches]
     split = name == "split_forward" and device_type == "discrete"
     assert ops == (["conv2d", "fused_sum"] if split else ["fused_conv2d"]), ops
     r = rng.standard_normal(y.shape).astype(np.float32)
@@ -487,12 +492,12 @@ def test_an_input_gradient_takes_the_activation_derivative_into_its_store(device
     caps = dataclasses.replace(device.caps, device_type=device_type)
     session = Session(lower(g, caps, loss=loss).plan, device)
     grads = [d for d in session.plan.dispatches
-             if d.node is not None and d.node.op.endswith("conv2d_input_grad")]
+             if d.op is not None and d.op.endswith("conv2d_input_grad")]
     assert len(grads) == 1
     phased = "let ry = " in grads[0].kernel.wgsl
     assert phased == (stride == 2 and device_type == "discrete")
     # phased, a partial sum a tap: the sum of them stores through the derivative
-    assert grads[0].node.op == ("conv2d_input_grad" if phased else "fused_conv2d_input_grad")
+    assert grads[0].op == ("conv2d_input_grad" if phased else "fused_conv2d_input_grad")
     session.step()
     th = torch.tensor(h, dtype=torch.float64, requires_grad=True)
     tw = torch.tensor(w, dtype=torch.float64, requires_grad=True)

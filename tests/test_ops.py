@@ -417,7 +417,7 @@ def test_batch_norm_backward_sums_twice(device):
     y = g.batch_norm(x, weight=g.param("w", (3,), 1.0), bias=g.param("b", (3,), 0.0),
                      training=True)
     loss = g.sum(g.mul(y, g.constant(np.ones(y.shape, np.float32))))
-    ops = [d.node.op for d in lower(g, device.caps, loss=loss).plan.dispatches if d.node]
+    ops = [d.op for d in lower(g, device.caps, loss=loss).plan.dispatches if d.op]
     # forward: the mean, the variance and the loss; backward: two
     assert sum(op in ("sum", "fused_sum") for op in ops) == 5, ops
 
@@ -526,13 +526,13 @@ def test_causal_mask_is_added_by_the_scores_product(fused, device):
     q = g.param("q", (1, 4, 16, 8))
     k, v = g.param("k", (1, 2, 16, 8)), g.param("v", (1, 2, 16, 8))
     out = g.scaled_dot_product_attention(q, k, v, causal=True, fused=fused)
-    plan = lower(g, caps, loss=g.sum(g.mul(out, out))).plan
+    stages = lower(g, caps, loss=g.sum(g.mul(out, out)))
     scores = 4 * 16 * 16
-    products = [d for d in plan.dispatches if d.node is not None and d.node.size == scores
-                and "matmul" in d.kernel.name and "ep1" in d.kernel.wgsl]
-    assert products, [d.kernel.name for d in plan.dispatches]
-    adds = [d.kernel.name for d in plan.dispatches
-            if d.node is not None and d.node.size == scores and d.kernel.name.startswith("add_")]
+    of_scores = [d for d, node in zip(stages.plan.dispatches, stages.nodes)
+                 if node is not None and node.size == scores]
+    products = [d for d in of_scores if "matmul" in d.kernel.name and "ep1" in d.kernel.wgsl]
+    assert products, [d.kernel.name for d in stages.plan.dispatches]
+    adds = [d.kernel.name for d in of_scores if d.kernel.name.startswith("add_")]
     assert not adds, adds
 
 
@@ -558,7 +558,7 @@ def test_gpu_flash_attention_is_tiled(causal, shapes, device, rng):
     out = g.output("out", g.scaled_dot_product_attention(q, k, v, causal=causal, fused=True))
     weights = rng.standard_normal(out.shape).astype(np.float32)
     plan = lower(g, caps, loss=g.sum(g.mul(out, g.constant(weights)))).plan
-    tiled = [d.node.op for d in plan.dispatches if d.kernel.name.endswith("_tiled")]
+    tiled = [d.op for d in plan.dispatches if d.kernel.name.endswith("_tiled")]
     assert sorted(tiled) == ["flash_attention", "flash_attention_lse"]
     session = Session(plan, device)
     session.step()
@@ -614,11 +614,12 @@ def test_accelerated_inference_runs_composed_attention_on_cooperative_matrices(n
                                shader_f16=True, subgroup_size=32, max_shared_memory_bytes=49152)
 
     def ops(plan):
-        return [d.node.op for d in plan.dispatches if d.node is not None]
+        return [d.op for d in plan.dispatches if d.op is not None]
 
-    (fused,) = lower(g, caps, precision="f16").plan.dispatches
-    assert fused.node.op == "flash_attention" and fused.kernel.name.endswith("_c")
-    assert fused.node.attrs["heads_inner"] == (inner,) * 4  # q, k, v, the output
+    stages = lower(g, caps, precision="f16")
+    ((fused, node),) = zip(stages.plan.dispatches, stages.nodes)
+    assert fused.op == "flash_attention" and fused.kernel.name.endswith("_c")
+    assert node.attrs["heads_inner"] == (inner,) * 4  # q, k, v, the output
     compile_wgsl(fused.kernel.wgsl, fused.kernel.name)  # barriers in uniform control flow
     assert "flash_attention" not in ops(lower(g, caps).plan)
     assert "flash_attention" not in ops(lower(g, caps, loss=g.sum(out), precision="f16").plan)

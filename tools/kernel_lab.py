@@ -155,20 +155,21 @@ def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
     forced = gemm.splits if splits is None else (lambda *args, **kwargs: splits)
     original, gemm.splits = gemm.splits, forced
     try:
-        plan = lower(g, caps, loss=loss, precision=caps.precision).plan
+        stages = lower(g, caps, loss=loss, precision=caps.precision)
     finally:
         gemm.splits = original
+    plan, nodes = stages.plan, stages.nodes
     if tiling is not None:
-        plan = dataclasses.replace(plan, dispatches=[
-            dataclasses.replace(d, kernel=(make or GEMM_OPS[d.node.op])(d.node, caps, tiling))
-            if d.node is not None and d.node.op in GEMM_OPS else d for d in plan.dispatches])
+        plan = dataclasses.replace(plan, dispatches=tuple(
+            dataclasses.replace(d, kernel=(make or GEMM_OPS[d.op])(node, caps, tiling))
+            if d.op in GEMM_OPS else d for d, node in zip(plan.dispatches, nodes)))
     session, profile = profiled(device, plan, reps)
     times: dict = {}
-    sums = {d.node.inputs[0].id: ms for d, ms in zip(plan.dispatches, profile.dispatch_ms)
-            if d.node is not None and d.node.op == "fused_sum"}
-    for d, ms in zip(plan.dispatches, profile.dispatch_ms):
-        if d.node is not None and d.node.op in GEMM_OPS:
-            times[d.node.op] = (d.kernel.name, ms + sums.get(d.node.id, 0.0))
+    sums = {node.inputs[0].id: ms for node, ms in zip(nodes, profile.dispatch_ms)
+            if node is not None and node.op == "fused_sum"}
+    for d, node, ms in zip(plan.dispatches, nodes, profile.dispatch_ms):
+        if d.op in GEMM_OPS:
+            times[d.op] = (d.kernel.name, ms + sums.get(node.id, 0.0))
     return session, times, profile.source
 
 

@@ -102,7 +102,7 @@ def call(template: str, *args: Expr, helper: str = "") -> Call:
 def substitute(expr: Expr, mapping: Mapping[int, Expr]) -> Expr:
     """`expr` with every Arg(k) replaced by mapping[k] (Args not in the mapping stay)."""
     done: dict[int, Expr] = {}
-    for e in _postorder(expr):
+    for e in postorder(expr):
         if isinstance(e, Arg):
             new: Expr = mapping.get(e.k, e)
         elif isinstance(e, Call):
@@ -250,7 +250,7 @@ class Body:
         """Everything rendering reads, as a hashable value: bodies with equal structures render
         to the same WGSL (each distinct node once, children by position; a literal by its repr,
         which tells 0.0 from -0.0 and 1 from 1.0)."""
-        order = _postorder(self.result)
+        order = postorder(self.result)
         index = {id(e): i for i, e in enumerate(order)}
         nodes: list[tuple] = []
         for e in order:
@@ -266,12 +266,12 @@ class Body:
 
     def reads_axes(self) -> bool:
         """Whether the result uses an output index (`Axis`), which a kernel must then define."""
-        return any(isinstance(e, Axis) for e in _postorder(self.result))
+        return any(isinstance(e, Axis) for e in postorder(self.result))
 
     def helpers(self) -> list[str]:
         """The WGSL helper functions the body's calls need, each once, in first-use order."""
         found: dict[str, None] = {}
-        for e in _postorder(self.result):
+        for e in postorder(self.result):
             if isinstance(e, Call) and e.helper:
                 found.setdefault(e.helper.strip(), None)
         return list(found)
@@ -282,7 +282,7 @@ class Body:
         `out[idx] =` or `acc +=`)."""
         lines = [f"{indent}let x{k} = {reads[k]};" for k in sorted(reads)]
         names: dict[int, str] = {}
-        for e in _postorder(self.result):
+        for e in postorder(self.result):
             if isinstance(e, Call):
                 text = e.template.format(*(_name(a, names) for a in e.args))
                 if e is self.result:
@@ -304,7 +304,7 @@ def _name(e: Expr, names: Mapping[int, str]) -> str:
     return names[id(e)]
 
 
-def _postorder(root: Lazy) -> list[Expr]:
+def postorder(root: Lazy) -> list[Expr]:
     """Each distinct node once, every node after its arguments (iterative: fused bodies can be
     deeper than Python's recursion limit)."""
     order: list[Expr] = []

@@ -172,7 +172,7 @@ def user_stacklevel() -> int:
     return level
 
 
-def _user_frame() -> str:
+def user_frame() -> str:
     """`file:line` of the first caller outside vkml, so errors point at the user's code. In
     vkml's own programs (`python -m vkml demo`: every caller is vkml's, then the interpreter's
     runpy), the first caller outside the graph builder (graph.py, nn.py, ops/) instead."""
@@ -273,12 +273,12 @@ def as_shape(shape: object, call: str, minus_ones: int = 0, what: str = "shape")
             raise TypeError
         dims = tuple(operator.index(d) for d in dims)
     except TypeError:
-        raise GraphError(f"{call} at {_user_frame()}: {what} {shape!r} is not a {what}; give "
+        raise GraphError(f"{call} at {user_frame()}: {what} {shape!r} is not a {what}; give "
                          "an int or a tuple of ints, e.g. (32, 784)") from None
     if any(d < 1 and d != -1 for d in dims) or dims.count(-1) > minus_ones:
         allowed = "every dimension must be >= 1" + (
             "" if not minus_ones else " (or -1, once)" if minus_ones == 1 else " (or -1)")
-        raise GraphError(f"{call} at {_user_frame()}: {what} {dims}: {allowed}")
+        raise GraphError(f"{call} at {user_frame()}: {what} {dims}: {allowed}")
     return dims
 
 
@@ -314,7 +314,7 @@ class Graph:
         self.unsupported_tensors: dict[str, str] = {}
         self.rng = np.random.default_rng(seed)
         self.initial_bytes = 0  # of the parameters' initial values, all held on the host
-        self.created_at = _user_frame()  # where it was made: errors about mixed graphs say which
+        self.created_at = user_frame()  # where it was made: errors about mixed graphs say which
 
     # ---- building -------------------------------------------------------------------------
     def apply(self, op: str, inputs: Sequence[Tensor], name: str | None = None,
@@ -328,7 +328,7 @@ class Graph:
                 raise GraphError(f"{op}: input {t.label} belongs to another Graph (created at "
                                  f"{t.graph.created_at}) than this one (created at "
                                  f"{self.created_at})")
-        where = _user_frame()
+        where = user_frame()
         try:
             shape, dtype = opdef.infer([*inputs], attrs)
         except GraphError as e:

@@ -5,6 +5,7 @@ and checkpoints (checkpoint.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar, overload
 import numpy as np
 
 from vkml.compiler.options import CompileOptions, Trainable
-from vkml.compiler.schedule import Plan
+from vkml.compiler.plan import Plan
 from vkml.compiler.stages import compile_plan
 from vkml.errors import DeviceError, InputError, NonFiniteError, NotComputedError
 from vkml.graph import TRAINING_STEP, Graph, Tensor
@@ -166,7 +167,8 @@ class Session:
         shared: dict[int, int] = {}
         if owner is not None:
             shared = sharing.match_params(plan, owner.plan)
-            plan.memory = sharing.memory_without(plan, shared, device.caps)
+            plan = self.plan = dataclasses.replace(
+                plan, memory=sharing.memory_without(plan, shared, device.caps))
         self._bound = BoundPlan(plan, device, owner, shared)
         self._external_uploads: list[object] = []  # the inputs' copies prepared for record()
         self._external_download: object | None = None  # and the outputs' copies

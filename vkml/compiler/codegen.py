@@ -18,71 +18,75 @@ from typing import Any
 
 import numpy as np
 
-from vkml.compiler.schedule import Plan, PlannedDispatch
+from vkml.compiler.plan import Plan, PlannedDispatch
+from vkml.compiler.schedule import Scheduled
 from vkml.expr import Body
 from vkml.graph import OPS, Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import optimizer, pointwise
 
 
-def generate(plan: Plan, caps: Capabilities) -> Plan:
+def generate(scheduled: Scheduled, caps: Capabilities) -> Plan:
+    """The scheduled plan with a kernel for every dispatch."""
+    plan = scheduled.plan
     targets = {True: phase_target(caps, True), False: phase_target(caps, False)}
     made: dict[tuple, Kernel] = {}
     dispatches = []
-    for d in plan.dispatches:
+    for d, node in zip(plan.dispatches, scheduled.nodes):
         target = targets[d.phase == "forward"]
-        key = dispatch_key(d, target)
+        key = dispatch_key(d, node, target)
         kernel = made.get(key) if key is not None else None
         if kernel is None:
-            kernel = lower_dispatch(d, plan, target)
+            kernel = lower_dispatch(d, node, plan, target)
             if kernel.access != d.access:
                 raise AssertionError(f"codegen of {d.label}: the kernel's bindings "
                                      f"{kernel.access} disagree with the plan's {d.access}")
             if key is not None:
                 made[key] = kernel
         dispatches.append(dataclasses.replace(d, kernel=kernel))
-    return dataclasses.replace(plan, dispatches=dispatches)
+    return dataclasses.replace(plan, dispatches=tuple(dispatches))
 
 
-def dispatch_key(d: PlannedDispatch, caps: Capabilities) -> tuple | None:
+def dispatch_key(d: PlannedDispatch, node: Tensor | None, caps: Capabilities) -> tuple | None:
     """What the dispatch's kernel is a function of (see the module's doc), or None where that
     cannot be told (an attribute of a type `lowering_key` does not know): lowered on its own.
     Optimizer updates: the optimizer object is the plan's one, the same for every update."""
     if d.update is not None:
         return ("update", id(d.update.optimizer), d.update.size, d.access, caps)
-    assert d.node is not None
-    key = lowering_key(d.node)
+    assert node is not None
+    key = lowering_key(node)
     return None if key is None else (key, d.in_place, d.access, caps)
 
 
-class _Unkeyable(Exception):
-    pass
+class Unkeyable(Exception):
+    """An attribute value `value_key` cannot represent faithfully."""
 
 
 def lowering_key(node: Tensor) -> tuple | None:
     """A hashable value that determines `node`'s kernel, given the target; None if an
     attribute's value cannot be keyed faithfully."""
     try:
-        return (node.op, node.shape, node.dtype, _value_key(node.attrs),
+        return (node.op, node.shape, node.dtype, value_key(node.attrs),
                 tuple((x.shape, x.dtype) for x in node.inputs))
-    except _Unkeyable:
+    except Unkeyable:
         return None
 
 
-def _value_key(v: Any) -> Any:
-    # Types are part of the key and numbers go by repr: 1 and 1.0, or 0.0 and -0.0, are equal
-    # in Python but may be written differently into the WGSL.
+def value_key(v: Any) -> Any:
+    """A hashable value equal for attribute values that lower alike. Types are part of the key
+    and numbers go by repr: 1 and 1.0, or 0.0 and -0.0, are equal in Python but may be written
+    differently into the WGSL."""
     if v is None or isinstance(v, (bool, int, float, str, np.generic)):
         return type(v).__name__, repr(v)
     if isinstance(v, (tuple, list)):
-        return type(v).__name__, tuple(_value_key(x) for x in v)
+        return type(v).__name__, tuple(value_key(x) for x in v)
     if isinstance(v, dict):
-        return "dict", tuple((k, _value_key(x)) for k, x in v.items())
+        return "dict", tuple((k, value_key(x)) for k, x in v.items())
     if isinstance(v, Body):
         return "Body", v.structure()
     if isinstance(v, np.ndarray):
         return "ndarray", v.dtype.str, v.shape, v.tobytes()
-    raise _Unkeyable(type(v))
+    raise Unkeyable(type(v))
 
 
 def phase_target(caps: Capabilities, forward: bool) -> Capabilities:
@@ -94,16 +98,17 @@ def phase_target(caps: Capabilities, forward: bool) -> Capabilities:
     return dataclasses.replace(caps, scaled_operands=True)
 
 
-def lower_dispatch(d: PlannedDispatch, plan: Plan, caps: Capabilities) -> Kernel:
+def lower_dispatch(d: PlannedDispatch, node: Tensor | None, plan: Plan,
+                   caps: Capabilities) -> Kernel:
     if d.update is not None:
         if d.update.size == 0:
             return optimizer.step_counter(plan.hyperparams, d.update.guarded, caps)
         return optimizer.update(d.update.optimizer, d.update.size, plan.hyperparams,
                                 list(plan.optimizer_tables), d.update.guarded, caps)
-    assert d.node is not None
+    assert node is not None
     if d.in_place is not None:
-        return pointwise.generate(d.node, caps, in_place=d.in_place)
-    return lower_node(d.node, caps)
+        return pointwise.generate(node, caps, in_place=d.in_place)
+    return lower_node(node, caps)
 
 
 def lower_node(node: Tensor, caps: Capabilities) -> Kernel:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vkml.hal import Capabilities
+
 ARENA_LIMIT = 1 << 30
 FOREVER = 1 << 62
 
@@ -38,6 +40,11 @@ class MemoryPlan:
     @property
     def physical_bytes(self) -> int:
         return sum(self.arena_bytes)
+
+
+def alignment(caps: Capabilities) -> int:
+    """The byte alignment of every tensor's place in memory (a storage-buffer binding's)."""
+    return max(caps.min_storage_offset_alignment, 16)
 
 
 def plan_memory(lifetimes: dict[int, Lifetime], alignment: int, max_binding_bytes: int,

@@ -38,10 +38,9 @@ from typing import Any
 import numpy as np
 
 from vkml.cachedir import cache_dir, read_entry, write_entry
-from vkml.compiler.codegen import _Unkeyable, _value_key
-from vkml.compiler.schedule import Plan
-from vkml.expr import Arg, Axis, Body, Call, Expr, Lit, _postorder
-from vkml.graph import Graph, Tensor, _user_frame
+from vkml.compiler.codegen import Unkeyable, value_key
+from vkml.compiler.plan import Plan
+from vkml.graph import Graph, Tensor, user_frame
 from vkml.hal import Capabilities
 from vkml.optim import Optimizer
 
@@ -81,7 +80,7 @@ def key(graph: Graph, caps: Capabilities, named: Mapping[str, Tensor], loss: Ten
         h.update(repr(value).encode())
         h.update(b"\0")
 
-    put((sys.version_info[:2], source_fingerprint(), _user_frame()))
+    put((sys.version_info[:2], source_fingerprint(), user_frame()))
     put([(f.name, sorted(v) if isinstance(v, frozenset) else v)
          for f in dataclasses.fields(caps) for v in [getattr(caps, f.name)]])
     put((options, trained, [(n, t.id) for n, t in named.items()],
@@ -93,12 +92,12 @@ def key(graph: Graph, caps: Capabilities, named: Mapping[str, Tensor], loss: Ten
         put([(n, t.id) for n, t in table.items()])
     try:
         for t in graph.nodes:
-            put((t.id, t.op, [x.id for x in t.inputs], t.shape, t.dtype, _value_key(t.attrs),
+            put((t.id, t.op, [x.id for x in t.inputs], t.shape, t.dtype, value_key(t.attrs),
                  t.name, t.where))
             if t.op == "constant":
                 value = np.ascontiguousarray(graph.initial_values[t.id])
                 put((value.dtype.str, value.shape, hashlib.sha256(value.tobytes()).hexdigest()))
-    except _Unkeyable:
+    except Unkeyable:
         return None
     return h.hexdigest()
 
@@ -162,44 +161,7 @@ def _trim(directory: Path) -> None:
         pass
 
 
-# ---- pickling: graphs without their values, bodies flat, the optimizer by reference ---------
-def _graph_shell() -> Graph:
-    return Graph.__new__(Graph)
-
-
-def _flat(body: Body) -> tuple:
-    """A body as a list of its distinct nodes, children first (bodies are too deep for
-    pickle's recursion)."""
-    nodes = _postorder(body.result)
-    index = {id(e): i for i, e in enumerate(nodes)}
-    flat: list[tuple] = []
-    for e in nodes:
-        if isinstance(e, Call):
-            flat.append(("c", e.template, e.helper, tuple(index[id(a)] for a in e.args)))
-        elif isinstance(e, Arg):
-            flat.append(("a", e.k))
-        elif isinstance(e, Lit):
-            flat.append(("l", e.value))
-        else:
-            flat.append(("x", e.axis))
-    return body.strides, tuple(flat)
-
-
-def _unflat(strides: tuple, flat: tuple) -> Body:
-    built: list[Expr] = []
-    for node in flat:
-        tag = node[0]
-        if tag == "c":
-            built.append(Call(node[1], tuple(built[i] for i in node[3]), node[2]))
-        elif tag == "a":
-            built.append(Arg(node[1]))
-        elif tag == "l":
-            built.append(Lit(node[1]))
-        else:
-            built.append(Axis(node[1]))
-    return Body(built[-1], strides)
-
-
+# ---- pickling: the optimizer by reference (a Plan holds no graph) --------------------------
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, optimizer: Optimizer | None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -207,17 +169,6 @@ class _Pickler(pickle.Pickler):
 
     def persistent_id(self, obj: Any) -> str | None:
         return "optimizer" if obj is not None and obj is self._optimizer else None
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, Graph):  # its nodes and names; no values (parameters are large)
-            return (_graph_shell, (), {"nodes": obj.nodes, "inputs": obj.inputs,
-                                       "params": obj.params, "outputs": obj.outputs,
-                                       "initial_values": {}, "extras": {},
-                                       "unsupported_tensors": {}, "rng": None,
-                                       "initial_bytes": 0, "created_at": obj.created_at})
-        if isinstance(obj, Body):
-            return (_unflat, _flat(obj))
-        return NotImplemented
 
 
 class _Unpickler(pickle.Unpickler):

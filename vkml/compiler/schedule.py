@@ -13,183 +13,64 @@ needed. Memory planning then shares bytes between tensors whose level intervals 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
-from vkml.compiler.memory_plan import FOREVER, Lifetime, MemoryPlan, plan_memory
+from vkml.compiler.memory_plan import FOREVER, Lifetime, alignment, plan_memory
 from vkml.compiler.options import CompileOptions
+from vkml.compiler.plan import Phase, Plan, PlannedDispatch, Role, Slot, Update, View
 from vkml.compiler.rooted import Rooted
 from vkml.errors import GraphError
 from vkml.expr import in_order
 from vkml.graph import OPS, Tensor, body_of
-from vkml.hal import Access, Capabilities, Kernel
+from vkml.hal import Access, Capabilities
 from vkml.optim import Optimizer
 
-Role = Literal["input", "param", "constant", "activation", "gradient", "optimizer_state",
-               "hyperparams", "pack"]
-Phase = Literal["forward", "backward", "update"]
-
 
 @dataclass(frozen=True)
-class Slot:
-    """A tensor's storage: several nodes (a tensor and its reshapes) may share one slot."""
+class Scheduled:
+    """A plan before codegen, and per dispatch the node it computes (None: an optimizer
+    dispatch), which codegen lowers."""
 
-    id: int
-    label: str
-    shape: tuple[int, ...]
-    dtype: str
-    role: Role
-
-    @property
-    def nbytes(self) -> int:
-        return 4 * math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class View:
-    """A readable tensor: a slot seen with the tensor's own shape (a reshape shares its slot)."""
-
-    slot: int
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Update:
-    """An optimizer dispatch: the update of one parameter or of a pack of them (`size`
-    elements), or the step count (`size` 0) that runs once before the updates."""
-
-    optimizer: Optimizer
-    size: int
-    guarded: bool = False  # the loss is bound last; nothing changes unless it is finite
-
-
-@dataclass(frozen=True)
-class PlannedDispatch:
-    slots: tuple[int, ...]  # one per kernel binding: the inputs in order, then the output
-    access: tuple[Access, ...]  # per binding
-    level: int  # a barrier separates dispatches of different levels
-    phase: Phase
-    label: str  # the node (or update) it computes
-    node: Tensor | None = None  # None for optimizer dispatches
-    update: Update | None = None
-    in_place: int | None = None  # a pointwise result written over this input (no output slot)
-    kernel: Kernel | None = None  # made by codegen, the last stage
-    # per binding, the slots a pack binding holds (Plan.packs), read or written as it is
-    covers: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def writes(self) -> set[int]:
-        held = self.covers or ((),) * len(self.slots)
-        return {t for s, a, inner in zip(self.slots, self.access, held) if a == "read_write"
-                for t in (s, *inner)}
-
-    @property
-    def reads(self) -> set[int]:
-        # a writable binding may be read too (an optimizer update reads its parameter)
-        return {*self.slots, *(s for held in self.covers for s in held)}
-
-    @property
-    def name(self) -> str:
-        """The kernel's name once codegen ran, else what the dispatch computes."""
-        return self.kernel.name if self.kernel is not None else self.label
+    plan: Plan
+    nodes: tuple[Tensor | None, ...]
 
 
 @dataclass
-class Plan:
-    slots: list[Slot]
-    dispatches: list[PlannedDispatch]
-    memory: MemoryPlan
-    inputs: dict[str, int]
-    outputs: dict[str, View]
-    params: dict[str, int]
-    grads: dict[str, View]  # parameter name -> its gradient
+class _Draft:
+    """What make_plan builds a Plan from, as it goes."""
+
+    slots: list[Slot] = field(default_factory=list)
+    dispatches: list[PlannedDispatch] = field(default_factory=list)
+    nodes: list[Tensor | None] = field(default_factory=list)  # per dispatch
+    initial_values: dict[int, np.ndarray] = field(default_factory=dict)
+    params: dict[str, int] = field(default_factory=dict)
     optimizer: Optimizer | None = None
     optimizer_state: dict[str, dict[str, int]] = field(default_factory=dict)
     hyperparams_slot: int | None = None
-    optimizer_tables: dict[str, int] = field(default_factory=dict)  # name -> slot
-    initial_values: dict[int, np.ndarray] = field(default_factory=dict)
-    lifetimes: dict[int, Lifetime] = field(default_factory=dict)
-    aliases: dict[int, int] = field(default_factory=dict)  # slot written in place -> its input
-    # Parameters that get gradients (None: no loss, nothing is differentiated)
-    trainable: tuple[str, ...] | None = None
-    # The optimizer hyperparameter buffer's layout: one f32 per name, the step count "t" last
+    optimizer_tables: dict[str, int] = field(default_factory=dict)
     hyperparams: tuple[str, ...] = ()
-    # i32 inputs that select classes or rows: name -> (first valid, end, what they index)
-    input_ranges: dict[str, tuple[int, int, str]] = field(default_factory=dict)
-    # Slots laid out one after another inside a larger one (role "pack"), which an optimizer
-    # update binds whole: pack slot -> (slot, byte offset in the pack) for each
     packs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
-    @property
-    def barrier_count(self) -> int:
-        return len({d.level for d in self.dispatches}) - 1 if self.dispatches else 0
+    def new_slot(self, label: str, shape: tuple[int, ...], dtype: str, role: Role) -> int:
+        self.slots.append(Slot(len(self.slots), label, shape, dtype, role))
+        return len(self.slots) - 1
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes: logical (one buffer per tensor) per role and in all, and physical."""
-        report: dict[str, int] = {}
-        for s in self.slots:
-            if s.role == "pack":  # its slots count
-                continue
-            report[f"logical_{s.role}"] = report.get(f"logical_{s.role}", 0) + s.nbytes
-        report["logical"] = self.memory.logical_bytes
-        report["physical"] = self.memory.physical_bytes
-        return report
-
-    def summary(self) -> str:
-        kernels = Counter(d.name for d in self.dispatches)
-        report = self.memory_report()
-        by_role = ", ".join(f"{k[8:]} {v}" for k, v in report.items() if k.startswith("logical_"))
-        lines = [f"{len(self.dispatches)} dispatches of {len(kernels)} kernels, "
-                 f"{self.barrier_count} barriers",
-                 f"memory: {report['physical']} bytes allocated for {report['logical']} bytes of "
-                 f"tensors ({100 * report['physical'] / max(report['logical'], 1):.0f}%); "
-                 f"by role: {by_role}",
-                 "kernels: " + ", ".join(f"{k}" + (f" x{n}" if n > 1 else "")
-                                         for k, n in kernels.items())]
-        return "\n".join(lines)
-
-    def dump_memory(self) -> str:
-        """Each tensor's lifetime (in schedule levels) and placement, biggest first."""
-        lines = [self.summary().splitlines()[1]]
-        for slot in sorted(self.slots, key=lambda s: -s.nbytes):
-            life = self.lifetimes[slot.id]
-            arena, offset = self.memory.placement[slot.id]
-            span = "pinned" if life.last == FOREVER and life.first < 0 else (
-                f"levels {life.first}..{'end' if life.last == FOREVER else life.last}")
-            lines.append(f"  t{slot.id:<4} {slot.nbytes:>10} B  arena {arena} +{offset:<10} "
-                         f"{span:18} {slot.role:15} {slot.label}")
-        return "\n".join(lines)
-
-    def dump(self) -> str:
-        lines = [f"plan: {len(self.dispatches)} dispatches, {self.barrier_count} barriers, "
-                 f"{len(self.slots)} tensors, {self.memory.physical_bytes} bytes in "
-                 f"{len(self.memory.arena_bytes)} arena(s)"]
-        for s in self.slots:
-            arena, offset = self.memory.placement[s.id]
-            lines.append(f"  t{s.id}: {s.dtype}[{','.join(map(str, s.shape))}] {s.role:15} "
-                         f"arena {arena} +{offset:<10} {s.label}")
-        for previous, d in zip([None, *self.dispatches], self.dispatches):
-            if previous is not None and previous.level != d.level:
-                lines.append("  -- barrier --")
-            bindings = ", ".join(f"t{s}" for s in d.slots)
-            groups = f" groups={d.kernel.groups}" if d.kernel is not None else ""
-            lines.append(f"  [{d.phase:8}] {d.name}{groups} ({bindings})  # {d.label}")
-        return "\n".join(lines)
-
-    __str__ = dump
+    def dispatch(self, d: PlannedDispatch, node: Tensor | None = None) -> None:
+        self.dispatches.append(d)
+        self.nodes.append(node)
 
 
 def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
-              timings: dict[str, float] | None = None) -> Plan:
+              input_ranges: dict[str, tuple[int, int, str]],
+              timings: dict[str, float] | None = None) -> Scheduled:
     """The plan of `rooted`'s graph: its outputs readable after a step, its gradients too
     where the options keep them (else an optimizer consumes them and their memory is reused),
-    the options' optimizer's updates. `timings` (if given) gets the seconds spent in
-    "schedule" and "memory"."""
+    the options' optimizer's updates; `input_ranges` as Plan.input_ranges. `timings` (if
+    given) gets the seconds spent in "schedule" and "memory"."""
     started = time.perf_counter()
     graph, outputs, grads = rooted.graph, rooted.outputs, rooted.grads
     optimizer, keep_grads = options.optimizer, options.keeps_grads
@@ -201,15 +82,9 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
     nodes = graph.reachable(roots)
     grad_ids = {t.id for t in grads.values()}
     forward_ids = {t.id for t in graph.reachable(outputs.values())}
-    slots: list[Slot] = []
+    draft = _Draft()
+    new_slot = draft.new_slot
     slot_of: dict[int, int] = {}
-
-    def new_slot(label: str, shape: tuple[int, ...], dtype: str, role: Role) -> int:
-        slots.append(Slot(len(slots), label, shape, dtype, role))
-        return len(slots) - 1
-
-    initial: dict[int, np.ndarray] = {}
-    dispatches: list[PlannedDispatch] = []
     for node in nodes:
         kind = OPS[node.op].kind
         if kind == "view":
@@ -220,38 +95,44 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
         slot_of[node.id] = new_slot(node.name or node.label, node.shape, node.dtype, role)
         if kind == "source":
             if node.id in graph.initial_values:
-                initial[slot_of[node.id]] = graph.initial_values[node.id]
+                draft.initial_values[slot_of[node.id]] = graph.initial_values[node.id]
             continue
         bound = tuple(slot_of[t.id] for t in node.inputs) + (slot_of[node.id],)
         access: tuple[Access, ...] = ("read",) * len(node.inputs) + ("read_write",)
         phase: Phase = "forward" if node.id in forward_ids else "backward"
-        dispatches.append(PlannedDispatch(bound, access, 0, phase,
-                                          f"{node.label} at {node.where}", node))
+        draft.dispatch(PlannedDispatch(bound, access, 0, phase, f"{node.label} at {node.where}",
+                                       node.op), node)
 
-    params = {name: slot_of[t.id] for name, t in graph.params.items() if t.id in slot_of}
+    draft.params = {name: slot_of[t.id] for name, t in graph.params.items() if t.id in slot_of}
     grad_views = {n: View(slot_of[t.id], t.shape) for n, t in grads.items()}
-    plan = Plan(slots, dispatches, MemoryPlan({}, [], 0),
-                inputs={n: slot_of[t.id] for n, t in graph.inputs.items() if t.id in slot_of},
-                outputs={n: View(slot_of[t.id], t.shape) for n, t in outputs.items()},
-                params=params, grads=grad_views if keep_grads else {},
-                initial_values=initial, trainable=tuple(grads) if has_loss else None)
+    output_views = {n: View(slot_of[t.id], t.shape) for n, t in outputs.items()}
+    kept_grads = grad_views if keep_grads else {}
     if optimizer is not None:
-        guard = plan.outputs["loss"].slot if check_finite and "loss" in plan.outputs else None
-        _add_optimizer(plan, optimizer, {n: v.slot for n, v in grad_views.items()}, new_slot,
-                       guard, alignment(caps), min(PACK_BYTES, caps.max_storage_buffer_range))
-    plan.dispatches = _schedule(plan.dispatches)
-    plan.aliases = _write_in_place(plan)
-    plan.lifetimes = _lifetimes(plan)
+        guard = output_views["loss"].slot if check_finite and "loss" in output_views else None
+        _add_optimizer(draft, optimizer, {n: v.slot for n, v in grad_views.items()}, guard,
+                       alignment(caps), min(PACK_BYTES, caps.max_storage_buffer_range))
+    _schedule(draft)
+    readable = {v.slot for v in (*output_views.values(), *kept_grads.values())}
+    aliases = _write_in_place(draft, readable)
+    lifetimes = _lifetimes(draft, aliases, readable)
     scheduled = time.perf_counter()
     try:
-        plan.memory = plan_memory(plan.lifetimes, alignment(caps), caps.max_storage_buffer_range,
-                                  plan.aliases, plan.packs)
+        memory = plan_memory(lifetimes, alignment(caps), caps.max_storage_buffer_range, aliases,
+                             draft.packs)
     except ValueError as e:
         raise GraphError(f"{e}; on {caps.device_name}") from None
     if timings is not None:
         timings["schedule"] = scheduled - started
         timings["memory"] = time.perf_counter() - scheduled
-    return plan
+    plan = Plan(
+        tuple(draft.slots), tuple(draft.dispatches), memory,
+        inputs={n: slot_of[t.id] for n, t in graph.inputs.items() if t.id in slot_of},
+        outputs=output_views, params=draft.params, grads=kept_grads, optimizer=optimizer,
+        optimizer_state=draft.optimizer_state, hyperparams_slot=draft.hyperparams_slot,
+        optimizer_tables=draft.optimizer_tables, initial_values=draft.initial_values,
+        lifetimes=lifetimes, aliases=aliases, trainable=tuple(grads) if has_loss else None,
+        hyperparams=draft.hyperparams, input_ranges=input_ranges, packs=draft.packs)
+    return Scheduled(plan, tuple(draft.nodes))
 
 
 # The parameters whose gradients are computed one after another share an update dispatch, up to
@@ -263,12 +144,7 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
 PACK_BYTES = 16 << 20
 
 
-def alignment(caps: Capabilities) -> int:
-    """The byte alignment of every tensor's place in memory (a storage-buffer binding's)."""
-    return max(caps.min_storage_offset_alignment, 16)
-
-
-def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_slot,
+def _add_optimizer(plan: _Draft, optimizer: Optimizer, grads: dict[str, int],
                    guard: int | None, align: int, pack_bytes: int) -> None:
     """A hyperparameter buffer (the optimizer's values, then the step count t), the tables the
     host computes from them, the step count's dispatch and the updates (parameters and state
@@ -276,6 +152,7 @@ def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_
     parameters whose gradients are computed in turn (`_packs`), the others one each.
     `guard`: the loss's slot, bound last to every optimizer dispatch, which then changes
     nothing unless the loss is finite (compile's check_finite)."""
+    new_slot = plan.new_slot
     values = optimizer.hyperparams()
     names = (*values, "t")
     hp = new_slot("optimizer hyperparameters", (len(names),), "f32", "hyperparams")
@@ -286,10 +163,10 @@ def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_
         plan.initial_values[slot] = data
         plan.optimizer_tables[table] = slot
     extra = (*plan.optimizer_tables.values(), *(() if guard is None else (guard,)))
-    plan.dispatches.append(PlannedDispatch((hp, *(() if guard is None else (guard,))),
-                                           ("read_write", *(() if guard is None else ("read",))),
-                                           0, "update", "step count",
-                                           update=Update(optimizer, 0, guard is not None)))
+    plan.dispatch(PlannedDispatch((hp, *(() if guard is None else (guard,))),
+                                  ("read_write", *(() if guard is None else ("read",))),
+                                  0, "update", "step count",
+                                  update=Update(optimizer, 0, guard is not None)))
     for name in grads:  # frozen parameters have no gradient, no state and no update
         shape = plan.slots[plan.params[name]].shape
         plan.optimizer_state[name] = {s: new_slot(f"{name} {s}", shape, "f32", "optimizer_state")
@@ -314,12 +191,12 @@ def _add_optimizer(plan: Plan, optimizer: Optimizer, grads: dict[str, int], new_
                 plan.packs[slot] = tuple(zip(column, map(int, offsets)))
             held = [tuple(c) for c in columns]
             covers = (held[0], held[1], (), *held[2:], *((),) * len(extra))
-        plan.dispatches.append(PlannedDispatch(
+        plan.dispatch(PlannedDispatch(
             (bound[0], bound[1], hp, *bound[2:], *extra), access, 0, "update", label,
             update=Update(optimizer, size, guard is not None), covers=covers))
 
 
-def _packs(plan: Plan, grads: dict[str, int], align: int, pack_bytes: int) -> list[list[str]]:
+def _packs(plan: _Draft, grads: dict[str, int], align: int, pack_bytes: int) -> list[list[str]]:
     """The trained parameters in the order their gradients are first written, cut into runs of
     at most `pack_bytes` (aligned): each run is updated by one dispatch over its parameters,
     gradients and state laid out one after another (Plan.packs). A gradient that is not a
@@ -351,12 +228,13 @@ def _padded(nbytes: int, align: int) -> int:
     return -(-nbytes // align) * align
 
 
-def _schedule(dispatches: list[PlannedDispatch]) -> list[PlannedDispatch]:
-    """Levels as soon as possible, then the dispatches sorted by level (stable)."""
+def _schedule(plan: _Draft) -> None:
+    """Levels as soon as possible, then the dispatches (and their nodes) sorted by level
+    (stable)."""
     written_at: dict[int, int] = {}  # slot -> level of its latest writer
     read_at: dict[int, int] = {}  # slot -> highest level reading it
     leveled = []
-    for d in dispatches:
+    for d in plan.dispatches:
         level = max([written_at[s] + 1 for s in d.reads if s in written_at]
                     + [read_at[s] + 1 for s in d.writes if s in read_at] + [0])
         for s in d.writes:
@@ -364,14 +242,16 @@ def _schedule(dispatches: list[PlannedDispatch]) -> list[PlannedDispatch]:
         for s in d.reads:
             read_at[s] = max(read_at.get(s, -1), level)
         leveled.append(dataclasses.replace(d, level=level))
-    return sorted(leveled, key=lambda d: d.level)
+    order = sorted(range(len(leveled)), key=lambda i: leveled[i].level)
+    plan.dispatches = [leveled[i] for i in order]
+    plan.nodes = [plan.nodes[i] for i in order]
 
 
-def _write_in_place(plan: Plan) -> dict[int, int]:
+def _write_in_place(plan: _Draft, readable: set[int]) -> dict[int, int]:
     """Let a pointwise dispatch overwrite an input instead of writing a new tensor where that is
     safe: the input is a temporary of the same size, read at the very index being written, and
-    nothing else reads it at that level or later. Returns output slot -> overwritten slot."""
-    readable = {v.slot for v in (*plan.outputs.values(), *plan.grads.values())}
+    nothing else reads it at that level or later (`readable`: the slots read after a step).
+    Returns output slot -> overwritten slot."""
     readers: Counter[tuple[int, int]] = Counter()
     last_read: dict[int, int] = {}
     for d in plan.dispatches:
@@ -380,11 +260,11 @@ def _write_in_place(plan: Plan) -> dict[int, int]:
             last_read[s] = max(last_read.get(s, -1), d.level)
     packed = {s for held in plan.packs.values() for s, _ in held}  # their place is the pack's
     aliases: dict[int, int] = {}
-    for i, d in enumerate(plan.dispatches):
-        if d.node is None or OPS[d.node.op].kind != "pointwise" or d.slots[-1] in packed:
+    for i, (d, node) in enumerate(zip(plan.dispatches, plan.nodes)):
+        if node is None or OPS[node.op].kind != "pointwise" or d.slots[-1] in packed:
             continue
         out = plan.slots[d.slots[-1]]
-        strides, shape = body_of(d.node).strides, d.node.shape
+        strides, shape = body_of(node).strides, node.shape
         for k, s in enumerate(d.slots[:-1]):
             slot = plan.slots[s]
             if (slot.role in ("activation", "gradient") and s not in readable | packed
@@ -399,8 +279,10 @@ def _write_in_place(plan: Plan) -> dict[int, int]:
     return aliases
 
 
-def _lifetimes(plan: Plan) -> dict[int, Lifetime]:
-    """Each slot's interval of levels; pinned slots live from start-up to the end."""
+def _lifetimes(plan: _Draft, aliases: dict[int, int], readable: set[int]
+               ) -> dict[int, Lifetime]:
+    """Each slot's interval of levels; pinned slots live from start-up to the end, and those
+    read after a step (`readable`) to the end."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for d in plan.dispatches:
@@ -408,9 +290,8 @@ def _lifetimes(plan: Plan) -> dict[int, Lifetime]:
             first.setdefault(s, d.level)
         for s in d.reads:
             last[s] = max(last.get(s, -1), d.level)
-    for out, target in plan.aliases.items():  # written in place, at its input's last read
+    for out, target in aliases.items():  # written in place, at its input's last read
         first.setdefault(out, last[target])
-    readable = {v.slot for v in (*plan.outputs.values(), *plan.grads.values())}
     lifetimes = {}
     for s in plan.slots:
         if s.role in ("param", "constant", "optimizer_state", "hyperparams"):

@@ -28,14 +28,15 @@ from typing import Any
 from vkml.compiler import autodiff, codegen, plan_cache
 from vkml.compiler.compose import fuse_compositions
 from vkml.compiler.options import CompileOptions
+from vkml.compiler.plan import Plan
 from vkml.compiler.rebuild import rebuild
 from vkml.compiler.rewrite import fuse
 from vkml.compiler.rooted import Rooted
 from vkml.compiler.scale import scale_operands
-from vkml.compiler.schedule import Plan, make_plan
+from vkml.compiler.schedule import make_plan
 from vkml.compiler.split import split_sums
 from vkml.errors import GraphError, VkmlError
-from vkml.graph import OPS, Graph, user_stacklevel
+from vkml.graph import OPS, Graph, Tensor, user_stacklevel
 from vkml.hal import Capabilities
 
 STAGES = ("graph", "rewritten", "split", "plan", "memory", "wgsl")
@@ -49,6 +50,7 @@ class Stages:
     # (compiler/split.py, compiler/scale.py)
     split: Rooted
     plan: Plan
+    nodes: tuple[Tensor | None, ...]  # per dispatch of the plan, the node it computes
     # Seconds per stage of this lowering: autodiff, rewrite, split, schedule, memory, codegen
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -208,9 +210,8 @@ def _lower(graph: Graph, caps: Capabilities, options: CompileOptions) -> Stages:
     if caps.precision == "f16":
         split = scale_operands(split, caps)
     clock.lap("split")
-    plan = make_plan(split, options, caps, timings=timings)
+    scheduled = make_plan(split, options, caps, index_ranges(differentiated), timings=timings)
     clock.last = time.perf_counter()  # make_plan timed schedule and memory
-    plan = codegen.generate(plan, caps)
-    plan.input_ranges = index_ranges(differentiated)
+    plan = codegen.generate(scheduled, caps)
     clock.lap("codegen")
-    return Stages(differentiated, rewritten, split, plan, timings)
+    return Stages(differentiated, rewritten, split, plan, scheduled.nodes, timings)

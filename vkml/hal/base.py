@@ -4,7 +4,7 @@ Python protocol methods. Backends subclass it and implement the rest of `hal.Bac
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -19,17 +19,13 @@ if TYPE_CHECKING:
 
 
 class BackendTimestamps:
-    """The `timestamps` capability of a backend that records a program with timestamps by
-    `_record(commands, label, timestamps=True)` and reads them back with `_timings(program)`."""
+    """The `timestamps` capability of a backend, from its own two functions: `record(commands,
+    label)`, a program with a timestamp around every dispatch, and `timings(program)`, their
+    milliseconds per dispatch after a run."""
 
-    def __init__(self, backend: Any) -> None:
-        self._backend = backend
-
-    def record(self, commands: Sequence[Command], label: str) -> Any:
-        return self._backend._record(commands, label, timestamps=True)
-
-    def timings(self, program: Any) -> list[float]:
-        return self._backend._timings(program)
+    def __init__(self, record: Callable[[Sequence[Command], str], Any],
+                 timings: Callable[[Any], list[float]]) -> None:
+        self.record, self.timings = record, timings
 
 
 class BackendBase:

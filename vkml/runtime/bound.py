@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from vkml.compiler.schedule import Plan, Slot
+from vkml.compiler.plan import Plan, Slot
 from vkml.errors import DeviceError, InputError
 from vkml.graph import TRAINING_STEP
 from vkml.hal import Barrier, Binding, Command, Copy, Dispatch, HostWrite

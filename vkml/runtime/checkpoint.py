@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from vkml.compiler.schedule import Slot
+from vkml.compiler.plan import Slot
 from vkml.errors import CheckpointError, InputError
 from vkml.graph import STATE_PREFIX, TRAINING_STEP
 from vkml.runtime.bound import BoundPlan

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vkml.compiler.schedule import Slot
+from vkml.compiler.plan import Slot
 from vkml.errors import InputError
 from vkml.hal import Copy
 from vkml.runtime.bound import BoundPlan

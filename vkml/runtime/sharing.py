@@ -26,8 +26,8 @@ update fully submitted before its first piece.
 
 from __future__ import annotations
 
-from vkml.compiler.memory_plan import MemoryPlan, plan_memory
-from vkml.compiler.schedule import Plan, alignment
+from vkml.compiler.memory_plan import MemoryPlan, alignment, plan_memory
+from vkml.compiler.plan import Plan
 from vkml.errors import GraphError
 from vkml.hal import Capabilities
 

@@ -5,6 +5,7 @@ a timeline semaphore, recording into the host's command buffers, and device time
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -156,7 +157,9 @@ class VulkanBackend(BackendBase):
 
     @property
     def timestamps(self) -> BackendTimestamps | None:  # type: ignore[override]
-        return BackendTimestamps(self) if self.caps.timestamp_period_ns > 0 else None
+        if self.caps.timestamp_period_ns <= 0:
+            return None
+        return BackendTimestamps(functools.partial(self._record, timestamps=True), self._timings)
 
     def _timings(self, program: Program) -> list[float]:
         """Milliseconds per dispatch of the latest run of a program recorded with timestamps.

@@ -19,6 +19,7 @@ no recording into a host's command buffers.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -219,7 +220,8 @@ class WgpuBackend(BackendBase):
             max_loop_iterations=65535 if "llvmpipe" in info["device"].lower() else None,
         )
         if "timestamp-query" in features:
-            self.timestamps = BackendTimestamps(self)
+            self.timestamps = BackendTimestamps(functools.partial(self._record, timestamps=True),
+                                                self._timings)
 
     # -- buffers ------------------------------------------------------------------------------
 
