@@ -21,9 +21,10 @@ from vkml.graph import Graph, Tensor
 from vkml.importers import ImportedModel, import_onnx, import_torch
 from vkml.optim import SGD, Adam, AdamW, Optimizer
 from vkml.runtime.device import Device
+from vkml.runtime.frames import HostBuffer, HostImage
 from vkml.session import ChunkSubmission, Session, compile
 
 __all__ = ["Graph", "Tensor", "compile", "Session", "ChunkSubmission", "Device", "SGD", "Adam",
            "AdamW", "Optimizer", "nn", "VkmlError", "GraphError", "InputError", "NotComputedError",
            "NonFiniteError", "CheckpointError", "NagaError", "DeviceError", "ModelImportError",
-           "ImportedModel", "import_onnx", "import_torch"]
+           "ImportedModel", "import_onnx", "import_torch", "HostBuffer", "HostImage"]

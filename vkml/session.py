@@ -26,6 +26,7 @@ from vkml.runtime import checkpoint, sharing
 from vkml.runtime.bound import BoundPlan
 from vkml.runtime.chunking import Chunker
 from vkml.runtime.device import Device, default_device
+from vkml.runtime.frames import HostBuffer, HostImage
 from vkml.runtime.profiling import Profile, Profiler
 
 
@@ -175,6 +176,8 @@ class Session:
         self._chunker = Chunker(self._bound)
         self._profiler = Profiler(self._bound)
         self._external: object | None = None  # the step prepared for record()
+        # The bound inputs' and outputs' programs prepared for record() (None: not yet).
+        self._external_frames: tuple[object | None, object | None] | None = None
         # What a submitted step or forward pass has computed so far: device memory starts
         # undefined, so reading an output or a gradient before then would return garbage.
         self._computed: set[str] = set()
@@ -211,11 +214,91 @@ class Session:
         if name not in self.plan.inputs:
             known = ", ".join(f"'{n}'" for n in self.inputs) or "none"
             raise InputError(f"unknown input '{name}'; this session's inputs are: {known}")
+        if name in self._bound.frames.inputs:
+            raise InputError(f"input '{name}' is bound to the host's GPU memory (bind_input), "
+                             f"which every step reads: call unbind('{name}') first")
         slot = self.plan.slots[self.plan.inputs[name]]
         array = _conform(f"input '{name}'", value, slot.shape, slot.dtype)
         if name in self.plan.input_ranges and array.size:
             _check_range(name, array, *self.plan.input_ranges[name])
         self._bound.write_input(name, array)
+
+    @_serialized
+    def bind_input(self, name: str, source: HostBuffer | HostImage, offset: int = 0, *,
+                   region: tuple[int, int, int, int] | None = None,
+                   channels: Sequence[int] | None = None,
+                   mean: float | Sequence[float] | None = None,
+                   std: float | Sequence[float] | None = None) -> None:
+        """Every later step reads input `name` from the host's GPU memory, never through the
+        CPU: `source` describes a VkBuffer or VkImage of this session's device (vkml.HostBuffer,
+        vkml.HostImage: Vulkan cannot report a handle's size, format or usage, so the host
+        declares them and vkml checks them). Vulkan only (InputError on wgpu).
+
+        A buffer holds the input as set_input takes it (its dtype, C order) from byte `offset`,
+        copied into the step. An image's `region` (x, y, width, height; the whole image by
+        default) is copied and converted by a kernel in the step to the input's (1, C, H, W),
+        (C, H, W) or (H, W) f32 layout: `channels` picks a source channel per input channel (by
+        default the first C: RGB of RGBA), 8-bit texels become k / 255 (sRGB bytes as stored),
+        then (v - mean) / std per source channel (one number or one each; three apply to RGB),
+        and a region of another size is resized as torch's bilinear F.interpolate
+        (align_corners=False). Results equal set_input of the same values bit for bit (8-bit
+        texels through a table computed in float64; resizing as the device rounds).
+
+        Ordering: the step's first commands wait for all of the host's earlier work on the
+        queue (any stage) and see its writes, and its later work waits for the step's reads;
+        so submit the step after the render pass that writes the frame, on the same queue
+        (step(), step_chunk()) or record() it into the host's command buffer after the pass.
+        The image is in `layout` (HostImage) when the step runs and is left in it."""
+        if self._chunker.in_progress:
+            raise InputError("bind_input: a chunked step is in progress; submit the rest of it "
+                             "(step_chunk() until it returns 0) first")
+        self._bound.wait()
+        frames = self._bound.frames
+        frames.bind_input(name, source, offset, region, channels,
+                          None if mean is None else np.atleast_1d(mean),
+                          None if std is None else np.atleast_1d(std))
+        self._bound.unset_inputs.discard(name)
+        self._rebind()
+
+    @_serialized
+    def bind_output(self, name: str, target: HostBuffer | HostImage, offset: int = 0, *,
+                    region: tuple[int, int] | None = None) -> None:
+        """Every later step (and forward()) ends by writing output `name` into the host's GPU
+        memory, for its renderer to draw from without a read-back: a vkml.HostBuffer (f32, C
+        order, from byte `offset`) or an r32_float vkml.HostImage (an output of shape (..., H,
+        W) with 1 in the leading axes, at texel `region` = (x, y), (0, 0) by default). The
+        host's work submitted after the step (sampling the image) waits for it and sees it;
+        the image is left in its declared layout. read() still works. Vulkan only."""
+        if self._chunker.in_progress:
+            raise InputError("bind_output: a chunked step is in progress; submit the rest of "
+                             "it (step_chunk() until it returns 0) first")
+        self._bound.wait()
+        self._bound.frames.bind_output(name, target, offset, region)
+        self._rebind()
+
+    @_serialized
+    def unbind(self, name: str) -> None:
+        """Undo bind_input or bind_output of `name` (both, where an input and an output share
+        the name): the step goes back to set_input's values and read() alone."""
+        if self._chunker.in_progress:
+            raise InputError("unbind: a chunked step is in progress; submit the rest of it "
+                             "first")
+        self._bound.wait()
+        frames = self._bound.frames
+        found = [frames.unbind(name), frames.unbind(name, outputs=True)]
+        if not any(found):
+            raise InputError(f"'{name}' is not bound; bound inputs: {sorted(frames.inputs)}, "
+                             f"outputs: {sorted(frames.outputs)}")
+        if found[0] and name not in self._bound._latest:
+            self._bound.unset_inputs.add(name)
+        self._rebind()
+
+    def _rebind(self) -> None:
+        bound = self._bound
+        bound.rebind()
+        for program in [*self._external_uploads, *(self._external_frames or ())]:
+            bound.drop(program)
+        self._external_uploads, self._external_frames = [], None
 
     @_serialized
     def step(self, chunks: int | None = None, budget_ms: float | None = None) -> None:
@@ -414,7 +497,17 @@ class Session:
                     bound.keep(recording.prepare(bound.uploads(b), f"inputs {b} (host)"))
                     for b in range(len(bound.staging_buffers))]
             recording.record_into(command_buffer, self._external_uploads[staging])
+        if self._external_frames is None:
+            frames = bound.frames.input_commands(), bound.frames.output_commands()
+            self._external_frames = tuple(  # type: ignore[assignment]
+                bound.keep(recording.prepare(c, f"bound {w} (host)")) if c else None
+                for c, w in zip(frames, ("inputs", "outputs")))
+        bind_in, bind_out = self._external_frames
+        if bind_in is not None:
+            recording.record_into(command_buffer, bind_in)
         recording.record_into(command_buffer, self._external)
+        if bind_out is not None:
+            recording.record_into(command_buffer, bind_out)
         if bound.download_program is not None:  # the outputs, where the host reads them
             if self._external_download is None:
                 self._external_download = bound.keep(recording.prepare(

@@ -10,21 +10,26 @@ from vkml.hal.commands import (
     BufferKind,
     Command,
     Copy,
+    CopyFromImage,
+    CopyToImage,
     Dispatch,
     Fill,
+    ImageRegion,
     check_commands,
 )
 from vkml.hal.interface import (
+    FORMATS,
     Backend,
     DeviceMemory,
     HostRecording,
+    HostResources,
     HostWrite,
     TimelineSync,
     Timestamps,
 )
 from vkml.hal.kernel import Access, Kernel
 
-__all__ = ["Access", "Backend", "BackendBase", "BackendTimestamps", "Barrier", "Binding",
-           "BufferKind", "Capabilities", "Command", "Copy", "DeviceMemory", "Dispatch", "Fill",
-           "HostRecording", "HostWrite", "Kernel", "TimelineSync", "Timestamps",
-           "check_commands"]
+__all__ = ["FORMATS", "Access", "Backend", "BackendBase", "BackendTimestamps", "Barrier",
+           "Binding", "BufferKind", "Capabilities", "Command", "Copy", "CopyFromImage",
+           "CopyToImage", "DeviceMemory", "Dispatch", "Fill", "HostRecording", "HostResources",
+           "HostWrite", "ImageRegion", "Kernel", "TimelineSync", "Timestamps", "check_commands"]

@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, Any
 from vkml.errors import DeviceError
 from vkml.hal.capabilities import Capabilities
 from vkml.hal.commands import Command, check_commands
-from vkml.hal.interface import DeviceMemory, HostRecording, HostWrite, TimelineSync, Timestamps
+from vkml.hal.interface import (
+    DeviceMemory,
+    HostRecording,
+    HostResources,
+    HostWrite,
+    TimelineSync,
+    Timestamps,
+)
 from vkml.hal.kernel import Kernel
 
 if TYPE_CHECKING:
@@ -34,6 +41,7 @@ class BackendBase:
     timeline: TimelineSync | None = None
     host_recording: HostRecording | None = None
     timestamps: Timestamps | None = None
+    host_resources: HostResources | None = None
     # How many pipelines create_pipelines makes at once: more than one only where the driver's
     # compiler runs outside Python's lock and may be called from several threads.
     pipeline_threads = 1

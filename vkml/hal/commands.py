@@ -1,6 +1,7 @@
 """What a backend records: storage-buffer dispatches, barriers between them, buffer copies and
-fills; and the checks every backend makes before recording them, so a bad command list fails
-with a message naming the command instead of a driver error or a crash."""
+fills, copies between buffers and a host application's images; and the checks every backend
+makes before recording them, so a bad command list fails with a message naming the command
+instead of a driver error or a crash."""
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class Barrier:
-    """All earlier compute and transfer writes become visible to all later compute/transfer work."""
+    """All earlier compute and transfer writes become visible to all later compute/transfer work.
+    `host_stages`: every pipeline stage on both sides, so a host application's work on the shared
+    queue (rendering into a buffer or image vkml reads, sampling one it writes) is ordered too."""
+
+    host_stages: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,38 @@ class Fill:
     nbytes: int
 
 
-Command = Dispatch | Barrier | Copy | Fill
+@dataclass(frozen=True)
+class ImageRegion:
+    """A rectangle of a host image's first mip level and layer, tightly packed in a buffer."""
+
+    image: object  # a handle returned by the backend's host_resources.image()
+    x: int
+    y: int
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class CopyFromImage:
+    """An image's region into `dst` at `dst_offset`, the image moved to a layout the copy reads
+    and back to its own around it."""
+
+    region: ImageRegion
+    dst: object
+    dst_offset: int
+
+
+@dataclass(frozen=True)
+class CopyToImage:
+    """`src` from `src_offset` into an image's region (the image's layout kept as for
+    CopyFromImage)."""
+
+    src: object
+    src_offset: int
+    region: ImageRegion
+
+
+Command = Dispatch | Barrier | Copy | Fill | CopyFromImage | CopyToImage
 
 
 def check_commands(commands: Sequence[Command], label: str, caps: Capabilities,
@@ -98,6 +134,20 @@ def check_commands(commands: Sequence[Command], label: str, caps: Capabilities,
             if cmd.offset % 4 or cmd.nbytes % 4:
                 raise DeviceError(f"{what}: offset {cmd.offset} and size {cmd.nbytes} must be "
                                   "multiples of 4 bytes")
+        elif isinstance(cmd, CopyFromImage | CopyToImage):
+            what = f"program {label!r} command {n} (image copy)"
+            buffer, at = ((cmd.dst, cmd.dst_offset) if isinstance(cmd, CopyFromImage)
+                          else (cmd.src, cmd.src_offset))
+            r = cmd.region
+            texel = getattr(r.image, "texel_bytes", 0)
+            _check_range(buffer, at, r.width * r.height * texel, what, live_buffer)
+            width, height = getattr(r.image, "extent", (0, 0))
+            if min(r.x, r.y) < 0 or r.width <= 0 or r.height <= 0 or r.x + r.width > width \
+                    or r.y + r.height > height:
+                raise DeviceError(f"{what}: region {r.width}x{r.height} at ({r.x}, {r.y}) does "
+                                  f"not fit in {r.image!r}")
+            if at % 4:
+                raise DeviceError(f"{what}: buffer offset {at} is not a multiple of 4")
         elif isinstance(cmd, Barrier):
             continue
         else:

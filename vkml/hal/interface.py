@@ -43,6 +43,33 @@ class HostRecording(Protocol):
         ...
 
 
+class HostResources(Protocol):
+    """Buffers and images a host application made on the device, for vkml's programs to read
+    and write (Session.bind_input / bind_output). The API cannot report a resource's size,
+    usage or device, so the host declares them and the backend checks what it can."""
+
+    def buffer(self, handle: Any, device: Any, nbytes: int, usage: int, access: str,
+               what: str) -> object:
+        """A buffer handle for Copy and Binding commands (live until release()), from the host's
+        `handle` on `device` (which must be vkml's); `access` "read" or "write" says which
+        usage it needs. InputError naming `what` for anything wrong."""
+        ...
+
+    def image(self, handle: Any, device: Any, format: str, extent: tuple[int, int], usage: int,
+              layout: int, access: str, what: str) -> object:
+        """An image for CopyFromImage / CopyToImage (live until release()); `format` one of
+        FORMATS' names, `layout` the layout it is in whenever a vkml program runs."""
+        ...
+
+    def release(self, resource: object) -> None:
+        """Forget a buffer or image from buffer() / image() (the host's handle stays)."""
+        ...
+
+
+# Image formats vkml reads and writes, with bytes per texel.
+FORMATS = {"rgba8_unorm": 4, "rgba8_srgb": 4, "rgba16_float": 8, "r32_float": 4}
+
+
 class Timestamps(Protocol):
     """Device timestamps around every dispatch of a program."""
 
@@ -92,6 +119,7 @@ class Backend(Protocol):
     timeline: TimelineSync | None
     host_recording: HostRecording | None
     timestamps: Timestamps | None
+    host_resources: HostResources | None
 
     def create_buffer(self, nbytes: int, kind: BufferKind, label: str) -> object: ...
     def free_buffer(self, buffer: object) -> None: ...
@@ -129,7 +157,8 @@ class Backend(Protocol):
 
     def why_absent(self, capability: str) -> str:
         """Why the optional capability `capability` ("timeline", "host_recording",
-        "timestamps") is None on this backend, and what would provide it: for error messages."""
+        "timestamps", "host_resources") is None on this backend, and what would provide it:
+        for error messages."""
         ...
 
     def device_memory(self) -> DeviceMemory | None:

@@ -20,6 +20,10 @@ host-readable buffer by a small download program that ends every step, in the sa
 submission: reading one then waits for this session's step only and submits nothing (a copy
 submitted at read time would queue behind the work other sessions submitted meanwhile).
 
+A host's buffers and images bound to inputs and outputs (runtime/frames.py) add a program after
+the upload that copies or converts them, and one before the download that writes the bound
+outputs; the uploads leave bound inputs out.
+
 A plan may take its parameters from another plan (`owner`, see runtime/sharing.py): those slots
 live in the owner's arenas, and the submissions check that a step never sees half an update.
 """
@@ -36,6 +40,7 @@ from vkml.graph import TRAINING_STEP
 from vkml.hal import Barrier, Binding, Command, Copy, Dispatch, HostWrite
 from vkml.interrupts import deferred_interrupts
 from vkml.runtime.device import Device
+from vkml.runtime.frames import FrameBindings
 
 NUMPY_DTYPE = {"f32": np.float32, "i32": np.int32}
 STAGING_BUFFERS = 2
@@ -89,6 +94,9 @@ class BoundPlan:
         self._readback: object | None = None
         self.download_offsets: dict[int, int] = {}  # output slot -> offset in _readback
         self.download_program: object | None = None
+        self.frames = FrameBindings(self)
+        self.input_program: object | None = None  # the bound inputs' copies and conversions
+        self.output_program: object | None = None  # the bound outputs' copies
         self._next_staging = 0
         self._latest: dict[str, np.ndarray] = {}  # each input's value for the next step
         self._version: dict[str, int] = {}
@@ -158,7 +166,8 @@ class BoundPlan:
         """The copies of every input from staging buffer `buffer` into the arena."""
         plan = self.plan
         return [Copy(self._staging[buffer], self.staging_offsets[name], *self.place(slot),
-                     plan.slots[slot].nbytes) for name, slot in plan.inputs.items()]
+                     plan.slots[slot].nbytes) for name, slot in plan.inputs.items()
+                if name not in self.frames.inputs]
 
     def downloads(self) -> list[Command]:
         """The copies of the outputs the host cannot read in place into a readback buffer
@@ -208,6 +217,29 @@ class BoundPlan:
         """Free `program` when the session closes."""
         self._programs.append(program)
         return program
+
+    def drop(self, program: object | None) -> None:
+        """Free a kept program now (the caller waited for its work)."""
+        if program is not None:
+            self._programs.remove(program)
+            self.backend.free_program(program)
+
+    def rebind(self) -> None:
+        """Record again what the host's bound buffers and images change: the uploads (which
+        leave bound inputs out) and the programs copying into and out of them."""
+        self.wait()
+        for b, program in enumerate(self._upload_programs):
+            self.drop(program)
+            self._upload_programs[b] = self.record_commands(self.uploads(b), f"inputs {b}")
+        self.drop(self.input_program)
+        self.drop(self.output_program)
+        self.input_program = self.output_program = None
+        commands = self.frames.input_commands()
+        if commands:
+            self.input_program = self.record_commands(commands, "bound inputs")
+        commands = self.frames.output_commands()
+        if commands:
+            self.output_program = self.record_commands(commands, "bound outputs")
 
     # ---- running ------------------------------------------------------------------------------
     def require_inputs(self) -> None:
@@ -272,12 +304,12 @@ class BoundPlan:
                 total_updates: int, upload: bool | None, forward_only: bool) -> None:
         self.check_submit(begins, updates)
         batch = list(programs)
-        staging = (self.upload(forward_only) if (begins if upload is None else upload)
-                   else None)
-        if staging is not None:
-            batch.insert(0, self._upload_programs[staging])
-        if ends and self.download_program is not None:
-            batch.append(self.download_program)
+        if begins if upload is None else upload:
+            staging = self.upload(forward_only)
+            first = [] if staging is None else [self._upload_programs[staging]]
+            batch[:0] = first + ([self.input_program] if self.input_program is not None else [])
+        if ends:
+            batch += [p for p in (self.output_program, self.download_program) if p is not None]
         if len(batch) == 1:
             self.backend.submit(batch[0])
         else:
@@ -410,6 +442,8 @@ class BoundPlan:
             self.backend.free_program(program)
         self._programs.clear()
         self._upload_programs.clear()
+        self.input_program = self.output_program = None
+        self.frames.close()
         for kernel in self._kernels:
             if kernel.wgsl in self._pipelines:
                 self.device.pipelines.release(kernel)

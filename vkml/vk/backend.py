@@ -19,6 +19,8 @@ from vkml.hal import (
     BufferKind,
     Command,
     Copy,
+    CopyFromImage,
+    CopyToImage,
     DeviceMemory,
     Fill,
     HostWrite,
@@ -36,6 +38,7 @@ from vkml.vk.context import (
     as_handle,
     how_to_enable,
 )
+from vkml.vk.host_resources import HostResources, ImportedImage
 from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
 from vkml.vk.programs import (
     Program,
@@ -97,6 +100,7 @@ class VulkanBackend(BackendBase):
         self.owned = dev.owned
         self.validation_messages = dev.validation_messages
         self._buffers: set[Buffer] = set()
+        self._host_objects: set[object] = set()  # the host's buffers and images (bind_input)
         # Read-backs from memory the host cannot map, recorded once per (buffer, offset, size):
         # reading a step's loss every frame then costs a submit, not a record and an allocation.
         self._readers: dict[tuple[int, int, int], tuple[Buffer, Program]] = {}
@@ -154,6 +158,10 @@ class VulkanBackend(BackendBase):
     @property
     def host_recording(self) -> _HostRecording:  # type: ignore[override]
         return _HostRecording(self)
+
+    @property
+    def host_resources(self) -> HostResources:  # type: ignore[override]
+        return HostResources(self)
 
     @property
     def timestamps(self) -> BackendTimestamps | None:  # type: ignore[override]
@@ -515,7 +523,8 @@ class VulkanBackend(BackendBase):
         """Buffers, pipelines and programs alive, and the cached read-back programs among them
         (each with its staging buffer)."""
         return {"buffers": len(self._buffers), "pipelines": len(self._pipelines),
-                "programs": len(self._programs), "read_backs": len(self._readers)}
+                "programs": len(self._programs), "read_backs": len(self._readers),
+                "host_resources": len(self._host_objects)}
 
     def close(self) -> None:
         """Wait for the device to go idle and destroy everything; safe to call twice."""
@@ -543,6 +552,7 @@ class VulkanBackend(BackendBase):
             self._in_flight.clear()
             self._pipelines.clear()
             self._buffers.clear()
+            self._host_objects.clear()
             if self._cache is not None:
                 self._cache.save_and_destroy()
             if self._semaphore is not None:
@@ -554,7 +564,15 @@ class VulkanBackend(BackendBase):
     # -- internals ----------------------------------------------------------------------------
 
     def _live_buffer(self, buffer: object) -> bool:
-        return isinstance(buffer, Buffer) and buffer.handle is not None and buffer in self._buffers
+        return isinstance(buffer, Buffer) and buffer.handle is not None and (
+            buffer in self._buffers or buffer in self._host_objects)
+
+    def _check_command(self, n: int, command: Command, what: str) -> None:
+        if isinstance(command, CopyFromImage | CopyToImage):
+            image = command.region.image
+            if not isinstance(image, ImportedImage) or image not in self._host_objects:
+                raise DeviceError(f"{what}: {image!r} is not an image from this backend's "
+                                  "host_resources.image()")
 
     def _live_pipeline(self, pipeline: object) -> bool:
         return isinstance(pipeline, Pipeline) and pipeline.handle is not None

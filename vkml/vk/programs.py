@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vkml.errors import DeviceError
-from vkml.hal import Barrier, Command, Dispatch, Fill
+from vkml.hal import Barrier, Command, CopyFromImage, CopyToImage, Dispatch, Fill
 
 
 class Program:
@@ -157,14 +157,64 @@ def emit_commands(dev: Any, cb: Any, prog: Program) -> None:
             n_dispatch += 1
             if prog.query_pool is not None:
                 lib.vkCmdWriteTimestamp(cb, bottom, prog.query_pool, n_dispatch)
+        elif isinstance(cmd, Barrier) and cmd.host_stages:
+            everything = vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT
+            _memory_barrier(dev, cb, everything, vk.VK_ACCESS_MEMORY_WRITE_BIT, everything,
+                            vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT)
         elif isinstance(cmd, Barrier):
             _memory_barrier(dev, cb, compute | transfer, writes, compute | transfer, all_access)
+        elif isinstance(cmd, CopyFromImage | CopyToImage):
+            _copy_image(dev, cb, cmd)
         elif isinstance(cmd, Fill):
             lib.vkCmdFillBuffer(cb, cmd.buffer.handle, cmd.offset, cmd.nbytes, 0)
         else:
             region.srcOffset, region.dstOffset, region.size = (
                 cmd.src_offset, cmd.dst_offset, cmd.nbytes)
             lib.vkCmdCopyBuffer(cb, cmd.src.handle, cmd.dst.handle, 1, region)
+
+
+def _copy_image(dev: Any, cb: Any, cmd: CopyFromImage | CopyToImage) -> None:
+    """A copy between a buffer and a host image's region, the image moved from the layout the
+    host keeps it in to one a copy takes and back (GENERAL and the copy's own layout stay); the
+    barriers also order the host's work on the image before and after, in any stage."""
+    vk, ffi, lib = dev.vk, dev.ffi, dev.lib
+    reads = isinstance(cmd, CopyFromImage)
+    region, image = cmd.region, cmd.region.image
+    own = (vk.VK_IMAGE_LAYOUT_TRANSFER_SRC_OPTIMAL if reads
+           else vk.VK_IMAGE_LAYOUT_TRANSFER_DST_OPTIMAL)
+    layout = image.layout if image.layout in (own, vk.VK_IMAGE_LAYOUT_GENERAL) else own
+    access = vk.VK_ACCESS_TRANSFER_READ_BIT if reads else vk.VK_ACCESS_TRANSFER_WRITE_BIT
+    everything = vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT
+    transfer = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+    memory = vk.VK_ACCESS_MEMORY_READ_BIT | vk.VK_ACCESS_MEMORY_WRITE_BIT
+    subresource = {"aspectMask": vk.VK_IMAGE_ASPECT_COLOR_BIT, "baseMipLevel": 0,
+                   "levelCount": 1, "baseArrayLayer": 0, "layerCount": 1}
+
+    def transition(old: int, new: int, src_stage: int, src: int, dst_stage: int,
+                   dst: int) -> None:
+        barrier = ffi.new("VkImageMemoryBarrier*", {
+            "sType": vk.VK_STRUCTURE_TYPE_IMAGE_MEMORY_BARRIER, "srcAccessMask": src,
+            "dstAccessMask": dst, "oldLayout": old, "newLayout": new,
+            "srcQueueFamilyIndex": vk.VK_QUEUE_FAMILY_IGNORED,
+            "dstQueueFamilyIndex": vk.VK_QUEUE_FAMILY_IGNORED, "image": image.handle,
+            "subresourceRange": subresource})
+        lib.vkCmdPipelineBarrier(cb, src_stage, dst_stage, 0, 0, ffi.NULL, 0, ffi.NULL, 1,
+                                 barrier)
+
+    transition(image.layout, layout, everything, vk.VK_ACCESS_MEMORY_WRITE_BIT, transfer,
+               access)
+    copy = ffi.new("VkBufferImageCopy*", {
+        "bufferOffset": cmd.dst_offset if reads else cmd.src_offset,
+        "bufferRowLength": 0, "bufferImageHeight": 0,
+        "imageSubresource": {"aspectMask": vk.VK_IMAGE_ASPECT_COLOR_BIT, "mipLevel": 0,
+                             "baseArrayLayer": 0, "layerCount": 1},
+        "imageOffset": {"x": region.x, "y": region.y, "z": 0},
+        "imageExtent": {"width": region.width, "height": region.height, "depth": 1}})
+    if reads:
+        lib.vkCmdCopyImageToBuffer(cb, image.handle, layout, cmd.dst.handle, 1, copy)
+    else:
+        lib.vkCmdCopyBufferToImage(cb, cmd.src.handle, image.handle, layout, 1, copy)
+    transition(layout, image.layout, transfer, 0 if reads else access, everything, memory)
 
 
 def emit_external(dev: Any, cb: Any, prog: Program) -> None:

@@ -292,6 +292,9 @@ class WgpuBackend(BackendBase):
         if capability in ("timeline", "host_recording"):  # Vulkan objects WebGPU does not have
             return (f"the wgpu backend has no {capability!r}: use the Vulkan backend, "
                     "vkml.Device(backend='vulkan')")
+        if capability == "host_resources":
+            return ("binding a host's GPU buffers and textures is not supported on wgpu yet: "
+                    "use set_input / read, or the Vulkan backend, vkml.Device(backend='vulkan')")
         return super().why_absent(capability)
 
     def create_pipeline(self, kernel: Kernel) -> Pipeline:
