@@ -27,6 +27,10 @@ def index_select(x, axis, index):
     return out.reshape(*x.shape[:axis], *index.shape, *x.shape[axis + 1:])
 
 
+# (4, 5): a row with no entry, a column no row reads, a row of three
+SPARSE = np.array([[0.5, 0, 0, -1.5, 0], [0, 0, 0, 0, 0], [0.25, 2.0, 0, 0, 1.0],
+                   [0, 0, 0, 0.75, 0]], np.float32)
+
 CASES = [
     Case("gather_middle_2d_indices", [(3, 5, 4)], lambda g, x, i: g.gather(x, i, 1),
          lambda x, i: index_select(x, 1, i), extras={"i": ids(-5, 5, (2, 3))}),
@@ -120,6 +124,9 @@ CASES = [
           ("ii", [(3, 3)]),
           ("bjij,jk->bik", [(2, 3, 4, 3), (3, 5)]),
       ]],
+    Case("resample_sparse_rows_and_columns", [(2, 5, 3)],
+         lambda g, x: g.resample(x, 1, SPARSE), lambda x: torch.einsum(
+             "oi,bij->boj", torch.tensor(SPARSE, dtype=torch.float64), x)),
     Case("interpolate_nearest_2x", [(2, 3, 3, 4)],
          lambda g, x: g.interpolate(x, scale_factor=2),
          lambda x: F.interpolate(x, scale_factor=2, mode="nearest")),
@@ -262,14 +269,14 @@ def test_einsum_of_attention_scores_is_one_product_and_no_transpose():
 
 def test_nearest_upsampling_by_integers_is_a_broadcast():
     """interpolate's integer nearest upsampling builds what upsample_nearest builds (the
-    existing models' plans stay as they were), other factors gather."""
+    existing models' plans stay as they were), other factors resample."""
     def ops(build):
         g = vkml.Graph()
         y = build(g, g.input("x", (1, 2, 3, 4)))
         return [t.op for t in g.reachable([y])]
     assert ops(lambda g, x: g.interpolate(x, scale_factor=2)) == ops(
         lambda g, x: g.upsample_nearest(x, 2))
-    assert "gather" in ops(lambda g, x: g.interpolate(x, scale_factor=1.5))
+    assert "resample" in ops(lambda g, x: g.interpolate(x, scale_factor=1.5))
 
 
 @pytest.mark.parametrize("mode, coordinates, rounding, target", [

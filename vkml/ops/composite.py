@@ -357,12 +357,9 @@ def upsample_nearest(g: Graph, x: Tensor, scale: int | tuple[int, int] = 2) -> T
 
 # ---- resizing (ONNX Resize, F.interpolate) ------------------------------------------------------
 # Each resized axis is a map from output to input positions, computed here in float32 as
-# onnxruntime's and torch's CPU kernels compute them. Nearest resizing gathers along each axis
-# (or, for integer upsampling, broadcasts as upsample_nearest); linear and cubic resizing
-# multiply each axis by its constant interpolation matrix (two or four weights a row), so both
-# differentiate as the gather or the product does. The product reads every input of a row: an
-# infinite or NaN input spreads along its row and column, where torch keeps it to the outputs
-# that weigh it.
+# onnxruntime's and torch's CPU kernels compute them, and applied as its constant sparse
+# interpolation matrix (one, two or four weights a row: `resample`, whose gradient is the
+# transposed matrix); nearest integer upsampling is a broadcast as upsample_nearest.
 COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric")
 NEAREST_MODES = {"floor": np.floor, "ceil": np.ceil,
                  "round_prefer_floor": lambda v: np.ceil(v - np.float32(0.5)),
@@ -447,15 +444,17 @@ def resize(g: Graph, x: Tensor, size: Sequence[int] | None = None,
                for n, out, f in zip(spatial, sizes, scales)]
     if mode == "nearest":
         return _resize_nearest(g, x, sizes, sources, NEAREST_MODES[nearest_mode])
-    for axis, (n, out, src) in reversed(list(enumerate(zip(spatial, sizes, sources), 2))):
-        matrix = (_interpolation_matrix(n, out, src) if mode == "linear"
-                  else _cubic_matrix(n, out, src, cubic_coeff_a))
-        if out == n and np.array_equal(matrix, np.eye(n, dtype=np.float32)):
-            continue
-        if axis == len(x.shape) - 1:  # the last axis: x (..., n) times the matrix transposed
-            x = g.matmul(x, g.constant(matrix), transpose_b=True)
-        else:  # the height: the matrix times each (H, W) plane
-            x = g.matmul(g.constant(matrix), x)
+    matrices = [_interpolation_matrix(n, out, src) if mode == "linear"
+                else _cubic_matrix(n, out, src, cubic_coeff_a)
+                for n, out, src in zip(spatial, sizes, sources)]
+    return _resample_axes(g, x, matrices)
+
+
+def _resample_axes(g: Graph, x: Tensor, matrices: list[np.ndarray]) -> Tensor:
+    """x through each spatial axis's matrix, the identities left out."""
+    for axis, matrix in enumerate(matrices, 2):
+        if not np.array_equal(matrix, np.eye(x.shape[axis], dtype=np.float32)):
+            x = g.resample(x, axis, matrix)
     return x
 
 
@@ -468,10 +467,8 @@ def _resize_nearest(g: Graph, x: Tensor, sizes: list[int], sources: list[np.ndar
     if len(spatial) == 2 and all(out % n == 0 and np.array_equal(pick, np.arange(out) // f)
                                  for n, out, f, pick in zip(spatial, sizes, factors, picks)):
         return g.upsample_nearest(x, tuple(factors))  # integer upsampling: a broadcast
-    for axis, (n, pick) in enumerate(zip(spatial, picks), 2):
-        if not np.array_equal(pick, np.arange(n)):
-            x = g.gather(x, g.constant(pick, "i32"), axis)
-    return x
+    return _resample_axes(g, x, [np.eye(n, dtype=np.float32)[pick]
+                                 for n, pick in zip(spatial, picks)])
 
 
 @builder

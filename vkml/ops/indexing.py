@@ -557,6 +557,71 @@ register(OpDef("gather_elements_backward", _gather_elements_backward, "kernel",
                lower=_gather_elements_backward_kernel))
 
 
+# ---- resample: a sparse constant linear map along one axis (resizing's interpolation) ----------
+# y[..., o, ...] = sum over k in row o of weights[k] * x[..., columns[k], ...], the matrix in
+# compressed rows (offsets, columns, weights: constants); one thread per output element. Its
+# gradient is the same op with the transposed matrix, so neither pass reads the zeros of the
+# dense matrix (a product with it did: (out x in) multiplies a row for a few weights each).
+def _resample(inputs, attrs):
+    x, offsets, columns, weights = inputs
+    axis = _axis_of(x, attrs["axis"])
+    if (x.dtype != "f32" or offsets.dtype != "i32" or columns.dtype != "i32"
+            or weights.dtype != "f32" or columns.shape != weights.shape):
+        raise GraphError(f"resample takes f32 x, i32 offsets and columns and f32 weights, got "
+                         f"{x.type}, {offsets.type}, {columns.type}, {weights.type}")
+    return tuple(offsets.size - 1 if a == axis else d for a, d in enumerate(x.shape)), "f32"
+
+
+def _resample_grad(g, node, d):
+    x, offsets, columns, weights = node.inputs
+    matrix = _dense(x.shape[node.attrs["axis"]], *[g.initial_values[t.id]
+                                                  for t in (offsets, columns, weights)])
+    return [g.resample(d, node.attrs["axis"], matrix.T), None, None, None]
+
+
+def _dense(size: int, offsets: np.ndarray, columns: np.ndarray,
+           weights: np.ndarray) -> np.ndarray:
+    rows = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
+    matrix = np.zeros((offsets.size - 1, size), np.float32)
+    matrix[rows, columns] = weights
+    return matrix
+
+
+def _resample_kernel(node: Tensor, caps: Capabilities) -> Kernel:
+    x = node.inputs[0]
+    axis, most = node.attrs["axis"], node.attrs["most"]
+    check_loop(node, caps, most, "resample along a shorter axis")
+    out = _indices(node)
+    at = offset([("u32(in2[k])" if a == axis else n) for a, n in enumerate(out)],
+                contiguous_strides(x.shape))
+    return kernels.generate(node, caps, [
+        "  var acc = 0.0;",
+        f"  for (var k = u32(in1[{out[axis]}]); k < u32(in1[{out[axis]} + 1u]); k++) {{",
+        f"    acc += in3[k] * in0[{at}];", "  }",
+        "  out[idx] = acc;"], flops=2 * node.size * most)
+
+
+register(OpDef("resample", _resample, "kernel", grad=_resample_grad, lower=_resample_kernel))
+
+
+@builder
+def resample(g: Graph, x: Tensor, axis: int, matrix: np.ndarray) -> Tensor:
+    """x multiplied along `axis` by the constant (out, in) `matrix`: y[..., o, ...] = sum over
+    i of matrix[o, i] x[..., i, ...], reading only its nonzero entries (an interpolation's
+    few taps a row)."""
+    axis = _axis_of(x, axis)
+    matrix = np.asarray(matrix, np.float32)
+    if matrix.ndim != 2 or matrix.shape[1] != x.shape[axis] or not matrix.shape[0]:
+        raise GraphError(f"resample: a matrix of shape {matrix.shape} does not map axis {axis} "
+                         f"of {x.label}")
+    rows, columns = np.nonzero(matrix)
+    counts = np.bincount(rows, minlength=matrix.shape[0])
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    return g.apply("resample", [x, g.constant(offsets, "i32"), g.constant(columns, "i32"),
+                                g.constant(matrix[rows, columns])],
+                   axis=axis, most=int(counts.max(initial=0)))
+
+
 def _indices(node: Tensor) -> list[str]:
     """The output's index variables in the gather kernel: i0, i1, ..."""
     return [f"i{a}" for a in range(len(node.shape))]
