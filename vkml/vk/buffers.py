@@ -59,7 +59,8 @@ def device_heap(dev: Any) -> DeviceMemory:
         props = ffi.new("VkPhysicalDeviceMemoryProperties2*", {
             "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2, "pNext": budget})
         dev.lib.vkGetPhysicalDeviceMemoryProperties2(dev.physical, props)
-        available = max(0, budget.heapBudget[heap] - budget.heapUsage[heap])
+        if budget.heapBudget[heap]:  # the spec says it never is 0: a driver that ignored it
+            available = max(0, budget.heapBudget[heap] - budget.heapUsage[heap])
     return DeviceMemory(heap, dev.heap_sizes[heap], available)
 
 

@@ -37,6 +37,7 @@ from vkml.hal import (
     HostWrite,
     Kernel,
 )
+from vkml.interrupts import deferred_interrupts
 
 # WebGPU's default, and what a browser guarantees. Adapters may allow less (lavapipe says 32), but
 # a plan laid out for 256 is valid on every WebGPU implementation, so this is not lowered.
@@ -392,15 +393,18 @@ class WgpuBackend(BackendBase):
     def submit(self, program: Program) -> None:
         """Encode `program` afresh (wgpu command buffers run once) and queue it; returns at once.
         Later submissions run after it, in queue order."""
-        self._queue.submit([self._encode(program)])
-        self._pending = True
+        buffer = self._encode(program)
+        with deferred_interrupts():  # a Ctrl-C in between would have wait() skip the work
+            self._queue.submit([buffer])
+            self._pending = True
 
     def submit_batch(self, programs: Sequence[Program]) -> None:
         """Encode each program and queue them in one queue.submit, in order."""
         buffers = [self._encode(p) for p in programs]
         if buffers:
-            self._queue.submit(buffers)
-            self._pending = True
+            with deferred_interrupts():
+                self._queue.submit(buffers)
+                self._pending = True
 
     def _encode(self, program: Program) -> Any:
         segments = program.segments
