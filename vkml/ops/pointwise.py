@@ -314,9 +314,11 @@ def _clamp_tensor_grad(g, node, d):
 
 
 register(OpDef("clamp_tensor", _clamp_tensor_shape, "pointwise", grad=_clamp_tensor_grad,
-               expr=lambda n: call("select(select(select({0}, {1}, {0} < {1}), {2}, "
-                                   "select({0}, {1}, {0} < {1}) > {2}), {1} + {2}, "
-                                   "!({1} == {1}) || !({2} == {2}))", Arg(0), Arg(1), Arg(2))))
+               expr=lambda n: _with_isnan("select(select(select({0}, {1}, {0} < {1}), {2}, "
+                                          "select({0}, {1}, {0} < {1}) > {2}), "
+                                          "bitcast<f32>(0x7fc00000u), vkml_isnan({0}) || "
+                                          "vkml_isnan({1}) || vkml_isnan({2}))",
+                                          Arg(0), Arg(1), Arg(2))))
 
 
 @builder(tensor=True)
@@ -420,8 +422,24 @@ def _lifted(g: Graph, *operands: Operand) -> list[Tensor]:
     return [g.lift(x, dtype) for x in operands]
 
 
+ISNAN_HELPER = """
+fn vkml_isnan(x: f32) -> bool {
+  // by its bits: WGSL lets a driver assume that no float compares unequal to itself
+  return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+"""
+
+
 def _nonzero(node: Tensor, k: int) -> str:
-    return f"!({{{k}}} == {ZERO[node.inputs[k].dtype]})"
+    if node.inputs[k].dtype == "i32":
+        return f"{{{k}}} != 0i"
+    return f"(!({{{k}}} == 0.0) || vkml_isnan({{{k}}}))"  # NaN is true, as in torch
+
+
+def _ordered(comparison: str) -> Callable[[Tensor], str]:
+    """`comparison` of {0} and {1}: false where either is a NaN, as torch's."""
+    return lambda n: (comparison if n.inputs[0].dtype == "i32" else
+                      f"({comparison}) && !vkml_isnan({{0}}) && !vkml_isnan({{1}})")
 
 
 def _no_gradient(g, node, d):
@@ -430,28 +448,33 @@ def _no_gradient(g, node, d):
 
 # name -> WGSL truth of the inputs {0}, {1}, ... (a function of the node: literals by dtype)
 PREDICATES: dict[str, Callable[[Tensor], str]] = {
-    "equal": lambda n: "{0} == {1}",
-    "not_equal": lambda n: "!({0} == {1})",
-    "less": lambda n: "{0} < {1}",
-    "less_equal": lambda n: "{0} <= {1}",
-    "greater": lambda n: "{0} > {1}",
-    "greater_equal": lambda n: "{0} >= {1}",
+    "equal": _ordered("{0} == {1}"),
+    "not_equal": lambda n: ("{0} != {1}" if n.inputs[0].dtype == "i32" else
+                            "!({0} == {1}) || vkml_isnan({0}) || vkml_isnan({1})"),
+    "less": _ordered("{0} < {1}"),
+    "less_equal": _ordered("{0} <= {1}"),
+    "greater": _ordered("{0} > {1}"),
+    "greater_equal": _ordered("{0} >= {1}"),
     "logical_and": lambda n: f"{_nonzero(n, 0)} && {_nonzero(n, 1)}",
     "logical_or": lambda n: f"{_nonzero(n, 0)} || {_nonzero(n, 1)}",
     "logical_xor": lambda n: f"({_nonzero(n, 0)}) != ({_nonzero(n, 1)})",
-    "logical_not": lambda n: f"{{0}} == {ZERO[n.inputs[0].dtype]}",
+    "logical_not": lambda n: f"!({_nonzero(n, 0)})",
     # exponent all ones: infinite with a zero mantissa, NaN with any other (no WGSL builtin)
     "isinf": lambda n: "(bitcast<u32>({0}) & 0x7fffffffu) == 0x7f800000u",
-    "isnan": lambda n: "(bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u",
+    "isnan": lambda n: "vkml_isnan({0})",
 }
 UNARY_PREDICATES = ("logical_not", "isinf", "isnan")
+
+
+def _with_isnan(template: str, *args: Expr) -> Expr:
+    return call(template, *args, helper=ISNAN_HELPER if "vkml_isnan" in template else "")
 
 
 def _predicate(name: str, truth: Callable[[Tensor], str]) -> None:
     arity = 1 if name in UNARY_PREDICATES else 2
     register(OpDef(name, _mask_of, "pointwise", grad=_no_gradient,
-                   expr=lambda n: call(f"select(0.0, 1.0, {truth(n)})",
-                                       *(Arg(k) for k in range(arity)))))
+                   expr=lambda n: _with_isnan(f"select(0.0, 1.0, {truth(n)})",
+                                              *(Arg(k) for k in range(arity)))))
 
     def method(g: Graph, *operands: Operand) -> Tensor:
         if len(operands) != arity:
@@ -481,8 +504,8 @@ def _where_grad(g, node, d):
 
 
 register(OpDef("where", _where_shape, "pointwise", grad=_where_grad,
-               expr=lambda n: call(f"select({{2}}, {{1}}, {_nonzero(n, 0)})",
-                                   Arg(0), Arg(1), Arg(2))))
+               expr=lambda n: _with_isnan(f"select({{2}}, {{1}}, {_nonzero(n, 0)})",
+                                          Arg(0), Arg(1), Arg(2))))
 
 
 @builder
@@ -556,7 +579,10 @@ fn vkml_pow(x: f32, y: f32, log_near_one: f32) -> f32 {
   // only accurate to 2^-21 absolute: there exp(y log1p(|x| - 1)) (|x| - 1 is exact).
   let ax = abs(x);
   if (y == 0.0 || x == 1.0 || (ax == 1.0 && abs(y) > 3.4028235e38)) { return 1.0; }
-  if (!(x == x) || !(y == y)) { return x + y; }  // NaN (lavapipe's pow(NaN, y) is 0)
+  // NaN told by its bits (WGSL lets a driver assume none compares unequal to itself);
+  // lavapipe's pow(NaN, y) is 0
+  if ((bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u
+      || (bitcast<u32>(y) & 0x7fffffffu) > 0x7f800000u) { return bitcast<f32>(0x7fc00000u); }
   var m = select(pow(ax, y), exp(y * log_near_one), abs(ax - 1.0) < 0.5);
   if (ax == 0.0) { m = select(bitcast<f32>(0x7f800000u), 0.0, y > 0.0); }
   let whole = floor(y) == y;
@@ -600,9 +626,12 @@ def _extremum(name: str, wins: str, loses: str) -> None:
                 sum_to(g, g.where(g.apply(loses, [b, a]), 0.0, half), b.shape)]
 
     # a NaN in either operand is the result, as torch's (WGSL leaves max of NaN to the driver)
-    template = f"select(select({{0}}, {{1}}, {{1}} {wins} {{0}}), {{1}}, !({{1}} == {{1}}))"
+    chosen = f"select({{0}}, {{1}}, {{1}} {wins} {{0}})"
+    nan_wins = f"select(select({chosen}, {{1}}, vkml_isnan({{1}})), {{0}}, vkml_isnan({{0}}))"
     register(OpDef(name, lambda inputs, attrs: (_mask_of(inputs, attrs)[0], _one_dtype(inputs)),
-                   "pointwise", grad=grad, expr=lambda n: call(template, Arg(0), Arg(1))))
+                   "pointwise", grad=grad,
+                   expr=lambda n: _with_isnan(chosen if n.dtype == "i32" else nan_wins,
+                                              Arg(0), Arg(1))))
 
     def method(g: Graph, a: Operand, b: Operand) -> Tensor:
         return g.apply(name, _lifted(g, a, b))
