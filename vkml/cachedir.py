@@ -50,6 +50,14 @@ _warned: set[Path] = set()
 _warned_lock = threading.Lock()
 
 
+def _first_time(seen: set[Path], key: Path) -> bool:
+    """Whether `key` is new to `seen`, which then holds it: each warning is given once."""
+    with _warned_lock:
+        new = key not in seen
+        seen.add(key)
+    return new
+
+
 def write_atomic(path: Path, data: bytes, root: Path) -> bool:
     """Write `data` to `path` (under the cache directory `root`) so that no reader ever sees a
     torn file. On an OSError, warns once per `root` and returns False instead of raising."""
@@ -66,10 +74,7 @@ def write_atomic(path: Path, data: bytes, root: Path) -> bool:
             raise
         return True
     except OSError as e:
-        with _warned_lock:
-            first = root not in _warned
-            _warned.add(root)
-        if first:
+        if _first_time(_warned, root):
             warnings.warn(
                 f"vkml cannot write its cache directory {root} ({e.strerror or e}); caches stay "
                 "in memory for this process, so the next one compiles again. Set VKML_CACHE_DIR "
@@ -104,10 +109,7 @@ def read_entry(path: Path) -> bytes | None:
         path.unlink()
     except OSError:
         pass  # an unwritable directory: the caller's in-memory cache carries on
-    with _warned_lock:
-        first = data.startswith(ENTRY_MAGIC) and path not in _reported
-        _reported.add(path)
-    if first:
+    if data.startswith(ENTRY_MAGIC) and _first_time(_reported, path):
         warnings.warn(
             f"vkml's cache file {path} is corrupt (its contents do not match the digest written "
             "with them); it was deleted and its entry is compiled again. Nothing read from it "
