@@ -423,3 +423,60 @@ def test_readme_bring_your_own_model_runs(tmp_path, capsys):
     assert "onnxruntime agrees: True" in out
     first, = re.findall(r"loss ([0-9.]+)", out)
     assert float(first) < np.log(10)
+
+
+def _ops_model():
+    """One ONNX graph over the newer ops' conversions: comparisons and Where, Min/Max, casts
+    of masks, reflect padding, nearest and linear Resize, Tile, Expand, GatherND with indices
+    known at import, Einsum, ReduceL2, CumSum."""
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+
+    def const(name, value):
+        return numpy_helper.from_array(np.asarray(value), name)
+    inits = [const("tenth", np.float32(0.1)), const("fifth", np.float32(0.2)),
+             const("pads", np.array([0, 0, 1, 2, 0, 0, 2, 1], np.int64)),
+             const("scales", np.array([1, 1, 2, 2], np.float32)),
+             const("repeats", np.array([1, 2, 1, 1], np.int64)),
+             const("bias", rng.standard_normal((3, 1, 1)).astype(np.float32)),
+             const("shape", np.array([2, 3, 4, 4], np.int64)),
+             const("points", np.array([[0, 1, 2], [1, 2, 0]], np.int64)),
+             const("axis", np.array(1, np.int64)), const("l2axes", np.array([1], np.int64))]
+    n = helper.make_node
+    nodes = [n("Less", ["x", "tenth"], ["low"]), n("Neg", ["x"], ["negx"]),
+             n("Where", ["low", "x", "negx"], ["w"]),
+             n("Max", ["w", "fifth"], ["hi"]), n("Min", ["hi", "x"], ["mm"]),
+             n("Cast", ["low"], ["lowf"], to=TensorProto.FLOAT), n("Add", ["mm", "lowf"], ["a"]),
+             n("Pad", ["a", "pads"], ["padded"], mode="reflect"),
+             n("Resize", ["x", "", "scales"], ["near"], mode="nearest",
+               coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+             n("Resize", ["x", "", "scales"], ["lin"], mode="linear"),
+             n("Tile", ["x", "repeats"], ["tiled"]),
+             n("Expand", ["bias", "shape"], ["wide"]), n("Mul", ["wide", "x"], ["scaled"]),
+             n("GatherND", ["x", "points"], ["picked"]),
+             n("Einsum", ["x", "x"], ["gram"], equation="bchw,bdhw->bcd"),
+             n("ReduceL2", ["x", "l2axes"], ["norm"], keepdims=0),
+             n("CumSum", ["x", "axis"], ["cum"], reverse=1)]
+    outputs = {"padded": (2, 3, 7, 7), "near": (2, 3, 8, 8), "lin": (2, 3, 8, 8),
+               "tiled": (2, 6, 4, 4), "scaled": (2, 3, 4, 4), "picked": (2, 4),
+               "gram": (2, 3, 3), "norm": (2, 4, 4), "cum": (2, 3, 4, 4)}
+    graph = helper.make_graph(
+        nodes, "ops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 3, 4, 4))],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, shape)
+         for o, shape in outputs.items()], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), list(outputs)
+
+
+@vulkan_only
+def test_onnx_newer_ops_match_onnxruntime(device, tmp_path):
+    model, outputs = _ops_model()
+    path = tmp_path / "ops.onnx"
+    onnx.save(model, str(path))
+    x = np.random.default_rng(1).standard_normal((2, 3, 4, 4)).astype(np.float32)
+    imp = vkml.import_onnx(path)
+    assert set(imp.graph.params) == {"bias"}  # one-element initializers and shapes: constants
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x)
+    s.forward()
+    for name, ref in zip(outputs, onnxruntime_run(path, {"x": x})):
+        assert rel_l2(s.read(name), ref) < FORWARD_TOL, name

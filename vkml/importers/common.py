@@ -7,7 +7,8 @@ something else in silence.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,3 +190,15 @@ def take(g: Graph, x: Tensor, indices: np.ndarray, axis: int) -> Tensor:
     y = g.concat(parts, axis)
     shape = (*x.shape[:axis], *np.shape(indices), *x.shape[axis + 1:])
     return y if y.shape == shape else g.reshape(y, shape)
+
+
+def gather_points(g: Graph, x: Tensor, indices: Sequence[np.ndarray], first: int) -> Tensor:
+    """x indexed by arrays known at import (numpy's advanced indexing), one for each axis from
+    `first` on (broadcast together): those axes merged into one, and one gather along it at
+    the flattened indices."""
+    k = len(indices)
+    dims = x.shape[first:first + k]
+    arrays = [np.asarray(i, np.int64) % d for i, d in zip(np.broadcast_arrays(*indices), dims)]
+    merged = g.reshape(x, (*x.shape[:first], math.prod(dims), *x.shape[first + k:]))
+    flat = np.ravel_multi_index(tuple(arrays), dims) if arrays[0].size else arrays[0]
+    return g.gather(merged, g.constant(flat, "i32"), first)

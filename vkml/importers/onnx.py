@@ -32,6 +32,7 @@ from vkml.importers.common import (
     Refusals,
     Refuse,
     convert_guarded,
+    gather_points,
     last_axis,
     matmul,
     power,
@@ -206,12 +207,10 @@ class _Builder:
                     self.frozen.append(value.name)
             return self.params[value.name]
         array = np.asarray(value)
-        if array.dtype.kind == "f":
+        if array.dtype.kind in "fb":  # vkml's booleans are f32 masks
             return self.g.constant(array.astype(np.float32))
-        if array.dtype.kind in "iub":
-            t = self.g.apply("constant", [], shape=array.shape, dtype="i32")
-            self.g.initial_values[t.id] = array.astype(np.int32)
-            return t
+        if array.dtype.kind in "iu":
+            return self.g.constant(array, "i32")
         raise Refuse(f"a constant of dtype {array.dtype} cannot be used on the device")
 
     @staticmethod
@@ -412,15 +411,38 @@ def onnx_op(*names: str) -> Callable[[Handler], Handler]:
 
 UNARY = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Exp": "exp", "Log": "log",
          "Neg": "neg", "Sqrt": "sqrt", "Abs": "abs", "Erf": "erf", "Floor": "floor",
-         "Ceil": "ceil", "Sign": "sign", "Sin": "sin", "Cos": "cos"}
+         "Ceil": "ceil", "Round": "round", "Sign": "sign", "Sin": "sin", "Cos": "cos",
+         "Reciprocal": "reciprocal", "Mish": "mish", "HardSwish": "hardswish",
+         "IsNaN": "isnan", "IsInf": "isinf", "Not": "logical_not"}
 
 
 @onnx_op(*UNARY)
 def _unary(b: _Builder, node, ins, attrs):
-    method = getattr(b.g, UNARY[node.op_type], None)
-    if method is None:
-        raise Refuse(f"vkml has no {UNARY[node.op_type]} op")
-    return method(b.device(ins[0]))
+    return getattr(b.g, UNARY[node.op_type])(b.device(ins[0]))
+
+
+# ONNX op -> (vkml op, its parameters from the node's attributes with ONNX's defaults)
+PARAMETRIC = {"LeakyRelu": ("leaky_relu", {"alpha": 0.01}), "Elu": ("elu", {"alpha": 1.0}),
+              "Selu": ("selu", {})}
+
+
+@onnx_op(*PARAMETRIC)
+def _parametric(b, node, ins, attrs):
+    name, defaults = PARAMETRIC[node.op_type]
+    values = [float(attrs.get(k, v)) for k, v in defaults.items()]
+    if node.op_type == "Selu" and (attrs.get("alpha", 1.67326319217681884765625) !=
+                                   1.67326319217681884765625 or
+                                   attrs.get("gamma", 1.05070102214813232421875) !=
+                                   1.05070102214813232421875):
+        raise Refuse("Selu with other than its standard alpha and gamma is not supported")
+    return getattr(b.g, name)(b.device(ins[0]), *values)
+
+
+@onnx_op("Softplus")
+def _softplus(b, node, ins, attrs):
+    # ONNX's softplus is log(1 + exp(x)) without torch's linear tail above the threshold,
+    # which differs from it by less than exp(-20) relatively
+    return b.g.softplus(b.device(ins[0]), 1.0, 20.0)
 
 
 @onnx_op("Identity")
@@ -428,12 +450,11 @@ def _identity(b, node, ins, attrs):
     return ins[0]
 
 
-@onnx_op("Reciprocal")
-def _reciprocal(b, node, ins, attrs):
-    return b.g.div(1.0, b.device(ins[0]))
-
-
 BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div"}
+# comparisons and logic: f32 masks of 1 and 0 (vkml's booleans)
+PREDICATES = {"Equal": "equal", "Less": "less", "LessOrEqual": "less_equal",
+              "Greater": "greater", "GreaterOrEqual": "greater_equal", "And": "logical_and",
+              "Or": "logical_or", "Xor": "logical_xor"}
 
 
 @onnx_op(*BINARY)
@@ -442,6 +463,29 @@ def _binary(b, node, ins, attrs):
     if _is_int(x) or _is_int(y):
         raise Refuse("integer arithmetic on values computed at run time is not supported")
     return getattr(b.g, BINARY[node.op_type])(b.operand(x), b.operand(y))
+
+
+@onnx_op(*PREDICATES)
+def _predicate(b, node, ins, attrs):
+    x, y = ins
+    if isinstance(x, Tensor) or not isinstance(y, Tensor):
+        return getattr(b.g, PREDICATES[node.op_type])(b.device(x), b.operand(y))
+    return getattr(b.g, PREDICATES[node.op_type])(b.operand(x), b.device(y))
+
+
+@onnx_op("Where")
+def _where(b, node, ins, attrs):
+    cond, x, y = ins
+    return b.g.where(b.device(cond), b.operand(x), b.operand(y))
+
+
+@onnx_op("Min", "Max")
+def _extremum(b, node, ins, attrs):
+    fn = b.g.minimum if node.op_type == "Min" else b.g.maximum
+    out = b.device(ins[0])
+    for v in ins[1:]:
+        out = fn(out, b.operand(v))
+    return out
 
 
 def _is_int(v: Value) -> bool:
@@ -455,9 +499,7 @@ def _pow(b, node, ins, attrs):
     x, e = ins
     if not isinstance(e, Tensor) and np.asarray(b.host(e, "exponent")).size == 1:
         return power(b.g, b.device(x), float(np.asarray(b.host(e, "exponent")).reshape(())))
-    if hasattr(b.g, "pow"):
-        return b.g.pow(b.device(x), b.device(e))
-    raise Refuse("a power with an exponent computed at run time needs vkml's pow op")
+    return b.g.pow(b.operand(x), b.operand(e))
 
 
 @onnx_op("MatMul")
@@ -537,8 +579,6 @@ def _pool_geometry(b, x, attrs):
     kernel = list(attrs["kernel_shape"])
     if len(kernel) != 2:
         raise Refuse(f"{len(kernel)}-D pooling is not supported (2-D is)")
-    if attrs.get("ceil_mode", 0):
-        raise Refuse("ceil_mode=1 pooling is not supported")
     if any(d != 1 for d in attrs.get("dilations", [1, 1])):
         raise Refuse("dilated pooling is not supported")
     strides = _spatial(attrs, "strides", 2, 1)
@@ -551,15 +591,16 @@ def _max_pool(b, node, ins, attrs):
     x, kernel, strides, pads = _pool_geometry(b, b.device(ins[0]), attrs)
     if attrs.get("storage_order", 0):
         raise Refuse("storage_order=1 is not supported")
-    return b.g.max_pool2d(x, tuple(kernel), tuple(strides), tuple(pads))
+    return b.g.max_pool2d(x, tuple(kernel), tuple(strides), tuple(pads),
+                          ceil_mode=bool(attrs.get("ceil_mode", 0)))
 
 
 @onnx_op("AveragePool")
 def _avg_pool(b, node, ins, attrs):
     x, kernel, strides, pads = _pool_geometry(b, b.device(ins[0]), attrs)
-    if any(pads) and not attrs.get("count_include_pad", 0):
-        raise Refuse("average pooling over padding with count_include_pad=0 is not supported")
-    return b.g.avg_pool2d(x, tuple(kernel), tuple(strides), tuple(pads))
+    return b.g.avg_pool2d(x, tuple(kernel), tuple(strides), tuple(pads),
+                          ceil_mode=bool(attrs.get("ceil_mode", 0)),
+                          count_include_pad=bool(attrs.get("count_include_pad", 0)))
 
 
 @onnx_op("GlobalAveragePool")
@@ -597,9 +638,8 @@ def _layer_norm(b, node, ins, attrs):
 
 @onnx_op("InstanceNormalization")
 def _instance_norm(b, node, ins, attrs):
-    x = b.device(ins[0])
-    return b.g.group_norm(x, x.shape[1], b.device(ins[1]), b.device(ins[2]),
-                          float(attrs.get("epsilon", 1e-5)))
+    return b.g.instance_norm(b.device(ins[0]), b.device(ins[1]), b.device(ins[2]),
+                             float(attrs.get("epsilon", 1e-5)))
 
 
 @onnx_op("GroupNormalization")
@@ -627,24 +667,10 @@ def _gelu(b, node, ins, attrs):
 @onnx_op("HardSigmoid")
 def _hard_sigmoid(b, node, ins, attrs):
     x = b.device(ins[0])
+    if abs(attrs.get("alpha", 0.2) - 1 / 6) < 1e-7 and attrs.get("beta", 0.5) == 0.5:
+        return b.g.hardsigmoid(x)  # torch's
     return b.g.clamp(b.g.add(b.g.mul(x, float(attrs.get("alpha", 0.2))),
                              float(attrs.get("beta", 0.5))), 0.0, 1.0)
-
-
-@onnx_op("HardSwish")
-def _hard_swish(b, node, ins, attrs):
-    x = b.device(ins[0])
-    if hasattr(b.g, "hardswish"):
-        return b.g.hardswish(x)
-    return b.g.mul(x, b.g.clamp(b.g.add(b.g.mul(x, 1 / 6), 0.5), 0.0, 1.0))
-
-
-@onnx_op("LeakyRelu")
-def _leaky_relu(b, node, ins, attrs):
-    x, alpha = b.device(ins[0]), float(attrs.get("alpha", 0.01))
-    if hasattr(b.g, "leaky_relu"):
-        return b.g.leaky_relu(x, alpha)
-    return b.g.sub(b.g.relu(x), b.g.mul(b.g.relu(b.g.neg(x)), alpha))
 
 
 @onnx_op("Clip")
@@ -666,7 +692,11 @@ def _axes(b: _Builder, node, ins, attrs, rank: int) -> list[int] | None:
     return None if axes is None else [int(a) % rank for a in axes]
 
 
-@onnx_op("ReduceMean", "ReduceSum", "ReduceMax")
+REDUCTIONS = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "ReduceMin": "amin",
+              "ReduceL2": "reduce_l2", "ReduceLogSumExp": "logsumexp"}
+
+
+@onnx_op(*REDUCTIONS)
 def _reduce(b, node, ins, attrs):
     x = b.device(ins[0])
     axes = _axes(b, node, ins, attrs, max(len(x.shape), 1))
@@ -675,8 +705,23 @@ def _reduce(b, node, ins, attrs):
             return x
         axes = list(range(len(x.shape)))
     keep = bool(attrs.get("keepdims", 1))
-    fn = {"ReduceMean": b.g.mean, "ReduceSum": b.g.sum, "ReduceMax": b.g.amax}[node.op_type]
-    return fn(x, axes, keepdims=keep)
+    return getattr(b.g, REDUCTIONS[node.op_type])(x, axes, keepdims=keep)
+
+
+@onnx_op("ArgMax", "ArgMin")
+def _arg(b, node, ins, attrs):
+    if attrs.get("select_last_index", 0):
+        raise Refuse("select_last_index=1 is not supported (the first index is)")
+    fn = b.g.argmax if node.op_type == "ArgMax" else b.g.argmin
+    return fn(b.device(ins[0]), int(attrs.get("axis", 0)), bool(attrs.get("keepdims", 1)))
+
+
+@onnx_op("CumSum")
+def _cumsum(b, node, ins, attrs):
+    if attrs.get("exclusive", 0):
+        raise Refuse("exclusive cumulative sums are not supported")
+    return b.g.cumsum(b.device(ins[0]), int(b.host(ins[1], "axis").reshape(())),
+                      bool(attrs.get("reverse", 0)))
 
 
 @onnx_op("Reshape")
@@ -771,75 +816,114 @@ def _slice(b, node, ins, attrs):
 def _gather(b, node, ins, attrs):
     data, indices = ins
     axis = int(attrs.get("axis", 0))
-    if isinstance(indices, Tensor):
-        table = b.device(data)
-        if axis % len(table.shape) != 0 or len(table.shape) != 2:
-            raise Refuse("gathering by indices computed at run time needs a 2-D table read "
-                         "along axis 0 (an embedding)")
-        return b.g.embedding(indices, table)
     x = b.device(data)
+    if isinstance(indices, Tensor):
+        if axis % len(x.shape) == 0 and len(x.shape) == 2:
+            return b.g.embedding(b.g.cast(indices, "i32"), x)  # as nn.Embedding builds it
+        return b.g.gather(x, b.g.cast(indices, "i32"), axis)
     return take(b.g, x, b.host(indices, "indices"), axis)
+
+
+@onnx_op("GatherElements")
+def _gather_elements(b, node, ins, attrs):
+    x = b.device(ins[0])
+    return b.g.gather_elements(x, b.g.cast(b.device(ins[1]), "i32"),
+                               int(attrs.get("axis", 0)) % len(x.shape))
+
+
+@onnx_op("GatherND")
+def _gather_nd(b, node, ins, attrs):
+    if attrs.get("batch_dims", 0):
+        raise Refuse("GatherND with batch_dims is not supported")
+    indices = b.host(ins[1], "indices (GatherND's, when computed at run time)")
+    return gather_points(b.g, b.device(ins[0]),
+                         [indices[..., j] for j in range(indices.shape[-1])], 0)
+
+
+@onnx_op("Einsum")
+def _einsum(b, node, ins, attrs):
+    return b.g.einsum(attrs["equation"], *[b.device(v) for v in ins])
+
+
+@onnx_op("ConvTranspose")
+def _conv_transpose(b, node, ins, attrs):
+    x, w = b.device(ins[0]), b.device(ins[1])
+    bias = b.device(ins[2]) if len(ins) > 2 and ins[2] is not None else None
+    if len(w.shape) != 4:
+        raise Refuse(f"{len(w.shape) - 2}-D transposed convolutions are not supported (2-D is)")
+    if attrs.get("auto_pad", "NOTSET") != "NOTSET" or "output_shape" in attrs:
+        raise Refuse("auto_pad and output_shape in ConvTranspose are not supported (pads are)")
+    pads = list(attrs.get("pads", [0] * 4))
+    if pads[:2] != pads[2:]:
+        raise Refuse("asymmetric pads in ConvTranspose are not supported")
+    return b.g.conv_transpose2d(x, w, bias, tuple(_spatial(attrs, "strides", 2, 1)),
+                                tuple(pads[:2]), tuple(_spatial(attrs, "output_padding", 2, 0)),
+                                tuple(_spatial(attrs, "dilations", 2, 1)),
+                                int(attrs.get("group", 1)))
 
 
 @onnx_op("Expand")
 def _expand(b, node, ins, attrs):
-    from vkml.ops.pointwise import broadcast_shapes
     x = b.device(ins[0])
-    shape = tuple(int(d) for d in b.host(ins[1], "shape").reshape(-1))
-    target = broadcast_shapes(x.shape, shape)
-    return x if target == x.shape else b.g.broadcast_to(x, target)
+    shape = [int(d) for d in b.host(ins[1], "shape").reshape(-1)]
+    if len(shape) < len(x.shape):  # ONNX broadcasts both ways; expand wants x's rank at most
+        shape = [1] * (len(x.shape) - len(shape)) + shape
+    return b.g.expand(x, shape)
 
 
 @onnx_op("Tile")
 def _tile(b, node, ins, attrs):
-    x = b.device(ins[0])
-    for axis, r in enumerate(b.host(ins[1], "repeats").reshape(-1).tolist()):
-        if r != 1:
-            x = b.g.concat([x] * int(r), axis)
-    return x
+    return b.g.tile(b.device(ins[0]), b.host(ins[1], "repeats").reshape(-1).tolist())
 
 
 @onnx_op("Pad")
 def _pad(b, node, ins, attrs):
     x = b.device(ins[0])
-    if attrs.get("mode", "constant") != "constant":
-        raise Refuse(f"padding mode '{attrs['mode']}' is not supported (constant zeros are)")
+    mode = PAD_MODES.get(attrs.get("mode", "constant"))
+    if mode is None:
+        raise Refuse(f"padding mode '{attrs['mode']}' is not supported")
     pads = b.host(ins[1], "pads").reshape(-1).tolist()
     value = ins[2] if len(ins) > 2 else None
-    if value is not None and float(b.host(value, "padding value").reshape(-1)[0]) != 0.0:
-        raise Refuse("padding with a value other than 0 is not supported")
+    value = 0.0 if value is None else float(b.host(value, "padding value").reshape(-1)[0])
     rank = len(x.shape)
     axes = (_axes(b, node, [None, ins[3]], {}, rank) if len(ins) > 3 and ins[3] is not None
             else list(range(rank)))
     for i, axis in enumerate(axes):
         before, after = int(pads[i]), int(pads[i + len(axes)])
-        if before < 0 or after < 0:
-            raise Refuse("negative padding (cropping) is not supported")
         if before or after:
-            x = b.g.pad(x, axis, before, after)
+            x = b.g.pad(x, axis, before, after, mode=mode, value=value)
     return x
 
 
-@onnx_op("Resize", "Upsample")
+PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate",
+             "wrap": "circular"}
+
+
+@onnx_op("Resize")
 def _resize(b, node, ins, attrs):
     x = b.device(ins[0])
     mode = attrs.get("mode", "nearest")
-    if len(ins) > 3 and ins[3] is not None and b.host(ins[3], "sizes").size:
-        sizes = b.host(ins[3], "sizes").reshape(-1).tolist()
-    else:
-        scales = b.host(ins[2] if len(ins) > 2 else ins[1], "scales").reshape(-1).tolist()
-        sizes = [int(math.floor(d * s)) for d, s in zip(x.shape, scales)]
-    if len(x.shape) != 4 or list(sizes[:2]) != list(x.shape[:2]):
-        raise Refuse("only the spatial axes of an NCHW tensor can be resized")
-    fy, fx = sizes[2] / x.shape[2], sizes[3] / x.shape[3]
-    if mode == "nearest" and fy == fx and fy == int(fy) and fy >= 1:
-        return b.g.upsample_nearest(x, int(fy))
-    if hasattr(b.g, "resize"):
-        return b.g.resize(x, (int(sizes[2]), int(sizes[3])), mode=mode,
-                          align_corners=attrs.get("coordinate_transformation_mode")
-                          == "align_corners")
-    raise Refuse(f"resize mode '{mode}' to {sizes[2:]} needs vkml's resize op (nearest "
-                 "upsampling by an integer factor is supported)")
+    sizes = b.host(ins[3], "sizes").reshape(-1).tolist() if len(ins) > 3 and \
+        ins[3] is not None else []
+    scales = b.host(ins[2], "scales").reshape(-1).tolist() if len(ins) > 2 and \
+        ins[2] is not None else []
+    axes = attrs.get("axes")
+    if axes is not None or attrs.get("antialias", 0) or attrs.get("exclude_outside", 0) or \
+            attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
+        raise Refuse("Resize with axes, antialias, exclude_outside or a keep_aspect_ratio_policy "
+                     "is not supported")
+    if mode not in ("nearest", "linear"):
+        raise Refuse(f"resize mode '{mode}' is not supported (nearest and linear are)")
+    common = {"mode": mode,
+              "coordinate_mode": attrs.get("coordinate_transformation_mode", "half_pixel"),
+              "nearest_mode": attrs.get("nearest_mode", "round_prefer_floor")}
+    if sizes:
+        if list(sizes[:2]) != list(x.shape[:2]):
+            raise Refuse("only the axes after batch and channels can be resized")
+        return b.g.resize(x, size=[int(n) for n in sizes[2:]], **common)
+    if list(scales[:2]) != [1.0, 1.0]:
+        raise Refuse("only the axes after batch and channels can be resized")
+    return b.g.resize(x, scale=scales[2:], **common)
 
 
 @onnx_op("Dropout")
@@ -850,23 +934,19 @@ def _dropout(b, node, ins, attrs):
     live = (len(ins) > 2 and ins[2] is not None and bool(b.host(ins[2], "training_mode")))
     if not (b.training and live and ratio > 0):
         return [x]
-    if not hasattr(b.g, "dropout"):
-        raise Refuse("a live dropout (training=True, exported in training mode) needs vkml's "
-                     "dropout op")
     return [b.g.dropout(b.device(x), ratio)]
 
 
 @onnx_op("Cast", "CastLike")
 def _cast(b, node, ins, attrs):
-    x = ins[0]
+    x = b.device(ins[0])
     if node.op_type == "CastLike":
-        to = "f32" if not _is_int(ins[1]) else "i32"
+        to = "i32" if _is_int(ins[1]) else "f32"
+    elif b.onnx.TensorProto.DataType.Name(int(attrs["to"])) == "BOOL":
+        return b.g.not_equal(x, 0 if x.dtype == "i32" else 0.0)  # a mask, as comparisons give
     else:
         to = _dtype(b.onnx, int(attrs["to"]))
-    have = "i32" if _is_int(x) else "f32"
-    if to == have:
-        return x
-    raise Refuse(f"a cast from {have} to {to} of a value computed at run time is not supported")
+    return b.g.cast(x, to)
 
 
 @onnx_op("Shape")

@@ -30,6 +30,7 @@ from vkml.importers.common import (
     Refusals,
     Refuse,
     convert_guarded,
+    gather_points,
     last_axis,
     matmul,
     power,
@@ -98,7 +99,9 @@ class _Builder:
             return self.g.constant(float(value))
         if isinstance(value, self.torch.Tensor):
             array = value.detach().cpu().numpy()
-            if array.dtype.kind in "iub":
+            if array.dtype == np.bool_:  # vkml's booleans are f32 masks
+                return self.g.constant(array.astype(np.float32))
+            if array.dtype.kind in "iu":
                 return self.g.constant(array, "i32")
             return self.g.constant(array.astype(np.float32))
         raise Refuse(f"expected a tensor, got {type(value).__name__}")
@@ -304,13 +307,23 @@ def _getitem(b, seq, index):
       "_unsafe_view_copy")
 def _identity(b, x, *args, **kwargs):
     dtype = kwargs.get("dtype")
-    if dtype is not None and isinstance(x, Tensor):
-        want = "f32" if dtype.is_floating_point else "i32"
-        if want != x.dtype:
-            if not hasattr(b.g, "cast"):
-                raise Refuse(f"a cast from {x.dtype} to {want} needs vkml's cast op")
-            return b.g.cast(x, want)
-    return x
+    if dtype is None and args and isinstance(args[0], b.torch.dtype):
+        dtype = args[0]
+    return x if dtype is None else cast(b, x, dtype)
+
+
+def cast(b: _Builder, x: Tensor, dtype: Any) -> Tensor:
+    """`x` as `dtype`: floats f32, integers i32, booleans an f32 mask (as comparisons give)."""
+    if dtype == b.torch.bool:
+        return b.g.not_equal(x, 0 if x.dtype == "i32" else 0.0)
+    return b.g.cast(x, "f32" if dtype.is_floating_point else "i32")
+
+
+@aten("type_as")
+def _type_as(b, x, other):
+    if isinstance(other, Tensor):
+        return b.g.cast(b.device(x), other.dtype)
+    return cast(b, b.device(x), other.dtype)
 
 
 @aten("linear")
@@ -482,7 +495,9 @@ def _rsub(b, x, y, alpha=1):
     return ATEN["sub"](b, y, x, alpha)
 
 
-UNARY = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "exp": "exp", "log": "log",
+UNARY = {"isnan": "isnan", "isinf": "isinf", "logical_not": "logical_not",
+         "bitwise_not": "logical_not", "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh",
+         "exp": "exp", "log": "log",
          "neg": "neg", "sqrt": "sqrt", "rsqrt": "rsqrt", "abs": "abs", "erf": "erf",
          "silu": "silu", "sin": "sin", "cos": "cos", "reciprocal": "reciprocal",
          "hardswish": "hardswish", "hardsigmoid": "hardsigmoid", "floor": "floor",
@@ -529,29 +544,39 @@ def _clamp(b, x, low=None, high=None):
 
 @aten("pow")
 def _pow(b, x, e):
-    if isinstance(e, (int, float)):
+    if isinstance(e, (int, float)) and not isinstance(x, (int, float)):
         return power(b.g, b.device(x), float(e))
     return b.g.pow(b.operand(x), b.operand(e))
 
 
+def _make_extremum(name: str) -> Handler:
+    def handler(b, x, y):
+        return getattr(b.g, name)(b.operand(x), b.operand(y))
+    return handler
+
+
+for _name in ("maximum", "minimum"):
+    ATEN[_name] = _make_extremum(_name)
+
+
+# booleans are f32 masks in vkml, so the bitwise ops of torch's booleans are the logical ones
 PREDICATES = {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal",
               "gt": "greater", "ge": "greater_equal", "logical_and": "logical_and",
-              "logical_or": "logical_or"}
+              "logical_or": "logical_or", "logical_xor": "logical_xor",
+              "bitwise_and": "logical_and", "bitwise_or": "logical_or",
+              "bitwise_xor": "logical_xor"}
 
 
 def _make_predicate(name: str) -> Handler:
     def handler(b, x, y):
-        return getattr(b.g, PREDICATES[name])(b.operand(x), b.operand(y))
+        if isinstance(x, Tensor) or not isinstance(y, Tensor):
+            return getattr(b.g, PREDICATES[name])(b.device(x), b.operand(y))
+        return getattr(b.g, PREDICATES[name])(b.operand(x), b.device(y))
     return handler
 
 
 for _name in PREDICATES:
     ATEN[_name] = _make_predicate(_name)
-
-
-@aten("logical_not")
-def _logical_not(b, x):
-    return b.g.logical_not(b.device(x))
 
 
 @aten("where")
@@ -581,12 +606,82 @@ for _name in ("mean", "sum", "amax", "amin"):
     ATEN[_name] = _make_reduce(_name)
 
 
-@aten("argmax")
-def _argmax(b, x, dim=None, keepdim=False):
+def _make_arg(name: str) -> Handler:
+    def handler(b, x, dim=None, keepdim=False):
+        x = b.device(x)
+        if dim is None:
+            x, dim = b.g.reshape(x, (x.size,)), 0
+        return getattr(b.g, name)(x, dim, bool(keepdim))
+    return handler
+
+
+for _name in ("argmax", "argmin"):
+    ATEN[_name] = _make_arg(_name)
+
+
+@aten("logsumexp")
+def _logsumexp(b, x, dims, keepdim=False):
     x = b.device(x)
-    if dim is None:
-        x, dim = b.g.reshape(x, (x.size,)), 0
-    return b.g.argmax(x, dim, bool(keepdim))
+    return b.g.logsumexp(x, _dims(x, dims), keepdims=bool(keepdim))
+
+
+def _make_var(root: bool) -> Handler:
+    def handler(b, x, dims=None, *args, correction=None, keepdim=False, unbiased=None):
+        x = b.device(x)
+        axes = _dims(x, dims) or list(range(len(x.shape)))
+        n = math.prod(x.shape[a] for a in axes)
+        if args:  # var(x, dims, unbiased, keepdim) or var.correction's positional keepdim
+            keepdim = args[-1] if len(args) > 1 else keepdim
+        ddof = 1 if correction is None and unbiased is not False else (correction or 0)
+        centred = b.g.sub(x, b.g.mean(x, axes, keepdims=True))
+        var = b.g.mul(b.g.sum(b.g.square(centred), axes, keepdims=bool(keepdim)),
+                      1.0 / max(n - ddof, 1))
+        return b.g.sqrt(var) if root else var
+    return handler
+
+
+ATEN["var"], ATEN["std"] = _make_var(False), _make_var(True)
+
+
+@aten("cumsum")
+def _cumsum(b, x, dim, dtype=None):
+    return b.g.cumsum(b.device(x), dim)
+
+
+@aten("index")
+def _index(b, x, indices):
+    x = b.device(x)
+    used = [(axis, i) for axis, i in enumerate(indices) if i is not None]
+    if any(not isinstance(i, Tensor) and i.dtype == b.torch.bool for _, i in used):
+        raise Refuse("boolean-mask indexing: its length depends on the mask's values")
+    if len(used) == 1:
+        axis, index = used[0]
+        return b.g.gather(x, b.g.cast(b.device(index), "i32"), axis)
+    axes = [axis for axis, _ in used]
+    if any(isinstance(i, Tensor) for _, i in used) or axes != list(range(axes[0],
+                                                                         axes[-1] + 1)):
+        raise Refuse("advanced indexing with several index tensors needs them known at import "
+                     "and on adjacent axes")
+    return gather_points(b.g, x, [i.numpy() for _, i in used], axes[0])
+
+
+def _make_like(name: str) -> Handler:
+    """A tensor of constants shaped like (or as asked of) a computed one: known at import."""
+    kind = name.removeprefix("new_").removesuffix("_like")
+
+    def handler(b, x, *args, **kwargs):
+        torch = b.torch
+        dtype = kwargs.get("dtype") or (torch.float32 if x.dtype == "f32" else torch.int64)
+        args = list(args)
+        shape = args.pop(0) if name.startswith("new_") else x.shape
+        fill = args[0] if kind == "full" else 1 if kind == "ones" else 0
+        return torch.full(tuple(shape), fill, dtype=dtype)
+    return handler
+
+
+for _name in ("zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
+              "new_full", "new_empty"):
+    ATEN[_name] = _make_like(_name)
 
 
 def _make_softmax(log: bool) -> Handler:
@@ -700,11 +795,9 @@ def _conv_transpose(b, x, w, bias=None, stride=1, padding=0, output_padding=0, g
 
 @aten("max_pool2d")
 def _max_pool(b, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
-    if ceil_mode:
-        raise Refuse("ceil_mode=True pooling is not supported")
     if dilation not in (1, [1, 1], (1, 1)):
         raise Refuse("dilated pooling is not supported")
-    return b.g.max_pool2d(b.device(x), kernel, stride or None, padding)
+    return b.g.max_pool2d(b.device(x), kernel, stride or None, padding, bool(ceil_mode))
 
 
 ATEN["max_pool2d_with_indices"] = lambda b, *a, **k: (_max_pool(b, *a, **k), None)
@@ -713,12 +806,8 @@ ATEN["max_pool2d_with_indices"] = lambda b, *a, **k: (_max_pool(b, *a, **k), Non
 @aten("avg_pool2d")
 def _avg_pool(b, x, kernel, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
               divisor_override=None):
-    if ceil_mode or divisor_override is not None:
-        raise Refuse("ceil_mode or divisor_override in average pooling is not supported")
-    if not count_include_pad and padding not in (0, [0, 0], (0, 0)):
-        raise Refuse("average pooling over padding with count_include_pad=False is not "
-                     "supported")
-    return b.g.avg_pool2d(b.device(x), kernel, stride or None, padding)
+    return b.g.avg_pool2d(b.device(x), kernel, stride or None, padding, bool(ceil_mode),
+                          bool(count_include_pad), divisor_override)
 
 
 @aten("adaptive_avg_pool2d", "_adaptive_avg_pool2d")
@@ -734,24 +823,48 @@ def _adaptive_avg_pool(b, x, size):
     return b.g.avg_pool2d(x, (h // oh, w // ow))
 
 
-@aten("upsample_nearest2d")
-def _upsample_nearest(b, x, size=None, scales_h=None, scales_w=None):
-    x = b.device(x)
-    h, w = x.shape[-2:]
-    if size is not None:
-        fy, fx = size[0] / h, size[1] / w
-    else:
-        fy, fx = scales_h, scales_w
-    if fy != fx or fy != int(fy):
-        raise Refuse("nearest upsampling by a factor other than one integer for both axes is "
-                     "not supported")
-    return b.g.upsample_nearest(x, int(fy))
+def _make_upsample(name: str) -> Handler:
+    mode = ("nearest-exact" if "exact" in name else "nearest" if "nearest" in name
+            else "bilinear" if name.endswith("2d") else "linear")
+
+    def handler(b, x, size=None, *args, **kwargs):
+        align = args[0] if mode in ("bilinear", "linear") and args else None
+        scales = [s for s in (args[1:] if align is not None else args) if s is not None]
+        scales = kwargs.get("scale_factors") or scales or None
+        return b.g.interpolate(b.device(x), size=list(size) if size else None,
+                               scale_factor=None if size else scales, mode=mode,
+                               align_corners=align)
+    return handler
+
+
+for _name in ("upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_bilinear2d",
+              "upsample_nearest1d", "upsample_linear1d"):
+    ATEN[_name] = _make_upsample(_name)
+
+
+def _make_pad(name: str) -> Handler:
+    def handler(b, x, pads, mode="constant", value=None):
+        x = b.device(x)
+        if name == "constant_pad_nd":  # (x, pad, value)
+            mode, value = "constant", mode if not isinstance(mode, str) else value
+        elif name != "pad":
+            mode = "reflect" if name.startswith("reflection") else "replicate"
+        for k in range(len(pads) // 2):  # pairs from the last axis backwards, as F.pad's
+            before, after = int(pads[2 * k]), int(pads[2 * k + 1])
+            if before or after:
+                x = b.g.pad(x, len(x.shape) - 1 - k, before, after, mode=mode,
+                            value=float(value or 0.0))
+        return x
+    return handler
+
+
+for _name in ("constant_pad_nd", "pad", "reflection_pad2d", "replication_pad2d",
+              "reflection_pad1d", "replication_pad1d"):
+    ATEN[_name] = _make_pad(_name)
 
 
 @aten("scaled_dot_product_attention")
 def _sdpa(b, q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if dropout_p and b.training:
-        raise Refuse("attention dropout in training is not supported")
     if mask is not None:
         if not isinstance(mask, Tensor) and mask.dtype == b.torch.bool:
             mask = b.torch.zeros(mask.shape).masked_fill(~mask, MASKED)
@@ -759,17 +872,14 @@ def _sdpa(b, q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None, ena
             mask = b.g.where(mask, 0.0, MASKED)
         mask = b.device(mask)
     return b.g.scaled_dot_product_attention(b.device(q), b.device(k), b.device(v), mask,
-                                            bool(is_causal), scale)
+                                            bool(is_causal), scale,
+                                            dropout_p=float(dropout_p) if b.training else 0.0)
 
 
 @aten("dropout")
 def _dropout(b, x, p, train):
-    live = bool(train) and b.training and p > 0
-    if not live:
+    if not (train and b.training and p > 0):
         return x
-    if not hasattr(b.g, "dropout"):
-        raise Refuse("a live dropout (training=True, module in train mode) needs vkml's "
-                     "dropout op")
     return b.g.dropout(b.device(x), float(p))
 
 
