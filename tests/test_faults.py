@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from vkml import nn
 from vkml.cachedir import ENTRY_MAGIC, CorruptCacheWarning, read_entry, write_entry
 from vkml.compiler import memory_plan
 from vkml.errors import DeviceError
+from vkml.interrupts import deferred_interrupts
 from vkml.vk import naga
 
 HEADER = len(ENTRY_MAGIC) + 32
@@ -343,6 +345,28 @@ def test_ctrl_c_in_a_step_loop_leaves_every_step_whole_and_vulkan_valid():
         assert applied in (calls, calls + 1) and pieces_left == 0, (chunks, calls, applied)
     assert {chunks for chunks, *_ in results} == {None, 3}
     assert report["tail"] == 10
+
+
+def test_a_sigint_in_nested_deferred_blocks_is_raised_as_the_outermost_ends():
+    handler = signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts():
+            with deferred_interrupts():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)  # Python runs its handlers between these
+                done.append("inner")
+            done.append("outer")
+    assert done == ["inner", "outer"]
+    assert signal.getsignal(signal.SIGINT) is handler
+    thread = threading.Thread(target=lambda: deferred_interrupts().__enter__())
+    thread.start()  # elsewhere than the main thread: nothing to do, nothing held
+    thread.join()
+    with pytest.raises(KeyboardInterrupt):  # and the next block is an outermost one again
+        with deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_step_finishes_a_step_begun_with_step_chunk_then_runs_its_own(device):

@@ -38,14 +38,16 @@ class _Deferral:
     def __enter__(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        self.depth += 1
-        if self.depth > 1:  # the outermost block raises it
+        if self.depth:  # the outermost block raises it
+            self.depth += 1
             return
         previous = _signal.getsignal(_signal.SIGINT)
         if callable(previous):
             self.held.clear()  # noted by a block whose own end was interrupted: raised then
             _signal.signal(_signal.SIGINT, self._note)
             self.previous = previous
+        # Counted only now: a SIGINT raised above leaves no open block behind.
+        self.depth = 1
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
