@@ -6,8 +6,10 @@ when a node is built, so a mistake is reported at the line that made it, naming 
 and never surfaces later as a wrong kernel.
 
 This module knows no particular op. Each op is defined once, in a family module of vkml/ops/:
-`register(OpDef(...))` gives its shape rule, gradient and lowering, and `@builder` attaches the
-method that builds it (`g.relu(x)`, and `x.relu()` where the op has a tensor form).
+`register(OpDef(...))` gives its shape rule, gradient, lowering and the facts the passes read,
+and `@builder` attaches the method that builds it (`g.relu(x)`, and `x.relu()` where the op has
+a tensor form). Editors and type checkers see those methods in vkml/graph.pyi, which
+tools/graph_stub.py generates (tests/test_graph_stub.py says when it is out of date).
 """
 
 from __future__ import annotations
