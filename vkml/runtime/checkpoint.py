@@ -25,6 +25,7 @@ import numpy as np
 from vkml.compiler.plan import Slot
 from vkml.errors import CheckpointError, InputError
 from vkml.graph import STATE_PREFIX, TRAINING_STEP
+from vkml.interrupts import deferred_interrupts
 from vkml.runtime.bound import BoundPlan
 
 HYPERPARAMS = STATE_PREFIX + "hyperparams"
@@ -221,6 +222,15 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
         raise CheckpointError(f"cannot load {path}: " + "; ".join(problems) + hint
                               + "; nothing was changed")
     bound.wait()
+    with deferred_interrupts():  # a Ctrl-C now would leave the session half loaded
+        _apply(bound, values, targets, entries, saved_hyperparams, hyperparams, steps)
+
+
+def _apply(bound: BoundPlan, values: dict[str, np.ndarray], targets: Mapping[str, Slot],
+           entries: Entries, saved_hyperparams: dict[str, float] | None,
+           hyperparams: dict[str, float] | None, steps: str | None) -> None:
+    """Put a checked checkpoint's values in place."""
+    plan = bound.plan
     writes = []
     for name, value in values.items():
         if name in entries.extras:
