@@ -9,6 +9,9 @@ F.interpolate."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -432,3 +435,21 @@ def test_a_vkml_owned_device_refuses_the_hosts_buffer_and_wgpu_refuses_binding(d
     with pytest.raises(vkml.InputError, match=message):
         s.bind_input("x", host.describe_buffer(buf, 24, SRC))
     s.close()
+
+
+def test_the_demo_renderer_frame_reaches_its_network_bit_for_bit(tmp_path):
+    """tools/frame_latency.py: the demo's rendered RGBA8 frame bound to its depth network,
+    the prediction into an r32_float image, against read-back + set_input + read."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    out = tmp_path / "latency.json"
+    subprocess.run([sys.executable, "tools/frame_latency.py", "--frames", "2", "--resolution",
+                    "32", "--out", str(out)], check=True, env=subprocess_env(),
+                   cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    assert result["bit_identical"] is True
+    assert result["validation_messages"] == []
+    assert result["bound_path_ms"]["from_render_end"]["n"] == 2
