@@ -278,9 +278,10 @@ def test_a_failure_at_any_point_of_binding_frees_everything_made_before_it(devic
 
 # ---- Ctrl-C in a step loop -------------------------------------------------------------------
 # p starts at 0 and each SGD update lowers it by lr * x = 1, so -p counts the updates applied.
-# Each trial steps (whole, or in 3 pieces) until a SIGINT sent after a random delay stops it;
-# then 10 more steps. At the end, a buffer of size 0 (VUID-VkBufferCreateInfo-size-00912) shows
-# that the validation layer was on and reporting.
+# Each trial steps (whole, or in 3 pieces) until a SIGINT stops it: sent after a random delay,
+# or (the injected trials) sent the moment the k-th vkQueueSubmit returns, the worst moment,
+# which random delays hit only now and then. Then 10 more steps. At the end, a buffer of size
+# 0 (VUID-VkBufferCreateInfo-size-00912) shows that the validation layer was on and reporting.
 STEP_LOOP_INTERRUPTED = """
 import json, os, random, signal, sys, threading, time
 import numpy as np
@@ -293,23 +294,45 @@ loss = g.sum(g.param("p", (1, 8), "zeros") * x)
 session = vkml.compile(g, loss=loss, optimizer=vkml.SGD(lr=1.0), device=device)
 session.set_input("x", np.ones((1, 8), np.float32))
 updates = lambda: -int(session.read("p")[0, 0])
+
+
+class InterruptAfterSubmit:  # the backend's Vulkan functions; SIGINT as a submit returns
+    def __init__(self, lib):
+        self.lib, self.countdown = lib, 0
+
+    def __getattr__(self, name):
+        return getattr(self.lib, name)
+
+    def vkQueueSubmit(self, *args):
+        result = self.lib.vkQueueSubmit(*args)
+        self.countdown -= 1
+        if self.countdown == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+
+injected = device.backend._lib = InterruptAfterSubmit(device.backend._lib)
 rng = random.Random(0)
 trials, seconds = int(sys.argv[1]), float(sys.argv[2])
 results, start = [], time.perf_counter()
 while len(results) < trials and time.perf_counter() - start < seconds:
-    chunks = rng.choice([None, 3])
+    chunks, at = rng.choice([None, 3]), len(results) % 2 and rng.randint(1, 7)
     before, calls = updates(), 0
     timer = threading.Timer(rng.uniform(0, 0.01), os.kill, (os.getpid(), signal.SIGINT))
     try:
-        timer.start()
+        if at:
+            injected.countdown = at
+        else:
+            timer.start()
         while True:
             session.step(chunks=chunks)
             calls += 1
     except KeyboardInterrupt:
         pass
-    timer.join()
+    if not at:
+        timer.join()
     session.wait()
-    results.append((chunks, calls, updates() - before, session.pieces_left))
+    results.append((chunks, at, calls, updates() - before, session.pieces_left))
 before = updates()
 for _ in range(10):
     session.step(chunks=3)
@@ -340,10 +363,11 @@ def test_ctrl_c_in_a_step_loop_leaves_every_step_whole_and_vulkan_valid():
     assert report["messages"] == []
     results = report["results"]
     assert len(results) >= 20, results
-    for chunks, calls, applied, pieces_left in results:
+    for chunks, at, calls, applied, pieces_left in results:
         # The interrupted call's step went whole or not at all; nothing was left half-way.
-        assert applied in (calls, calls + 1) and pieces_left == 0, (chunks, calls, applied)
-    assert {chunks for chunks, *_ in results} == {None, 3}
+        assert applied in (calls, calls + 1) and pieces_left == 0, (chunks, at, calls, applied)
+    assert {(chunks, bool(at)) for chunks, at, *_ in results} == {
+        (None, False), (None, True), (3, False), (3, True)}
     assert report["tail"] == 10
 
 
