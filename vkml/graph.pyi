@@ -383,6 +383,10 @@ class Graph:
         """torch.argmin along `axis` as i32 (the first index of the minimum; of the first NaN where
         there is one); no gradient."""
         ...
+    def argsort(self, x: Tensor, axis: int = ..., descending: bool = ...) -> Tensor:
+        """torch.argsort(stable=True) along `axis` as i32: the indices that sort `x` (NaN last
+        ascending, first descending; equal values in their order); no gradient."""
+        ...
     def avg_pool2d(self, x: Tensor, kernel_size, stride = ..., padding = ..., ceil_mode: bool = ..., count_include_pad: bool = ..., divisor_override: int | None = ...) -> Tensor:
         """F.avg_pool2d: a depthwise conv2d with constant weights. Where windows differ in what
         they divide by (count_include_pad=False, ceil_mode's partial windows, divisor_override),
@@ -704,6 +708,10 @@ class Graph:
     def softplus(self, x: Tensor, *args: float, **kwargs: float) -> Tensor:
         """torch's F.softplus(x, beta=1.0, threshold=20.0) elementwise: WGSL select(vkml_log1p(exp({1} * {0})) / {1}, {0}, {0} * {1} > {2})"""
         ...
+    def sort(self, x: Tensor, axis: int = ..., descending: bool = ...) -> tuple[Tensor, Tensor]:
+        """torch.sort(stable=True): (the values sorted along `axis`, their i32 indices in `x`);
+        the values' gradient goes back to the elements they came from."""
+        ...
     def split(self, x: Tensor, sizes: int | Sequence[int], axis: int = ...) -> list[Tensor]:
         """torch.split: chunks of `sizes` (an int: equal chunks, the last may be shorter)."""
         ...
@@ -729,6 +737,10 @@ class Graph:
         """ONNX Tile and torch's Tensor.repeat: `x` repeated repeats[a] times along each axis a
         (more repeats than axes add leading axes, as torch's). A broadcast of x with a new axis
         before each repeated one, then a reshape; its gradient sums the copies."""
+        ...
+    def topk(self, x: Tensor, k: int, axis: int = ..., largest: bool = ...) -> tuple[Tensor, Tensor]:
+        """torch.topk / ONNX TopK: (the `k` largest, or smallest, values along `axis` in order,
+        their i32 indices); equal values by index, as ONNX orders them."""
         ...
     def transpose(self, x: Tensor, axes: Sequence[int] | None = ...) -> Tensor:
         """Permute axes; with no `axes`, swap the last two (the matrix transpose)."""

@@ -1,7 +1,7 @@
 """Reductions: sums, maxima and minima over any axes (log-sum-exp and the L2 norm composed of
 them), the row-wise softmax / log-softmax over the last axis (vkml/kernels/reduce.py generates
-them), and per thread the cumulative sum and the index of the maximum or minimum along an
-axis."""
+them), and per thread the cumulative sum, the index of the maximum or minimum, and the rank
+of each element (argsort, from which sort and topk gather) along an axis."""
 
 from __future__ import annotations
 
@@ -220,3 +220,68 @@ def cumsum(g: Graph, x: Tensor, axis: int = -1, reverse: bool = False) -> Tensor
     """torch.cumsum along `axis`; `reverse`: sums from the end (the gradient of cumsum)."""
     (a,) = normalize_axes(x, axis)
     return g.apply("cumsum", [x], axis=a, reverse=bool(reverse))
+
+
+def _argsort_kernel(node: Tensor, caps: Capabilities) -> Kernel:
+    """One thread per element: its rank along the axis is how many elements come before it
+    (greater when descending, smaller when ascending, NaN greater than every number; equal ones
+    by index: a stable sort), and it writes its index at that rank. Every rank of a row is
+    taken by exactly one element, so each output is written once. O(n^2) work over an axis of
+    n, meant for short axes."""
+    axis, descending = node.attrs["axis"], node.attrs["descending"]
+    n, stride = node.shape[axis], contiguous_strides(node.shape)[axis]
+    check_loop(node, caps, n, "argsort over a shorter axis")
+    before = "a > b || (is_nan(a) && !is_nan(b))" if descending else (
+        "a < b || (is_nan(b) && !is_nan(a))")
+    return gather.generate(node, caps, [
+        f"  let base = idx - i{axis} * {stride}u;", "  let v = in0[idx];", "  var rank = 0u;",
+        f"  for (var j = 0u; j < {n}u; j++) {{",
+        f"    let w = in0[base + j * {stride}u];",
+        f"    if (precedes(w, v) || (j < i{axis} && !precedes(v, w))) {{ rank++; }}",
+        "  }",
+        f"  out[base + rank * {stride}u] = i32(i{axis});"], flops=node.size * n,
+        prelude=["fn is_nan(v: f32) -> bool {",  # the bits: drivers may assume no NaN
+                 "  return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;", "}",
+                 "fn precedes(a: f32, b: f32) -> bool {", f"  return {before};", "}"])
+
+
+def _argsorted(inputs, attrs):
+    (x,) = inputs
+    if x.dtype != "f32" or not x.shape:
+        raise GraphError(f"expects an f32 tensor of rank >= 1, got {x.type}")
+    return x.shape, "i32"
+
+
+register(OpDef("argsort", _argsorted, "kernel", lower=_argsort_kernel))
+
+
+@builder
+def argsort(g: Graph, x: Tensor, axis: int = -1, descending: bool = False) -> Tensor:
+    """torch.argsort(stable=True) along `axis` as i32: the indices that sort `x` (NaN last
+    ascending, first descending; equal values in their order); no gradient."""
+    (a,) = normalize_axes(x, axis)
+    return g.apply("argsort", [x], axis=a, descending=bool(descending))
+
+
+@builder
+def sort(g: Graph, x: Tensor, axis: int = -1, descending: bool = False
+         ) -> tuple[Tensor, Tensor]:
+    """torch.sort(stable=True): (the values sorted along `axis`, their i32 indices in `x`);
+    the values' gradient goes back to the elements they came from."""
+    indices = g.argsort(x, axis, descending)
+    return g.gather_elements(x, indices, axis), indices
+
+
+@builder
+def topk(g: Graph, x: Tensor, k: int, axis: int = -1, largest: bool = True
+         ) -> tuple[Tensor, Tensor]:
+    """torch.topk / ONNX TopK: (the `k` largest, or smallest, values along `axis` in order,
+    their i32 indices); equal values by index, as ONNX orders them."""
+    (a,) = normalize_axes(x, axis)
+    if not isinstance(k, int) or not 1 <= k <= x.shape[a]:
+        raise GraphError(f"topk: k must be an int in [1, {x.shape[a]}] for axis {a} of "
+                         f"{x.label}, got {k!r}")
+    indices = g.argsort(x, a, largest)
+    if k < x.shape[a]:
+        indices = g.slice(indices, a, 0, k)
+    return g.gather_elements(x, indices, a), indices
