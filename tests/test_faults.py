@@ -8,15 +8,16 @@ guarantees").
   sizes (lavapipe reports a 2 GiB heap and would hand out more);
 - out of device memory (or any other failure) at any point of binding a compiled plan: the
   error is raised and everything made before it is freed, so a smaller model compiles next;
-- Ctrl-C (SIGINT) at random moments of a step loop, in a process of its own under the
-  validation layer: every step is submitted whole or not at all, the layer stays silent, and
-  the session goes on stepping;
+- Ctrl-C (SIGINT) at random moments of a step loop and the moment a vkQueueSubmit returns, in
+  a process of its own under the validation layer: every step is submitted whole or not at
+  all, the layer stays silent, and the session goes on stepping;
 - SIGKILL while a checkpoint is saved: the file is the old one or the new one, never half.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -40,7 +41,7 @@ from vkml.errors import DeviceError
 from vkml.interrupts import deferred_interrupts
 from vkml.vk import naga
 
-HEADER = len(ENTRY_MAGIC) + 32
+HEADER = len(ENTRY_MAGIC) + hashlib.sha256().digest_size  # an entry's, before its contents
 
 
 # ---- corrupted caches ------------------------------------------------------------------------
