@@ -329,49 +329,58 @@ def rotate_half(x):
 
 class LlamaBlock(torch.nn.Module):
     """A LLaMA decoder layer as Hugging Face spells it: RMSNorm, RoPE through rotate_half
-    with its tables computed in forward, causal SDPA, a SiLU-gated MLP."""
+    with its tables computed in forward from a non-persistent inv_freq buffer, grouped-query
+    attention through repeat_kv (unsqueeze, expand, reshape) with a boolean causal mask, a
+    SiLU-gated MLP."""
 
-    def __init__(self, dim=16, heads=2, hidden=24, theta=10000.0):
+    def __init__(self, dim=16, heads=4, kv_heads=2, hidden=24, theta=10000.0):
         super().__init__()
-        self.heads, self.theta = heads, theta
+        self.heads, self.kv_heads = heads, kv_heads
+        hd = dim // heads
+        self.register_buffer("inv_freq", 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd),
+                             persistent=False)
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(dim), RMSNorm(dim)
-        for name, (i, o) in LLAMA_LINEARS(dim, hidden).items():
+        for name, (i, o) in LLAMA_LINEARS(dim, hidden, kv_heads * hd).items():
             setattr(self, name, torch.nn.Linear(i, o, bias=False))
 
     def forward(self, x):
         b, t, d = x.shape
-        hd = d // self.heads
+        hd, rep = d // self.heads, self.heads // self.kv_heads
         h = self.input_layernorm(x)
-        q, k, v = (p(h).view(b, t, self.heads, hd).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
-        freqs = torch.outer(torch.arange(t, dtype=torch.float32), inv_freq)
+        q = self.q_proj(h).view(b, t, self.heads, hd).transpose(1, 2)
+        k, v = (p(h).view(b, t, self.kv_heads, hd).transpose(1, 2)
+                for p in (self.k_proj, self.v_proj))
+        freqs = (self.inv_freq[:, None] @ torch.arange(t, dtype=torch.float32)[None, :]).T
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         q, k = (z * cos + rotate_half(z) * sin for z in (q, k))
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        k, v = (z[:, :, None].expand(b, self.kv_heads, rep, t, hd).reshape(b, self.heads, t, hd)
+                for z in (k, v))
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal)
         x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, d))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-def LLAMA_LINEARS(dim, hidden):
-    return {"q_proj": (dim, dim), "k_proj": (dim, dim), "v_proj": (dim, dim),
+def LLAMA_LINEARS(dim, hidden, kv_dim):
+    return {"q_proj": (dim, dim), "k_proj": (dim, kv_dim), "v_proj": (dim, kv_dim),
             "o_proj": (dim, dim), "gate_proj": (dim, hidden), "up_proj": (dim, hidden),
             "down_proj": (hidden, dim)}
 
 
-def hand_built_llama(shape, dim=16, heads=2, hidden=24, theta=10000.0):
+def hand_built_llama(shape, dim=16, heads=4, kv_heads=2, hidden=24, theta=10000.0):
     """The same layer written with vkml's own ops."""
     from vkml import nn
     g = vkml.Graph()
     x = g.input("x", shape)
     b, t, _ = shape
+    hd = dim // heads
     lin = {name: nn.Linear(g, name, i, o, bias=False)
-           for name, (i, o) in LLAMA_LINEARS(dim, hidden).items()}
+           for name, (i, o) in LLAMA_LINEARS(dim, hidden, kv_heads * hd).items()}
     h = g.rms_norm(x, g.param("input_layernorm.weight", (dim,)), 1e-5)
-    q, k, v = (g.transpose(g.reshape(lin[p](h), (b, t, heads, dim // heads)), (0, 2, 1, 3))
-               for p in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = (g.transpose(g.reshape(lin[p](h), (b, t, n, hd)), (0, 2, 1, 3))
+               for p, n in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)))
     a = g.scaled_dot_product_attention(g.rope(q, theta), g.rope(k, theta), v, causal=True)
     x = x + lin["o_proj"](g.reshape(g.transpose(a, (0, 2, 1, 3)), (b, t, dim)))
     h = g.rms_norm(x, g.param("post_attention_layernorm.weight", (dim,)), 1e-5)
@@ -381,10 +390,11 @@ def hand_built_llama(shape, dim=16, heads=2, hidden=24, theta=10000.0):
 
 @vulkan_only
 def test_llama_block_imports_to_the_hand_built_plan(device):
-    """RMSNorm, RoPE's rotate_half, SDPA and the gated MLP as PyTorch spells them import to
-    vkml's rms_norm, rotate_half, scaled_dot_product_attention and swiglu: the same dispatches
-    and kernels as the layer written with vkml's ops, in inference and in training; and the
-    same numbers as PyTorch."""
+    """RMSNorm, RoPE's rotate_half, grouped-query SDPA with a causal mask and the gated MLP as
+    PyTorch spells them import to vkml's rms_norm, rotate_half, scaled_dot_product_attention
+    (grouping the heads itself, causal) and swiglu, the rotary tables computed at import: the
+    same dispatches and kernels as the layer written with vkml's ops, in inference and in
+    training; and the same numbers as PyTorch."""
     from collections import Counter
 
     from vkml.compiler.stages import compile_plan
@@ -392,6 +402,7 @@ def test_llama_block_imports_to_the_hand_built_plan(device):
     module = LlamaBlock()
     x = torch.randn(1, 6, 16)
     imp = vkml.import_torch(module, (x,))
+    assert "inv_freq" not in imp.graph.params  # a non-persistent buffer: a constant
     hand, out = hand_built_llama(tuple(x.shape))
     plans = []
     for g, y in ((imp.graph, imp.outputs["output"]), (hand, out)):

@@ -10,6 +10,10 @@ aten.layer_norm, aten.gelu, aten.scaled_dot_product_attention, aten.silu):
 - RMSNorm as Hugging Face writes it: weight * (x * rsqrt(mean(x ** 2, -1, keepdim) + eps))
   -> g.rms_norm(x, weight, eps);
 - RoPE's rotate_half: cat([-x[..., h:], x[..., :h]], -1) -> g.rotate_half(x) (one kernel).
+- a constant attention mask that is the causal one -> causal attention (its add fuses into the
+  score product); key/value heads repeated for grouped-query attention (Hugging Face's
+  repeat_kv: an unsqueeze, expand and reshape) -> the heads before repeating, which
+  g.scaled_dot_product_attention groups itself.
 In ONNX files: GELU's erf form, x * 0.5 * (1 + erf(x / sqrt(2))) in any operand order ->
 g.gelu(x) (opsets before 20 have no Gelu op).
 """
@@ -103,6 +107,33 @@ def match_fx(nodes: Any) -> dict[str, Callable[[Any], Any]]:
         if x is not None:
             found[node.name] = lambda get, x=x: get.g.rotate_half(get.device(get.env[x.name]))
     return found
+
+
+# ---- vkml nodes ---------------------------------------------------------------------------------
+def is_causal_mask(mask: Any, queries: int, keys: int) -> bool:
+    """Whether an additive mask known at import (broadcast to (..., queries, keys)) is the
+    causal one: 0 on and below the diagonal, a large negative number above it."""
+    import numpy as np
+    if mask.ndim < 2 or mask.shape[-2:] != (queries, keys) or queries != keys:
+        return False
+    above = np.triu(np.ones((queries, keys), bool), 1)
+    flat = mask.reshape(-1, queries, keys)
+    return bool(np.all(flat[:, ~above] == 0) and np.all(flat[:, above] <= -1e30 / 2))
+
+
+def unrepeated_heads(x: Any, heads: int) -> Any:
+    """k or v before repeat_kv: x = reshape(broadcast_to(reshape(k0, (b, h, 1, s, d)),
+    (b, h, r, s, d)), (b, h * r, s, d)) -> k0 (b, h, s, d); x itself otherwise."""
+    if x.op != "reshape" or x.inputs[0].op != "broadcast_to":
+        return x
+    wide = x.inputs[0]
+    inner = wide.inputs[0]
+    *lead, h, r, s, d = wide.shape
+    if (len(x.shape) != len(wide.shape) - 1 or x.shape[-3] != h * r or x.shape[-3] != heads
+            or inner.shape != (*lead, h, 1, s, d) or inner.op != "reshape"):
+        return x
+    base = inner.inputs[0]
+    return base if base.shape == (*lead, h, s, d) else x
 
 
 # ---- ONNX nodes ----------------------------------------------------------------------------------

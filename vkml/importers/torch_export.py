@@ -161,7 +161,7 @@ class _Builder:
 
     def _placeholder(self, node, params, buffers, constants, state) -> None:
         name = node.name
-        if name in params or name in buffers:
+        if name in params or (name in buffers and buffers[name] in self.program.state_dict):
             target = params.get(name) or buffers[name]
             value = state[target].detach().cpu()
             if value.is_floating_point():
@@ -173,8 +173,8 @@ class _Builder:
                     self.frozen.append(target)
             else:
                 self.env[name] = value
-        elif name in constants:
-            self.env[name] = state[constants[name]].detach().cpu()
+        elif name in constants or name in buffers:  # lifted constants, non-persistent buffers
+            self.env[name] = state[constants.get(name) or buffers[name]].detach().cpu()
         else:
             meta = node.meta.get("val")
             if meta is None or not isinstance(meta, self.torch.Tensor):
@@ -865,14 +865,19 @@ for _name in ("constant_pad_nd", "pad", "reflection_pad2d", "replication_pad2d",
 
 @aten("scaled_dot_product_attention")
 def _sdpa(b, q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    if mask is not None:
-        if not isinstance(mask, Tensor) and mask.dtype == b.torch.bool:
+    q, k, v = b.device(q), b.device(k), b.device(v)
+    if mask is not None and not isinstance(mask, Tensor):
+        if mask.dtype == b.torch.bool:
             mask = b.torch.zeros(mask.shape).masked_fill(~mask, MASKED)
-        elif isinstance(mask, Tensor) and mask.dtype == "i32":
-            mask = b.g.where(mask, 0.0, MASKED)
+        if patterns.is_causal_mask(mask.numpy(), q.shape[-2], k.shape[-2]):
+            mask, is_causal = None, True
+    if mask is not None:
         mask = b.device(mask)
-    return b.g.scaled_dot_product_attention(b.device(q), b.device(k), b.device(v), mask,
-                                            bool(is_causal), scale,
+        if mask.dtype == "i32":
+            mask = b.g.where(mask, 0.0, MASKED)
+    # key/value heads repeated for grouped-query attention: vkml's attention groups them itself
+    k, v = patterns.unrepeated_heads(k, q.shape[-3]), patterns.unrepeated_heads(v, q.shape[-3])
+    return b.g.scaled_dot_product_attention(q, k, v, mask, bool(is_causal), scale,
                                             dropout_p=float(dropout_p) if b.training else 0.0)
 
 
