@@ -23,8 +23,8 @@ from test_render_loop import (  # noqa: F401  (host: the fixture)
 
 import vkml
 from vkml.compiler import schedule
+from vkml.compiler.plan import ELSEWHERE
 from vkml.kernels.reduce import canonical
-from vkml.runtime.sharing import ELSEWHERE
 from vkml.vk.context import Adopted, check_declared
 
 

@@ -5,7 +5,6 @@ and checkpoints (checkpoint.py)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import threading
@@ -168,8 +167,7 @@ class Session:
         shared: dict[int, int] = {}
         if owner is not None:
             shared = sharing.match_params(plan, owner.plan)
-            plan = self.plan = dataclasses.replace(
-                plan, memory=sharing.memory_without(plan, shared, device.caps))
+            plan = self.plan = plan.without(shared, device.caps)
         self._bound = BoundPlan(plan, device, owner, shared)
         self._external_uploads: list[object] = []  # the inputs' copies prepared for record()
         self._external_download: object | None = None  # and the outputs' copies

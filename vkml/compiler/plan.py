@@ -4,16 +4,20 @@ compiler is these types."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
-from vkml.compiler.memory_plan import FOREVER, Lifetime, MemoryPlan
-from vkml.hal import Access, Kernel
+from vkml.compiler.memory_plan import FOREVER, Lifetime, MemoryPlan, alignment, plan_memory
+from vkml.hal import Access, Capabilities, Kernel
 from vkml.optim import Optimizer
+
+ELSEWHERE = -1  # the arena index of a slot held in another plan's memory (shared parameters)
 
 Role = Literal["input", "param", "constant", "activation", "gradient", "optimizer_state",
                "hyperparams", "pack"]
@@ -114,6 +118,19 @@ class Plan:
     # Slots laid out one after another inside a larger one (role "pack"), which an optimizer
     # update binds whole: pack slot -> (slot, byte offset in the pack) for each
     packs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+    def without(self, elsewhere: Collection[int], caps: Capabilities) -> Plan:
+        """This plan with the slots `elsewhere` held in another plan's memory (a session that
+        shares the owner's parameters): its memory planned without them, their placement
+        arena ELSEWHERE."""
+        lifetimes = {s: lt for s, lt in self.lifetimes.items() if s not in elsewhere}
+        aliases = {k: v for k, v in self.aliases.items()
+                   if k not in elsewhere and v not in elsewhere}
+        memory = plan_memory(lifetimes, alignment(caps), caps.max_storage_buffer_range, aliases,
+                             self.packs)
+        placement = {**memory.placement, **{s: (ELSEWHERE, 0) for s in elsewhere}}
+        return dataclasses.replace(self, memory=MemoryPlan(placement, memory.arena_bytes,
+                                                            memory.logical_bytes))
 
     @property
     def barrier_count(self) -> int:

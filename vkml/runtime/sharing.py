@@ -26,12 +26,8 @@ update fully submitted before its first piece.
 
 from __future__ import annotations
 
-from vkml.compiler.memory_plan import MemoryPlan, alignment, plan_memory
 from vkml.compiler.plan import Plan
 from vkml.errors import GraphError
-from vkml.hal import Capabilities
-
-ELSEWHERE = -1  # the arena index a shared slot shows in plan dumps: the owner's memory
 
 
 def match_params(plan: Plan, owner: Plan) -> dict[int, int]:
@@ -56,16 +52,3 @@ def match_params(plan: Plan, owner: Plan) -> dict[int, int]:
         raise GraphError(f"share_params_with: no parameter names in common (this graph has "
                          f"{sorted(plan.params)[:5]}..., the owner {sorted(owner.params)[:5]}...)")
     return shared
-
-
-def memory_without(plan: Plan, shared: dict[int, int], caps: Capabilities) -> MemoryPlan:
-    """The plan's memory with the shared slots left out (they live in the owner's arenas;
-    their placement shows arena ELSEWHERE)."""
-    lifetimes = {s: lt for s, lt in plan.lifetimes.items() if s not in shared}
-    aliases = {k: v for k, v in plan.aliases.items() if k not in shared and v not in shared}
-    memory = plan_memory(lifetimes, alignment(caps), caps.max_storage_buffer_range, aliases,
-                         plan.packs)
-    placement = dict(memory.placement)
-    for slot in shared:
-        placement[slot] = (ELSEWHERE, 0)
-    return MemoryPlan(placement, memory.arena_bytes, memory.logical_bytes)
