@@ -42,6 +42,13 @@ def rng():
     return np.random.default_rng(1234)
 
 
+def pytest_configure(config):
+    # transformers imports torchvision where it is installed; beside a CPU torch that import
+    # fails unless torchvision_compat declares the ops it cannot load (see there)
+    from torchvision_compat import usable
+    usable()
+
+
 def pytest_report_header(config):
     layers = os.environ.get("VK_INSTANCE_LAYERS", "")
     return f"vkml: VK_INSTANCE_LAYERS={layers or '(none: validation off)'}"

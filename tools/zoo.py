@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vkml first
 import zoo_models  # noqa: E402
 
 import vkml  # noqa: E402
@@ -158,8 +159,9 @@ def check_gradients(row: Row, grads: dict[str, np.ndarray], session) -> bool:
     worst, worst_name, cos_min = 0.0, None, 1.0
     ours_sq = ref_sq = 0.0
     total = math.sqrt(sum(float(np.sum(r.astype(np.float64) ** 2)) for r in grads.values()))
+    names = set(session.params())
     for name, ref in grads.items():
-        if name not in session.params():
+        if name not in names:
             row.grads_unmatched += 1
             continue
         mine = np.asarray(session.grad(name), np.float64)

@@ -18,8 +18,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from torchvision_compat import import_torchvision, usable  # noqa: E402
 
 
 @dataclass
@@ -69,29 +73,6 @@ def _vision(ctor: Callable[..., torch.nn.Module], size: str, tiny: int, small: i
     model = ctor(weights=None, num_classes=num_classes if size != "full" else 1000, **kwargs)
     return ZooModel(FirstOutput(model, key).eval(), _image(size, tiny, small, full),
                     "torchvision")
-
-
-_TORCHVISION_OPS: list[torch.library.Library] = []
-
-
-def import_torchvision():
-    """torchvision, also where its compiled ops cannot load: PyPI's torchvision is built against
-    PyPI's CUDA torch, and beside a CPU build of torch its extension fails, taking the whole
-    import down while it registers shapes for `nms`. The models never call those ops, so their
-    schemas are declared (no kernels) and the import retried."""
-    try:
-        import torchvision
-    except RuntimeError as e:
-        if "torchvision::nms" not in str(e):
-            raise
-        for module in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
-            del sys.modules[module]
-        lib = torch.library.Library("torchvision", "DEF")
-        for op in ("nms", "qnms"):
-            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _TORCHVISION_OPS.append(lib)
-        import torchvision
-    return torchvision
 
 
 def _tv():
@@ -394,6 +375,13 @@ def build(name: str, size: str, seed: int = 0) -> ZooModel:
         raise KeyError(f"no zoo model {name!r}; the zoo has {sorted(MODELS)}")
     if size not in SIZES:
         raise ValueError(f"size {size!r}: one of {SIZES}")
+    usable()  # transformers imports torchvision where installed (see torchvision_compat)
     torch.manual_seed(seed)
     with torch.no_grad():
-        return MODELS[name](size)
+        model = MODELS[name](size)
+        # Fresh models start with equal tensors (every bias zero, every norm's weight one), and
+        # torch.onnx's exporter merges initializers of equal values into one, which would tie
+        # them in the file. A trained model's are all different: so are these.
+        for p in model.module.parameters():
+            p.add_(torch.randn_like(p), alpha=0.02)
+    return model
