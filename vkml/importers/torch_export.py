@@ -90,6 +90,10 @@ class _Builder:
         self.outputs: dict[str, Tensor] = {}
         self.params: dict[str, str] = {}
         self.frozen: list[str] = []
+        # tied parameters (an LM head sharing the embedding's tensor) are one graph parameter,
+        # under the name met first; the other names alias it
+        self.tied: dict[str, str] = {}
+        self._storage: dict[tuple, str] = {}
 
     # -- values ----
     def device(self, value: Value) -> Tensor:
@@ -163,12 +167,21 @@ class _Builder:
         name = node.name
         if name in params or (name in buffers and buffers[name] in self.program.state_dict):
             target = params.get(name) or buffers[name]
-            value = state[target].detach().cpu()
-            if value.is_floating_point():
-                trainable = name in params
+            tensor = state[target]
+            value = tensor.detach().cpu()
+            storage = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+            if value.is_floating_point() and storage in self._storage:
+                first = self._storage[storage]
+                self.tied[target] = first
+                self.env[name] = self.g.params[first]
+            elif value.is_floating_point():
+                # torch.optim updates what requires a gradient (Whisper's positional table
+                # does not): the others are frozen
+                trainable = name in params and tensor.requires_grad
                 self.env[name] = self.g.param(target, tuple(value.shape),
                                               value.float().numpy(), trainable=trainable)
                 self.params[target] = target
+                self._storage[storage] = target
                 if not trainable:
                     self.frozen.append(target)
             else:
@@ -239,8 +252,10 @@ class _Builder:
         def state_dict(values: dict[str, np.ndarray]) -> dict[str, Any]:
             out = {}
             for key, original in snapshot.items():
-                if key in values:
-                    out[key] = torch.from_numpy(np.array(values[key])).to(original.dtype)
+                key_in_graph = self.tied.get(key, key)
+                if key_in_graph in values:
+                    out[key] = torch.from_numpy(np.array(values[key_in_graph])).to(
+                        original.dtype)
                 else:
                     out[key] = original.clone()
             return out
