@@ -171,14 +171,17 @@ def test_headless_run_writes_its_outputs_and_learns(tmp_path):
     assert metrics["validation_messages"] == []
 
 
-def test_headless_results_are_bit_identical_across_chunkings(tmp_path):
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["bind_input", "set_input"])
+def test_headless_results_are_bit_identical_across_chunkings(tmp_path, zero_copy):
+    """Whatever the schedule, the trainer trains on the frames it was given: with set_input,
+    and with the frames bound in GPU memory (xr_demo/samples.py's ring)."""
     from safetensors.numpy import load_file
 
     results = {}
     for schedule in ("chunks:1", "chunks:3", "slack"):
         name = schedule.replace(":", "")
         metrics, _ = _headless(tmp_path, name, frames=12, infer_every=0, schedule=schedule,
-                               evaluate=False)
+                               evaluate=False, zero_copy=zero_copy)
         assert metrics["run"]["train_steps"] == 6
         assert metrics["validation_messages"] == []
         results[schedule] = (metrics, load_file(str(tmp_path / f"{name}.safetensors")))

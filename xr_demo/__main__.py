@@ -60,6 +60,9 @@ def parse(argv: list[str] | None = None) -> Options:
                     help="window: pixels per model pixel")
     ap.add_argument("--screenshot", help="window: save a screenshot of the X screen (PNG) "
                     "after the last frame")
+    ap.add_argument("--set-input", dest="zero_copy", action="store_false",
+                    help="frames reach the model through the host (read-back, set_input) "
+                    "instead of GPU memory (bind_input, the default)")
     a = ap.parse_args(argv)
     schedule = a.schedule
     if a.chunks is not None:
@@ -73,7 +76,7 @@ def parse(argv: list[str] | None = None) -> Options:
                    max_pending=a.max_pending, camera=a.camera, margin_ms=a.margin_ms,
                    compare=a.compare, compare_frames=a.compare_frames, evaluate=a.evaluate,
                    xr_size=a.xr_size, window_scale=a.window_scale,
-                   screenshot=a.screenshot)
+                   screenshot=a.screenshot, zero_copy=a.zero_copy)
 
 
 def main(argv: list[str] | None = None) -> int:

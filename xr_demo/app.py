@@ -9,6 +9,15 @@ Per frame, a mode calls, in this order:
   end_frame(n, ...)   the frame's image and true depth (read back by the renderer) become the
                       next inference input and, every `train_every` frames, a training sample
 
+With `zero_copy` (the default) the frames reach the model without the CPU
+(session.bind_input: the copy and the conversion run in the step's first piece, on the same
+queue): the inference reads the renderer's colour target, so it sees the frame rendered last
+before its first piece; the trainer reads two sample images that the host fills on the GPU
+with the frame it was given (xr_demo/samples.py), so it trains on the same frames as with
+set_input whatever the schedule; the prediction lands in an r32_float image (bind_output) a
+renderer can sample. The renderer's read-back then serves the metrics only (the live AbsRel
+and the pictures need the frame on the host).
+
 Two sessions: a training session (MSE, Adam; decoder only or the whole network) and an
 inference session (forward only) that draws the prediction, compiled with
 `share_params_with=` the training session: it reads the trainer's parameters in place, so
@@ -39,13 +48,15 @@ from safetensors.numpy import load_file
 
 import vkml
 from xr_demo import model as net
-from xr_demo.renderer import SceneRenderer
+from xr_demo.renderer import SceneRenderer, create_image, destroy_image, image_barrier
+from xr_demo.samples import SampleRing
 from xr_demo.scene import FAR, desktop_camera
 from xr_demo.schedule import Job, Policy, Scheduler
 from xr_demo.vkhost import VulkanHost
 
 ORBIT_FRAMES = 2880  # one turn of the camera rig (40 s at 72 Hz)
 EVAL_FRAMES = (101, 917, 1733, 2549)  # fixed views for the held-out depth error
+RECENT_FRAMES = 256  # zero_copy: frames kept on the host for the metrics of the inference
 
 
 @dataclass
@@ -73,6 +84,7 @@ class Options:
     xr_size: int = 256  # XR: swapchain image size per eye
     window_scale: int = 4  # window: screen pixels per model pixel
     screenshot: str | None = None  # window: grab the X screen into this PNG before closing
+    zero_copy: bool = True  # frames in and the prediction out through GPU memory (bind_input)
 
 
 @dataclass
@@ -246,6 +258,10 @@ class Demo:
         self.samples: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
         self.latest: tuple[int, np.ndarray, np.ndarray] | None = None
         self._infer_input: tuple[int, np.ndarray, np.ndarray] | None = None
+        # zero_copy: the frame the inference in flight reads (known once its first piece is
+        # submitted), and the recent frames' read-backs, for the metrics
+        self._infer_frame: int | None = None
+        self._recent: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._infer_harvested = True
         self._infer_due = False  # an inference frame came and its inference has not started
         self._infer_train_steps = 0  # training steps the inference in flight sees
@@ -264,6 +280,42 @@ class Demo:
         self._query_reads_wait_for_queue = host.device_name.startswith("llvmpipe")
         self.period_ms = 0.0
         self._last_slot = 0
+        self.drawable: Any = None  # zero_copy: the r32_float image the prediction lands in
+        self.ring: SampleRing | None = None  # zero_copy: the training samples, on the GPU
+        self._sample_slots: deque[int] = deque()  # their slots, beside self.samples
+        self._samples_taken = 0
+        if opts.zero_copy:
+            self._bind()
+
+    def _bind(self) -> None:
+        """Bind the renderer's targets as the sessions' inputs (with to_input's and
+        to_target's arithmetic) and an r32_float image as the prediction."""
+        r, host = self.opts.resolution, self.host
+        usage = vk.VK_IMAGE_USAGE_COLOR_ATTACHMENT_BIT | vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT
+        after_render = vk.VK_IMAGE_LAYOUT_TRANSFER_SRC_OPTIMAL  # where record() leaves them
+        colour = vkml.HostImage(self.renderer.color.image, host.device, "rgba8_unorm", (r, r),
+                                usage, after_render)
+        self.infer.bind_input("image", colour, mean=0.5, std=0.25)
+        if self.train is not None:
+            self.ring = ring = SampleRing(host, self.renderer, self.opts.max_pending + 1)
+            samples = vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT | vk.VK_IMAGE_USAGE_TRANSFER_DST_BIT
+            general = vk.VK_IMAGE_LAYOUT_GENERAL
+            self.train.bind_input("image", vkml.HostImage(
+                ring.colour.image, host.device, "rgba8_unorm", (r, r), samples, general),
+                mean=0.5, std=0.25)
+            self.train.bind_input("target", vkml.HostImage(
+                ring.depth.image, host.device, "r32_float", (r, r), samples, general),
+                mean=0.0, std=FAR)
+        drawn = (vk.VK_IMAGE_USAGE_TRANSFER_DST_BIT | vk.VK_IMAGE_USAGE_SAMPLED_BIT
+                 | vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT)
+        self.drawable = create_image(host, r, r, vk.VK_FORMAT_R32_SFLOAT, drawn)
+        readable = vk.VK_IMAGE_LAYOUT_SHADER_READ_ONLY_OPTIMAL
+        self._run_now(lambda cb: image_barrier(
+            cb, self.drawable.image, vk.VK_IMAGE_LAYOUT_UNDEFINED, readable,
+            vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, 0,
+            vk.VK_ACCESS_MEMORY_READ_BIT))
+        self.infer.bind_output("depth", vkml.HostImage(self.drawable.image, host.device,
+                                                       "r32_float", (r, r), drawn, readable))
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _load(self, path: str, fresh_decoder: bool) -> None:
@@ -290,20 +342,28 @@ class Demo:
         self.log(f"wrote checkpoint {path} ({os.path.getsize(path) / 1e6:.2f} MB)")
 
     # ---- set-up -----------------------------------------------------------------------------
-    def render_now(self, frame: int) -> tuple[np.ndarray, np.ndarray]:
-        """Render a camera frame synchronously (outside the frame loop: evaluation, warm-up)."""
+    def _run_now(self, record: Callable[[Any], Any]) -> None:
+        """Record with `record(cb)`, submit and wait (outside the frame loop)."""
         cb = self._sync_cb
         vk.vkResetCommandBuffer(cb, 0)
         vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
             sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
-        self.renderer.record(cb, desktop_camera(frame), frame / 72.0, timestamps=False)
+        record(cb)
         vk.vkEndCommandBuffer(cb)
         self.host.submit(cb, self._sync_fence)
         self.host.wait_fence(self._sync_fence)
+
+    def render_now(self, frame: int) -> tuple[np.ndarray, np.ndarray]:
+        """Render a camera frame synchronously (outside the frame loop: evaluation, warm-up);
+        with zero_copy it stays in the renderer's targets, which the next step reads."""
+        self._run_now(lambda cb: self.renderer.record(cb, desktop_camera(frame), frame / 72.0,
+                                                      timestamps=False))
         return self.renderer.read()
 
     def predict_now(self, rgb: np.ndarray) -> np.ndarray:
-        self.infer.set_input("image", to_input(rgb))
+        """The prediction for `rgb`, the frame render_now() drew last."""
+        if not self.opts.zero_copy:
+            self.infer.set_input("image", to_input(rgb))
         self.infer.step()
         return self.infer.read("depth")[0, 0] * FAR
 
@@ -320,12 +380,17 @@ class Demo:
         `period_ms` whose render takes `render_ms` (measured by the mode)."""
         info: dict[str, Any] = {}
         rgb, depth = self.render_now(0)
-        self.infer.set_input("image", to_input(rgb))
         sessions = [("infer", self.infer)]
         if self.train is not None:
-            self.train.set_input("image", to_input(rgb))
-            self.train.set_input("target", to_target(depth))
             sessions.append(("train", self.train))
+        if self.ring is not None:  # the profiled steps' sample: this frame
+            self.ring.capture(0)
+            self.ring.release(0)
+        if not self.opts.zero_copy:
+            self.infer.set_input("image", to_input(rgb))
+            if self.train is not None:
+                self.train.set_input("image", to_input(rgb))
+                self.train.set_input("target", to_target(depth))
         for name, s in sessions:
             # update=False: the profiled steps leave the training session's state as it was,
             # so the run does not depend on them. The first one warms the driver up.
@@ -405,27 +470,38 @@ class Demo:
             self._infer_due or n % self.opts.infer_every == 0)
         if infer is not None and self._infer_due and self._infer_harvested and \
                 not infer.busy and self.latest is not None and not updating:
-            self._infer_input = self.latest
             self._infer_train_steps = train.steps_submitted if train is not None else 0
-            self.infer.set_input("image", to_input(self.latest[1]))
+            if self.opts.zero_copy:
+                self._infer_input, self._infer_frame = None, None
+            else:
+                self._infer_input = self.latest
+                self.infer.set_input("image", to_input(self.latest[1]))
             self._infer_harvested = False
             self._infer_due = False
             infer.begin(n)
         if train is not None and self._train_harvested and not train.busy and self.samples:
             _, rgb, depth = self.samples.popleft()
-            self.train.set_input("image", to_input(rgb))  # type: ignore[union-attr]
-            self.train.set_input("target", to_target(depth))  # type: ignore[union-attr]
+            if self.ring is not None:  # its frame into the images the trainer reads
+                self.ring.release(self._sample_slots.popleft())
+            else:
+                self.train.set_input("image", to_input(rgb))  # type: ignore[union-attr]
+                self.train.set_input("target", to_target(depth))  # type: ignore[union-attr]
             self._train_harvested = False
             train.begin(n)
 
     def _harvest_prediction(self) -> None:
+        self._infer_harvested = True
+        if self.opts.zero_copy:  # the frame it read, if still kept (the first may not be)
+            seen = self._recent.get(self._infer_frame if self._infer_frame is not None else -1)
+            if seen is None:
+                return
+            self._infer_input = (self._infer_frame, *seen)  # type: ignore[assignment]
         assert self._infer_input is not None
         frame, rgb, depth = self._infer_input
         pred = self.infer.read("depth")[0, 0] * FAR
         self.run.predictions.append(Prediction(
             frame, time.perf_counter() - self._t0, self._infer_train_steps, rgb, depth, pred,
             abs_rel(pred, depth)))
-        self._infer_harvested = True
 
     def fill_before_render(self, n: int) -> None:
         """Before the frame's render is submitted: pieces of steps begun in an earlier frame,
@@ -437,6 +513,16 @@ class Demo:
             self.timer.open(0)
             self.scheduler.fill(n, self.slack_ms, "before")
             self.timer.close_window(0, last=False)
+        self._note_inference_frame(n - 1)  # a first piece here reads the frame before this
+
+    def _note_inference_frame(self, rendered: int) -> None:
+        """zero_copy: once the inference's first piece is submitted, the frame it reads is the
+        one rendered last before it on the queue."""
+        infer = self.job("infer")
+        if self.opts.zero_copy and infer is not None and not self._infer_harvested and \
+                self._infer_frame is None and infer.steps_started and \
+                (infer.started or not infer.pieces_left):
+            self._infer_frame = rendered
 
     def fill(self, n: int) -> None:
         """After the frame's render is submitted: new steps' pieces, in what is left of the
@@ -444,6 +530,12 @@ class Demo:
         if self._frame_use is None:
             self._frame_use = self.scheduler.new_frame()
             self._timed = self.timer.new_frame()
+        try:
+            self._fill_after(n)
+        finally:
+            self._note_inference_frame(n)
+
+    def _fill_after(self, n: int) -> None:
         if not self._timed:
             self.scheduler.fill(n, self.slack_ms, "after")
             return
@@ -462,10 +554,20 @@ class Demo:
                   host_ms: float | None = None, host_cpu_ms: float | None = None) -> None:
         """After the frame's fence: its image becomes the latest input and maybe a sample."""
         self.latest = (n, rgb, depth)
+        if self.opts.zero_copy:
+            self._recent[n] = (rgb, depth)
+            self._recent.pop(n - RECENT_FRAMES, None)
         if self.train is not None and n % self.opts.train_every == 0:
             self.samples.append((n, rgb, depth))
+            if self.ring is not None:  # the frame just rendered, kept on the GPU
+                slot = self._samples_taken % self.ring.size
+                self.ring.capture(slot)
+                self._sample_slots.append(slot)
+            self._samples_taken += 1
             while len(self.samples) > self.opts.max_pending:
                 self.samples.popleft()
+                if self.ring is not None:
+                    self._sample_slots.popleft()
                 self.run.dropped_samples += 1
         use = self._frame_use
         self.scheduler.observe(frame_ms, self.period_ms, self.opts.margin_ms)
@@ -565,3 +667,7 @@ class Demo:
         for s in filter(None, (self.train, self.infer)):
             s.close()
         self.device.close()
+        if self.drawable is not None:
+            destroy_image(self.host, self.drawable)
+        if self.ring is not None:
+            self.ring.close()
