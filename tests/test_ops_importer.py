@@ -176,6 +176,12 @@ CASES = [
     Case("avg_pool2d_divisor_override", [(1, 2, 4, 4)],
          lambda g, x: g.avg_pool2d(x, 2, divisor_override=3),
          lambda x: F.avg_pool2d(x, 2, divisor_override=3)),
+    Case("adaptive_avg_pool2d_uneven", [(2, 3, 7, 5)],
+         lambda g, x: g.adaptive_avg_pool2d(x, (3, 4)),
+         lambda x: F.adaptive_avg_pool2d(x, (3, 4))),
+    Case("adaptive_avg_pool2d_whole_windows", [(1, 2, 6, 4)],
+         lambda g, x: g.adaptive_avg_pool2d(x, (3, 2)),
+         lambda x: F.adaptive_avg_pool2d(x, (3, 2))),
     Case("reduce_l2_keepdims", [(3, 4, 5)], lambda g, x: g.reduce_l2(x, -1, keepdims=True),
          lambda x: torch.linalg.vector_norm(x, 2, -1, keepdim=True)),
 ]

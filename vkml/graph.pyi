@@ -366,6 +366,11 @@ class Graph:
     def abs(self, x: Tensor) -> Tensor:
         """Elementwise abs: WGSL abs({0})"""
         ...
+    def adaptive_avg_pool2d(self, x: Tensor, output_size: int | Sequence[int]) -> Tensor:
+        """F.adaptive_avg_pool2d of an (N, C, H, W) tensor: output cell i along an axis of n
+        averages inputs floor(i n / out) to ceil((i + 1) n / out). Global pooling is a mean, whole
+        windows an avg_pool2d, other sizes a `resample` of each axis by its averaging matrix."""
+        ...
     def add(self, a: Operand, b: Operand) -> Tensor:
         """a + b elementwise (f32 or i32), numpy broadcasting; numbers become constants of the other operand's dtype"""
         ...

@@ -346,6 +346,30 @@ def global_avg_pool2d(g: Graph, x: Tensor) -> Tensor:
 
 
 @builder
+def adaptive_avg_pool2d(g: Graph, x: Tensor, output_size: int | Sequence[int]) -> Tensor:
+    """F.adaptive_avg_pool2d of an (N, C, H, W) tensor: output cell i along an axis of n
+    averages inputs floor(i n / out) to ceil((i + 1) n / out). Global pooling is a mean, whole
+    windows an avg_pool2d, other sizes a `resample` of each axis by its averaging matrix."""
+    spatial = x.shape[2:]
+    sizes = pair(output_size)
+    if len(spatial) != 2 or min(sizes) < 1:
+        raise GraphError(f"adaptive_avg_pool2d takes an (N, C, H, W) tensor and positive sizes, "
+                         f"got {x.label} and {output_size}")
+    if sizes == (1, 1):
+        return g.global_avg_pool2d(x)
+    if all(n % out == 0 for n, out in zip(spatial, sizes)):
+        return g.avg_pool2d(x, tuple(n // out for n, out in zip(spatial, sizes)))
+    matrices = []
+    for n, out in zip(spatial, sizes):
+        matrix = np.zeros((out, n), np.float32)
+        for i in range(out):
+            start, stop = i * n // out, -(-(i + 1) * n // out)
+            matrix[i, start:stop] = 1.0 / (stop - start)
+        matrices.append(matrix)
+    return _resample_axes(g, x, matrices)
+
+
+@builder
 def upsample_nearest(g: Graph, x: Tensor, scale: int | tuple[int, int] = 2) -> Tensor:
     """Nearest upsampling of an (N, C, H, W) tensor by an integer factor (or one per axis): a
     broadcast (one pointwise kernel); its gradient is a sum over each block."""
