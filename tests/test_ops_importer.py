@@ -182,6 +182,11 @@ CASES = [
     Case("adaptive_avg_pool2d_whole_windows", [(1, 2, 6, 4)],
          lambda g, x: g.adaptive_avg_pool2d(x, (3, 2)),
          lambda x: F.adaptive_avg_pool2d(x, (3, 2))),
+    Case("cumsum_exclusive", [(3, 5)], lambda g, x: g.cumsum(x, 1, exclusive=True),
+         lambda x: x.cumsum(1) - x),
+    Case("cumsum_exclusive_reverse", [(4, 3)],
+         lambda g, x: g.cumsum(x, 0, reverse=True, exclusive=True),
+         lambda x: x.flip(0).cumsum(0).flip(0) - x),
     Case("reduce_l2_keepdims", [(3, 4, 5)], lambda g, x: g.reduce_l2(x, -1, keepdims=True),
          lambda x: torch.linalg.vector_norm(x, 2, -1, keepdim=True)),
 ]

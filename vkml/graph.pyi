@@ -442,8 +442,9 @@ class Graph:
         """Mean cross-entropy over the rows of 2-D `logits`. `labels`: class indices (i32, shape
         (rows,)) or target probabilities / one-hot rows (f32, same shape as logits)."""
         ...
-    def cumsum(self, x: Tensor, axis: int = ..., reverse: bool = ...) -> Tensor:
-        """torch.cumsum along `axis`; `reverse`: sums from the end (the gradient of cumsum)."""
+    def cumsum(self, x: Tensor, axis: int = ..., reverse: bool = ..., exclusive: bool = ...) -> Tensor:
+        """torch.cumsum along `axis`; `reverse`: sums from the end (the gradient of cumsum);
+        `exclusive`: each sum leaves its own element out (ONNX CumSum's exclusive=1)."""
         ...
     def div(self, a: Operand, b: Operand) -> Tensor:
         """a / b elementwise (f32), numpy broadcasting; numbers become constants of the other operand's dtype"""

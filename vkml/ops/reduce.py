@@ -203,7 +203,9 @@ def _cumsum_kernel(node: Tensor, caps: Capabilities) -> Kernel:
     n, stride = node.shape[axis], contiguous_strides(node.shape)[axis]
     check_loop(node, caps, n, "cumsum over a shorter axis (e.g. in parts, adding each part's "
                "total to the next)")
-    span = f"j = i{axis}; j < {n}u" if reverse else f"j = 0u; j <= i{axis}"
+    exclusive = node.attrs.get("exclusive", False)
+    span = (f"j = i{axis}{' + 1u' if exclusive else ''}; j < {n}u" if reverse
+            else f"j = 0u; j {'<' if exclusive else '<='} i{axis}")
     return gather.generate(node, caps, [
         f"  let base = idx - i{axis} * {stride}u;", "  var acc = 0.0;",
         f"  for (var {span}; j++) {{ acc += in0[base + j * {stride}u]; }}",
@@ -211,15 +213,18 @@ def _cumsum_kernel(node: Tensor, caps: Capabilities) -> Kernel:
 
 
 register(OpDef("cumsum", same_f32, "kernel", lower=_cumsum_kernel,
-               grad=lambda g, node, d: [g.apply("cumsum", [d], axis=node.attrs["axis"],
-                                                reverse=not node.attrs["reverse"])]))
+               grad=lambda g, node, d: [g.apply("cumsum", [d], **(node.attrs | {
+                   "reverse": not node.attrs["reverse"]}))]))
 
 
 @builder
-def cumsum(g: Graph, x: Tensor, axis: int = -1, reverse: bool = False) -> Tensor:
-    """torch.cumsum along `axis`; `reverse`: sums from the end (the gradient of cumsum)."""
+def cumsum(g: Graph, x: Tensor, axis: int = -1, reverse: bool = False,
+           exclusive: bool = False) -> Tensor:
+    """torch.cumsum along `axis`; `reverse`: sums from the end (the gradient of cumsum);
+    `exclusive`: each sum leaves its own element out (ONNX CumSum's exclusive=1)."""
     (a,) = normalize_axes(x, axis)
-    return g.apply("cumsum", [x], axis=a, reverse=bool(reverse))
+    return g.apply("cumsum", [x], axis=a, reverse=bool(reverse),
+                   **({"exclusive": True} if exclusive else {}))
 
 
 def _argsort_kernel(node: Tensor, caps: Capabilities) -> Kernel:
