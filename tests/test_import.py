@@ -491,3 +491,31 @@ def test_onnx_newer_ops_match_onnxruntime(device, tmp_path):
     s.forward()
     for name, ref in zip(outputs, onnxruntime_run(path, {"x": x})):
         assert rel_l2(s.read(name), ref) < FORWARD_TOL, name
+
+
+@vulkan_only
+def test_llama_block_onnx_imports_to_the_hand_built_plan(device, tmp_path):
+    """The same layer through ONNX, where attention is products, a softmax and a transposed
+    key, rotate_half slices, a negation and a concat, and rsqrt a reciprocal square root: the
+    hand-built plan's dispatches, its kernels but for the products' operand layout (ONNX keeps
+    each weight transposed, (in, out), and vkml reads it as it lies)."""
+    import re
+    from collections import Counter
+
+    from vkml.compiler.stages import compile_plan
+    torch.manual_seed(0)
+    module = LlamaBlock()
+    x = torch.randn(1, 6, 16)
+    path = export_onnx(module, (x,), tmp_path / "llama.onnx", ["x"], outputs=("output",))
+    imp = vkml.import_onnx(path)
+    hand, out = hand_built_llama(tuple(x.shape))
+    imported = compile_plan(imp.graph, device.caps, outputs=imp.outputs)
+    built = compile_plan(hand, device.caps, outputs={"output": out})
+    def kernels(plan):
+        return Counter(re.sub("^matmul_n[nt]_", "matmul_", d.kernel.name)
+                       for d in plan.dispatches)
+    assert kernels(imported) == kernels(built)
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.forward()
+    assert rel_l2(s.read("output"), module(x).detach().numpy()) < FORWARD_TOL

@@ -418,7 +418,10 @@ UNARY = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Exp": "exp", "Lo
 
 @onnx_op(*UNARY)
 def _unary(b: _Builder, node, ins, attrs):
-    return getattr(b.g, UNARY[node.op_type])(b.device(ins[0]))
+    x = b.device(ins[0])
+    if node.op_type == "Reciprocal" and patterns.rsqrt_of(x) is not None:
+        return b.g.rsqrt(patterns.rsqrt_of(x))
+    return getattr(b.g, UNARY[node.op_type])(x)
 
 
 # ONNX op -> (vkml op, its parameters from the node's attributes with ONNX's defaults)
@@ -504,7 +507,8 @@ def _pow(b, node, ins, attrs):
 
 @onnx_op("MatMul")
 def _matmul(b, node, ins, attrs):
-    return matmul(b.g, b.device(ins[0]), b.device(ins[1]))
+    x, w = b.device(ins[0]), b.device(ins[1])
+    return patterns.attention_of(b.g, x, w) or matmul(b.g, x, w)
 
 
 @onnx_op("Gemm")
@@ -771,7 +775,9 @@ def _concat(b, node, ins, attrs):
     # an empty piece known at import (a shape computation's) adds nothing
     xs = [b.device(v) for v in ins if v is not None
           and not (isinstance(v, np.ndarray) and v.size == 0)]
-    return b.g.concat(xs, int(attrs["axis"]) % len(xs[0].shape))
+    axis = int(attrs["axis"]) % len(xs[0].shape)
+    x = patterns.rotate_half_of(xs, axis)
+    return b.g.rotate_half(x) if x is not None else b.g.concat(xs, axis)
 
 
 @onnx_op("Split")

@@ -5,11 +5,16 @@ A pattern is matched at its root node, over the program's nodes (not vkml's): th
 becomes the composite op of the pattern's leaves. The pattern's inner nodes are still converted,
 but nothing reads their results, so compiling drops them (a graph is compiled from its outputs).
 
-Recognised (in torch.export programs; the ops torch.export keeps whole need none, e.g.
-aten.layer_norm, aten.gelu, aten.scaled_dot_product_attention, aten.silu):
-- RMSNorm as Hugging Face writes it: weight * (x * rsqrt(mean(x ** 2, -1, keepdim) + eps))
-  -> g.rms_norm(x, weight, eps);
-- RoPE's rotate_half: cat([-x[..., h:], x[..., :h]], -1) -> g.rotate_half(x) (one kernel).
+Recognised in torch.export programs (the ops torch.export keeps whole need none, e.g.
+aten.layer_norm, aten.gelu, aten.scaled_dot_product_attention, aten.silu): RMSNorm as Hugging
+Face writes it, weight * (x * rsqrt(mean(x ** 2, -1, keepdim) + eps)) -> g.rms_norm.
+
+Recognised over vkml's own nodes as they are built (so in both front ends):
+- RoPE's rotate_half: cat([-x[..., h:], x[..., :h]], -1) -> g.rotate_half(x) (one kernel);
+- attention spelled as products: softmax(q k^T * scale [+ mask]) @ v, the scale on q, k or
+  the scores, k^T a transpose (or a transposing product), NaN guards around the softmax ->
+  g.scaled_dot_product_attention, which never copies k transposed;
+- 1 / sqrt(x) -> g.rsqrt(x);
 - a constant attention mask that is the causal one -> causal attention (its add fuses into the
   score product); key/value heads repeated for grouped-query attention (Hugging Face's
   repeat_kv: an unsqueeze, expand and reshape) -> the heads before repeating, which
@@ -23,6 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+
+from vkml.errors import GraphError
 
 # ---- torch.export (FX) nodes --------------------------------------------------------------------
 # Ops that pass a value through unchanged in a float32 program (HF's .to(torch.float32)).
@@ -68,31 +75,6 @@ def rms_norm_fx(root: Any) -> tuple[Any, Any, float] | None:
     return None
 
 
-def rotate_half_fx(root: Any) -> Any | None:
-    """x where `root` is cat([-x[..., h:], x[..., :h]], -1), h half the last axis."""
-    if not _is(root, "cat") or len(root.args[0]) != 2:
-        return None
-    neg, first = root.args[0]
-    rank = len(root.meta["val"].shape)
-    dim = root.args[1] if len(root.args) > 1 else 0
-    if dim % rank != rank - 1 or not _is(neg, "neg") or not _is(first, "slice"):
-        return None
-    second = neg.args[0]
-    if not _is(second, "slice") or second.args[0] is not first.args[0]:
-        return None
-    x = first.args[0]
-    n = x.meta["val"].shape[-1]
-    half = n // 2
-
-    def bounds(s: Any) -> tuple[int, int]:
-        dim, start, end = (list(s.args[1:4]) + [None] * 3)[:3]
-        return (dim % rank, 0 if start is None else start,
-                n if end is None else min(end, n))
-    if bounds(first) == (rank - 1, 0, half) and bounds(second) == (rank - 1, half, n):
-        return x
-    return None
-
-
 def match_fx(nodes: Any) -> dict[str, Callable[[Any], Any]]:
     """Node name -> a function of the builder's value lookup building the composite."""
     found: dict[str, Callable[[Any], Any]] = {}
@@ -102,14 +84,104 @@ def match_fx(nodes: Any) -> dict[str, Callable[[Any], Any]]:
             x, weight, eps = rms
             found[node.name] = lambda get, x=x, w=weight, eps=eps: get.g.rms_norm(
                 get.device(get.env[x.name]), get.device(get.env[w.name]), eps)
-            continue
-        x = rotate_half_fx(node)
-        if x is not None:
-            found[node.name] = lambda get, x=x: get.g.rotate_half(get.device(get.env[x.name]))
     return found
 
 
 # ---- vkml nodes ---------------------------------------------------------------------------------
+def _views(t: Any) -> Any:
+    """`t` before any reshapes (views: the same elements)."""
+    while t.op == "reshape":
+        t = t.inputs[0]
+    return t
+
+
+def scalar(t: Any) -> float | None:
+    """The value of a one-element constant node, else None."""
+    if t.op == "constant" and t.size == 1:
+        return float(t.graph.initial_values[t.id].reshape(()))
+    return None
+
+
+def rotate_half_of(xs: Any, axis: int) -> Any | None:
+    """x where `xs` concatenated along the last axis is rotate_half(x): [-x2, x1]."""
+    if len(xs) != 2 or axis % len(xs[0].shape) != len(xs[0].shape) - 1:
+        return None
+    neg, first = xs
+    if neg.op != "neg" or neg.inputs[0].op != "slice" or first.op != "slice":
+        return None
+    second = neg.inputs[0]
+    x = first.inputs[0]
+    n, last = x.shape[-1], len(x.shape) - 1
+    if second.inputs[0] is not x or n % 2:
+        return None
+    spans = [(s.attrs["axis"] % len(x.shape), s.attrs["start"], s.attrs["stop"])
+             for s in (first, second)]
+    return x if spans == [(last, 0, n // 2), (last, n // 2, n)] else None
+
+
+def rsqrt_of(t: Any) -> Any | None:
+    """x where `t` is sqrt(x), whose reciprocal is then rsqrt(x)."""
+    return t.inputs[0] if t.op == "sqrt" else None
+
+
+def _scaled(t: Any) -> tuple[Any, float]:
+    """(x, s) where `t` is x times the constant s (or divided by 1/s); (t, 1) otherwise."""
+    if t.op in ("mul", "div"):
+        for k in (1, 0) if t.op == "mul" else (1,):
+            c = scalar(t.inputs[k])
+            if c is not None and c != 0:
+                return t.inputs[1 - k], c if t.op == "mul" else 1.0 / c
+    return t, 1.0
+
+
+def _untransposed(b: Any) -> Any | None:
+    """k where `b` is k with its last two axes swapped: a transpose, possibly of a reshape to
+    three axes and back (as exporters spell a batched transpose)."""
+    t = _views(b)
+    axes = t.attrs.get("axes") if t.op == "transpose" else None
+    rank = len(t.shape)
+    if axes is None or list(axes) != [*range(rank - 2), rank - 1, rank - 2]:
+        return None
+    inner = t.inputs[0]
+    shape = (*b.shape[:-2], b.shape[-1], b.shape[-2])
+    return inner if inner.shape == shape else inner.graph.reshape(inner, shape)
+
+
+def attention_of(g: Any, p: Any, v: Any) -> Any | None:
+    """g.scaled_dot_product_attention(q, k, v, mask, scale) where p @ v is attention written
+    out: p = softmax(q' k'^T * s + mask) (q' = q * s1, k'^T = k^T * s2, a NaN guard allowed);
+    None when it is not."""
+    if p.op == "where" and p.inputs[0].op == "isnan" and p.inputs[0].inputs[0] is p.inputs[2]:
+        p = p.inputs[2]
+    if p.op != "softmax" or len(v.shape) < 3 or len(p.shape) != len(v.shape):
+        return None
+    scores, mask = p.inputs[0], None
+    if scores.op == "add":
+        for k in (0, 1):
+            if _scaled(scores.inputs[k])[0].op == "matmul":
+                scores, mask = scores.inputs[k], scores.inputs[1 - k]
+                break
+    product, scale = _scaled(scores)
+    if product.op != "matmul" or product.attrs["transpose_a"]:
+        return None
+    q, s1 = _scaled(product.inputs[0])
+    right, s2 = _scaled(product.inputs[1])
+    k = right if product.attrs["transpose_b"] else _untransposed(right)
+    if k is None or len(q.shape) != len(v.shape) or k.shape[-2] != v.shape[-2]:
+        return None
+    k, v = unrepeated_heads(k, q.shape[-3]), unrepeated_heads(v, q.shape[-3])
+    causal = False
+    # an ONNX exporter's mask is an initializer, so a parameter: if it is the causal mask,
+    # nothing reads it any more, so training leaves it as imported
+    if mask is not None and mask.op in ("constant", "param") and is_causal_mask(
+            g.initial_values[mask.id], q.shape[-2], k.shape[-2]):
+        mask, causal = None, True
+    try:
+        return g.scaled_dot_product_attention(q, k, v, mask, causal, scale * s1 * s2)
+    except GraphError:  # shapes the composite does not take: the products stay
+        return None
+
+
 def is_causal_mask(mask: Any, queries: int, keys: int) -> bool:
     """Whether an additive mask known at import (broadcast to (..., queries, keys)) is the
     causal one: 0 on and below the diagonal, a large negative number above it."""
@@ -124,16 +196,17 @@ def is_causal_mask(mask: Any, queries: int, keys: int) -> bool:
 def unrepeated_heads(x: Any, heads: int) -> Any:
     """k or v before repeat_kv: x = reshape(broadcast_to(reshape(k0, (b, h, 1, s, d)),
     (b, h, r, s, d)), (b, h * r, s, d)) -> k0 (b, h, s, d); x itself otherwise."""
-    if x.op != "reshape" or x.inputs[0].op != "broadcast_to":
+    wide = _views(x)
+    if x.op != "reshape" or wide.op != "broadcast_to" or len(wide.shape) != len(x.shape) + 1:
         return x
-    wide = x.inputs[0]
-    inner = wide.inputs[0]
     *lead, h, r, s, d = wide.shape
-    if (len(x.shape) != len(wide.shape) - 1 or x.shape[-3] != h * r or x.shape[-3] != heads
-            or inner.shape != (*lead, h, 1, s, d) or inner.op != "reshape"):
+    base = _views(wide.inputs[0])
+    if (x.shape != (*lead, h * r, s, d) or h * r != heads
+            or wide.inputs[0].shape != (*lead, h, 1, s, d)):
         return x
-    base = inner.inputs[0]
-    return base if base.shape == (*lead, h, s, d) else x
+    if base.shape == (*lead, h, s, d):
+        return base
+    return base.graph.reshape(wide.inputs[0], (*lead, h, s, d))
 
 
 # ---- ONNX nodes ----------------------------------------------------------------------------------

@@ -370,7 +370,8 @@ def _addmm(b, bias, x, w, beta=1, alpha=1):
 
 @aten("mm", "bmm", "matmul")
 def _matmul(b, x, w):
-    return matmul(b.g, b.device(x), b.device(w))
+    x, w = b.device(x), b.device(w)
+    return patterns.attention_of(b.g, x, w) or matmul(b.g, x, w)
 
 
 @aten("t")
@@ -437,7 +438,9 @@ def _flatten(b, x, start=0, end=-1):
 @aten("cat", "concat")
 def _cat(b, xs, dim=0):
     xs = [b.device(x) for x in xs if not (hasattr(x, "numel") and x.numel() == 0)]
-    return b.g.concat(xs, dim % len(xs[0].shape))
+    axis = dim % len(xs[0].shape)
+    x = patterns.rotate_half_of(xs, axis)
+    return b.g.rotate_half(x) if x is not None else b.g.concat(xs, axis)
 
 
 @aten("split", "split_with_sizes")
