@@ -326,7 +326,7 @@ class Graph:
         for t in inputs:
             if not isinstance(t, Tensor):
                 raise GraphError(f"{op}: expected a Tensor, got {type(t).__name__}")
-            if t.graph is not self and not self._owns(t):
+            if t.graph is not self and not self.owns(t):
                 raise GraphError(f"{op}: input {t.label} belongs to another Graph (created at "
                                  f"{t.graph.created_at}) than this one (created at "
                                  f"{self.created_at})")
@@ -341,7 +341,8 @@ class Graph:
         self.nodes.append(node)
         return node
 
-    def _owns(self, t: Tensor) -> bool:
+    def owns(self, t: Tensor) -> bool:
+        """Whether `t` is a node of this graph (a copy's nodes are its original's too)."""
         return t.id < len(self.nodes) and self.nodes[t.id] is t
 
     def _claim(self, name: str, kind: str) -> None:

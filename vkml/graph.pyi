@@ -316,7 +316,7 @@ class Graph:
     def apply(self, op: str, inputs: Sequence[Tensor], name: str | None=None, **attrs: Any) -> Tensor:
         ...
 
-    def _owns(self, t: Tensor) -> bool:
+    def owns(self, t: Tensor) -> bool:
         ...
 
     def _claim(self, name: str, kind: str) -> None:

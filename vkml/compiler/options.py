@@ -84,7 +84,7 @@ class CompileOptions:
         if not isinstance(graph, Graph):
             raise GraphError(f"compile takes a vkml.Graph first, got {type(graph).__name__}")
         for name, t in self._named(self.outputs):
-            if not graph._owns(t):
+            if not graph.owns(t):
                 raise GraphError(f"{self._what(name, t)} {t.label} belongs to another Graph "
                                  f"(created at {t.graph.created_at}) than the one compiled "
                                  f"(created at {graph.created_at}); build it on the graph you "

@@ -72,7 +72,7 @@ def key(graph: Graph, caps: Capabilities, named: Mapping[str, Tensor], loss: Ten
         ) -> str | None:
     """The cache key of a compilation (see the module's doc), or None where it cannot be told:
     a tensor of another graph, an attribute the key cannot represent."""
-    if any(not graph._owns(t) for t in [*named.values(), *([loss] if loss is not None else [])]):
+    if any(not graph.owns(t) for t in [*named.values(), *([loss] if loss is not None else [])]):
         return None
     h = hashlib.sha256(FORMAT)
 

@@ -76,7 +76,7 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
     optimizer, keep_grads = options.optimizer, options.keeps_grads
     check_finite, has_loss = options.check_finite, options.loss is not None
     for name, t in outputs.items():
-        if not graph._owns(t):
+        if not graph.owns(t):
             raise GraphError(f"output '{name}' ({t.label}) is not a node of this graph")
     roots = rooted.roots
     nodes = graph.reachable(roots)
