@@ -10,6 +10,7 @@ F.interpolate."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -383,6 +384,33 @@ def test_bound_inputs_skip_set_input_and_unbind_restores_it(host):
     with pytest.raises(vkml.InputError, match="not bound"):
         s.unbind("x")
     s.close()
+
+
+def test_a_step_waits_for_the_hosts_timeline_semaphore(host):
+    """The host writes its buffer after the step was submitted, then signals from the host:
+    the step waited for the signal and read what was written."""
+    s = identity_session(host.vkml, (2, 3))
+    buf, mem = host.buffer(24, SRC)
+    s.bind_input("x", host.describe_buffer(buf, 24, SRC))
+    kind = vk.VkSemaphoreTypeCreateInfo(sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_TYPE_CREATE_INFO,
+                                        semaphoreType=vk.VK_SEMAPHORE_TYPE_TIMELINE)
+    semaphore = vk.vkCreateSemaphore(host.device, vk.VkSemaphoreCreateInfo(
+        sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_CREATE_INFO, pNext=kind), None)
+    with pytest.raises(vkml.InputError, match="value must be an int"):
+        s.wait_for_host(semaphore, -1)
+    s.wait_for_host(semaphore, 1)
+    s.forward()
+    done, value = s.done()
+    time.sleep(0.2)
+    assert vk.vkGetSemaphoreCounterValue(host.device, done) < value  # still waiting
+    mem.view(np.float32)[:] = np.arange(6, dtype=np.float32) + 1
+    vk.vkSignalSemaphore(host.device, vk.VkSemaphoreSignalInfo(
+        sType=vk.VK_STRUCTURE_TYPE_SEMAPHORE_SIGNAL_INFO, semaphore=semaphore, value=1))
+    assert_bits(s.read("y"), (np.arange(6, dtype=np.float32) + 1).reshape(2, 3))
+    s.forward()  # once per step: the next one does not wait
+    s.wait()
+    s.close()
+    vk.vkDestroySemaphore(host.device, semaphore, None)
 
 
 def test_wrong_resources_are_refused_naming_the_input_and_the_fix(host):

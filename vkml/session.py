@@ -291,6 +291,23 @@ class Session:
             self._bound.unset_inputs.add(name)
         self._rebind()
 
+    @_serialized
+    def wait_for_host(self, semaphore: object, value: int) -> None:
+        """The next step's first submission (step(), its first piece in step_chunk(), or
+        forward()) waits on the GPU, in every pipeline stage, until the host's timeline
+        `semaphore` (a `vulkan` handle or an int, of this device) reaches `value`: how a host
+        whose writes to bound inputs are not before the step in queue order (another queue,
+        another thread's submission, a write from the host signalled with
+        vkSignalSemaphore) orders them. Once per step; Vulkan with timeline semaphores."""
+        timeline = self.device.backend.timeline
+        if timeline is None:
+            raise DeviceError("wait_for_host needs Vulkan timeline semaphores, which this "
+                              "session's device lacks: "
+                              + self.device.backend.why_absent("timeline"))
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InputError(f"wait_for_host: value must be an int >= 0, got {value!r}")
+        self._bound.host_wait = (semaphore, value)
+
     def _rebind(self) -> None:
         bound = self._bound
         bound.rebind()

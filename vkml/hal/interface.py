@@ -30,6 +30,11 @@ class TimelineSync(Protocol):
         finished."""
         ...
 
+    def submit_after(self, programs: Sequence[object], semaphore: Any, value: int) -> None:
+        """submit_batch(programs) as one submission that first waits, in every stage, for the
+        host's timeline `semaphore` to reach `value`."""
+        ...
+
 
 class HostRecording(Protocol):
     """vkml's commands recorded into a command buffer the host records and submits itself."""

@@ -97,6 +97,8 @@ class BoundPlan:
         self.frames = FrameBindings(self)
         self.input_program: object | None = None  # the bound inputs' copies and conversions
         self.output_program: object | None = None  # the bound outputs' copies
+        # A host's (timeline semaphore, value) the next step's first submission waits for.
+        self.host_wait: tuple[object, int] | None = None
         self._next_staging = 0
         self._latest: dict[str, np.ndarray] = {}  # each input's value for the next step
         self._version: dict[str, int] = {}
@@ -310,7 +312,11 @@ class BoundPlan:
             batch[:0] = first + ([self.input_program] if self.input_program is not None else [])
         if ends:
             batch += [p for p in (self.output_program, self.download_program) if p is not None]
-        if len(batch) == 1:
+        wait, self.host_wait = (self.host_wait, None) if begins else (None, self.host_wait)
+        if wait is not None:
+            assert self.backend.timeline is not None
+            self.backend.timeline.submit_after(batch, *wait)
+        elif len(batch) == 1:
             self.backend.submit(batch[0])
         else:
             self.backend.submit_batch(batch)

@@ -38,7 +38,7 @@ from vkml.vk.context import (
     as_handle,
     how_to_enable,
 )
-from vkml.vk.host_resources import HostResources, ImportedImage
+from vkml.vk.host_resources import HostResources, ImportedImage, raw_handle
 from vkml.vk.pipelines import Pipeline, PipelineCache, create_pipeline, destroy_pipeline
 from vkml.vk.programs import (
     Program,
@@ -442,12 +442,14 @@ class VulkanBackend(BackendBase):
             self._check(result, f"vkQueueSubmit of program {program.label!r}")
         program.submitted = True
 
-    def submit_batch(self, programs: Sequence[Program]) -> None:
+    def submit_batch(self, programs: Sequence[Program],
+                     wait: tuple[Any, int] | None = None) -> None:
         """Queue `programs` to run in order as ONE vkQueueSubmit (their command buffers in one
         VkSubmitInfo, which signals the timeline once, after the last); returns at once. Without
-        timeline semaphores each goes in a submission of its own (a fence each)."""
+        timeline semaphores each goes in a submission of its own (a fence each). `wait`: a
+        (timeline semaphore, value) of the host's the submission waits for, in every stage."""
         programs = list(programs)
-        if len(programs) == 1 or not self._timeline:
+        if wait is None and (len(programs) == 1 or not self._timeline):
             for program in programs:
                 self.submit(program)
             return
@@ -471,6 +473,14 @@ class VulkanBackend(BackendBase):
             "sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO, "pNext": timeline,
             "commandBufferCount": len(programs), "pCommandBuffers": buffers,
             "signalSemaphoreCount": 1, "pSignalSemaphores": self._semaphore_array})
+        if wait is not None:  # kept alive in locals until the submit returns
+            waits = ffi.new("VkSemaphore[1]", [ffi.cast("VkSemaphore", raw_handle(
+                ffi, wait[0], "VkSemaphore", "wait_for_host"))])
+            wait_values = ffi.new("uint64_t[1]", [int(wait[1])])
+            stages = ffi.new("VkPipelineStageFlags[1]", [vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT])
+            timeline.waitSemaphoreValueCount, timeline.pWaitSemaphoreValues = 1, wait_values
+            info.waitSemaphoreCount, info.pWaitSemaphores = 1, waits
+            info.pWaitDstStageMask = stages
         with deferred_interrupts(), self.queue_lock:
             value = self._value + 1
             signal[0] = value
@@ -647,6 +657,9 @@ class _Timeline:
 
     def value_of(self, program: Program) -> int:
         return program.last_value
+
+    def submit_after(self, programs: Sequence[Program], semaphore: Any, value: int) -> None:
+        self._backend.submit_batch(programs, wait=(semaphore, value))
 
 
 class _HostRecording:

@@ -24,6 +24,21 @@ LAYOUTS = {1: "GENERAL", 2: "COLOR_ATTACHMENT_OPTIMAL", 5: "SHADER_READ_ONLY_OPT
            6: "TRANSFER_SRC_OPTIMAL", 7: "TRANSFER_DST_OPTIMAL", 1000001002: "PRESENT_SRC_KHR"}
 
 
+def raw_handle(ffi: Any, handle: Any, ctype: str, what: str) -> int:
+    """A non-dispatchable handle (VkBuffer, VkImage, VkSemaphore) as an integer, from a `vulkan`
+    cffi handle or an int; InputError naming `what` for anything else or a null handle."""
+    if isinstance(handle, ffi.CData):
+        raw = int(ffi.cast("uintptr_t", handle))
+    elif isinstance(handle, numbers.Integral) and not isinstance(handle, bool):
+        raw = int(handle)
+    else:
+        raise InputError(f"{what}: expected a {ctype} (a `vulkan` cffi handle or an int), "
+                         f"got {type(handle).__name__}")
+    if raw == 0:
+        raise InputError(f"{what}: a null {ctype}")
+    return raw
+
+
 class ImportedImage:
     """A host's VkImage as vkml uses it: its handle and what the host declared."""
 
@@ -96,15 +111,7 @@ class HostResources:
         """The handle as an integer, after checking the declared device and usage."""
         b = self._backend
         ffi = b._ffi
-        if isinstance(handle, ffi.CData):
-            raw = int(ffi.cast("uintptr_t", handle))
-        elif isinstance(handle, numbers.Integral) and not isinstance(handle, bool):
-            raw = int(handle)
-        else:
-            raise InputError(f"{what}: expected a {ctype} (a `vulkan` cffi handle or an int), "
-                             f"got {type(handle).__name__}")
-        if raw == 0:
-            raise InputError(f"{what}: a null {ctype}")
+        raw = raw_handle(ffi, handle, ctype, what)
         try:
             theirs = as_handle(ffi, "VkDevice", device, f"{what}: device")
         except Exception as exc:
