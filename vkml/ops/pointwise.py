@@ -394,10 +394,9 @@ def bias_add(g: Graph, x: Tensor, bias: Tensor) -> Tensor:
 # ---- comparisons, logic and selection --------------------------------------------------------
 # A truth value is an f32 mask (1 true, 0 false), so it fuses into the arithmetic that reads it
 # like any other value; the logical ops and `where` take any nonzero element as true, as torch
-# does (NaN included). Masks have a zero gradient (torch's bools have none), so `x * (x > 0)`
-# differentiates through x alone. `!=` is spelled as the negation of `==`, so NaN != NaN holds
-# as in torch whichever way the driver orders an unequal comparison.
-ZERO = {"f32": "0.0", "i32": "0i"}
+# does (NaN included). Masks have no gradient (torch's bools have none), so `x * (x > 0)`
+# differentiates through x alone. Every f32 comparison tells NaN by its bits (vkml_isnan): a
+# NaN compares false, but unequal, as in torch, whatever the driver assumes.
 
 
 def _one_dtype(inputs) -> str:
