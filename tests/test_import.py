@@ -519,3 +519,40 @@ def test_llama_block_onnx_imports_to_the_hand_built_plan(device, tmp_path):
     s.set_input("x", x.numpy())
     s.forward()
     assert rel_l2(s.read("output"), module(x).detach().numpy()) < FORWARD_TOL
+
+
+class Dropping(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.drop = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), \
+            torch.nn.Dropout(0.25)
+
+    def forward(self, x):
+        return self.drop(self.bn(self.fc(x)))
+
+
+def _ops(imp):
+    return {n.op for n in imp.graph.reachable(imp.outputs.values())}
+
+
+@pytest.mark.parametrize("front", ["torch", "onnx"])
+def test_training_flag_keeps_or_drops_the_training_forms(front, tmp_path):
+    """training=True keeps what a train-mode export recorded (live dropout, batch norm over
+    the batch), training=False the inference forms; a module exported in eval mode has no
+    training forms either way."""
+    module, x = Dropping(), torch.randn(3, 4)
+
+    def imported(mode, training):
+        module.train(mode)
+        if front == "torch":
+            return vkml.import_torch(module, (x,), training=training)
+        path = export_onnx(module, (x,), tmp_path / f"{mode}.onnx", ["x"], training=(
+            torch.onnx.TrainingMode.TRAINING if mode else torch.onnx.TrainingMode.EVAL),
+            do_constant_folding=False)
+        return vkml.import_onnx(path, training=training)
+
+    live = _ops(imported(True, True))
+    assert "dropout" in live and "normalized" in live  # normalized: batch norm's train form
+    for mode, training in ((True, False), (False, True)):
+        ops = _ops(imported(mode, training))
+        assert "dropout" not in ops and "normalized" not in ops, (mode, training)

@@ -57,8 +57,10 @@ def import_torch(module: Any, args: tuple = (), kwargs: dict | None = None,
     try:
         program = torch.export.export(module, tuple(args), kwargs or {})
     except Exception as e:
+        hint = ("; a Hugging Face model returns its key/value cache unless built with "
+                "use_cache=False (config.use_cache = False)" if "Cache" in str(e) else "")
         raise ModelImportError(f"torch.export could not export {name}: {type(e).__name__}: "
-                               f"{e}") from e
+                               f"{e}{hint}") from e
     table = torch.export.default_decompositions()
     for op in list(table):
         if _key(op) in KEPT:
