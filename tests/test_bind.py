@@ -366,6 +366,29 @@ def test_resize_and_channel_choice_match_torch_bilinear(host, rng):
         s.close()
 
 
+def test_a_picture_in_a_buffer_is_converted_as_an_image_is(host, rng):
+    """RGBA8 texels in a host buffer (after 16 bytes of something else), declared with a
+    format and extent: the same table, channel choice and layout as an image's."""
+    texels = rng.integers(0, 256, (H, W, 4), dtype=np.uint8)
+    buf, mem = host.buffer(16 + texels.nbytes, SRC)
+    mem[16:] = texels.reshape(-1)
+    s = identity_session(host.vkml, (1, 3, H, W))
+    s.bind_input("x", vkml.HostBuffer(buf, host.device, 16 + texels.nbytes, SRC,
+                                      "rgba8_unorm", (W, H)), offset=16, channels=(2, 1, 0),
+                 mean=MEAN, std=STD)
+    s.forward()
+    lut = table("rgba8_unorm", (*MEAN, 0.0), (*STD, 1.0)).reshape(4, 256)
+    expected = np.stack([lut[c][texels[..., c]] for c in (2, 1, 0)])[None]
+    assert_bits(s.read("y"), np.maximum(expected, np.float32(0)))  # the session's relu
+    with pytest.raises(vkml.InputError, match="region crops images"):
+        s.bind_input("x", vkml.HostBuffer(buf, host.device, 16 + texels.nbytes, SRC,
+                                          "rgba8_unorm", (W, H)), region=(0, 0, 4, 4))
+    with pytest.raises(vkml.InputError, match="do not fit"):
+        s.bind_input("x", vkml.HostBuffer(buf, host.device, 16 + texels.nbytes, SRC,
+                                          "rgba8_unorm", (W, H + 1)))
+    s.close()
+
+
 def test_bound_inputs_skip_set_input_and_unbind_restores_it(host):
     s = identity_session(host.vkml, (2, 3))
     buf, mem = host.buffer(24, SRC)

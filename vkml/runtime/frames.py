@@ -42,12 +42,18 @@ class HostBuffer:
 
     `handle`: the VkBuffer (a `vulkan` cffi handle or an int); `device`: the VkDevice it was
     created on; `nbytes`: its VkBufferCreateInfo.size; `usage`: its VkBufferUsageFlags (an
-    input needs TRANSFER_SRC, an output TRANSFER_DST)."""
+    input needs TRANSFER_SRC, an output TRANSFER_DST).
+
+    Without `format` it holds a tensor as set_input takes it. With `format` (as HostImage's)
+    and `extent` (width, height) it holds a picture, its texels row after row, tightly packed,
+    converted as an image's are (taken whole: `region` crops images only)."""
 
     handle: Any
     device: Any
     nbytes: int
     usage: int
+    format: str | None = None
+    extent: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -112,19 +118,20 @@ class FrameBindings:
         slot = plan.slots[plan.inputs[name]]
         resources = self._resources(what)
         arena, at = self._bound.place(slot.id)
-        if isinstance(source, HostBuffer):
+        if isinstance(source, HostBuffer) and source.format is None:
             if region is not None or channels is not None or mean is not None or std is not None:
-                raise InputError(f"{what}: region, channels, mean and std convert images; a "
-                                 "buffer is copied as it is (the input's own layout)")
+                raise InputError(f"{what}: region, channels, mean and std convert pictures; a "
+                                 "buffer without a format is copied as it is (the input's own "
+                                 "layout): give HostBuffer(..., format=, extent=) for pixels")
             _check_offset(what, offset, slot.nbytes, source.nbytes)
             if slot.dtype != "f32" and slot.dtype != "i32":
                 raise InputError(f"{what}: inputs of dtype {slot.dtype} cannot be bound")
             buf = resources.buffer(source.handle, source.device, source.nbytes, source.usage,
                                    "read", what)
             binding = _Bound(buf, Copy(buf, offset, arena, at, slot.nbytes))
-        elif isinstance(source, HostImage):
-            binding = self._image_input(what, slot, arena, at, source, offset, region, channels,
-                                        mean, std)
+        elif isinstance(source, HostImage | HostBuffer):
+            binding = self._picture_input(what, slot, arena, at, source, offset, region,
+                                          channels, mean, std)
         else:
             raise InputError(f"{what}: expected a vkml.HostBuffer or vkml.HostImage describing "
                              f"the host's VkBuffer or VkImage, got {type(source).__name__} "
@@ -133,12 +140,18 @@ class FrameBindings:
         self.unbind(name)
         self.inputs[name] = binding
 
-    def _image_input(self, what: str, slot: Any, arena: object, at: int, image: HostImage,
-                     offset: int, region: tuple[int, int, int, int] | None,
-                     channels: Sequence[int] | None, mean: Sequence[float] | None,
-                     std: Sequence[float] | None) -> _Bound:
-        if offset:
+    def _picture_input(self, what: str, slot: Any, arena: object, at: int,
+                       source: HostImage | HostBuffer, offset: int,
+                       region: tuple[int, int, int, int] | None,
+                       channels: Sequence[int] | None, mean: Sequence[float] | None,
+                       std: Sequence[float] | None) -> _Bound:
+        """An image's region, or a picture in a buffer, converted by a kernel in the step."""
+        image = isinstance(source, HostImage)
+        if image and offset:
             raise InputError(f"{what}: offset is for buffers; an image's rectangle is `region`")
+        if not image and region is not None:
+            raise InputError(f"{what}: region crops images; a picture in a buffer is taken "
+                             "whole (and resized to the input's size)")
         if slot.dtype != "f32":
             raise InputError(f"{what}: an image converts to f32, and this input is {slot.dtype}")
         shape = slot.shape
@@ -149,16 +162,20 @@ class FrameBindings:
         if len(shape) != 3:
             raise InputError(f"{what}: an image fills an input of shape (1, C, H, W), (C, H, W) "
                              f"or (H, W); this one is {slot.shape}")
-        if image.format not in FORMATS:
-            raise InputError(f"{what}: format {image.format!r} is not one vkml reads; use one "
+        format = source.format
+        if format not in FORMATS:
+            raise InputError(f"{what}: format {format!r} is not one vkml reads; use one "
                              f"of {sorted(FORMATS)}")
-        extent = _extent(what, image.extent)
+        extent = _extent(what, source.extent)
         x, y, width, height = region if region is not None else (0, 0, *extent)
         if min(x, y) < 0 or width <= 0 or height <= 0 or x + width > extent[0] \
                 or y + height > extent[1]:
             raise InputError(f"{what}: region (x, y, width, height) = {(x, y, width, height)} "
                              f"does not fit in the {extent[0]}x{extent[1]} image")
-        depth = 1 if image.format == "r32_float" else 4
+        nbytes = width * height * FORMATS[format]
+        if not image:
+            _check_offset(what, offset, nbytes, source.nbytes)
+        depth = 1 if format == "r32_float" else 4
         picks = tuple(range(min(shape[0], depth))) if channels is None else tuple(channels)
         if len(picks) != shape[0] or any(not 0 <= c < depth for c in picks):
             raise InputError(f"{what}: channels {list(picks)} must name {shape[0]} source "
@@ -169,26 +186,30 @@ class FrameBindings:
         if any(s == 0 or not math.isfinite(s) for s in stds):
             raise InputError(f"{what}: std must be finite and non-zero, got {list(stds)}")
         resources = self._resources(what)
-        handle = resources.image(image.handle, image.device, image.format, extent, image.usage,
-                                 image.layout, "read", what)
+        if isinstance(source, HostImage):
+            handle = resources.image(source.handle, source.device, format, extent, source.usage,
+                                     source.layout, "read", what)
+        else:
+            handle = resources.buffer(source.handle, source.device, source.nbytes, source.usage,
+                                      "read", what)
         backend = self._backend
         binding = _Bound(handle)
         try:
-            texels = backend.create_buffer(width * height * FORMATS[image.format], "device",
-                                           f"{what} texels")
+            texels = backend.create_buffer(nbytes, "device", f"{what} texels")
             binding.buffers.append(texels)
-            lookup = frame_kernels.table(image.format, (means * 4)[:4], (stds * 4)[:4])
+            lookup = frame_kernels.table(format, (means * 4)[:4], (stds * 4)[:4])
             table = backend.create_buffer(lookup.nbytes, "device", f"{what} table")
             binding.buffers.append(table)
             backend.write_buffer(table, 0, memoryview(lookup).cast("B"))
-            kernel = frame_kernels.convert(image.format, (width, height), shape, picks,
+            kernel = frame_kernels.convert(format, (width, height), shape, picks,
                                            self._bound.device.caps)
             pipeline, = self._bound.device.pipelines.acquire([kernel])
             binding.kernels.append(kernel)
             bindings = (Binding(texels, 0, texels.nbytes, False),
                         Binding(table, 0, table.nbytes, False),
                         Binding(arena, at, slot.nbytes, True))
-            binding.copy = CopyFromImage(ImageRegion(handle, x, y, width, height), texels, 0)
+            binding.copy = (CopyFromImage(ImageRegion(handle, x, y, width, height), texels, 0)
+                            if image else Copy(handle, offset, texels, 0, nbytes))
             binding.convert = Dispatch(pipeline, bindings, kernel.groups)
         except BaseException:
             self._free(binding)
