@@ -330,10 +330,11 @@ class Session:
         measured. Results are bit-identical to a whole step either way.
 
         A step is submitted whole or not at all: a KeyboardInterrupt (Ctrl-C) that arrives
-        while it is submitted is raised once all its pieces are, so a loop of N calls applies
-        N updates whichever call the interrupt stops. A step begun with step_chunk() and not
-        finished is finished first (its remaining pieces submitted, its update applied), as
-        forward(), save(), load(), profile(), record() and close() do: then this step runs."""
+        while it is submitted is raised once all its pieces are, so no step is left half-way
+        for a later call to finish (which would apply two updates). A step begun with
+        step_chunk() and not finished is finished first (its remaining pieces submitted, its
+        update applied), as forward(), save(), load(), profile(), record() and close() do:
+        then this step runs."""
         if chunks is None and budget_ms is None:
             self._submit(self._bound.step_program, self._bound.step_writes_params,
                          {"outputs", "grads"})
