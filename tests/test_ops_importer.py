@@ -231,6 +231,17 @@ def test_gather_of_i32_data_gathers_integers(device):
     assert s.read("y").tolist() == [2**30, -20, 10]
 
 
+def test_advanced_indices_are_checked_per_axis(device):
+    """x[i, j] on (3, 4): j = 4 would land inside the flat (12) range, on the next row."""
+    g = vkml.Graph()
+    x, i, j = g.input("x", (3, 4)), g.input("i", (2,), "i32"), g.input("j", (2,), "i32")
+    g.output("y", g.index(x, [i, j]))
+    session = vkml.compile(g, device=device)
+    session.set_input("i", np.array([0, -3]))
+    with pytest.raises(vkml.InputError, match=r"'j' holds 4 .* outside \[-4, 4\).* axis 1"):
+        session.set_input("j", np.array([1, 4]))
+
+
 def test_gather_indices_out_of_range_are_refused(device):
     g = vkml.Graph()
     x, i = g.input("x", (4, 3)), g.input("i", (2,), "i32")

@@ -531,8 +531,8 @@ class Graph:
         an i32 index tensor, or None for the whole axis, for each of x's leading axes, the tensors
         broadcast together. Their shape replaces the indexed axes where they are adjacent, else it
         comes first (torch's rule); a negative index counts from its axis's end. One gather along
-        the indexed axes flattened, at the flat index computed from the tensors (i32 arithmetic).
-        Indices from an input or a constant are range-checked as a whole flat index, not per axis."""
+        the indexed axes flattened, at the flat index computed from the tensors (i32 arithmetic);
+        each tensor is range-checked against its own axis."""
         ...
     def index_select(self, x: Tensor, axis: int, index: Tensor) -> Tensor:
         """torch.index_select: `x` at the 1-D i32 `index` along `axis`."""

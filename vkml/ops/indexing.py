@@ -445,14 +445,29 @@ def index_select(g: Graph, x: Tensor, axis: int, index: Tensor) -> Tensor:
     return g.gather(x, index, axis)
 
 
+# i32 values declared to index an axis of `extent` ([-extent, extent)): a view (no kernel, no
+# memory) whose only use is its OpDef.indexes fact, so an index computed from them (index's
+# flat index) is range-checked per axis, as torch checks each, not only as a whole.
+def _index_bounds(inputs, attrs):
+    (t,) = inputs
+    if t.dtype != "i32":
+        raise GraphError(f"index bounds apply to i32 indices, got {t.type}")
+    return t.shape, t.dtype
+
+
+register(OpDef("index_bounds", _index_bounds, "view",
+               indexes=lambda node: (0, -node.attrs["extent"], node.attrs["extent"],
+                                     node.attrs["what"])))
+
+
 @builder
 def index(g: Graph, x: Tensor, indices: Sequence[Tensor | None]) -> Tensor:
     """torch's advanced indexing x[i0, i1, ...] (aten.index; ONNX GatherND over leading axes):
     an i32 index tensor, or None for the whole axis, for each of x's leading axes, the tensors
     broadcast together. Their shape replaces the indexed axes where they are adjacent, else it
     comes first (torch's rule); a negative index counts from its axis's end. One gather along
-    the indexed axes flattened, at the flat index computed from the tensors (i32 arithmetic).
-    Indices from an input or a constant are range-checked as a whole flat index, not per axis."""
+    the indexed axes flattened, at the flat index computed from the tensors (i32 arithmetic);
+    each tensor is range-checked against its own axis."""
     if len(indices) > len(x.shape):
         raise GraphError(f"index: {len(indices)} indices for {x.label}")
     used = [a for a, i in enumerate(indices) if i is not None]
@@ -478,6 +493,7 @@ def index(g: Graph, x: Tensor, indices: Sequence[Tensor | None]) -> Tensor:
     dims = x.shape[used[0]:used[-1] + 1]
     flat: Tensor | None = None
     for k, (n, t) in enumerate(zip(dims, tensors)):
+        t = g.apply("index_bounds", [t], extent=n, what=f"index of axis {used[k]}")
         term = g.where(g.less(t, 0), g.add(t, n), t)  # each axis's own negative indices
         stride = math.prod(dims[k + 1:])
         term = g.mul(term, stride) if stride != 1 else term
