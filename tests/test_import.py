@@ -97,7 +97,7 @@ def check_training(imp, module, x, labels, vk, name_of=lambda n: n, tmp_path=Non
 
 
 @vulkan_only
-def test_onnx_mlp_trains_as_pytorch_and_saves_back(device, tmp_path):
+def test_onnx_mlp_trains_as_pytorch_and_saves_back(device, tmp_path, monkeypatch):
     vk = device
     torch.manual_seed(0)
     module = MLP()
@@ -114,6 +114,14 @@ def test_onnx_mlp_trains_as_pytorch_and_saves_back(device, tmp_path):
     assert rel_l2(after, trained(x).detach().numpy()) < FORWARD_TOL
     s.forward()
     assert rel_l2(s.read("logits"), after) < FORWARD_TOL
+
+    # a model past the size limit gets its tensors in a file beside it
+    import vkml.importers.onnx as onnx_front
+    monkeypatch.setattr(onnx_front, "EXTERNAL_DATA_ABOVE", 0)
+    imp.save_onnx(s, str(tmp_path / "external.onnx"))
+    assert (tmp_path / "external.onnx.data").stat().st_size > 0
+    (external,) = onnxruntime_run(tmp_path / "external.onnx", {"x": x.numpy()})
+    assert np.array_equal(external, after)
 
 
 class SmallCNN(torch.nn.Module):

@@ -40,6 +40,8 @@ from vkml.importers.common import (
 )
 
 MIN_OPSET = 13
+# save_onnx writes the tensors of a larger model to an external-data file beside it
+EXTERNAL_DATA_ABOVE = 1 << 30
 FLOAT_TYPES = {"FLOAT", "FLOAT16", "DOUBLE", "BFLOAT16"}
 INT_TYPES = {"INT64", "INT32", "INT16", "INT8", "UINT8", "UINT16", "UINT32", "BOOL"}
 # Ops whose result depends on the values of their data at run time (its shape, or which
@@ -368,7 +370,12 @@ class _Builder:
                 if t.name in values:
                     t.CopyFrom(onnx.numpy_helper.from_array(
                         np.asarray(values[t.name]).astype(dtypes[t.name]), t.name))
-            onnx.save(out, path)
+            size = sum(len(t.raw_data) for t in out.graph.initializer)
+            if size < EXTERNAL_DATA_ABOVE:
+                onnx.save(out, path)
+            else:  # protobuf's 2 GiB limit: the tensors go to a file beside the model
+                onnx.save(out, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                          location=os.path.basename(path) + ".data", size_threshold=0)
 
         return ImportedModel(self.g, dict(self.inputs), dict(self.outputs), self.source,
                              params={n: n for n in self.params}, frozen=tuple(self.frozen),
