@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vkml first
+import zoo  # noqa: E402
 import zoo_models  # noqa: E402
 
 import vkml  # noqa: E402
@@ -69,10 +70,9 @@ def imported(torch, module, example: tuple, way: str, tmp: Path):
     if way == "torch.export":
         return vkml.import_torch(module, args=example, training=True)
     path = tmp / "model.onnx"
-    torch.onnx.export(module, example, str(path), dynamo=False, opset_version=17,
-                      do_constant_folding=False, training=torch.onnx.TrainingMode.TRAINING,
-                      input_names=[f"input{i}" for i in range(len(example))],
-                      output_names=["output"])
+    names = [f"input{i}" for i in range(len(example))]
+    model = zoo_models.ZooModel(module, dict(zip(names, example)), "")
+    zoo.export_onnx(torch, model, path, training=module.training)
     return vkml.import_onnx(str(path), training=True)
 
 
