@@ -447,7 +447,7 @@ def test_readme_bring_your_own_model_runs(tmp_path, capsys):
 def _ops_model():
     """One ONNX graph over the newer ops' conversions: comparisons and Where, Min/Max, casts
     of masks, reflect padding, nearest and linear Resize, Tile, Expand, GatherND with indices
-    known at import, Einsum, ReduceL2, CumSum."""
+    known at import, Einsum, ReduceL2, CumSum, a strided Slice."""
     from onnx import TensorProto, helper, numpy_helper
     rng = np.random.default_rng(0)
 
@@ -460,7 +460,10 @@ def _ops_model():
              const("bias", rng.standard_normal((3, 1, 1)).astype(np.float32)),
              const("shape", np.array([2, 3, 4, 4], np.int64)),
              const("points", np.array([[0, 1, 2], [1, 2, 0]], np.int64)),
-             const("axis", np.array(1, np.int64)), const("l2axes", np.array([1], np.int64))]
+             const("axis", np.array(1, np.int64)), const("l2axes", np.array([1], np.int64)),
+             const("starts", np.array([1, -3], np.int64)),
+             const("ends", np.array([4, 99], np.int64)),
+             const("axes", np.array([3, 2], np.int64)), const("steps", np.array([2, 1], np.int64))]
     n = helper.make_node
     nodes = [n("Less", ["x", "tenth"], ["low"]), n("Neg", ["x"], ["negx"]),
              n("Where", ["low", "x", "negx"], ["w"]),
@@ -475,10 +478,12 @@ def _ops_model():
              n("GatherND", ["x", "points"], ["picked"]),
              n("Einsum", ["x", "x"], ["gram"], equation="bchw,bdhw->bcd"),
              n("ReduceL2", ["x", "l2axes"], ["norm"], keepdims=0),
-             n("CumSum", ["x", "axis"], ["cum"], reverse=1)]
+             n("CumSum", ["x", "axis"], ["cum"], reverse=1),
+             n("Slice", ["x", "starts", "ends", "axes", "steps"], ["strided"])]
     outputs = {"padded": (2, 3, 7, 7), "near": (2, 3, 8, 8), "lin": (2, 3, 8, 8),
                "tiled": (2, 6, 4, 4), "scaled": (2, 3, 4, 4), "picked": (2, 4),
-               "gram": (2, 3, 3), "norm": (2, 4, 4), "cum": (2, 3, 4, 4)}
+               "gram": (2, 3, 3), "norm": (2, 4, 4), "cum": (2, 3, 4, 4),
+               "strided": (2, 3, 3, 2)}
     graph = helper.make_graph(
         nodes, "ops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 3, 4, 4))],
         [helper.make_tensor_value_info(o, TensorProto.FLOAT, shape)

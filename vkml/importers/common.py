@@ -76,6 +76,9 @@ def convert_guarded(refusals: Refusals, node: str, op_type: str,
         refusals.refuse(node, op_type, str(e))
     except GraphError as e:
         refusals.refuse(node, op_type, f"vkml cannot build it: {e}")
+    except Exception as e:  # a bug of the importer: named, and the import still refused whole
+        refusals.refuse(node, op_type, f"the importer failed on it ({type(e).__name__}: {e}); "
+                        "please report it")
     return None
 
 
@@ -202,3 +205,17 @@ def gather_points(g: Graph, x: Tensor, indices: Sequence[np.ndarray], first: int
     merged = g.reshape(x, (*x.shape[:first], math.prod(dims), *x.shape[first + k:]))
     flat = np.ravel_multi_index(tuple(arrays), dims) if arrays[0].size else arrays[0]
     return g.gather(merged, g.constant(flat, "i32"), first)
+
+
+def slice_along(g: Graph, x: Tensor, axis: int, start: int | None, end: int | None,
+                step: int = 1) -> Tensor:
+    """x[start:end:step] along `axis` with Python's (and ONNX's) reading of the bounds: None
+    for the whole axis, negative from the end, clamped to it."""
+    n = x.shape[axis]
+    if step < 1:
+        raise Refuse(f"slices with step {step} are not supported (positive steps are)")
+    lo = 0 if start is None else max(0, min(n, start + n if start < 0 else start))
+    hi = n if end is None else max(0, min(n, end + n if end < 0 else end))
+    if hi <= lo:
+        raise Refuse(f"an empty slice [{start}:{end}] of axis {axis} ({n})")
+    return x if (lo, hi, step) == (0, n, 1) else g.slice(x, axis, lo, hi, step)

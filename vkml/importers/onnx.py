@@ -36,6 +36,7 @@ from vkml.importers.common import (
     last_axis,
     matmul,
     power,
+    slice_along,
     take,
 )
 
@@ -812,16 +813,7 @@ def _slice(b, node, ins, attrs):
     steps = (b.host(ins[4], "steps").reshape(-1).tolist() if len(ins) > 4 and ins[4] is not None
              else [1] * len(starts))
     for start, end, axis, step in zip(starts, ends, axes, steps):
-        axis %= len(x.shape)
-        n = x.shape[axis]
-        if step != 1:
-            raise Refuse(f"slices with step {step} are not supported (step 1 is)")
-        lo = max(0, min(n, start + n if start < 0 else start))
-        hi = max(0, min(n, end + n if end < 0 else end))
-        if hi <= lo:
-            raise Refuse(f"an empty slice [{start}:{end}] of axis {axis} ({n})")
-        if (lo, hi) != (0, n):
-            x = b.g.slice(x, axis, lo, hi)
+        x = slice_along(b.g, x, axis % len(x.shape), start, end, step)
     return x
 
 

@@ -215,7 +215,7 @@ def onnx_composite(builder: Any, node: Any, producer: dict[str, Any]
     """A function building the composite whose value `node` computes, or None. Matched when
     the walk reaches `node`, so the constants it reads are known."""
     x = gelu_onnx(builder, node, producer)
-    if x is not None:
+    if x is not None and x in builder.env:  # not when x could not be built
         return lambda: builder.g.gelu(builder.device(builder.env[x]))
     return None
 

@@ -34,6 +34,7 @@ from vkml.importers.common import (
     last_axis,
     matmul,
     power,
+    slice_along,
 )
 from vkml.ops.composite import MASKED
 
@@ -454,16 +455,7 @@ def _split(b, x, sizes, dim=0):
 @aten("slice")
 def _slice(b, x, dim=0, start=None, end=None, step=1):
     x = b.device(x)
-    dim %= len(x.shape)
-    n = x.shape[dim]
-    if step != 1:
-        raise Refuse(f"slices with step {step} are not supported (step 1 is)")
-    lo = 0 if start is None else (start + n if start < 0 else start)
-    hi = n if end is None else (end + n if end < 0 else end)
-    lo, hi = max(0, min(n, lo)), max(0, min(n, hi))
-    if hi <= lo:
-        raise Refuse(f"an empty slice [{start}:{end}] of axis {dim} ({n})")
-    return x if (lo, hi) == (0, n) else b.g.slice(x, dim, lo, hi)
+    return slice_along(b.g, x, dim % len(x.shape), start, end, step)
 
 
 @aten("select")
