@@ -356,3 +356,22 @@ def test_pad_with_infinity_leaves_maxima_alone(device, rng):
     np.testing.assert_array_equal(session.read("padded"),
                                   F.pad(torch.tensor(x), (1, 2), value=-np.inf).numpy())
     np.testing.assert_array_equal(session.read("max"), x.max(1))
+
+
+def test_cumsum_of_i32_counts_as_torch_does(device):
+    """An i32 running count (RoBERTa's position ids: cumsum of a mask of its token ids) stays
+    i32, exact, and wraps past 2**31 as torch's int32 does."""
+    g = vkml.Graph()
+    x = g.input("x", (3, 6), "i32")
+    g.output("y", g.cumsum(x, 1))
+    g.output("r", g.cumsum(x, 0, reverse=True, exclusive=True))
+    s = vkml.compile(g, device=device)
+    value = np.random.default_rng(0).integers(-5, 6, (3, 6)).astype(np.int32)
+    value[1, :2] = 2**31 - 1  # the sum wraps
+    s.set_input("x", value)
+    s.forward()
+    t = torch.from_numpy(value)
+    assert s.read("y").dtype == np.int32
+    np.testing.assert_array_equal(s.read("y"), torch.cumsum(t, 1, dtype=torch.int32).numpy())
+    np.testing.assert_array_equal(
+        s.read("r"), (t.flip(0).cumsum(0, dtype=torch.int32).flip(0) - t).numpy())

@@ -14,7 +14,6 @@ from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather
 from vkml.kernels import reduce as kernels
 from vkml.kernels.common import check_loop, offset
-from vkml.ops.pointwise import same_f32
 
 
 def _reduced(inputs, attrs):
@@ -207,12 +206,20 @@ def _cumsum_kernel(node: Tensor, caps: Capabilities) -> Kernel:
     span = (f"j = i{axis}{' + 1u' if exclusive else ''}; j < {n}u" if reverse
             else f"j = 0u; j {'<' if exclusive else '<='} i{axis}")
     return gather.generate(node, caps, [
-        f"  let base = idx - i{axis} * {stride}u;", "  var acc = 0.0;",
+        f"  let base = idx - i{axis} * {stride}u;",
+        f"  var acc = {'0.0' if node.dtype == 'f32' else '0i'};",
         f"  for (var {span}; j++) {{ acc += in0[base + j * {stride}u]; }}",
         "  out[idx] = acc;"], flops=node.size * n)
 
 
-register(OpDef("cumsum", same_f32, "kernel", lower=_cumsum_kernel,
+def _same_number(inputs, attrs):
+    """f32 in, f32 out; i32 in, i32 out (a running count: RoBERTa's position ids), wrapping as
+    torch's int32 sums do."""
+    (x,) = inputs
+    return x.shape, x.dtype
+
+
+register(OpDef("cumsum", _same_number, "kernel", lower=_cumsum_kernel,
                grad=lambda g, node, d: [g.apply("cumsum", [d], **(node.attrs | {
                    "reverse": not node.attrs["reverse"]}))]))
 
