@@ -489,7 +489,10 @@ PREDICATES = {"Equal": "equal", "Less": "less", "LessOrEqual": "less_equal",
 def _binary(b, node, ins, attrs):
     x, y = ins
     if _is_int(x) or _is_int(y):
-        raise Refuse("integer arithmetic on values computed at run time is not supported")
+        # index arithmetic on the device (RoBERTa's position ids): i32, wrapping as ONNX's
+        # int32 and int64 agree below 2**31, integer Div truncating toward zero
+        op = "trunc_divide" if node.op_type == "Div" else BINARY[node.op_type]
+        return getattr(b.g, op)(b.device(x), b.device(y))
     return getattr(b.g, BINARY[node.op_type])(b.operand(x), b.operand(y))
 
 
