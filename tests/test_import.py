@@ -569,3 +569,35 @@ def test_training_flag_keeps_or_drops_the_training_forms(front, tmp_path):
     for mode, training in ((True, False), (False, True)):
         ops = _ops(imported(mode, training))
         assert "dropout" not in ops and "normalized" not in ops, (mode, training)
+
+
+class InPlace(torch.nn.Module):
+    """A ReLU(inplace=True) whose input nothing else reads (its functional form computes the
+    same), then an add_ into a value that another op reads too (the program is made
+    functional first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = torch.nn.Linear(4, 4), torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.act(self.fc(x))
+        z = y * 2
+        y.add_(1)
+        return y * z
+
+
+@vulkan_only
+def test_torch_in_place_ops_compute_what_pytorch_does(device):
+    from vkml.importers import torch_export
+    torch.manual_seed(0)
+    module, x = InPlace(), torch.randn(3, 4)
+    program = torch.export.export(module, (x,))
+    assert torch_export._needs_decompositions(program)  # y is read by y * 2 and y.add_
+    assert not torch_export._needs_decompositions(
+        torch.export.export(torch.nn.Sequential(module.fc, module.act), (x,)))
+    imp = vkml.import_torch(module, (x,))
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.forward()
+    assert rel_l2(s.read("output"), module(x).detach().numpy()) < FORWARD_TOL
