@@ -601,3 +601,22 @@ def test_torch_in_place_ops_compute_what_pytorch_does(device):
     s.set_input("x", x.numpy())
     s.forward()
     assert rel_l2(s.read("output"), module(x).detach().numpy()) < FORWARD_TOL
+
+
+@vulkan_only
+@pytest.mark.parametrize("opset, model, shape", [(13, SmallCNN, (2, 3, 8, 8)),
+                                                 (14, TinyBlock, (2, 6, 16)),
+                                                 (20, TinyBlock, (2, 6, 16))])
+def test_onnx_opsets_match_onnxruntime(device, tmp_path, opset, model, shape):
+    """The oldest opset imported (13; the exporter needs 14 for attention) to the newest the
+    exporter writes: their spellings differ (LayerNormalization from 17, Gelu from 20)."""
+    torch.manual_seed(0)
+    module, x = model().eval(), torch.randn(*shape)
+    path = export_onnx(module, (x,), tmp_path / "model.onnx", ["x"], opset=opset)
+    assert onnx.load(path).opset_import[0].version == opset
+    imp = vkml.import_onnx(path)
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.forward()
+    (ref,) = onnxruntime_run(path, {"x": x.numpy()})
+    assert rel_l2(s.read("logits"), ref) < FORWARD_TOL
