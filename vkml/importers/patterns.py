@@ -1,9 +1,11 @@
 """Patterns: where an exporter spells a composite op as primitives, the composite is built instead,
 so an imported model gets the plan (fusions, kernels) a hand-built one gets.
 
-A pattern is matched at its root node, over the program's nodes (not vkml's): the root's value
-becomes the composite op of the pattern's leaves. The pattern's inner nodes are still converted,
-but nothing reads their results, so compiling drops them (a graph is compiled from its outputs).
+A pattern is matched at its root: over the program's nodes (torch.export's, ONNX's) when it
+needs what only they say, else over the vkml nodes already built for the root's inputs, when the
+root's op is built (then one rule serves both front ends). The root's value becomes the
+composite op of the pattern's leaves; the nodes inside the pattern may still be built, but
+nothing reads them, so compiling drops them (a graph is compiled from its outputs).
 
 Recognised in torch.export programs (the ops torch.export keeps whole need none, e.g.
 aten.layer_norm, aten.gelu, aten.scaled_dot_product_attention, aten.silu): RMSNorm as Hugging
