@@ -855,10 +855,22 @@ def _adaptive_avg_pool(b, x, size):
     oh, ow = (size, size) if isinstance(size, int) else size
     if (oh, ow) == (1, 1):
         return b.g.mean(x, (2, 3), keepdims=True)
-    if h % oh or w % ow:
-        raise Refuse(f"adaptive average pooling from {h}x{w} to {oh}x{ow} (not a whole "
-                     "window per output) is not supported")
-    return b.g.avg_pool2d(x, (h // oh, w // ow))
+    if h % oh == 0 and w % ow == 0:
+        return b.g.avg_pool2d(x, (h // oh, w // ow))
+    # windows of uneven sizes, overlapping or repeating (AlexNet's 6x6 pool of a small image):
+    # each output is a mean over torch's window [floor(i h / oh), ceil((i + 1) h / oh)), so
+    # the pool is two products with constant averaging matrices, rows then columns
+    rows, cols = _adaptive_weights(h, oh), _adaptive_weights(w, ow)
+    x = b.g.matmul(b.g.constant(rows), x)  # (oh, h) @ (..., h, w)
+    return b.g.matmul(x, b.g.constant(cols), transpose_b=True)  # (..., oh, w) @ (w, ow)
+
+
+def _adaptive_weights(size: int, out: int) -> np.ndarray:
+    weights = np.zeros((out, size), np.float32)
+    for i in range(out):
+        start, end = (i * size) // out, -((-(i + 1) * size) // out)
+        weights[i, start:end] = 1.0 / (end - start)
+    return weights
 
 
 def _make_upsample(name: str) -> Handler:
@@ -867,7 +879,9 @@ def _make_upsample(name: str) -> Handler:
 
     def handler(b, x, size=None, *args, **kwargs):
         align = args[0] if mode in ("bilinear", "linear") and args else None
-        scales = [s for s in (args[1:] if align is not None else args) if s is not None]
+        scales = []  # per axis (.default) or one list of them (.vec: DPT's fusion stages)
+        for s in args[1:] if align is not None else args:
+            scales += list(s) if isinstance(s, (list, tuple)) else [] if s is None else [s]
         scales = kwargs.get("scale_factors") or scales or None
         return b.g.interpolate(b.device(x), size=list(size) if size else None,
                                scale_factor=None if size else scales, mode=mode,
