@@ -62,6 +62,30 @@ def grid(workgroups: int, caps: Capabilities) -> tuple[int, int, int]:
 
 
 LINEAR_WORKGROUP = "wid.x + wid.y * nwg.x"
+# Maxima and minima as torch takes them: they start from -inf or +inf (so a maximum over -inf is
+# -inf, not the lowest float), and a NaN among the terms makes the result NaN (WGSL leaves max()
+# and min() of a NaN to the driver: lavapipe returns the other operand). NaN is told by its bits:
+# WGSL lets drivers assume that no float compares unequal to itself. WGSL has no infinity
+# literal.
+NEG_INF = "bitcast<f32>(0xff800000u)"
+POS_INF = "bitcast<f32>(0x7f800000u)"
+
+
+def is_nan(value: str) -> str:
+    """WGSL: whether the f32 `value` is NaN (exponent all ones, mantissa not zero)."""
+    return f"((bitcast<u32>({value}) & 0x7fffffffu) > 0x7f800000u)"
+
+
+MAX_HELPER = f"""
+fn vkml_max(a: f32, b: f32) -> f32 {{
+  return select(b, a, a > b || {is_nan("a")});
+}}
+"""
+MIN_HELPER = f"""
+fn vkml_min(a: f32, b: f32) -> f32 {{
+  return select(b, a, a < b || {is_nan("a")});
+}}
+"""
 ENTRY_ARGS = ("@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
               "@builtin(local_invocation_index) lid: u32")
 

@@ -30,7 +30,14 @@ from vkml.expr import Body
 from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather, gemm
-from vkml.kernels.common import Buf, body_lines, epilogue_reads, helper_functions, split_index
+from vkml.kernels.common import (
+    Buf,
+    body_lines,
+    epilogue_reads,
+    helper_functions,
+    is_nan,
+    split_index,
+)
 
 
 def buffers(node: Tensor, wide: tuple[bool, ...] = (), wide_out: bool = False) -> list[Buf]:
@@ -405,7 +412,8 @@ def dims_conv2d_weight_grad(node: Tensor, caps: Capabilities) -> tuple[int, int,
 
 def _window_max(x: Tensor, a: dict) -> str:
     """WGSL function: the flat window offset (ky * kw + kx) of the first maximum of the pooling
-    window at output (oy, ox) of the plane starting at `base`, as PyTorch picks it."""
+    window at output (oy, ox) of the plane starting at `base`, or of its last NaN, as PyTorch
+    picks it."""
     _, _, h, wd = x.shape
     (kh, kw), (sh, sw), (ph, pw) = a["kernel"], a["stride"], a["padding"]
     lines = ["fn window_argmax(base: u32, oy: i32, ox: i32) -> i32 {",
@@ -415,7 +423,8 @@ def _window_max(x: Tensor, a: dict) -> str:
             lines.append(f"  {{ let y = oy * {sh} + {ki - ph}; let x = ox * {sw} + {kj - pw}; "
                          f"if (y >= 0 && y < {h} && x >= 0 && x < {wd}) {{ "
                          f"let v = in0[base + u32(y * {wd} + x)]; "
-                         f"if (v > best || at < 0) {{ best = v; at = {ki * kw + kj}; }} }} }}")
+                         f"if (v > best || {is_nan('v')} || at < 0) {{ "
+                         f"best = v; at = {ki * kw + kj}; }} }} }}")
     return "\n".join([*lines, "  return at;", "}"])
 
 

@@ -14,6 +14,10 @@ from vkml.hal import Capabilities, Kernel
 from vkml.kernels.common import (
     ENTRY_ARGS,
     LINEAR_WORKGROUP,
+    MAX_HELPER,
+    MIN_HELPER,
+    NEG_INF,
+    POS_INF,
     Buf,
     assemble,
     body_lines,
@@ -118,10 +122,11 @@ def generate_amin(node: Tensor, caps: Capabilities) -> Kernel:
                       Body(Arg(0), (contiguous_strides(x.shape),)), Body(Arg(0), ((),)), 1, "min")
 
 
-# combine -> (the accumulator's start, folding one term in, folding two partial results)
-_COMBINE = {"sum": ("0.0", "acc +=", "{a} + {b}"),
-            "max": ("-3.4028235e38", "acc = max(acc, term);", "max({a}, {b})"),
-            "min": ("3.4028235e38", "acc = min(acc, term);", "min({a}, {b})")}
+# combine -> (the accumulator's start, folding one term in, folding two partial results, helper
+# functions)
+_COMBINE = {"sum": ("0.0", "acc +=", "{a} + {b}", ()),
+            "max": (NEG_INF, "acc = vkml_max(acc, term);", "vkml_max({a}, {b})", (MAX_HELPER,)),
+            "min": (POS_INF, "acc = vkml_min(acc, term);", "vkml_min({a}, {b})", (MIN_HELPER,))}
 
 
 def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
@@ -132,7 +137,7 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     elements (the prologue computing each term as it is read), then a tree reduction of the
     lanes, column by column, and the epilogue. Short reductions into many outputs take a
     thread per output instead (`_per_thread`)."""
-    start, fold, merge = _COMBINE[combine]
+    start, fold, merge, helper = _COMBINE[combine]
     reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     outputs = node.size
     setup, at = _input_offset(in_shape, axes)
@@ -168,7 +173,7 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     total = outputs * reduced
     return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
                     caps, buffers, (threads,), entry, grid(-(-outputs // columns), caps),
-                    prelude=[*helper_functions(prologue, epilogue),
+                    prelude=[*helper_functions(prologue, epilogue), *helper,
                              f"var<workgroup> partial: array<f32, {threads}>;"],
                     flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
 
@@ -265,7 +270,7 @@ def _per_thread(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
                 axes: tuple[int, ...], prologue: Body, epilogue: Body, n_prologue: int,
                 combine: str) -> Kernel:
     """One thread per output element summing its `reduced` terms in order."""
-    start, fold, _ = _COMBINE[combine]
+    start, fold, _, helper = _COMBINE[combine]
     reduced = int(np.prod([in_shape[a] for a in axes], dtype=np.int64))
     setup, at = _input_offset(in_shape, axes)
     per_output, per_term, terms = _prologue_reads(in_shape, axes, prologue, n_prologue)
@@ -285,7 +290,7 @@ def _per_thread(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
     total = node.size * reduced
     return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
                     caps, buffers, (WORKGROUP,), entry, grid(-(-node.size // WORKGROUP), caps),
-                    prelude=helper_functions(prologue, epilogue), flops=2 * total,
+                    prelude=[*helper_functions(prologue, epilogue), *helper], flops=2 * total,
                     nbytes=4 * (total * n_prologue + node.size))
 
 
@@ -304,21 +309,23 @@ HELD = 32
 
 def _rowwise(node: Tensor, caps: Capabilities, log: bool) -> Kernel:
     """One workgroup per row of the last axis: the row's maximum, the sum of exponentials,
-    then softmax (`log`: log-softmax) written for each element."""
+    then softmax (`log`: log-softmax) written for each element. As torch: a row of -inf is NaN
+    (exp(-inf - -inf)), or 0 with the node's `masked_zero` (attention's fully masked rows, as
+    torch's scaled_dot_product_attention gives them); a NaN or +inf makes its row NaN."""
     (x,) = node.inputs
     length = x.shape[-1]
     rows = x.size // length
     wg = workgroup_for(length, caps, node)
     held = -(-length // wg)
     if held <= HELD:
-        # element lid + i * wg of the row is v{i}; past the row's end it is the lowest float,
-        # whose exponential is 0
+        # element lid + i * wg of the row is v{i}; past the row's end it is -inf, whose
+        # exponential is 0
         full = length // wg
         values = [f"v{i}" for i in range(held)]
         read = [*[f"  let v{i} = inp[base + lid + {i * wg}u];" for i in range(full)],
-                *[f"  let v{i} = select(-3.4028235e38, inp[base + min(lid + {i * wg}u, "
+                *[f"  let v{i} = select({NEG_INF}, inp[base + min(lid + {i * wg}u, "
                   f"{length - 1}u)], lid + {i * wg}u < {length}u);" for i in range(full, held)]]
-        local_max = _fold("max", values)
+        local_max = _fold("vkml_max", values)
         exps = [f"  let e{i} = exp(v{i} - row_max);" for i in range(held)]
         local_sum = " + ".join(f"e{i}" for i in range(held))
         write = [f"  {'' if i < full else f'if (lid + {i * wg}u < {length}u) '}"
@@ -329,9 +336,9 @@ def _rowwise(node: Tensor, caps: Capabilities, log: bool) -> Kernel:
         wg = workgroup_for(3 * length, caps, node)
         result = ("inp[base + c] - row_max - log_sum" if log
                   else "exp(inp[base + c] - row_max) / row_sum")
-        read = ["  var m = -3.4028235e38;",
+        read = [f"  var m = {NEG_INF};",
                 f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
-                "    m = max(m, inp[base + c]);", "  }"]
+                "    m = vkml_max(m, inp[base + c]);", "  }"]
         local_max = "m"
         exps = ["  var s = 0.0;",
                 f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
@@ -339,13 +346,17 @@ def _rowwise(node: Tensor, caps: Capabilities, log: bool) -> Kernel:
         local_sum = "s"
         write = [f"  for (var c = lid; c < {length}u; c += {wg}u) {{",
                  f"    out[base + c] = {result};", "  }"]
+    # every element is -inf exactly when the maximum is (a NaN makes the maximum NaN)
+    masked_zero = [f"  if (row_max == {NEG_INF}) {{",
+                   f"    for (var c = lid; c < {length}u; c += {wg}u) {{ out[base + c] = 0.0; }}",
+                   "    return;", "  }", *write]
     entry = [f"fn main({ENTRY_ARGS}) {{",
              f"  let row = {LINEAR_WORKGROUP};",
              f"  let valid = row < {rows}u;",
              f"  let base = min(row, {rows - 1}u) * {length}u;",
              *read,
              f"  partial[lid] = {local_max};",
-             *tree_reduce("partial", wg, "max({a}, {b})"),
+             *tree_reduce("partial", wg, "vkml_max({a}, {b})"),
              "  let row_max = partial[0];",
              "  workgroupBarrier();",
              *exps,
@@ -354,10 +365,10 @@ def _rowwise(node: Tensor, caps: Capabilities, log: bool) -> Kernel:
              "  let row_sum = partial[0];",
              "  if (!valid) { return; }",
              *(["  let log_sum = log(row_sum);"] if log else []),
-             *write, "}"]
+             *(masked_zero if node.attrs.get("masked_zero") else write), "}"]
     return assemble(f"{node.op}_{rows}x{length}", caps, [Buf("inp"), Buf("out", writable=True)],
                     (wg,), entry, grid(rows, caps),
-                    prelude=[f"var<workgroup> partial: array<f32, {wg}>;"],
+                    prelude=[MAX_HELPER, f"var<workgroup> partial: array<f32, {wg}>;"],
                     flops=5 * x.size, nbytes=(8 if held <= HELD else 12) * x.size)
 
 

@@ -249,7 +249,9 @@ def scaled_dot_product_attention(g: Graph, q: Tensor, k: Tensor, v: Tensor, mask
     scores = g.reshape(attention_scores(g, q5, k5, causal), (*lead, h, length, s))
     if mask is not None:
         scores = g.add(scores, mask)
-    probs = g.softmax(scores)
+    # A row whose keys are all masked (-inf) attends to nothing: 0, as torch's SDPA gives it,
+    # where a softmax of it is NaN.
+    probs = g.apply("softmax", [scores], masked_zero=True)
     if dropout_p:
         probs = g.dropout(probs, dropout_p)
     probs = g.reshape(probs, (*lead, hkv, rep, length, s))
