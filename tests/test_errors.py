@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 from conftest import subprocess_env
 
 import vkml
@@ -53,6 +55,118 @@ def test_one_hot_ids_out_of_range_are_refused(device):
     np.testing.assert_array_equal(session.read("h"), np.eye(4, dtype=np.float32)[[0, 2, 3]])
 
 
+# Index operands computed on the GPU (here from an i32 input through a slice, a concat, a
+# transpose or a gather) are checked there: the first read or wait after the step raises, and
+# the step changed no parameter. torch raises on each of these, checked alongside.
+def _ids_through(producer: str, g: vkml.Graph, ids: vkml.Tensor) -> vkml.Tensor:
+    """Four of the six ids (1, 2, 3, 4), through `producer`."""
+    if producer == "slice":
+        return g.slice(ids, 0, 1, 5)
+    if producer == "concat":
+        return g.concat([g.slice(ids, 0, 1, 3), g.slice(ids, 0, 3, 5)])
+    if producer == "transpose":
+        return g.reshape(g.transpose(g.reshape(g.slice(ids, 0, 1, 5), (2, 2))), (4,))
+    return g.gather(ids, g.constant(np.array([1, 2, 3, 4]), "i32"), 0)
+
+
+def _torch_ids_through(producer: str, ids: np.ndarray):
+    t = torch.tensor(ids)
+    if producer == "transpose":
+        return t[1:5].reshape(2, 2).T.reshape(4)
+    return t[1:5]
+
+
+@pytest.mark.parametrize("producer", ["slice", "concat", "transpose", "gather"])
+def test_embedding_ids_computed_on_the_gpu_are_checked(device, producer):
+    g = vkml.Graph(seed=3)
+    ids = g.input("ids", (6,), "i32")
+    table = g.param("table", (5, 3), "normal")
+    rows = g.embedding(_ids_through(producer, g, ids), table)
+    loss = g.sum(g.mul(rows, rows))
+    session = vkml.compile(g, loss=loss, optimizer=vkml.SGD(lr=0.1), device=device)
+    before = session.read("table")
+    for bad in (7, -3, 10**6):
+        values = np.array([9, 0, 1, bad, 4, 9])  # positions 0 and 5 are not used
+        with pytest.raises((IndexError, RuntimeError)):
+            F.embedding(_torch_ids_through(producer, values), torch.tensor(before))
+        session.set_input("ids", values)
+        session.step()
+        with pytest.raises(vkml.InputError, match=rf"embedding .* read {bad} at flat position "
+                           rf"\d of its embedding row operand .* outside \[0, 5\)"):
+            session.read("loss")
+        np.testing.assert_array_equal(session.read("table"), before)  # no update
+    good = np.array([9, 0, 1, 2, 4, 9])  # 9 is never read: fine, as in torch
+    session.set_input("ids", good)
+    session.step()
+    expected = (before[_torch_ids_through(producer, good).numpy()] ** 2).sum()
+    np.testing.assert_allclose(session.read("loss"), expected, rtol=1e-5)
+    assert not np.array_equal(session.read("table"), before)  # this one updates
+
+
+@pytest.mark.parametrize("bad", [5, -2])
+def test_class_labels_through_a_slice_are_checked(device, bad):
+    g = vkml.Graph(seed=1)
+    x, labels = g.input("x", (3, 4)), g.input("labels", (4,), "i32")
+    logits = vkml.nn.Linear(g, "fc", 4, 5)(x)
+    loss = g.cross_entropy(logits, g.slice(labels, 0, 1, 4))
+    session = vkml.compile(g, loss=loss, optimizer=vkml.Adam(lr=0.1), device=device)
+    values = np.array([7, 0, bad, 4])
+    with pytest.raises((IndexError, RuntimeError)):
+        F.cross_entropy(torch.zeros(3, 5), torch.tensor(values[1:]))
+    session.set_input("x", np.ones((3, 4), np.float32))
+    session.set_input("labels", values)
+    before = session.params()
+    session.step()
+    with pytest.raises(vkml.InputError, match=rf"read {bad} .* class index .* outside \[0, 5\)"):
+        session.wait()
+    session.wait()  # reported once
+    after = session.params()
+    assert all(np.array_equal(before[n], after[n]) for n in before)
+
+
+def test_one_hot_and_gather_indices_computed_on_the_gpu_are_checked(device):
+    g = vkml.Graph()
+    ids = g.input("ids", (4,), "i32")
+    x = g.input("x", (3, 5))
+    pair = g.concat([g.slice(ids, 0, 0, 2), g.slice(ids, 0, 2, 4)])
+    g.output("h", g.one_hot(pair, 6))
+    g.output("y", g.gather(x, g.slice(ids, 0, 1, 3), 1))  # valid in [-5, 5)
+    session = vkml.compile(g, device=device)
+    session.set_input("x", np.zeros((3, 5), np.float32))
+    session.set_input("ids", np.array([0, -5, 4, 5]))
+    session.forward()
+    with pytest.raises(vkml.InputError, match=r"one_hot .* read -5 at flat position 1 .* "
+                       r"outside \[0, 6\)"):
+        session.read("y")
+    session.set_input("ids", np.array([0, -6, 4, 5]))
+    session.forward()
+    with pytest.raises(vkml.InputError, match=r"read -6 .* outside \[0, 6\)"):
+        session.read("h")  # the first operand in order: one_hot's
+    session.set_input("ids", np.array([0, 5, 1, 3]))
+    session.forward()
+    with pytest.raises(vkml.InputError, match=r"gather .* read 5 .*outside \[-5, 5\)"):
+        session.wait()
+    session.set_input("ids", np.array([0, -4, 1, 3]))
+    session.forward()
+    with pytest.raises(vkml.InputError, match=r"one_hot .* read -4"):
+        session.wait()
+    x = np.arange(15, dtype=np.float32).reshape(3, 5)
+    session.set_input("x", x)
+    session.set_input("ids", np.array([0, 4, 1, 3]))
+    session.forward()
+    np.testing.assert_array_equal(session.read("h"), np.eye(6, dtype=np.float32)[[0, 4, 1, 3]])
+    np.testing.assert_array_equal(session.read("y"), x[:, [4, 1]])
+
+
+def test_constant_indices_out_of_range_are_refused_at_compile(device):
+    g = vkml.Graph()
+    table = g.param("table", (5, 3), "normal")
+    g.output("e", g.embedding(g.reshape(g.constant(np.array([[0, 5]]), "i32"), (2,)), table))
+    with pytest.raises(vkml.GraphError, match=r"read 5 at flat position 1 .* outside \[0, 5\): "
+                       "a constant index out of range"):
+        vkml.compile(g, device=device)
+
+
 def test_reading_before_anything_was_computed_is_refused(device):
     _, session = classifier(device, vkml.SGD(lr=0.1))
     with pytest.raises(vkml.NotComputedError, match="run step"):
@@ -78,9 +192,10 @@ def test_half_submitted_chunked_step_cannot_be_read(device):
     g.output("y", (x * 2.0).exp().sum())
     session = vkml.compile(g, device=device, rewrite="none")
     session.set_input("x", np.zeros(8, np.float32))
-    if session.step_chunk(chunks=3):
-        with pytest.raises(vkml.NotComputedError, match="chunked step is in progress"):
-            session.read("y")
+    assert session.plan.barrier_count >= 2  # mul, exp, sum: three levels, so three pieces
+    assert session.step_chunk(chunks=3) == 2
+    with pytest.raises(vkml.NotComputedError, match="chunked step is in progress"):
+        session.read("y")
     while session.step_chunk():
         pass
     assert float(session.read("y")) == 8.0

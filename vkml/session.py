@@ -179,6 +179,7 @@ class Session:
         # What a submitted step or forward pass has computed so far: device memory starts
         # undefined, so reading an output or a gradient before then would return garbage.
         self._computed: set[str] = set()
+        self._unchecked = False  # a step's index checks are not read yet (_check_indices)
         # The hyperparameters as the user gave them (float64): the optimizer's host-side tables
         # are computed from these, not from the f32 copies on the GPU.
         self._hyperparams = plan.optimizer.hyperparams() if plan.optimizer is not None else {}
@@ -350,7 +351,7 @@ class Session:
         with deferred_interrupts():
             self._chunker.start(cuts)
             self._chunker.finish()
-            self._computed |= {"outputs", "grads"}
+            self._computed_now("outputs", "grads")
         self._check_loss()
 
     @overload
@@ -406,7 +407,7 @@ class Session:
                 count = min(max(chunker.fitting(max_ms), int(at_least_one)), chunker.allowed())
                 cost = chunker.submit(count)
             if not chunker.pieces_left:
-                self._computed |= {"outputs", "grads"}
+                self._computed_now("outputs", "grads")
         if not chunker.pieces_left:
             self._check_loss()
         if max_ms is None:
@@ -529,7 +530,7 @@ class Session:
                 self._external_download = bound.keep(recording.prepare(
                     bound.downloads(), "outputs (host)"))
             recording.record_into(command_buffer, self._external_download)
-        self._computed |= {"outputs", "grads"}  # once the host submits it; read() after that
+        self._computed_now("outputs", "grads")  # once the host submits it; read() after that
 
     @_serialized
     def profile(self, steps: int = 3, update: bool = True) -> Profile:
@@ -549,7 +550,7 @@ class Session:
         more step is run for host timing. Measured times also steer step(chunks=...)."""
         self._chunker.finish()
         profile = self._profiler.run(steps, update)
-        self._computed |= {"outputs", "grads"}
+        self._computed_now("outputs", "grads")
         self._chunker.set_measured(profile.dispatch_ms,
                                    f"measured by profile() with {profile.source}")
         return profile
@@ -574,21 +575,29 @@ class Session:
         with deferred_interrupts():  # submitted, then known to be
             self._bound.submit([program], updates=int(updates), total_updates=int(updates),
                                forward_only=forward_only)
-            self._computed |= computes
+            self._computed_now(*computes)
 
     @_serialized
     def wait(self) -> None:
         """Block until this session's submitted work has finished. On a GPU the calling thread
         polls for up to VKML_WAIT_POLL seconds (default 0.02) before it sleeps in the driver,
-        whose wake-up costs about 0.1 ms (vkml/vk/context.py)."""
+        whose wake-up costs about 0.1 ms (vkml/vk/context.py). Raises InputError if the
+        step had an index out of range (see read())."""
         self._bound.wait()
+        self._check_indices()
 
     # ---- reading and writing tensors ----------------------------------------------------------
     @_serialized
     def read(self, name: str) -> np.ndarray:
-        """An output (such as "loss") or a parameter, by name, as a new numpy array."""
+        """An output (such as "loss") or a parameter, by name, as a new numpy array. The first
+        read or wait after a step whose index operands computed on the GPU (a slice or concat
+        of an input, a gather's result) held an index out of range raises InputError naming
+        the op, the operand and the value, as PyTorch raises on it; such a step updates no
+        parameter (inputs holding such indices are refused by set_input at once)."""
         if name in self.plan.params:
-            return self._bound.read_slot(self.plan.slots[self.plan.params[name]])
+            value = self._bound.read_slot(self.plan.slots[self.plan.params[name]])
+            self._check_indices()
+            return value
         if name in self._entries.params:
             return self._entries.params[name].copy()
         if name not in self.plan.outputs:
@@ -596,7 +605,9 @@ class Session:
                              f"{sorted(self.plan.outputs)}, parameters: {self._param_names()}")
         self._require_computed("outputs", f"output '{name}'")
         view = self.plan.outputs[name]
-        return self._bound.read_output(self.plan.slots[view.slot]).reshape(view.shape)
+        value = self._bound.read_output(self.plan.slots[view.slot]).reshape(view.shape)
+        self._check_indices()
+        return value
 
     @_serialized
     def grad(self, param: str) -> np.ndarray:
@@ -614,7 +625,9 @@ class Session:
                              f"the parameters {self._param_names()}")
         self._require_computed("grads", f"the gradient of '{param}'")
         view = plan.grads[param]
-        return self._bound.read_slot(plan.slots[view.slot]).reshape(view.shape)
+        value = self._bound.read_slot(plan.slots[view.slot]).reshape(view.shape)
+        self._check_indices()
+        return value
 
     def _check_loss(self) -> None:
         """With check_finite: wait for the step just submitted and refuse a non-finite loss
@@ -626,6 +639,26 @@ class Session:
             raise NonFiniteError(f"the loss is {loss} after this step; the update was skipped "
                                  "and the parameters are unchanged. Look at the inputs set "
                                  "for it (compiled with check_finite=True)")
+
+    def _computed_now(self, *what: str) -> None:
+        """A step (or forward pass) is submitted whole: `what` it computes can be read."""
+        self._computed.update(what)
+        self._unchecked = bool(self.plan.index_checks)
+
+    def _check_indices(self) -> None:
+        """Once per step, where a read or wait waits for it anyway: refuse it if an index
+        check found an index out of range (index operands computed on the GPU; inputs are
+        checked by set_input: compiler/stages.py index_checks). Its optimizer update was
+        skipped on the GPU."""
+        if not self._unchecked or self._chunker.in_progress:
+            return
+        self._unchecked = False
+        for slot, about in self.plan.index_checks:
+            found, k, value, at = (int(v) for v in self._bound.read_output(self.plan.slots[slot]))
+            if found:
+                raise InputError(about[k].format(value=value, at=at) + ": an index out of "
+                                 "range, which PyTorch raises on. This step's results are "
+                                 "wrong, and it changed no parameter")
 
     def _require_computed(self, what: str, name: str) -> None:
         if self._chunker.in_progress:

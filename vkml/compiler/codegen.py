@@ -102,9 +102,11 @@ def lower_dispatch(d: PlannedDispatch, node: Tensor | None, plan: Plan,
                    caps: Capabilities) -> Kernel:
     if d.update is not None:
         if d.update.size == 0:
-            return optimizer.step_counter(plan.hyperparams, d.update.guarded, caps)
+            return optimizer.step_counter(plan.hyperparams, d.update.guarded, d.update.checks,
+                                          caps)
         return optimizer.update(d.update.optimizer, d.update.size, plan.hyperparams,
-                                list(plan.optimizer_tables), d.update.guarded, caps)
+                                list(plan.optimizer_tables), d.update.guarded, d.update.checks,
+                                caps)
     assert node is not None
     if d.in_place is not None:
         return pointwise.generate(node, caps, in_place=d.in_place)

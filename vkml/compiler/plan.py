@@ -54,7 +54,8 @@ class Update:
 
     optimizer: Optimizer
     size: int
-    guarded: bool = False  # the loss is bound last; nothing changes unless it is finite
+    guarded: bool = False  # the loss is bound after the tables; nothing changes unless finite
+    checks: int = 0  # index checks bound last; nothing changes if one found an index out of range
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,9 @@ class Plan:
     # Slots laid out one after another inside a larger one (role "pack"), which an optimizer
     # update binds whole: pack slot -> (slot, byte offset in the pack) for each
     packs: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    # The index checks' results (vkml/ops/indexing.py index_check: i32 (found, operand, value,
+    # position)), each with what its operands are, read by the session after a step
+    index_checks: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     def without(self, elsewhere: Collection[int], caps: Capabilities) -> Plan:
         """This plan with the slots `elsewhere` held in another plan's memory (a session that

@@ -69,7 +69,8 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
               timings: dict[str, float] | None = None) -> Scheduled:
     """The plan of `rooted`'s graph: its outputs readable after a step, its gradients too
     where the options keep them (else an optimizer consumes them and their memory is reused),
-    the options' optimizer's updates; `input_ranges` as Plan.input_ranges. `timings` (if
+    the options' optimizer's updates (which skip a step whose index checks found an index out
+    of range); `input_ranges` as Plan.input_ranges. `timings` (if
     given) gets the seconds spent in "schedule" and "memory"."""
     started = time.perf_counter()
     graph, outputs, grads = rooted.graph, rooted.outputs, rooted.grads
@@ -81,7 +82,8 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
     roots = rooted.roots
     nodes = graph.reachable(roots)
     grad_ids = {t.id for t in grads.values()}
-    forward_ids = {t.id for t in graph.reachable(outputs.values())}
+    checks = [t for t, _ in rooted.checks]  # computed with the outputs, read after the step
+    forward_ids = {t.id for t in graph.reachable([*outputs.values(), *checks])}
     draft = _Draft()
     new_slot = draft.new_slot
     slot_of: dict[int, int] = {}
@@ -107,12 +109,15 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
     grad_views = {n: View(slot_of[t.id], t.shape) for n, t in grads.items()}
     output_views = {n: View(slot_of[t.id], t.shape) for n, t in outputs.items()}
     kept_grads = grad_views if keep_grads else {}
+    index_checks = tuple((slot_of[t.id], about) for t, about in rooted.checks)
     if optimizer is not None:
         guard = output_views["loss"].slot if check_finite and "loss" in output_views else None
         _add_optimizer(draft, optimizer, {n: v.slot for n, v in grad_views.items()}, guard,
-                       alignment(caps), min(PACK_BYTES, caps.max_storage_buffer_range))
+                       tuple(s for s, _ in index_checks), alignment(caps),
+                       min(PACK_BYTES, caps.max_storage_buffer_range))
     _schedule(draft)
-    readable = {v.slot for v in (*output_views.values(), *kept_grads.values())}
+    readable = {v.slot for v in (*output_views.values(), *kept_grads.values())} | {
+        s for s, _ in index_checks}
     aliases = _write_in_place(draft, readable)
     lifetimes = _lifetimes(draft, aliases, readable)
     scheduled = time.perf_counter()
@@ -131,7 +136,8 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
         optimizer_state=draft.optimizer_state, hyperparams_slot=draft.hyperparams_slot,
         optimizer_tables=draft.optimizer_tables, initial_values=draft.initial_values,
         lifetimes=lifetimes, aliases=aliases, trainable=tuple(grads) if has_loss else None,
-        hyperparams=draft.hyperparams, input_ranges=input_ranges, packs=draft.packs)
+        hyperparams=draft.hyperparams, input_ranges=input_ranges, packs=draft.packs,
+        index_checks=index_checks)
     return Scheduled(plan, tuple(draft.nodes))
 
 
@@ -145,13 +151,15 @@ PACK_BYTES = 16 << 20
 
 
 def _add_optimizer(plan: _Draft, optimizer: Optimizer, grads: dict[str, int],
-                   guard: int | None, align: int, pack_bytes: int) -> None:
+                   guard: int | None, checks: tuple[int, ...], align: int, pack_bytes: int
+                   ) -> None:
     """A hyperparameter buffer (the optimizer's values, then the step count t), the tables the
     host computes from them, the step count's dispatch and the updates (parameters and state
     rewritten in place; gradients, hyperparameters and tables read): one per pack of
     parameters whose gradients are computed in turn (`_packs`), the others one each.
-    `guard`: the loss's slot, bound last to every optimizer dispatch, which then changes
-    nothing unless the loss is finite (compile's check_finite)."""
+    `guard`: the loss's slot, bound to every optimizer dispatch, which then changes nothing
+    unless the loss is finite (compile's check_finite); the index checks' slots `checks` are
+    bound after it: nothing changes either where one found an index out of range."""
     new_slot = plan.new_slot
     values = optimizer.hyperparams()
     names = (*values, "t")
@@ -162,11 +170,11 @@ def _add_optimizer(plan: _Draft, optimizer: Optimizer, grads: dict[str, int],
         slot = new_slot(f"optimizer {table} table", data.shape, "f32", "hyperparams")
         plan.initial_values[slot] = data
         plan.optimizer_tables[table] = slot
-    extra = (*plan.optimizer_tables.values(), *(() if guard is None else (guard,)))
-    plan.dispatch(PlannedDispatch((hp, *(() if guard is None else (guard,))),
-                                  ("read_write", *(() if guard is None else ("read",))),
+    guards = (*(() if guard is None else (guard,)), *checks)
+    extra = (*plan.optimizer_tables.values(), *guards)
+    plan.dispatch(PlannedDispatch((hp, *guards), ("read_write", *("read",) * len(guards)),
                                   0, "update", "step count",
-                                  update=Update(optimizer, 0, guard is not None)))
+                                  update=Update(optimizer, 0, guard is not None, len(checks))))
     for name in grads:  # frozen parameters have no gradient, no state and no update
         shape = plan.slots[plan.params[name]].shape
         plan.optimizer_state[name] = {s: new_slot(f"{name} {s}", shape, "f32", "optimizer_state")
@@ -193,7 +201,7 @@ def _add_optimizer(plan: _Draft, optimizer: Optimizer, grads: dict[str, int],
             covers = (held[0], held[1], (), *held[2:], *((),) * len(extra))
         plan.dispatch(PlannedDispatch(
             (bound[0], bound[1], hp, *bound[2:], *extra), access, 0, "update", label,
-            update=Update(optimizer, size, guard is not None), covers=covers))
+            update=Update(optimizer, size, guard is not None, len(checks)), covers=covers))
 
 
 def _packs(plan: _Draft, grads: dict[str, int], align: int, pack_bytes: int) -> list[list[str]]:

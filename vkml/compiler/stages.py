@@ -25,6 +25,8 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from vkml.compiler import autodiff, codegen, plan_cache
 from vkml.compiler.compose import fuse_compositions
 from vkml.compiler.options import CompileOptions
@@ -71,12 +73,10 @@ class Stages:
         raise GraphError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
 
 
-def index_ranges(rooted: Rooted) -> dict[str, tuple[int, int, str]]:
-    """Per i32 input that selects classes or rows (through views), the valid [first, end) and
-    what it indexes (OpDef.indexes), so set_input refuses values PyTorch would raise on instead
-    of computing a silently wrong loss."""
-    ranges: dict[str, tuple[int, int, str]] = {}
-    names = {t.id: n for n, t in rooted.graph.inputs.items()}
+def _index_operands(rooted: Rooted) -> Iterator[tuple[Tensor, int, Tensor, int, int, str]]:
+    """Every index operand of the nodes the roots reach (OpDef.indexes): (the node, which
+    input, what computes that input's values seen through views, the valid [first, end), what
+    it indexes)."""
     for node in rooted.graph.reachable(rooted.roots):
         indexes = OPS[node.op].indexes
         if indexes is None:
@@ -85,6 +85,16 @@ def index_ranges(rooted: Rooted) -> dict[str, tuple[int, int, str]]:
         source = node.inputs[k]
         while OPS[source.op].kind == "view":
             source = source.inputs[0]
+        yield node, k, source, first, end, what
+
+
+def index_ranges(rooted: Rooted) -> dict[str, tuple[int, int, str]]:
+    """Per i32 input that selects classes or rows (through views), the valid [first, end) and
+    what it indexes (OpDef.indexes), so set_input refuses values PyTorch would raise on instead
+    of computing a silently wrong loss."""
+    ranges: dict[str, tuple[int, int, str]] = {}
+    names = {t.id: n for n, t in rooted.graph.inputs.items()}
+    for node, _, source, first, end, what in _index_operands(rooted):
         if source.id in names:
             name = names[source.id]
             old = ranges.get(name)
@@ -94,6 +104,44 @@ def index_ranges(rooted: Rooted) -> dict[str, tuple[int, int, str]]:
                 ranges[name] = (max(first, old[0]), min(end, old[1]),
                                 f"{what} made at {node.where}")
     return ranges
+
+
+def _braces(text: str) -> str:
+    """`text` as itself inside a str.format template."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def index_checks(rooted: Rooted, max_operands: int) -> Rooted:
+    """`rooted` with checks of the index operands set_input cannot see: a constant's values
+    are checked now (GraphError); values computed on the GPU (a slice, concat or transpose of
+    an input, another op's result) by `index_check` nodes (vkml/ops/indexing.py) of up to
+    `max_operands` operands each, added to the graph with what each operand is, for the error
+    the session raises (Rooted.checks)."""
+    graph = rooted.graph
+    inputs = {t.id for t in graph.inputs.values()}
+    operands: dict[tuple[int, int, int], tuple[Tensor, str]] = {}
+    for node, k, source, first, end, what in _index_operands(rooted):
+        operand = node.inputs[k]
+        # {value} and {at} are filled in by the session (Session._check_indices)
+        about = (_braces(f"{node.label} made at {node.where}") + " read {value} at flat "
+                 f"position {{at}} of its {what} operand " + _braces(operand.label)
+                 + f", outside [{first}, {end})")
+        if source.op == "constant":
+            values = graph.initial_values[source.id]
+            bad = np.flatnonzero((values < first) | (values >= end))
+            if bad.size:
+                raise GraphError(about.format(value=int(values.flat[bad[0]]), at=int(bad[0]))
+                                 + ": a constant index out of range")
+        elif source.id not in inputs:
+            operands.setdefault((operand.id, first, end), (operand, about))
+    found = list(operands.items())
+    checks = []
+    for at in range(0, len(found), max_operands):
+        group = found[at:at + max_operands]
+        node = graph.apply("index_check", [t for _, (t, _) in group],
+                           ranges=tuple((first, end) for (_, first, end), _ in group))
+        checks.append((node, tuple(about for _, (_, about) in group)))
+    return dataclasses.replace(rooted, checks=(*rooted.checks, *checks))
 
 
 @contextlib.contextmanager
@@ -201,6 +249,7 @@ def _lower(graph: Graph, caps: Capabilities, options: CompileOptions) -> Stages:
     differentiated = autodiff.differentiate(graph, options)
     if options.loss is None:
         differentiated = inference_forms(differentiated)
+    differentiated = index_checks(differentiated, caps.max_bindings_per_stage - 1)
     clock.lap("autodiff")
     rewritten = differentiated
     if options.rewrite == "greedy":

@@ -641,3 +641,27 @@ def resample(g: Graph, x: Tensor, axis: int, matrix: np.ndarray) -> Tensor:
 def _indices(node: Tensor) -> list[str]:
     """The output's index variables in the gather kernel: i0, i1, ..."""
     return [f"i{a}" for a in range(len(node.shape))]
+
+
+# ---- index checks -------------------------------------------------------------------------------
+# An op that reads at i32 indices declares them on its OpDef, `indexes=`: which input, its valid
+# [first, end) for the node, and what it indexes (embedding, one_hot, gather, gather_elements
+# do). That is all a new op does: every index operand is then checked, whatever computes it,
+# as PyTorch raises on an index out of range:
+# - an i32 input (through views) by set_input, before anything runs (compiler/stages.py
+#   index_ranges);
+# - a constant when the graph is compiled (GraphError);
+# - anything else (a slice, concat or transpose of an input, another gather's result, ...) on
+#   the GPU, by `index_check` nodes that the compiler adds beside the step (compiler/stages.py
+#   index_checks): the session reads their result where it waits anyway (wait(), read()) and
+#   raises InputError naming the op, the operand and the first bad value, and the step's
+#   optimizer update was skipped.
+# The check runs beside the op, not before it, so the op's kernel must still keep every read
+# inside its buffer (clamp or wrap the index) whatever the value.
+def _index_check(inputs, attrs):
+    if len(attrs["ranges"]) != len(inputs) or any(x.dtype != "i32" for x in inputs):
+        raise GraphError("index_check takes i32 operands, one [first, end) range each")
+    return (4,), "i32"
+
+
+register(OpDef("index_check", _index_check, "kernel", lower=kernels.index_check))

@@ -15,10 +15,10 @@ arena), submitted in the same queue submission as the first program of a step. s
 keeps the value; a step writes what changed into the staging buffer that the step before the
 one in flight used, so setting the next step's inputs never waits for the step in flight.
 
-Outputs in memory the host cannot read in place (a discrete GPU's VRAM) are copied into a
-host-readable buffer by a small download program that ends every step, in the same queue
-submission: reading one then waits for this session's step only and submits nothing (a copy
-submitted at read time would queue behind the work other sessions submitted meanwhile).
+Outputs (and index checks) in memory the host cannot read in place (a discrete GPU's VRAM) are
+copied into a host-readable buffer by a small download program that ends every step, in the
+same queue submission: reading one then waits for this session's step only and submits nothing
+(a copy submitted at read time would queue behind the work other sessions submitted meanwhile).
 
 A host's buffers and images bound to inputs and outputs (runtime/frames.py) add a program after
 the upload that copies or converts them, and one before the download that writes the bound
@@ -176,7 +176,8 @@ class BoundPlan:
         (allocated on the first call), or nothing."""
         plan = self.plan
         if self._readback is None:
-            slots = sorted({v.slot for v in plan.outputs.values()},
+            slots = sorted({v.slot for v in plan.outputs.values()}
+                           | {s for s, _ in plan.index_checks},
                            key=lambda s: plan.slots[s].nbytes)
             staged = [s for s in slots if self.backend.stage_reads(self.place(s)[0])]
             total = 0
