@@ -1,10 +1,11 @@
 """The reference models of vkml/models/ at their tiny configs against plain-PyTorch
 implementations (tests/torch_reference.py) on the same weights, read from the vkml session by
 name into the torch module with load_state_dict(strict=True), so the names are checked too.
-tools/PROTOCOL.md's gates: forward relative L2 < 1% (we ask 1e-4 in f32), total and per-parameter
-gradient-norm errors < 5% (we ask 1e-3) and cosine > 0.99, and the loss decreasing over 10 Adam
-steps, ending in the parameters torch.optim.Adam reaches (relative L2 < 1%). The torch side
-runs in float64."""
+tools/PROTOCOL.md's gates are forward relative L2 < 1%, total and per-parameter gradient-norm
+errors < 5%, cosine > 0.99, and the loss decreasing over 10 Adam steps, ending in the parameters
+torch.optim.Adam reaches (relative L2 < 1%). Strict f32 does far better, so the gates below are
+what it measures (the torch side in float64) with a few times that as headroom: a gate orders of
+magnitude above the engine would let a real regression through."""
 
 from __future__ import annotations
 
@@ -17,8 +18,15 @@ from conftest import rel_l2
 import vkml
 from vkml.models import resnet, smollm2, smolvla_expert, unet, whisper_encoder
 
-FORWARD_TOL = 1e-4
-GRAD_TOL = 1e-3
+# Measured on lavapipe, the worst over every test here (python -m pytest -s tests/test_models.py
+# prints them): forward relative L2 2.0e-6 (ResNet bottleneck's logits; SmolLM2 1.9e-7, the
+# U-Net 8.1e-7, the inference form 1.9e-7); total gradient norm 1.6e-6 and per parameter 7.3e-6
+# (ResNet's bn1 biases); 1 - cosine 3.4e-11 (ResNet; the transformers about 1e-13); each
+# parameter after 10 Adam steps 1.5e-4 (the U-Net's mid.res.conv2.weight; the others <= 1e-5).
+FORWARD_TOL = 1e-5
+GRAD_TOL = 5e-5
+COSINE_TOL = 2e-10  # 1 - cosine
+TRAJECTORY_TOL = 1e-3
 STEPS = 10
 
 
@@ -33,12 +41,12 @@ def load(module, params):
     return module
 
 
-def check(built, module, device, rng, lr=1e-2, forward_tol=FORWARD_TOL, grad_tol=GRAD_TOL,
-          trajectory="adam", whole_trajectory=False):
+def check(built, module, device, rng, lr=1e-2, trajectory="adam",
+          trajectory_tol=TRAJECTORY_TOL, whole_tol=None):
     """The gates on one model; `trajectory`: the optimizer whose STEPS-step parameters are
     compared with torch.optim's ("adam": the training session itself; "sgd": a second session
-    with SGD and momentum 0.9), each parameter tensor within 1%, or with `whole_trajectory` all
-    of them as one vector."""
+    with SGD and momentum 0.9), each parameter tensor within `trajectory_tol`, and with
+    `whole_tol` all of them as one vector too."""
     session = vkml.compile(built.graph, loss=built.loss, outputs=built.outputs,
                            optimizer=vkml.Adam(lr=lr), keep_grads=True, device=device)
     params = session.params()
@@ -100,25 +108,25 @@ def check(built, module, device, rng, lr=1e-2, forward_tol=FORWARD_TOL, grad_tol
     worst = max(per_param.items(), key=lambda kv: kv[1][0])
     worst_after = max(param_errors.items(), key=lambda kv: kv[1])
     print(f"\nforward errors {errors}; grad total {abs(total - ref_total) / ref_total:.2e}; "
-          f"worst param {worst[0]} {worst[1]}; min cosine "
-          f"{min(c for _, c in per_param.values()):.6f}; losses {losses[0]:.4f} -> "
+          f"worst param {worst[0]} {worst[1]}; 1 - min cosine "
+          f"{1 - min(c for _, c in per_param.values()):.1e}; losses {losses[0]:.4f} -> "
           f"{losses[-1]:.4f}; parameters after {STEPS} {trajectory} steps: worst {worst_after}")
     for name, err in errors.items():
-        assert err < forward_tol, (name, err)
-    assert abs(total - ref_total) / ref_total < grad_tol
+        assert err < FORWARD_TOL, (name, err)
+    assert abs(total - ref_total) / ref_total < GRAD_TOL
     for n, (norm_err, cosine) in per_param.items():
-        assert norm_err < grad_tol, (n, norm_err)
-        assert cosine > 0.999, (n, cosine)
+        assert norm_err < GRAD_TOL, (n, norm_err)
+        assert 1 - cosine < COSINE_TOL, (n, cosine)
     assert np.all(np.isfinite(losses)), losses
     assert losses[-1] < losses[0], losses
-    if whole_trajectory:  # tools/PROTOCOL.md: parameters after N steps within 1%
+    if whole_tol is not None:
         flat = np.concatenate([trained[n].ravel() for n in param_errors])
         want = np.concatenate([torch_params[n].detach().numpy().ravel() for n in param_errors])
         whole = rel_l2(flat, want)
         print(f"all parameters as one vector: {whole:.1e}")
-        assert whole < 1e-2, (trajectory, whole, worst_after)
+        assert whole < whole_tol, (trajectory, whole, worst_after)
     for n, err in param_errors.items():
-        assert whole_trajectory or err < 1e-2, (n, trajectory, err)
+        assert err < trajectory_tol, (n, trajectory, err)
     assert sum(b < a for a, b in zip(losses, losses[1:])) >= (STEPS - 1) * 2 // 3, losses
 
 
@@ -141,11 +149,12 @@ def test_resnet_training_form(device, rng, block):
     the composed batch norm and of PyTorch's rule (ops/composite.py `normalized`) both differ
     from f64 by up to 5% at the same parameters. One such bias then parts by 1-3% after 10
     steps on some inputs (2 of 6 seeds with PyTorch's rule, 1 of 6 composed; 1.7% on this
-    test's), so the trajectory is gated as one vector (4e-4 on this test's inputs); every
-    parameter's gradient is still gated on its own."""
+    test's: layer4.0.bn1.bias of the bottleneck net, the basic one's worst 9.6e-6), so each
+    parameter is gated at 5% and the trajectory as one vector at 2e-3 (measured 4.2e-4 and
+    2.5e-7); every parameter's gradient is gated as in the other models."""
     cfg = resnet.tiny(block)
     check(resnet.build(cfg), ref.ResNet(cfg), device, rng, trajectory="sgd",
-          whole_trajectory=True)
+          trajectory_tol=5e-2, whole_tol=2e-3)
 
 
 def test_resnet_inference_form(device, rng):

@@ -168,6 +168,7 @@ def test_headless_run_writes_its_outputs_and_learns(tmp_path):
     assert len(err["train_loss"]) == 12 and err["live_abs_rel"]
     # The depth error on held-out views after 12 training steps is lower than at the start.
     assert err["eval_abs_rel_end"] < 0.8 * err["eval_abs_rel_start"], err
+    assert metrics["validating"] == VALIDATING  # the layer watched when asked to
     assert metrics["validation_messages"] == []
 
 
@@ -183,6 +184,7 @@ def test_headless_results_are_bit_identical_across_chunkings(tmp_path, zero_copy
         metrics, _ = _headless(tmp_path, name, frames=12, infer_every=0, schedule=schedule,
                                evaluate=False, zero_copy=zero_copy)
         assert metrics["run"]["train_steps"] == 6
+        assert metrics["validating"] == VALIDATING
         assert metrics["validation_messages"] == []
         results[schedule] = (metrics, load_file(str(tmp_path / f"{name}.safetensors")))
     assert results["chunks:3"][0]["setup"]["train"]["pieces"] == 3
@@ -230,6 +232,7 @@ def test_window_opens_presents_and_closes_under_xvfb(tmp_path):
         xvfb.wait(timeout=10)
     metrics = json.loads((tmp_path / "out" / "metrics_window.json").read_text())
     assert metrics["presented"] == 16
+    assert metrics["validating"] == VALIDATING
     assert metrics["validation_messages"] == []
     from PIL import Image
 
