@@ -62,7 +62,9 @@ class OpDef:
     splits: Callable[[Tensor, Capabilities], int] | None = None
     # The facts the other passes read (none of them keeps a list of op names):
     # `indexes`: an op that selects with an i32 input: (which input, its valid [first, end) for
-    # the node, what it indexes), so set_input refuses values PyTorch would raise on.
+    # the node, what it indexes). Values outside it, which PyTorch raises on, are refused
+    # wherever they come from: by set_input, at compile for constants, else by a check on the
+    # GPU read after the step (vkml/ops/indexing.py, "index checks": all a new op needs).
     indexes: Callable[[Tensor], tuple[int, int, int, str]] | None = None
     # `fusion`: how the rewrite (compiler/rewrite.py) fuses pointwise ops into this op's
     # kernel. "product": its stores take a pointwise epilogue (inputs a, b, then the
