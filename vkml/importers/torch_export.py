@@ -77,14 +77,13 @@ def import_torch(module: Any, args: tuple = (), kwargs: dict | None = None,
 
 
 def _needs_decompositions(program: Any) -> bool:
-    """Whether the exported program has ops the table lacks, or an op writing in place into a
-    value that is read after it or is an input (the decompositions make such programs
-    functional). They cost more than the rest of an import (4.8 of 8.3 s for regnet_y_400mf),
-    so a program of known ops skips them; an in-place op that alone reads a value no view
+    """Whether the exported program computes ops the table lacks, or writes in place into a
+    value something else could read (the decompositions make such programs functional).
+    They cost more than the rest of an import (4.8 of 8.3 s for regnet_y_400mf), so a program
+    of known ops skips them (ops on values known at import, such as a mask's arithmetic, are
+    computed by PyTorch, whatever they are); an in-place op that alone reads a value no view
     shares (a ReLU(inplace=True) after a convolution) computes what its functional form does."""
-    for node in program.graph.nodes:
-        if node.op != "call_function":
-            continue
+    for node in _computed_on_device(program):
         if _key(node.target) not in ATEN and _key(node.target) not in FOLD_ONLY:
             return True
         packet = getattr(node.target, "overloadpacket", None)
@@ -95,6 +94,24 @@ def _needs_decompositions(program: Any) -> bool:
                     or _key(written.target) in VIEWS):
                 return True
     return False
+
+
+def _computed_on_device(program: Any) -> list[Any]:
+    """The call nodes that read, through any chain, an input, a parameter or a persistent
+    float buffer: those the graph computes (the others are computed at import)."""
+    sig = program.graph_signature
+    device = {spec.arg.name for spec in sig.input_specs
+              if spec.kind.name in ("USER_INPUT", "PARAMETER")
+              or (spec.kind.name == "BUFFER" and spec.target in program.state_dict
+                  and program.state_dict[spec.target].is_floating_point())}
+    found = []
+    for node in program.graph.nodes:
+        if node.op == "call_function" and (
+                _key(node.target) in NOT_FOLDED
+                or any(a.name in device for a in node.all_input_nodes)):
+            device.add(node.name)
+            found.append(node)
+    return found
 
 
 def _key(target: Any) -> str:
@@ -602,7 +619,8 @@ PREDICATES = {"eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal"
               "gt": "greater", "ge": "greater_equal", "logical_and": "logical_and",
               "logical_or": "logical_or", "logical_xor": "logical_xor",
               "bitwise_and": "logical_and", "bitwise_or": "logical_or",
-              "bitwise_xor": "logical_xor"}
+              "bitwise_xor": "logical_xor", "__and__": "logical_and", "__or__": "logical_or",
+              "__xor__": "logical_xor"}
 
 
 def _make_predicate(name: str) -> Handler:
