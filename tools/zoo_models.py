@@ -69,8 +69,15 @@ def _image(size: str, tiny: int, small: int, full: int = 224, batch: int = 2) ->
 
 def _vision(ctor: Callable[..., torch.nn.Module], size: str, tiny: int, small: int,
             num_classes: int = 10, full: int = 224, key: str | None = None,
-            **kwargs) -> ZooModel:
-    model = ctor(weights=None, num_classes=num_classes if size != "full" else 1000, **kwargs)
+            narrow: Callable[[], torch.nn.Module] | None = None, **kwargs) -> ZooModel:
+    """torchvision's model; at "tiny" size `narrow()`, the same class with fewer and narrower
+    blocks (every kind of layer kept), where the published widths would take lavapipe
+    minutes a step."""
+    if size == "tiny" and narrow is not None:
+        model = narrow()
+    else:
+        model = ctor(weights=None, num_classes=num_classes if size != "full" else 1000,
+                     **kwargs)
     return ZooModel(FirstOutput(model, key).eval(), _image(size, tiny, small, full),
                     "torchvision")
 
@@ -82,42 +89,65 @@ def _tv():
 # ---- torchvision -------------------------------------------------------------------------------
 @zoo("resnet18")
 def resnet18(size: str) -> ZooModel:
-    return _vision(_tv().resnet18, size, 32, 64)
+    tv = _tv()
+    return _vision(tv.resnet18, size, 32, 64, narrow=lambda: tv.resnet.ResNet(
+        tv.resnet.BasicBlock, [1, 1, 1, 1], num_classes=10))
 
 
 @zoo("resnet50")
 def resnet50(size: str) -> ZooModel:
-    return _vision(_tv().resnet50, size, 32, 64)
+    tv = _tv()
+    return _vision(tv.resnet50, size, 32, 64, narrow=lambda: tv.resnet.ResNet(
+        tv.resnet.Bottleneck, [1, 1, 1, 1], num_classes=10, width_per_group=8))
 
 
 @zoo("mobilenet_v2")
 def mobilenet_v2(size: str) -> ZooModel:
-    return _vision(_tv().mobilenet_v2, size, 32, 64)
+    tv = _tv()
+    return _vision(tv.mobilenet_v2, size, 32, 64, narrow=lambda: tv.mobilenet_v2(
+        num_classes=10, width_mult=0.25))
 
 
 @zoo("mobilenet_v3_small")
 def mobilenet_v3_small(size: str) -> ZooModel:
-    return _vision(_tv().mobilenet_v3_small, size, 32, 64)
+    tv = _tv()
+    return _vision(tv.mobilenet_v3_small, size, 32, 64, narrow=lambda: tv.mobilenet_v3_small(
+        num_classes=10, width_mult=0.25, reduced_tail=True))
 
 
 @zoo("efficientnet_b0")
 def efficientnet_b0(size: str) -> ZooModel:
-    return _vision(_tv().efficientnet_b0, size, 32, 64)
+    tv = _tv()
+
+    def narrow():
+        blocks, last = tv.efficientnet._efficientnet_conf("efficientnet_b0", width_mult=0.25,
+                                                          depth_mult=0.25)
+        return tv.efficientnet.EfficientNet(blocks, 0.2, num_classes=10, last_channel=last)
+    return _vision(tv.efficientnet_b0, size, 32, 64, narrow=narrow)
 
 
 @zoo("convnext_tiny")
 def convnext_tiny(size: str) -> ZooModel:
-    return _vision(_tv().convnext_tiny, size, 32, 64)
+    tv = _tv()
+    cn = tv.convnext
+    return _vision(tv.convnext_tiny, size, 32, 64, narrow=lambda: cn.ConvNeXt(
+        [cn.CNBlockConfig(16, 32, 1), cn.CNBlockConfig(32, None, 1)], num_classes=10))
 
 
 @zoo("regnet_y_400mf")
 def regnet_y_400mf(size: str) -> ZooModel:
-    return _vision(_tv().regnet_y_400mf, size, 32, 64)
+    tv = _tv()
+    rg = tv.regnet
+    return _vision(tv.regnet_y_400mf, size, 32, 64, narrow=lambda: rg.RegNet(
+        rg.BlockParams.from_init_params(depth=3, w_0=8, w_a=8.0, w_m=2.0, group_width=8,
+                                        se_ratio=0.25), num_classes=10, stem_width=8))
 
 
 @zoo("shufflenet_v2_x0_5")
 def shufflenet_v2_x0_5(size: str) -> ZooModel:
-    return _vision(_tv().shufflenet_v2_x0_5, size, 32, 64)
+    tv = _tv()
+    return _vision(tv.shufflenet_v2_x0_5, size, 32, 64, narrow=lambda: tv.shufflenetv2.ShuffleNetV2(
+        [1, 1, 1], [8, 16, 32, 64, 128], num_classes=10))
 
 
 @zoo("squeezenet1_1")
@@ -127,12 +157,16 @@ def squeezenet1_1(size: str) -> ZooModel:
 
 @zoo("densenet121")
 def densenet121(size: str) -> ZooModel:
-    return _vision(_tv().densenet121, size, 32, 64)
+    tv = _tv()
+    return _vision(tv.densenet121, size, 32, 64, narrow=lambda: tv.densenet.DenseNet(
+        growth_rate=8, block_config=(2, 2, 2, 2), num_init_features=16, num_classes=10))
 
 
 @zoo("mnasnet0_5")
 def mnasnet0_5(size: str) -> ZooModel:
-    return _vision(_tv().mnasnet0_5, size, 32, 64)
+    tv = _tv()
+    return _vision(tv.mnasnet0_5, size, 32, 64, narrow=lambda: tv.mnasnet.MNASNet(
+        0.25, num_classes=10))
 
 
 @zoo("alexnet")
@@ -158,23 +192,39 @@ def vit_small(size: str) -> ZooModel:
 
 @zoo("swin_t")
 def swin_t(size: str) -> ZooModel:
-    return _vision(_tv().swin_t, size, 32, 64)
+    tv = _tv()
+    return _vision(tv.swin_t, size, 32, 64, narrow=lambda: tv.swin_transformer.SwinTransformer(
+        [4, 4], 16, [1, 1], [1, 2], [2, 2], num_classes=10))
 
 
 @zoo("deeplabv3_mobilenet_v3_large")
 def deeplabv3(size: str) -> ZooModel:
-    segmentation = _tv().segmentation
-    model = segmentation.deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None,
-                                                      num_classes=5, aux_loss=False)
+    tv = _tv()
+    segmentation = tv.segmentation
+    if size == "tiny":  # the same heads on a quarter-width, dilated MobileNetV3
+        backbone = tv.mobilenet_v3_large(width_mult=0.25, dilated=True, reduced_tail=True)
+        model = segmentation.deeplabv3._deeplabv3_mobilenetv3(backbone, 5, False)
+    else:
+        model = segmentation.deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None,
+                                                          num_classes=5, aux_loss=False)
     return ZooModel(FirstOutput(model, "out").eval(), _image(size, 32, 64, 224, batch=1),
                     "torchvision")
 
 
 @zoo("fcn_resnet50")
 def fcn_resnet50(size: str) -> ZooModel:
-    segmentation = _tv().segmentation
-    model = segmentation.fcn_resnet50(weights=None, weights_backbone=None, num_classes=5,
-                                      aux_loss=False)
+    tv = _tv()
+    segmentation = tv.segmentation
+    if size == "tiny":  # FCN's head on a narrow dilated bottleneck ResNet, one block a stage
+        backbone = tv.resnet.ResNet(tv.resnet.Bottleneck, [1, 1, 1, 1], num_classes=10,
+                                    width_per_group=4,
+                                    replace_stride_with_dilation=[False, True, True])
+        model = segmentation.fcn.FCN(
+            tv._utils.IntermediateLayerGetter(backbone, {"layer4": "out"}),
+            segmentation.fcn.FCNHead(2048, 5))
+    else:
+        model = segmentation.fcn_resnet50(weights=None, weights_backbone=None, num_classes=5,
+                                          aux_loss=False)
     return ZooModel(FirstOutput(model, "out").eval(), _image(size, 32, 64, 224, batch=1),
                     "torchvision")
 
