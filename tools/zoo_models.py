@@ -248,14 +248,19 @@ def _no_dropout() -> dict:
     return {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 
 
+def _encoder_classifier(config_cls, model_cls, size: str) -> ZooModel:
+    """BERT's layout (BERT, RoBERTa): base widths in full, three labels."""
+    h, n, heads, ff = _widths(size, (768, 12, 12, 3072))
+    cfg = config_cls(vocab_size=1000, hidden_size=h, num_hidden_layers=n,
+                     num_attention_heads=heads, intermediate_size=ff, num_labels=3,
+                     attn_implementation="eager", **_no_dropout())
+    return _hf(model_cls(cfg), _text(size, 1000), "logits")
+
+
 @zoo("bert")
 def bert(size: str) -> ZooModel:
     from transformers import BertConfig, BertForSequenceClassification
-    h, n, heads, ff = _widths(size, (768, 12, 12, 3072))
-    cfg = BertConfig(vocab_size=1000, hidden_size=h, num_hidden_layers=n,
-                     num_attention_heads=heads, intermediate_size=ff, num_labels=3,
-                     attn_implementation="eager", **_no_dropout())
-    return _hf(BertForSequenceClassification(cfg), _text(size, 1000), "logits")
+    return _encoder_classifier(BertConfig, BertForSequenceClassification, size)
 
 
 @zoo("distilbert")
@@ -271,11 +276,7 @@ def distilbert(size: str) -> ZooModel:
 @zoo("roberta")
 def roberta(size: str) -> ZooModel:
     from transformers import RobertaConfig, RobertaForSequenceClassification
-    h, n, heads, ff = _widths(size, (768, 12, 12, 3072))
-    cfg = RobertaConfig(vocab_size=1000, hidden_size=h, num_hidden_layers=n,
-                        num_attention_heads=heads, intermediate_size=ff, num_labels=3,
-                        attn_implementation="eager", **_no_dropout())
-    return _hf(RobertaForSequenceClassification(cfg), _text(size, 1000), "logits")
+    return _encoder_classifier(RobertaConfig, RobertaForSequenceClassification, size)
 
 
 @zoo("gpt2")
