@@ -16,7 +16,9 @@ batch norm from the running statistics) whatever the module's mode.
 
 from __future__ import annotations
 
+import copy
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -72,8 +74,11 @@ def import_torch(module: Any, args: tuple = (), kwargs: dict | None = None,
     builder = _Builder(torch, program, training, refusals, seed)
     builder.run()
     refusals.check()
-    snapshot = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return builder.result(name, snapshot)
+    state = module.state_dict()
+    snapshot = {k: v.detach().clone() for k, v in state.items()}
+    # per-module versions that load_state_dict hands to modules which read them (MNASNet
+    # refuses a state dict without its version)
+    return builder.result(name, snapshot, getattr(state, "_metadata", None))
 
 
 def _needs_decompositions(program: Any) -> bool:
@@ -288,11 +293,13 @@ class _Builder:
             if tensor is not None:
                 self.outputs[out_name] = self.g.output(out_name, tensor)
 
-    def result(self, name: str, snapshot: dict) -> ImportedModel:
+    def result(self, name: str, snapshot: dict, metadata: Any = None) -> ImportedModel:
         torch = self.torch
 
         def state_dict(values: dict[str, np.ndarray]) -> dict[str, Any]:
-            out = {}
+            out: dict[str, Any] = OrderedDict()
+            if metadata is not None:
+                out._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
             for key, original in snapshot.items():
                 key_in_graph = self.tied.get(key, key)
                 if key_in_graph in values:
