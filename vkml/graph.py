@@ -66,6 +66,10 @@ class OpDef:
     # wherever they come from: by set_input, at compile for constants, else by a check on the
     # GPU read after the step (vkml/ops/indexing.py, "index checks": all a new op needs).
     indexes: Callable[[Tensor], tuple[int, int, int, str]] | None = None
+    # `index_range`: an op whose i32 result lies in [low, end) by construction (argmax, argsort:
+    # positions along an axis); an index operand it computes (through views) within the
+    # operand's valid range needs no check.
+    index_range: Callable[[Tensor], tuple[int, int]] | None = None
     # `fusion`: how the rewrite (compiler/rewrite.py) fuses pointwise ops into this op's
     # kernel. "product": its stores take a pointwise epilogue (inputs a, b, then the
     # epilogue's); "sum": its summand (a prologue) and its result (an epilogue) may be

@@ -111,6 +111,15 @@ def _braces(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
+def _within(source: Tensor, first: int, end: int) -> bool:
+    """Whether every value `source` computes lies in [first, end) by construction."""
+    produced = OPS[source.op].index_range
+    if produced is None:
+        return False
+    low, high = produced(source)
+    return first <= low and high <= end
+
+
 def index_checks(rooted: Rooted, max_operands: int) -> Rooted:
     """`rooted` with checks of the index operands set_input cannot see: a constant's values
     are checked now (GraphError); values computed on the GPU (a slice, concat or transpose of
@@ -132,7 +141,7 @@ def index_checks(rooted: Rooted, max_operands: int) -> Rooted:
             if bad.size:
                 raise GraphError(about.format(value=int(values.flat[bad[0]]), at=int(bad[0]))
                                  + ": a constant index out of range")
-        elif source.id not in inputs:
+        elif source.id not in inputs and not _within(source, first, end):
             operands.setdefault((operand.id, first, end), (operand, about))
     found = list(operands.items())
     checks = []

@@ -136,8 +136,14 @@ def _arg_extreme_kernel(node: Tensor, caps: Capabilities) -> Kernel:
                  "  return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;", "}"])
 
 
+def _positions(node: Tensor) -> tuple[int, int]:
+    """argmax's, argmin's and argsort's values: positions along their input's axis."""
+    return 0, node.inputs[0].shape[node.attrs["axis"]]
+
+
 for _name in ("argmax", "argmin"):
-    register(OpDef(_name, _arg_extreme, "kernel", lower=_arg_extreme_kernel))
+    register(OpDef(_name, _arg_extreme, "kernel", lower=_arg_extreme_kernel,
+                   index_range=_positions))
 
 
 def _arg(g: Graph, op: str, x: Tensor, axis: int, keepdims: bool) -> Tensor:
@@ -264,7 +270,7 @@ def _argsorted(inputs, attrs):
     return x.shape, "i32"
 
 
-register(OpDef("argsort", _argsorted, "kernel", lower=_argsort_kernel))
+register(OpDef("argsort", _argsorted, "kernel", lower=_argsort_kernel, index_range=_positions))
 
 
 @builder
