@@ -446,7 +446,7 @@ def test_readme_bring_your_own_model_runs(tmp_path, capsys):
 
 def _ops_model():
     """One ONNX graph over the newer ops' conversions: comparisons and Where, Min/Max, casts
-    of masks, reflect padding, nearest and linear Resize, Tile, Expand, GatherND with indices
+    of masks, reflect padding, nearest, linear and cubic Resize, Tile, Expand, GatherND with indices
     known at import, Einsum, ReduceL2, CumSum, a strided Slice."""
     from onnx import TensorProto, helper, numpy_helper
     rng = np.random.default_rng(0)
@@ -473,6 +473,7 @@ def _ops_model():
              n("Resize", ["x", "", "scales"], ["near"], mode="nearest",
                coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
              n("Resize", ["x", "", "scales"], ["lin"], mode="linear"),
+             n("Resize", ["x", "", "scales"], ["cub"], mode="cubic", cubic_coeff_a=-0.5),
              n("Tile", ["x", "repeats"], ["tiled"]),
              n("Expand", ["bias", "shape"], ["wide"]), n("Mul", ["wide", "x"], ["scaled"]),
              n("GatherND", ["x", "points"], ["picked"]),
@@ -481,6 +482,7 @@ def _ops_model():
              n("CumSum", ["x", "axis"], ["cum"], reverse=1),
              n("Slice", ["x", "starts", "ends", "axes", "steps"], ["strided"])]
     outputs = {"padded": (2, 3, 7, 7), "near": (2, 3, 8, 8), "lin": (2, 3, 8, 8),
+               "cub": (2, 3, 8, 8),
                "tiled": (2, 6, 4, 4), "scaled": (2, 3, 4, 4), "picked": (2, 4),
                "gram": (2, 3, 3), "norm": (2, 4, 4), "cum": (2, 3, 4, 4),
                "strided": (2, 3, 3, 2)}

@@ -937,11 +937,12 @@ def _resize(b, node, ins, attrs):
             attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
         raise Refuse("Resize with axes, antialias, exclude_outside or a keep_aspect_ratio_policy "
                      "is not supported")
-    if mode not in ("nearest", "linear"):
-        raise Refuse(f"resize mode '{mode}' is not supported (nearest and linear are)")
+    if mode not in ("nearest", "linear", "cubic"):
+        raise Refuse(f"resize mode '{mode}' is not supported (nearest, linear and cubic are)")
     common = {"mode": mode,
               "coordinate_mode": attrs.get("coordinate_transformation_mode", "half_pixel"),
-              "nearest_mode": attrs.get("nearest_mode", "round_prefer_floor")}
+              "nearest_mode": attrs.get("nearest_mode", "round_prefer_floor"),
+              "cubic_coeff_a": float(attrs.get("cubic_coeff_a", -0.75))}
     if sizes:
         if list(sizes[:2]) != list(x.shape[:2]):
             raise Refuse("only the axes after batch and channels can be resized")
