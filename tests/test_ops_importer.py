@@ -375,3 +375,26 @@ def test_cumsum_of_i32_counts_as_torch_does(device):
     np.testing.assert_array_equal(s.read("y"), torch.cumsum(t, 1, dtype=torch.int32).numpy())
     np.testing.assert_array_equal(
         s.read("r"), (t.flip(0).cumsum(0, dtype=torch.int32).flip(0) - t).numpy())
+
+
+def test_concat_of_many_inputs_stays_within_the_binding_limit(device):
+    """More inputs than a kernel may bind (an exported T5 concatenates 44) are concatenated in
+    groups: values and gradients as torch.cat's."""
+    from vkml.ops.indexing import CONCAT_INPUTS
+    count = 3 * CONCAT_INPUTS + 2
+    parts = [np.random.default_rng(k).standard_normal((2, k % 3 + 1)).astype(np.float32)
+             for k in range(count)]
+    g = vkml.Graph()
+    params = [g.param(f"p{k}", part.shape, part) for k, part in enumerate(parts)]
+    out = g.output("y", g.concat(params, 1))
+    weights = np.random.default_rng(99).standard_normal(out.shape).astype(np.float32)
+    loss = g.sum(g.mul(out, g.constant(weights)))
+    s = vkml.compile(g, loss=loss, outputs={"y": out}, device=device)
+    s.step()
+    ts = [torch.tensor(p, dtype=torch.float64, requires_grad=True) for p in parts]
+    ref = torch.cat(ts, 1)
+    (ref * torch.tensor(weights, dtype=torch.float64)).sum().backward()
+    assert np.allclose(s.read("y"), ref.detach().numpy(), atol=1e-6)
+    for k, t in enumerate(ts):
+        assert np.allclose(s.grad(f"p{k}"), t.grad.numpy(), atol=1e-6), k
+    assert max(len(d.kernel.access) for d in s.plan.dispatches) <= CONCAT_INPUTS + 1

@@ -219,12 +219,23 @@ register(OpDef("concat", _concat, "kernel", grad=_concat_grad,
                lower=kernels.lowering(_concat_body)))
 
 
+# A concat's kernel binds every input: more than this many are concatenated in groups first,
+# so the kernel stays within devices' storage-buffer limits (lavapipe's 32 a stage; an
+# exported T5 concatenates 44 tensors)
+CONCAT_INPUTS = 16
+
+
 @builder
 def concat(g: Graph, xs: Sequence[Tensor], axis: int = 0) -> Tensor:
     """torch.cat along `axis`."""
+    xs = list(xs)
     if len(xs) == 1:
         return xs[0]
-    return g.apply("concat", list(xs), axis=int(axis))
+    if len(xs) > CONCAT_INPUTS:
+        xs = [concat(g, xs[at:at + CONCAT_INPUTS], axis)
+              for at in range(0, len(xs), CONCAT_INPUTS)]
+        return concat(g, xs, axis)
+    return g.apply("concat", xs, axis=int(axis))
 
 
 def _rotate_half(inputs, attrs):
