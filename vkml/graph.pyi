@@ -32,6 +32,7 @@ class OpDef:
     strides: Callable[[Tensor], list[Shape]] | None = None
     splits: Callable[[Tensor, Capabilities], int] | None = None
     indexes: Callable[[Tensor], tuple[int, int, int, str]] | None = None
+    index_range: Callable[[Tensor], tuple[int, int]] | None = None
     fusion: Literal['product', 'sum'] | None = None
     fused: str | None = None
     unfused: str | None = None
