@@ -277,3 +277,15 @@ def test_xr_session_against_monado(tmp_path):
     if VALIDATING:  # the layer ran inside the chroot too, with the host's messenger on it
         assert metrics["validating"]
     assert metrics["validation_messages"] == []
+
+
+def test_window_without_a_display_is_one_clear_line(monkeypatch, capsys):
+    """`--window` where no display can be opened ends with one line naming the cause and exit
+    status 2, not a traceback."""
+    from xr_demo.__main__ import main as demo_main
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    assert demo_main(["--window", "--frames", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m xr_demo: ") and "display" in err[-1]
+    assert not any(line.startswith("Traceback") for line in err)

@@ -8,11 +8,12 @@ import sys
 
 from xr_demo.app import Options
 from xr_demo.model import LIVE_MODES
+from xr_demo.vkhost import HostError
 
 
 def parse(argv: list[str] | None = None) -> Options:
     d = Options()
-    ap = argparse.ArgumentParser(prog="python -m xr_demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m xr_demo", description=" ".join(__doc__.split()))
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--headless", dest="mode", action="store_const", const="headless",
                       help="offscreen; writes pictures, a plot and metrics (the default)")
@@ -81,6 +82,15 @@ def parse(argv: list[str] | None = None) -> Options:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
+    try:
+        run(opts)
+    except HostError as e:  # no display, no OpenXR runtime, no device: one line says which
+        print(f"python -m xr_demo: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(opts: Options) -> None:
     if opts.mode == "headless":
         from xr_demo import headless
 
@@ -93,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         from xr_demo import xr_mode
 
         xr_mode.run(opts)
-    return 0
 
 
 if __name__ == "__main__":

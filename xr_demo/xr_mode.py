@@ -60,11 +60,17 @@ class XrSession:
     """Instance, system, the Vulkan objects the runtime asked for, session, space, swapchains."""
 
     def __init__(self, size: int, log: Callable[[str], None]) -> None:
-        self.instance = xr.create_instance(xr.InstanceCreateInfo(
-            application_info=xr.ApplicationInfo(
-                application_name="vkml xr_demo", application_version=1, engine_name="vkml",
-                engine_version=1, api_version=xr.Version(1, 0, 0)),
-            enabled_extension_names=[xr.KHR_VULKAN_ENABLE2_EXTENSION_NAME]))
+        try:
+            self.instance = xr.create_instance(xr.InstanceCreateInfo(
+                application_info=xr.ApplicationInfo(
+                    application_name="vkml xr_demo", application_version=1, engine_name="vkml",
+                    engine_version=1, api_version=xr.Version(1, 0, 0)),
+                enabled_extension_names=[xr.KHR_VULKAN_ENABLE2_EXTENSION_NAME]))
+        except (xr.RuntimeUnavailableError, xr.RuntimeFailureError) as e:
+            raise HostError(
+                f"no OpenXR runtime to run on ({type(e).__name__}): install one and start it "
+                "(`make monado` provisions Monado in a chroot; README, The demo), or run "
+                "--headless or --window") from e
         props = xr.get_instance_properties(self.instance)
         self.system = xr.get_system(self.instance, xr.SystemGetInfo(
             form_factor=xr.FormFactor.HEAD_MOUNTED_DISPLAY))
