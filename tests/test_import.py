@@ -41,6 +41,16 @@ def onnxruntime_run(path, feeds):
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
 
 
+def onnxruntime_error(path, x, device) -> float:
+    """The imported model's logits for input `x` against onnxruntime's, relative L2."""
+    imp = vkml.import_onnx(path)
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.forward()
+    (ref,) = onnxruntime_run(path, {"x": x.numpy()})
+    return rel_l2(s.read("logits"), ref)
+
+
 class MLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -236,12 +246,7 @@ def test_onnx_transformer_block_matches_onnxruntime(device, tmp_path):
     module = TinyBlock().eval()
     x = torch.randn(2, 6, 16)
     path = export_onnx(module, (x,), tmp_path / "block.onnx", ["x"])
-    imp = vkml.import_onnx(path)
-    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
-    s.set_input("x", x.numpy())
-    s.forward()
-    (ref,) = onnxruntime_run(path, {"x": x.numpy()})
-    assert rel_l2(s.read("logits"), ref) < FORWARD_TOL
+    assert onnxruntime_error(path, x, device) < FORWARD_TOL
 
 
 def _refused_model():
@@ -616,9 +621,4 @@ def test_onnx_opsets_match_onnxruntime(device, tmp_path, opset, model, shape):
     module, x = model().eval(), torch.randn(*shape)
     path = export_onnx(module, (x,), tmp_path / "model.onnx", ["x"], opset=opset)
     assert onnx.load(path).opset_import[0].version == opset
-    imp = vkml.import_onnx(path)
-    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
-    s.set_input("x", x.numpy())
-    s.forward()
-    (ref,) = onnxruntime_run(path, {"x": x.numpy()})
-    assert rel_l2(s.read("logits"), ref) < FORWARD_TOL
+    assert onnxruntime_error(path, x, device) < FORWARD_TOL
