@@ -289,3 +289,15 @@ def test_window_without_a_display_is_one_clear_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("python -m xr_demo: ") and "display" in err[-1]
     assert not any(line.startswith("Traceback") for line in err)
+
+
+def test_strip_has_the_depth_scale_under_its_depth_panels():
+    """The strip ends in a colour bar from FAR (the depth pictures' background colour) to NEAR,
+    under the two depth panels."""
+    from xr_demo.colormap import NEAR, depth_picture
+    from xr_demo.outputs import colour_bar
+    from xr_demo.scene import FAR
+    bar = np.asarray(colour_bar(120))
+    far, near = depth_picture(np.array([[FAR, NEAR]], np.float32))[0]
+    assert np.array_equal(bar[0, 0], far) and np.array_equal(bar[0, -1], near)
+    assert (bar[-10:] < 128).any()  # the tick labels under it

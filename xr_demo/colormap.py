@@ -19,9 +19,15 @@ def turbo(x: np.ndarray) -> np.ndarray:
     return (np.clip(rgb, 0.0, 1.0) * 255 + 0.5).astype(np.uint8)
 
 
+NEAR = 1.5  # metres: nearer than this is drawn as this
+
+
+def depth_fraction(depth_m: np.ndarray) -> np.ndarray:
+    """Where a depth lies on the colour scale, in [0, 1]: linear in inverse depth, which
+    spreads the near range where the detail is (FAR at 0, NEAR at 1)."""
+    return (1.0 / np.clip(depth_m, NEAR, FAR) - 1.0 / FAR) / (1.0 / NEAR - 1.0 / FAR)
+
+
 def depth_picture(depth_m: np.ndarray) -> np.ndarray:
-    """Metres (H, W) -> (H, W, 3) uint8. Inverse depth spreads the near range where the
-    detail is; the background (FAR) is dark blue."""
-    near = 1.5
-    inv = (1.0 / np.clip(depth_m, near, FAR) - 1.0 / FAR) / (1.0 / near - 1.0 / FAR)
-    return turbo(inv)
+    """Metres (H, W) -> (H, W, 3) uint8; the background (FAR) is dark blue."""
+    return turbo(depth_fraction(depth_m))

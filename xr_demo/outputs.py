@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from xr_demo.app import Prediction, RunLog
-from xr_demo.colormap import depth_picture
+from xr_demo.colormap import NEAR, depth_fraction, depth_picture, turbo
+from xr_demo.scene import FAR
 
 
 def _panel(p: Prediction, scale: int) -> np.ndarray:
@@ -49,11 +50,34 @@ def caption(p: Prediction) -> str:
             f"AbsRel {p.abs_rel:.3f}")
 
 
+def colour_bar(width: int, height: int = 12) -> Any:
+    """The depth pictures' scale: the colours from FAR to NEAR, ticks labelled in metres."""
+    from PIL import Image, ImageDraw
+
+    bar = np.repeat(turbo(np.linspace(0.0, 1.0, width))[None], height, 0)
+    img = Image.new("RGB", (width, height + 16), (255, 255, 255))
+    img.paste(Image.fromarray(bar), (0, 0))
+    draw = ImageDraw.Draw(img)
+    for metres in (FAR, 10.0, 5.0, 3.0, 2.0, NEAR):
+        x = int(round(float(depth_fraction(np.float64(metres))) * (width - 1)))
+        draw.line([(x, height - 4), (x, height + 1)], fill=(0, 0, 0))
+        label = f"{metres:g} m"
+        draw.text((min(max(0, x - 3 * len(label)), width - 6 * len(label)), height + 3), label,
+                  fill=(0, 0, 0))
+    return img
+
+
 def write_strip(path: str, predictions: Sequence[Prediction], count: int = 4,
                 scale: int = 3) -> None:
     from PIL import Image
 
     rows = [_labelled(p, scale, caption(p)) for p in moments(predictions, count)]
+    if rows:  # the depth panels' scale, under the two of them
+        third = rows[0].width // 3
+        bar = colour_bar(2 * third - 8)
+        scale_row = Image.new("RGB", (rows[0].width, bar.height + 6), (255, 255, 255))
+        scale_row.paste(bar, (third + 4, 4))
+        rows.append(scale_row)
     w = max(r.width for r in rows)
     out = Image.new("RGB", (w, sum(r.height for r in rows)), (255, 255, 255))
     y = 0
