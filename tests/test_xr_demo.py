@@ -301,3 +301,14 @@ def test_strip_has_the_depth_scale_under_its_depth_panels():
     far, near = depth_picture(np.array([[FAR, NEAR]], np.float32))[0]
     assert np.array_equal(bar[0, 0], far) and np.array_equal(bar[0, -1], near)
     assert (bar[-10:] < 128).any()  # the tick labels under it
+
+
+def test_plot_draws_only_this_runs_losses_and_leaves_idle_frames_as_gaps(tmp_path):
+    from xr_demo.app import FrameStat, RunLog
+    from xr_demo.outputs import loss_points, write_plot
+    frames = [FrameStat(n, n / 72, 10.0, None, 1, 0.0 if n % 3 else 2.0, None, 0)
+              for n in range(1, 9)]
+    run = RunLog(frames=frames, losses=[(1, 2, 0.5), (2, 5, 0.25), (3, 900, 0.01)])
+    assert loss_points(run) == [(2 / 72, 0.5), (5 / 72, 0.25)]  # frame 900: the comparison's
+    write_plot(str(tmp_path / "plot.png"), run, 72, "test")
+    assert (tmp_path / "plot.png").stat().st_size > 0

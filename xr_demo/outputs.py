@@ -97,6 +97,14 @@ def write_animation(gif_path: str, apng_path: str, predictions: Sequence[Predict
                    duration=120, loop=0)
 
 
+def loss_points(run: RunLog) -> list[tuple[float, float]]:
+    """(seconds, loss) of the training steps harvested in this run's frames. The schedule
+    comparison after the run logs its own steps at frames this run's timeline does not have;
+    they were once all drawn at its last second, a spike no logged loss explained."""
+    t_of = {f.frame: f.t for f in run.frames}
+    return [(t_of[frame], loss) for _, frame, loss in run.losses if frame in t_of]
+
+
 def write_plot(path: str, run: RunLog, hz: float, title: str) -> None:
     import matplotlib
 
@@ -115,30 +123,33 @@ def write_plot(path: str, run: RunLog, hz: float, title: str) -> None:
     if run.eval_end is not None:
         top.axhline(run.eval_end, color="black", ls="--", lw=1,
                     label=f"held-out AbsRel at end {run.eval_end:.3f}")
-    if run.losses and run.frames:
-        t_of = {f.frame: f.t for f in run.frames}
+    losses = loss_points(run)
+    if losses:
         twin = top.twinx()
-        twin.plot([t_of.get(fr, run.frames[-1].t) for _, fr, _ in run.losses],
-                  [loss for _, _, loss in run.losses], lw=0.8, color="tab:blue", alpha=0.6)
+        twin.plot(*zip(*losses), lw=0.8, color="tab:blue", alpha=0.6)
         twin.set_ylabel("training loss (MSE)", color="tab:blue")
         twin.set_yscale("log")
-    if top.get_legend_handles_labels()[0]:
-        top.legend(loc="upper right", fontsize=8)
-    top.set_title(title, fontsize=10)
+    fig.suptitle(title, fontsize=10)
+    if top.get_legend_handles_labels()[0]:  # above the axes, never over the data
+        top.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=2, fontsize=7,
+                   frameon=False)
     frames = run.frames
     t = [f.t for f in frames]
     bottom.plot(t, [f.frame_ms for f in frames], lw=0.8, color="tab:purple",
                 label="frame time (frame start to render fence)")
-    bottom.plot(t, [f.model_cost_ms for f in frames], lw=0.8, color="tab:orange", alpha=0.8,
-                label="model GPU ms submitted (profiled)")
+    # frames that submitted no model work are gaps, not a fall to the log axis' floor
+    cost = np.array([f.model_cost_ms for f in frames], np.float64)
+    bottom.plot(t, np.where(cost > 0, cost, np.nan), lw=0.8, color="tab:orange", alpha=0.8,
+                label="model GPU ms submitted (profiled; gaps: none that frame)")
     for rate, style in ((72, "--"), (90, ":")):
         bottom.axhline(1000 / rate, color="red", ls=style, lw=1, label=f"{rate} Hz frame")
     bottom.set_ylabel("ms")
     bottom.set_xlabel("seconds")
     bottom.set_yscale("log")
-    bottom.legend(loc="upper right", fontsize=8)
+    bottom.legend(loc="upper left", bbox_to_anchor=(0.0, -0.2), ncol=2, fontsize=7,
+                  frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
