@@ -83,14 +83,7 @@ class Lab:
             self.drawn["bound"].image, host.device, "r32_float", (r, r), usage, SHADER_READ))
 
     def _once(self, record: Any) -> None:
-        cb = self.check_cb
-        vk.vkResetCommandBuffer(cb, 0)
-        vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
-            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
-        record(cb)
-        vk.vkEndCommandBuffer(cb)
-        self.host.submit(cb, self.fence)
-        self.host.wait_fence(self.fence)
+        self.host.run_now(self.check_cb, self.fence, record)
 
     def _copy(self, cb: Any, image: Any, to_image: bool) -> None:
         """The staging buffer into the image or back, the image left in SHADER_READ."""

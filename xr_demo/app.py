@@ -344,14 +344,7 @@ class Demo:
     # ---- set-up -----------------------------------------------------------------------------
     def _run_now(self, record: Callable[[Any], Any]) -> None:
         """Record with `record(cb)`, submit and wait (outside the frame loop)."""
-        cb = self._sync_cb
-        vk.vkResetCommandBuffer(cb, 0)
-        vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
-            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
-        record(cb)
-        vk.vkEndCommandBuffer(cb)
-        self.host.submit(cb, self._sync_fence)
-        self.host.wait_fence(self._sync_fence)
+        self.host.run_now(self._sync_cb, self._sync_fence, record)
 
     def render_now(self, frame: int) -> tuple[np.ndarray, np.ndarray]:
         """Render a camera frame synchronously (outside the frame loop: evaluation, warm-up);

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -314,6 +314,17 @@ class VulkanHost:
         with self.queue_lock:
             vk.vkQueueSubmit(self.queue, 1, [info], fence if fence is not None
                              else vk.VK_NULL_HANDLE)
+
+    def run_now(self, command_buffer: Any, fence: Any, record: Callable[[Any], Any]) -> None:
+        """Record `command_buffer` anew with `record(cb)`, submit it and wait (work outside a
+        frame loop: set-up barriers, copies a check reads)."""
+        vk.vkResetCommandBuffer(command_buffer, 0)
+        vk.vkBeginCommandBuffer(command_buffer, vk.VkCommandBufferBeginInfo(
+            sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
+        record(command_buffer)
+        vk.vkEndCommandBuffer(command_buffer)
+        self.submit(command_buffer, fence)
+        self.wait_fence(fence)
 
     def wait_fence(self, fence: Any, reset: bool = True, timeout_s: float = 300.0) -> None:
         try:  # the `vulkan` package raises for any result but VK_SUCCESS
