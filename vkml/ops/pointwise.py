@@ -363,16 +363,20 @@ def _integer_arithmetic(inputs, attrs):
     return broadcast_shapes(inputs[0].shape, inputs[1].shape), _one_dtype(inputs)
 
 
+def _binary_builder(name: str, doc: str) -> None:
+    """The Graph method `name(a, b)` of a binary op, numbers lifted to the other operand's
+    dtype (_lifted)."""
+    def method(g: Graph, a: Operand, b: Operand) -> Tensor:
+        return g.apply(name, _lifted(g, a, b))
+    method.__name__, method.__doc__ = name, doc
+    builder(method)
+
+
 def _binary_op(name: str, symbol: str, grad: Callable, integers: bool) -> None:
     register(OpDef(name, _integer_arithmetic if integers else _binary, "pointwise", grad=grad,
                    expr=lambda n: call(f"{{0}} {symbol} {{1}}", Arg(0), Arg(1))))
-
-    def method(g: Graph, a: Operand, b: Operand) -> Tensor:
-        return g.apply(name, _lifted(g, a, b))
-    method.__name__ = name
-    method.__doc__ = (f"a {symbol} b elementwise ({'f32 or i32' if integers else 'f32'}), numpy "
-                      "broadcasting; numbers become constants of the other operand's dtype")
-    builder(method)
+    _binary_builder(name, f"a {symbol} b elementwise ({'f32 or i32' if integers else 'f32'}), "
+                    "numpy broadcasting; numbers become constants of the other operand's dtype")
 
 
 for _name, _symbol, _grad, _integers in (("add", "+", _add_grad, True),
@@ -538,11 +542,7 @@ def _integers(inputs, attrs):
 
 def _integer_division(name: str, template: str, what: str) -> None:
     register(OpDef(name, _integers, "pointwise", expr=lambda n: call(template, Arg(0), Arg(1))))
-
-    def method(g: Graph, a: Operand, b: Operand) -> Tensor:
-        return g.apply(name, _lifted(g, a, b))
-    method.__name__, method.__doc__ = name, f"{what}; i32 operands, numpy broadcasting"
-    builder(method)
+    _binary_builder(name, f"{what}; i32 operands, numpy broadcasting")
 
 
 for _name, _rule in INTEGER_DIVISION.items():
@@ -645,13 +645,8 @@ def _extremum(name: str, wins: str, loses: str) -> None:
                    "pointwise", grad=grad,
                    expr=lambda n: _with_isnan(chosen if n.dtype == "i32" else nan_wins,
                                               Arg(0), Arg(1))))
-
-    def method(g: Graph, a: Operand, b: Operand) -> Tensor:
-        return g.apply(name, _lifted(g, a, b))
-    method.__name__ = name
-    method.__doc__ = (f"torch.{name} elementwise (f32 or i32), numpy broadcasting: NaN wins, "
-                      "and on a tie each operand gets half of the gradient, as torch's")
-    builder(method)
+    _binary_builder(name, f"torch.{name} elementwise (f32 or i32), numpy broadcasting: NaN "
+                    "wins, and on a tie each operand gets half of the gradient, as torch's")
 
 
 _extremum("maximum", ">", "less")
