@@ -13,7 +13,7 @@ from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather
 from vkml.kernels import reduce as kernels
-from vkml.kernels.common import check_loop, offset
+from vkml.kernels.common import check_loop, is_nan, offset
 
 
 def _reduced(inputs, attrs):
@@ -128,12 +128,10 @@ def _arg_extreme_kernel(node: Tensor, caps: Capabilities) -> Kernel:
         f"  var j = 0u; var best = in0[{at}]; var found = 0u;",
         f"  for (j = 1u; j < {n}u; j++) {{",
         f"    let v = in0[{at}];",
-        # NaN tested on the bits: drivers may assume that no float compares unequal to itself
-        f"    if (v {better} best || (is_nan(v) && !is_nan(best))) {{ best = v; found = j; }}",
+        f"    if (v {better} best || ({is_nan('v')} && !{is_nan('best')})) {{ best = v; "
+        "found = j; }",
         "  }",
-        "  out[idx] = i32(found);"], flops=node.size * n,
-        prelude=["fn is_nan(v: f32) -> bool {",
-                 "  return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;", "}"])
+        "  out[idx] = i32(found);"], flops=node.size * n)
 
 
 def _positions(node: Tensor) -> tuple[int, int]:
@@ -249,8 +247,8 @@ def _argsort_kernel(node: Tensor, caps: Capabilities) -> Kernel:
     axis, descending = node.attrs["axis"], node.attrs["descending"]
     n, stride = node.shape[axis], contiguous_strides(node.shape)[axis]
     check_loop(node, caps, n, "argsort over a shorter axis")
-    before = "a > b || (is_nan(a) && !is_nan(b))" if descending else (
-        "a < b || (is_nan(b) && !is_nan(a))")
+    before = (f"a > b || ({is_nan('a')} && !{is_nan('b')})" if descending
+              else f"a < b || ({is_nan('b')} && !{is_nan('a')})")
     return gather.generate(node, caps, [
         f"  let base = idx - i{axis} * {stride}u;", "  let v = in0[idx];", "  var rank = 0u;",
         f"  for (var j = 0u; j < {n}u; j++) {{",
@@ -258,9 +256,7 @@ def _argsort_kernel(node: Tensor, caps: Capabilities) -> Kernel:
         f"    if (precedes(w, v) || (j < i{axis} && !precedes(v, w))) {{ rank++; }}",
         "  }",
         f"  out[base + rank * {stride}u] = i32(i{axis});"], flops=node.size * n,
-        prelude=["fn is_nan(v: f32) -> bool {",  # the bits: drivers may assume no NaN
-                 "  return (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;", "}",
-                 "fn precedes(a: f32, b: f32) -> bool {", f"  return {before};", "}"])
+        prelude=["fn precedes(a: f32, b: f32) -> bool {", f"  return {before};", "}"])
 
 
 def _argsorted(inputs, attrs):
