@@ -47,18 +47,11 @@ def timed_steps(session, feeds: dict[str, np.ndarray], warmup: int, reps: int) -
     return {"median_ms": float(np.median(times)), "min_ms": float(np.min(times))}
 
 
-def dispatches(session) -> int | None:
-    """The plan's dispatch count, from the first line of `explain()`."""
-    first = session.explain().splitlines()[0]
-    digits = [int(w) for w in first.replace(",", " ").split() if w.isdigit()]
-    return digits[0] if digits else None
-
-
 def run(label: str, graph, loss, feeds, device, warmup: int, reps: int) -> dict:
     t0 = time.perf_counter()
     s = vkml.compile(graph, loss=loss, optimizer=vkml.Adam(lr=1e-4), device=device)
     compile_s = time.perf_counter() - t0
-    row = {"model": label, "compile_s": compile_s, "dispatches": dispatches(s),
+    row = {"model": label, "compile_s": compile_s, "dispatches": len(s.plan.dispatches),
            **timed_steps(s, feeds, warmup, reps)}
     s.close()
     print(f"  {label:28s} {row['median_ms']:9.3f} ms  compile {compile_s:5.2f} s  "
@@ -148,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     import torch
+    zoo_models.usable()  # transformers imports torchvision where installed (torchvision_compat)
     device = vkml.Device()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
