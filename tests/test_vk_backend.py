@@ -246,6 +246,41 @@ def test_same_program_resubmitted_without_rerecording(backend, axpb):
     assert backend.validation_messages == []
 
 
+def test_dispatch_in_workgroup_ranges_equals_the_whole_dispatch(backend, axpb):
+    """Three dispatches of consecutive workgroup ranges (vkCmdDispatchBase) write what one
+    dispatch of the whole grid writes; a pipeline whose kernel's workgroups are not declared
+    independent, or a range past the device's limit, is refused before the driver sees it."""
+    assert backend.caps.dispatch_base and axpb.dispatch_base
+    buf = backend.create_buffer(4 * NBYTES, "device", "ranges")
+    x = np.linspace(-3, 3, N, dtype=np.float32)
+    backend.write_buffer(buf, 0, np.concatenate([x, x ** 2]))
+    inputs = (Binding(buf, 0, NBYTES, False), Binding(buf, NBYTES, NBYTES, False))
+    whole, cut = (Binding(buf, k * NBYTES, NBYTES, True) for k in (2, 3))
+    n = GROUPS[0]
+    ranges = [(0, 5), (5, 11), (11, n)]
+    prog = backend.record([Dispatch(axpb, (*inputs, whole), GROUPS),
+                           *[Dispatch(axpb, (*inputs, cut), (b - a, 1, 1), (a, 0, 0))
+                             for a, b in ranges]], "ranges")
+    backend.submit(prog)
+    backend.wait()
+    got = floats(backend, buf, 3 * NBYTES)
+    np.testing.assert_array_equal(got, floats(backend, buf, 2 * NBYTES))
+    np.testing.assert_allclose(got, 2 * x + x ** 2, rtol=1e-6)
+    backend.free_program(prog)
+    kernel = axpb_kernel(backend.caps)
+    tied = backend.create_pipeline(Kernel(kernel.name, kernel.wgsl, kernel.access,
+                                          kernel.workgroup_size, kernel.groups))
+    assert not tied.dispatch_base
+    with pytest.raises(DeviceError, match="made without a base"):
+        backend.record([Dispatch(tied, (*inputs, cut), (1, 1, 1), (3, 0, 0))], "tied")
+    limit = backend.caps.max_workgroup_count[0]
+    with pytest.raises(DeviceError, match="exceed the device's workgroup count limits"):
+        backend.record([Dispatch(axpb, (*inputs, cut), (2, 1, 1), (limit - 1, 0, 0))], "far")
+    backend.free_pipeline(tied)
+    backend.free_buffer(buf)
+    assert backend.validation_messages == []
+
+
 def test_copy_barrier_dispatch_chain(backend, axpb):
     staging = backend.create_buffer(2 * NBYTES, "upload", "staging")
     dev = backend.create_buffer(3 * NBYTES, "device", "dev")

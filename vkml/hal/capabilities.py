@@ -23,6 +23,10 @@ class Capabilities:
     cooperative_matrix: bool = False
     shader_f16: bool = False
     extensions: frozenset[str] = field(default_factory=frozenset)
+    # Whether a dispatch may start at a base workgroup (hal.Dispatch.base; Vulkan 1.1's
+    # vkCmdDispatchBase; WebGPU has none): how a long dispatch runs as ranges of its workgroups
+    # submitted apart (runtime/chunking.py).
+    dispatch_base: bool = False
     # Whether a kernel may declare a storage binding read-only. WebGPU may not: vkml binds byte
     # ranges of one arena buffer, WebGPU tracks usage per buffer, and a buffer bound read-only
     # and writable in one dispatch is rejected, so there every binding is declared read_write.

@@ -30,6 +30,10 @@ class Dispatch:
     pipeline: object  # from Backend.create_pipeline
     bindings: tuple[Binding, ...]  # in binding-index order, matching the kernel's @binding(i)
     groups: tuple[int, int, int]
+    # The first workgroup's id: a range of a larger grid's workgroups (Vulkan's
+    # vkCmdDispatchBase), where caps.dispatch_base allows it and the kernel's workgroups are
+    # independent (Kernel.independent_workgroups, which also made its pipeline accept a base).
+    base: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,17 @@ def check_commands(commands: Sequence[Command], label: str, caps: Capabilities,
             if any(g > m for g, m in zip(cmd.groups, caps.max_workgroup_count, strict=True)):
                 raise DeviceError(f"{what}: groups {cmd.groups} exceed the device's workgroup "
                                   f"count limits {caps.max_workgroup_count}")
+            if any(cmd.base):
+                if not caps.dispatch_base:
+                    raise DeviceError(f"{what}: base {cmd.base} needs dispatches with a base "
+                                      "workgroup, which this backend lacks (caps.dispatch_base)")
+                if not pipe.dispatch_base:  # type: ignore[attr-defined]
+                    raise DeviceError(f"{what}: base {cmd.base} on a pipeline made without a "
+                                      "base (its kernel's workgroups are not independent)")
+                ends = tuple(b + g for b, g in zip(cmd.base, cmd.groups, strict=True))
+                if any(e > m for e, m in zip(ends, caps.max_workgroup_count, strict=True)):
+                    raise DeviceError(f"{what}: base {cmd.base} + groups {cmd.groups} exceed the "
+                                      f"device's workgroup count limits {caps.max_workgroup_count}")
         elif isinstance(cmd, Copy):
             what = f"program {label!r} command {n} (copy)"
             _check_range(cmd.src, cmd.src_offset, cmd.nbytes, f"{what} source", live_buffer)

@@ -25,6 +25,21 @@ class Kernel:
     groups: tuple[int, int, int]
     flops: int = 0  # arithmetic over the whole dispatch (an estimate)
     nbytes: int = 0  # memory traffic over the whole dispatch (an estimate)
+    # Its workgroups share nothing within the dispatch (no atomics; none reads what another
+    # writes) and it reads num_workgroups only to linearise the grid (x + y * nwg.x: see
+    # kernels/common.py). Then ranges of its workgroups along the outermost axis with more
+    # than one (`cut_axis`), run as dispatches of their own with a base workgroup, compute
+    # exactly what the whole dispatch does: the other axes' counts are whole, and the cut
+    # axis' count multiplies no workgroup id, those of the axes above being 0.
+    independent_workgroups: bool = False
+
+    @property
+    def cut_axis(self) -> int | None:
+        """The grid axis a dispatch of this kernel may be cut along (None: it may not be)."""
+        if not self.independent_workgroups:
+            return None
+        axes = [a for a in range(3) if self.groups[a] > 1]
+        return axes[-1] if axes else None
 
     @property
     def writable(self) -> tuple[bool, ...]:

@@ -37,19 +37,26 @@ def check_loop(node: Tensor, caps: Capabilities, trips: int, fix: str) -> None:
 
 def assemble(name: str, caps: Capabilities, buffers: Sequence[Buf],
              workgroup: Sequence[int], entry: Sequence[str], groups: tuple[int, int, int], *,
-             prelude: Sequence[str] = (), flops: int = 0, nbytes: int = 0) -> Kernel:
+             prelude: Sequence[str] = (), flops: int = 0, nbytes: int = 0,
+             independent_workgroups: bool = True) -> Kernel:
     """A Kernel from its parts: `prelude` (helper functions, workgroup variables), the storage
     bindings (declared read-only only where the target allows it, see
     Capabilities.read_only_storage), the entry point `entry` (from `fn main(...) {` to its
-    closing brace) with its workgroup size, the grid, and the work estimates."""
+    closing brace) with its workgroup size, the grid, and the work estimates.
+    `independent_workgroups` (Kernel's): true of every generator here, whose workgroups
+    never meet (a kernel that shares work between them through atomics says False)."""
     declared = [f"@group(0) @binding({i}) var<storage, "
                 f"{'read_write' if b.writable or not caps.read_only_storage else 'read'}> "
                 f"{b.name}: array<{b.dtype}>;" for i, b in enumerate(buffers)]
     size = (*workgroup, 1, 1)[:3]
     wgsl = "\n".join([*prelude, *declared,
                       f"@compute @workgroup_size({', '.join(map(str, workgroup))})", *entry])
+    if independent_workgroups and "atomic" in wgsl:
+        raise ValueError(f"kernel {name!r} uses atomics: say independent_workgroups=False, or "
+                         "a step cut between its workgroups could change its results")
     return Kernel(name, wgsl + "\n", tuple("read_write" if b.writable else "read" for b in buffers),
-                  (int(size[0]), int(size[1]), int(size[2])), groups, int(flops), int(nbytes))
+                  (int(size[0]), int(size[1]), int(size[2])), groups, int(flops), int(nbytes),
+                  independent_workgroups)
 
 
 def grid(workgroups: int, caps: Capabilities) -> tuple[int, int, int]:
@@ -61,6 +68,8 @@ def grid(workgroups: int, caps: Capabilities) -> tuple[int, int, int]:
     return (cap, -(-workgroups // cap), 1)
 
 
+# The only use of num_workgroups a kernel may make and keep independent_workgroups (Kernel's):
+# a dispatch cut along y into ranges keeps nwg.x whole, and one cut along x has wid.y = 0.
 LINEAR_WORKGROUP = "wid.x + wid.y * nwg.x"
 # Maxima and minima as torch takes them: they start from -inf or +inf (so a maximum over -inf is
 # -inf, not the lowest float), and a NaN among the terms makes the result NaN (WGSL leaves max()

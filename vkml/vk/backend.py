@@ -357,7 +357,8 @@ class VulkanBackend(BackendBase):
         spirv = naga.compile_wgsl(kernel.wgsl, kernel.name)
         try:
             pipe = create_pipeline(self._dev, self._cache, kernel.name, spirv,
-                                   kernel.num_bindings, kernel.writable)
+                                   kernel.num_bindings, kernel.writable,
+                                   self.caps.dispatch_base and kernel.cut_axis is not None)
         except DeviceError as exc:
             raise DeviceError(f"{exc}\n--- WGSL of kernel {kernel.name!r} ---\n{kernel.wgsl}"
                               ) from None

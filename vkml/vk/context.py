@@ -542,6 +542,7 @@ class Device:
             cooperative_matrix=coop,
             shader_f16=f16,
             extensions=frozenset(extensions),
+            dispatch_base=device_api >= self.vk.VK_MAKE_VERSION(1, 1, 0),
         )
 
     def close(self) -> None:

@@ -9,14 +9,21 @@ from vkml.cachedir import cache_dir, read_entry, write_entry
 from vkml.errors import DeviceError
 from vkml.vk.spirv import prepare
 
+# VK_PIPELINE_CREATE_DISPATCH_BASE_BIT (Vulkan 1.1), which the `vulkan` package lacks: its
+# VK_PIPELINE_CREATE_DISPATCH_BASE_KHR alias is None.
+DISPATCH_BASE_BIT = 0x10
+
 
 class Pipeline:
-    __slots__ = ("handle", "layout", "module", "name", "num_bindings", "set_layout", "writable")
+    __slots__ = ("dispatch_base", "handle", "layout", "module", "name", "num_bindings",
+                 "set_layout", "writable")
 
-    def __init__(self, name: str, num_bindings: int, writable: tuple[bool, ...]) -> None:
+    def __init__(self, name: str, num_bindings: int, writable: tuple[bool, ...],
+                 dispatch_base: bool) -> None:
         self.name = name
         self.num_bindings = num_bindings
         self.writable = writable
+        self.dispatch_base = dispatch_base  # made to run with a base workgroup too
         self.module: Any = None
         self.set_layout: Any = None
         self.layout: Any = None
@@ -70,7 +77,9 @@ class PipelineCache:
 
 
 def create_pipeline(dev: Any, cache: PipelineCache, name: str, spirv: bytes, num_bindings: int,
-                    writable: Sequence[bool]) -> Pipeline:
+                    writable: Sequence[bool], dispatch_base: bool) -> Pipeline:
+    """`dispatch_base`: the pipeline may be dispatched with a base workgroup
+    (vkCmdDispatchBase, hal.Dispatch.base), which Vulkan allows only where it was made so."""
     vk, ffi, lib = dev.vk, dev.ffi, dev.lib
     if len(spirv) == 0 or len(spirv) % 4:
         raise DeviceError(f"kernel {name!r}: SPIR-V must be a non-empty multiple of 4 bytes, "
@@ -81,7 +90,7 @@ def create_pipeline(dev: Any, cache: PipelineCache, name: str, spirv: bytes, num
     if num_bindings > dev.caps.max_bindings_per_stage:
         raise DeviceError(f"kernel {name!r} uses {num_bindings} storage buffers; the device "
                           f"allows {dev.caps.max_bindings_per_stage} per stage")
-    pipe = Pipeline(name, num_bindings, tuple(bool(w) for w in writable))
+    pipe = Pipeline(name, num_bindings, tuple(bool(w) for w in writable), dispatch_base)
     spirv = prepare(spirv)
     try:
         code = ffi.from_buffer(spirv)
@@ -119,6 +128,7 @@ def create_pipeline(dev: Any, cache: PipelineCache, name: str, spirv: bytes, num
         entry = ffi.new("char[]", b"main")
         info = ffi.new("VkComputePipelineCreateInfo*", {
             "sType": vk.VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO,
+            "flags": DISPATCH_BASE_BIT if dispatch_base else 0,
             "stage": {"sType": vk.VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO,
                       "stage": vk.VK_SHADER_STAGE_COMPUTE_BIT, "module": pipe.module,
                       "pName": entry},

@@ -153,7 +153,10 @@ def emit_commands(dev: Any, cb: Any, prog: Program) -> None:
                 set_array[0] = next(sets)
                 lib.vkCmdBindDescriptorSets(cb, bind, cmd.pipeline.layout, 0, 1, set_array,
                                             0, ffi.NULL)
-            lib.vkCmdDispatch(cb, *cmd.groups)
+            if any(cmd.base):
+                lib.vkCmdDispatchBase(cb, *cmd.base, *cmd.groups)
+            else:
+                lib.vkCmdDispatch(cb, *cmd.groups)
             n_dispatch += 1
             if prog.query_pool is not None:
                 lib.vkCmdWriteTimestamp(cb, bottom, prog.query_pool, n_dispatch)
