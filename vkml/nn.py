@@ -12,21 +12,20 @@ class Linear:
     """y = x @ W^T + b with W `name.weight` of shape (out, in) as torch.nn.Linear; x may have
     any number of leading axes (flattened into one matrix product and restored). Initialised
     like torch.nn.Linear, or with `std`: a normal weight and zero bias (Hugging Face's
-    initializer_range)."""
+    initializer_range). `trainable=False` builds both frozen."""
 
     def __init__(self, graph: Graph, name: str, in_features: int, out_features: int,
-                 bias: bool = True, std: float | None = None) -> None:
+                 bias: bool = True, std: float | None = None, trainable: bool = True) -> None:
         self.graph, self.in_features, self.out_features = graph, in_features, out_features
         if std is None:
             bound = 1.0 / math.sqrt(in_features)
-            self.weight = graph.param(f"{name}.weight", (out_features, in_features), "uniform",
-                                      bound)
-            self.bias = (graph.param(f"{name}.bias", (out_features,), "uniform", bound)
-                         if bias else None)
+            w_init, w_scale, b_init, b_scale = "uniform", bound, "uniform", bound
         else:
-            self.weight = graph.param(f"{name}.weight", (out_features, in_features), "normal",
-                                      std)
-            self.bias = graph.param(f"{name}.bias", (out_features,)) if bias else None
+            w_init, w_scale, b_init, b_scale = "normal", std, "zeros", 1.0
+        self.weight = graph.param(f"{name}.weight", (out_features, in_features), w_init,
+                                  w_scale, trainable)
+        self.bias = (graph.param(f"{name}.bias", (out_features,), b_init, b_scale, trainable)
+                     if bias else None)
 
     def __call__(self, x: Tensor) -> Tensor:
         g = self.graph
@@ -39,6 +38,6 @@ class Linear:
 
 
 def linear(g: Graph, name: str, x: Tensor, in_features: int, out_features: int,
-           bias: bool = True, std: float | None = None) -> Tensor:
-    """Linear(g, name, in_features, out_features, bias, std)(x) in one call."""
-    return Linear(g, name, in_features, out_features, bias, std)(x)
+           bias: bool = True, std: float | None = None, trainable: bool = True) -> Tensor:
+    """Linear(g, name, in_features, out_features, bias, std, trainable)(x) in one call."""
+    return Linear(g, name, in_features, out_features, bias, std, trainable)(x)
