@@ -199,6 +199,7 @@ class Backend(Protocol):
     def run_now(self, commands: Sequence[Command]) -> None: ...
     def close(self) -> None: ...
     def live_objects(self) -> dict[str, int]:
-        """How many buffers, pipelines and programs (and any other kind of object the backend
-        makes) are alive now: what a closed session must leave as it found it."""
+        """How many buffers (and their bytes), pipelines and programs (and any other kind of
+        object the backend makes) are alive now: what a closed session must leave as it found
+        it."""
         ...

@@ -531,9 +531,11 @@ class VulkanBackend(BackendBase):
     # -- teardown -----------------------------------------------------------------------------
 
     def live_objects(self) -> dict[str, int]:
-        """Buffers, pipelines and programs alive, and the cached read-back programs among them
-        (each with its staging buffer)."""
-        return {"buffers": len(self._buffers), "pipelines": len(self._pipelines),
+        """Buffers (and their bytes), pipelines and programs alive, and the cached read-back
+        programs among them (each with its staging buffer)."""
+        return {"buffers": len(self._buffers),
+                "buffer_bytes": sum(b.nbytes for b in self._buffers),
+                "pipelines": len(self._pipelines),
                 "programs": len(self._programs), "read_backs": len(self._readers),
                 "host_resources": len(self._host_objects)}
 

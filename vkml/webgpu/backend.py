@@ -483,8 +483,11 @@ class WgpuBackend(BackendBase):
         self._programs.discard(program)
 
     def live_objects(self) -> dict[str, int]:
-        """Buffers, pipelines and programs vkml holds (wgpu frees each once unreferenced)."""
-        return {"buffers": len(self._buffers), "pipelines": len(self._pipelines),
+        """Buffers (and their bytes), pipelines and programs vkml holds (wgpu frees each once
+        unreferenced)."""
+        return {"buffers": len(self._buffers),
+                "buffer_bytes": sum(b.nbytes for b in self._buffers),
+                "pipelines": len(self._pipelines),
                 "programs": len(self._programs)}
 
     # -- teardown -----------------------------------------------------------------------------
