@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import subprocess_env
 
@@ -112,3 +113,35 @@ def test_redraw_makes_a_saved_runs_markdown_and_chart_again(tmp_path):
     markdown = run.with_suffix(".md")
     assert (tmp_path / markdown.name).read_text() == markdown.read_text()
     assert (tmp_path / run.with_suffix(".png").name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_session_order_times_each_session_here_and_alone(tmp_path):
+    # tools/bench.py --session-order: f32 train, f16 train, f16 infer, f32 infer one after
+    # another on one device, each beside the same session alone in a fresh process. lavapipe
+    # has no cooperative matrices: its f16 sessions say so, and the f32 ones still run.
+    cmd = [sys.executable, str(REPO / "tools" / "bench.py"), "--tiny", "--only", "smollm2",
+           "--session-order", "--reps", "1", "--warmup", "0", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("bench-*-tiny-vulkan-sessions.json")
+    data = json.loads(json_path.read_text())
+    assert not data["rows"]
+    order = [(e["phase"], e["precision"]) for e in data["session_order"]]
+    assert order == [("train", "f32"), ("train", "f16"), ("infer", "f16"), ("infer", "f32")]
+    for e in data["session_order"]:
+        if e["precision"] == "f16" and e["status"] != "ok":
+            assert "cooperative matri" in e["reason"], e
+            continue
+        assert e["status"] == "ok", e
+        here, alone = e["in_process"], e["fresh_process"]
+        assert alone["status"] == "ok", alone
+        assert e["ratio"] == here["median_ms"] / alone["median_ms"]
+        assert e["slower"] == (e["ratio"] > 1.2)
+        assert np.isfinite(here["loss"]) and e["loss_rel_diff"] < 1e-5, e
+        # the bench holds no other session: the close left no buffer behind
+        assert here["device_after_close"]["live"]["buffers"] == 0
+        assert here["device_after_close"]["live"] == here["device_before"]["live"]
+    text = json_path.with_suffix(".md").read_text()
+    assert "## Sessions one after another in one process" in text
+    assert text.count("| smollm2 |") == 4

@@ -6,6 +6,7 @@
     python tools/bench.py --only smollm2,resnet --phases train --modes strict --reps 20
     python tools/bench.py --backend wgpu           # the vkml rows through the wgpu backend
     python tools/bench.py --matmul                 # also one n^3 matmul vs cuBLAS, TFLOP/s
+    python tools/bench.py --session-order          # only: sessions one after another (below)
 
 Engines, per (workload, phase, mode):
 - vkml: `vkml.compile(...)` (strict: the default precision, f32; accelerated: `precision="f16"`,
@@ -49,6 +50,15 @@ Figures per row:
   product alone (inputs would be copied from staging memory every step); GPU time from
   profile(); PyTorch torch.mm at fp32 (TF32 off), TF32 and f16, CUDA events; TFLOP/s at the
   median (and best) time, relative error against float64.
+
+--session-order (a run of its own): per workload, the sessions f32 train, f16 train, f16 infer,
+f32 infer (SESSION_ORDER) compiled, stepped and closed one after another on the bench's device,
+each beside the same session alone in a fresh process (the graph's seeded weights, the same
+inputs and steps): a session more than 1.2x slower here than alone is flagged. On the H200 a
+session compiled after an f16 training session ran 3-4x slower than alone, which the usual order
+of rows (each workload's f32 sessions first) did not show. Each entry also records the loss here
+and alone, the device's live buffers (count, bytes) and heap budget after the close, and how
+many of the session's arenas were host-mapped memory.
 
 Order, for a run cut short by a time limit: each workload's rows (timings and gates), then the
 matmul, then the compile subprocesses; the JSON is rewritten after every row, the markdown after
@@ -100,6 +110,12 @@ MODES = ("strict", "accelerated")
 # PROTOCOL.md's gates
 FORWARD_TOL, GRAD_TOL, COSINE_MIN = 1e-2, 5e-2, 0.99
 MiB = 2**20
+# --session-order: the order in which, on the H200, a session compiled after an f16 training
+# session in the same process ran 3-4x slower than alone; a session this much slower than in a
+# fresh process is flagged.
+SESSION_ORDER = (("strict", "train"), ("accelerated", "train"), ("accelerated", "infer"),
+                 ("strict", "infer"))
+SLOWER_THAN_FRESH = 1.2
 
 
 # ---- workloads ----------------------------------------------------------------------------------
@@ -350,6 +366,75 @@ def child_compile(spec: dict[str, Any]) -> dict[str, Any]:
     device.close()  # writes the pipeline cache a warm run reads
     return {"status": "ok", "import_s": t1 - t0, "device_s": t2 - t1, "build_s": t3 - t2,
             "compile_s": t4 - t3, "close_s": time.perf_counter() - t4, "kernels": kernels}
+
+
+def timed_steps(session: Any, warmup: int, reps: int) -> dict[str, Any]:
+    """First step, `warmup` more, then `reps` timed `step(); wait()`, wall clock."""
+    def step() -> None:
+        session.step()
+        session.wait()
+
+    t0 = time.perf_counter()
+    step()
+    first = (time.perf_counter() - t0) * 1e3
+    for _ in range(warmup):
+        step()
+    wall = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        wall.append((time.perf_counter() - t0) * 1e3)
+    return {**stats_fields(wall), "first_step_ms": first}
+
+
+def device_state(device: Any) -> dict[str, Any]:
+    """What a closed session should leave as it found it: the backend's live objects (and
+    their bytes), and what VK_EXT_memory_budget says this process may still allocate in the
+    heap vkml's buffers go to (None where the driver does not say)."""
+    return {"live": device.backend.live_objects(),
+            "heap_available_bytes": device.backend.device_memory().available}
+
+
+def time_session(vkml: Any, device: Any, built: Any, phase: str, mode: str, accel: str,
+                 arrays: dict[str, np.ndarray], warmup: int, reps: int) -> dict[str, Any]:
+    """--session-order's measure of one session, the same in the bench process and in a fresh
+    one: compile (the graph's seeded initial weights), time `step(); wait()`, read the loss,
+    close; with the device's state before the compile and after the close, and how many of the
+    session's arenas landed in host-mapped memory."""
+    before = device_state(device)
+    t0 = time.perf_counter()
+    session = vkml_compile(vkml, built.graph, device, mode, accel,
+                           **session_args(vkml, built, phase))
+    compile_s = time.perf_counter() - t0
+    try:
+        for name, value in arrays.items():
+            session.set_input(name, value)
+        out = timed_steps(session, warmup, reps)
+        out["loss"] = float(np.asarray(session.read("loss")).ravel()[0])
+        arenas = getattr(getattr(session, "_bound", None), "arenas", [])
+        out["arenas_mapped"] = [sum(getattr(a, "pointer", None) is not None for a in arenas),
+                                len(arenas)]
+        out["physical_bytes"] = session.plan.memory.physical_bytes
+    finally:
+        session.close()
+    return {"status": "ok", "compile_s": compile_s, **out, "device_before": before,
+            "device_after_close": device_state(device)}
+
+
+def child_time(spec: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process: one --session-order session, alone."""
+    import vkml
+
+    device = vkml.Device(backend=spec["backend"])
+    try:
+        built = WORKLOADS[spec["workload"]].build(spec["tiny"], spec["phase"])
+        arrays = built.sample_inputs(np.random.default_rng(spec["seed"]))
+        return time_session(vkml, device, built, spec["phase"], spec["mode"], spec["accel"],
+                            arrays, spec["warmup"], spec["reps"])
+    except NotAvailable as e:
+        return {"status": "not available", "reason": str(e)}
+    finally:
+        device.close()
 
 
 # ---- PyTorch ------------------------------------------------------------------------------------
@@ -632,6 +717,7 @@ class Report:
         self.stem, self.meta = stem, meta
         self.rows: list[dict[str, Any]] = []
         self.matmul: list[dict[str, Any]] = []
+        self.sessions: list[dict[str, Any]] = []  # --session-order
         self.lock = threading.Lock()  # compile subprocesses report from worker threads
         stem.parent.mkdir(parents=True, exist_ok=True)
 
@@ -645,6 +731,50 @@ class Report:
         self.save()
         return row
 
+    def add_session(self, entry: dict[str, Any]) -> None:
+        self.sessions.append(entry)
+        what = f"  {entry['position']}. {entry['workload']} {entry['phase']} {entry['precision']}"
+        if entry["status"] != "ok":
+            print(f"{what}: {entry['status']}: {entry.get('reason', '')}", flush=True)
+        else:
+            fresh = entry["fresh_process"]
+            alone = (f"{fresh['median_ms']:.3f} ms alone" if fresh.get("status") == "ok"
+                     else f"alone: {fresh.get('status')}: {fresh.get('reason', '')}")
+            flag = " SLOWER" if entry.get("slower") else ""
+            print(f"{what}: {entry['in_process']['median_ms']:.3f} ms here, {alone}{flag}",
+                  flush=True)
+        self.save()
+
+    def session_table(self) -> list[str]:
+        if not self.sessions:
+            return []
+        lines = ["| workload | # | phase | precision | here ms | fresh process ms | here / fresh | "
+                 "loss here vs fresh | arenas mapped | device after close: buffers, MiB, "
+                 "heap available MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- "
+                 "| --- |"]
+
+        def ms(r: dict[str, Any]) -> str:
+            if r.get("status") != "ok":
+                return f"{r.get('status')}: {r.get('reason', '')}"[:200]
+            return f"{r['median_ms']:.3g} ({r['min_ms']:.3g})"
+
+        for e in self.sessions:
+            head = f"| {e['workload']} | {e['position']} | {e['phase']} | {e['precision']} |"
+            if e["status"] != "ok":
+                lines.append(f"{head} {e['status']}: {e.get('reason', '')[:200]} | | | | | |")
+                continue
+            here, fresh = e["in_process"], e["fresh_process"]
+            ratio = (f"**{e['ratio']:.2f}x**" if e.get("slower") else f"{e['ratio']:.2f}x"
+                     ) if "ratio" in e else "-"
+            loss = f"{e['loss_rel_diff']:.1e}" if "loss_rel_diff" in e else "-"
+            after = here["device_after_close"]
+            avail = after["heap_available_bytes"]
+            state = (f"{after['live']['buffers']}, {after['live']['buffer_bytes'] / MiB:.3g}, "
+                     + ("-" if avail is None else f"{avail / MiB:.0f}"))
+            lines.append(f"{head} {ms(here)} | {ms(fresh)} | {ratio} | {loss} | "
+                         f"{here['arenas_mapped'][0]} / {here['arenas_mapped'][1]} | {state} |")
+        return lines
+
     def find(self, workload: str, phase: str, mode: str, engine: str) -> dict[str, Any] | None:
         for r in self.rows:
             if (r["workload"], r["phase"], r["mode"], r["engine"]) == (workload, phase, mode,
@@ -656,6 +786,8 @@ class Report:
         with self.lock:
             data = {"meta": self.meta, "rows": self.rows, "matmul": self.matmul,
                     "ratios": self.ratios()}
+            if self.sessions:
+                data["session_order"] = self.sessions
             tmp = self.stem.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
             os.replace(tmp, self.stem.with_suffix(".json"))
@@ -747,7 +879,14 @@ class Report:
                  " ms, wall clock to completion; ratios on medians, measured in this run. "
                  "vkml GPU ms: device timestamps ('host' where they were not plausible).",
                  f"- strict: {m['precision']['strict']}; accelerated: "
-                 f"{m['precision']['accelerated']}", "", *self.table(), ""]
+                 f"{m['precision']['accelerated']}", ""]
+        if self.rows or not self.sessions:
+            lines += [*self.table(), ""]
+        if self.sessions:
+            lines += ["## Sessions one after another in one process", "",
+                      f"Compiled and timed in this order on one device, each beside the same "
+                      f"session alone in a fresh process (median (min) ms); bold: more than "
+                      f"{SLOWER_THAN_FRESH}x slower here.", "", *self.session_table(), ""]
         if self.matmul:
             lines += ["## One n^3 matmul", "", *self.matmul_table(), ""]
         by_reason: dict[str, list[str]] = {}  # one line per reason, naming its rows
@@ -871,6 +1010,8 @@ class Bench:
                        "warm: fresh process on what the cold run left; shipped SPIR-V used",
         }
         stem = f"bench-{now.strftime('%Y%m%d-%H%M%S')}-{meta['config']}-{opts.backend}"
+        if opts.session_order:
+            stem += "-sessions"
         self.report = Report(Path(opts.out_dir) / stem, meta)
         self.compile_jobs: list[dict[str, Any]] = []
 
@@ -1034,22 +1175,8 @@ class Bench:
 
     def vkml_timing(self, session: Any) -> dict[str, Any]:
         """First step, warm-up, timed `step(); wait()`, then `profile()` for GPU time."""
-        def step() -> None:
-            session.step()
-            session.wait()
-
-        t0 = time.perf_counter()
-        step()
-        first = (time.perf_counter() - t0) * 1e3
-        for _ in range(self.opts.warmup):
-            step()
-        wall = []
-        for _ in range(self.opts.reps):
-            t0 = time.perf_counter()
-            step()
-            wall.append((time.perf_counter() - t0) * 1e3)
-        return {**stats_fields(wall), "first_step_ms": first,
-                "gpu_ms": profile_summary(session.profile(self.opts.reps))}
+        out = timed_steps(session, self.opts.warmup, self.opts.reps)
+        return {**out, "gpu_ms": profile_summary(session.profile(self.opts.reps))}
 
     def grad_gates(self, built: Any, mode: str, arrays: dict[str, np.ndarray], weights: Path,
                    ref: tuple[dict, dict | None]) -> dict[str, Any]:
@@ -1159,6 +1286,48 @@ class Bench:
         with ThreadPoolExecutor(self.opts.compile_jobs) as pool:
             list(pool.map(one, self.compile_jobs))
 
+    # sessions one after another -----------------------------------------------------------
+    def session_order(self, wl: Workload) -> None:
+        """SESSION_ORDER's sessions of `wl` compiled and timed one after another on the bench's
+        device, each beside the same session alone in a fresh process (same weights, inputs
+        and steps); a ratio past SLOWER_THAN_FRESH is flagged, a loss that differs noted."""
+        opts = self.opts
+        built: dict[str, Any] = {}
+        print(f"{wl.name}: sessions one after another", flush=True)
+        for position, (mode, phase) in enumerate(SESSION_ORDER, start=1):
+            precision = "f32" if mode == "strict" else opts.vkml_accel
+            entry: dict[str, Any] = {"workload": wl.name, "position": position, "mode": mode,
+                                     "phase": phase, "precision": precision}
+            skip = self.over_budget()
+            if skip:
+                self.report.add_session({**entry, "status": "skipped", "reason": skip})
+                continue
+            try:
+                if phase not in built:
+                    built[phase] = wl.build(opts.tiny, phase)
+                arrays = built[phase].sample_inputs(np.random.default_rng(opts.seed))
+                here = time_session(self.vkml, self.device, built[phase], phase, mode,
+                                    opts.vkml_accel, arrays, opts.warmup, opts.reps)
+            except NotAvailable as e:
+                self.report.add_session({**entry, "status": e.status, "reason": str(e)})
+                continue
+            except Exception as e:  # noqa: BLE001 - the next session still tells something
+                traceback.print_exc()
+                self.report.add_session({**entry, "status": "failed", "reason": error_text(e)})
+                continue
+            fresh = run_child({"task": "time", "workload": wl.name, "tiny": opts.tiny,
+                               "phase": phase, "mode": mode, "accel": opts.vkml_accel,
+                               "backend": opts.backend, "seed": opts.seed,
+                               "warmup": opts.warmup, "reps": opts.reps}, {})
+            entry.update(status="ok", in_process=here, fresh_process=fresh)
+            if fresh.get("status") == "ok":
+                ratio = here["median_ms"] / fresh["median_ms"]
+                loss_diff = abs(here["loss"] - fresh["loss"]) / max(abs(fresh["loss"]), 1e-30)
+                entry.update(ratio=ratio, slower=ratio > SLOWER_THAN_FRESH,
+                             loss_rel_diff=loss_diff)
+            self.report.add_session(entry)
+        self.report.write_markdown()
+
     def finish(self) -> None:
         r = self.report
         r.meta["elapsed_s"] = self.elapsed()
@@ -1172,7 +1341,10 @@ class Bench:
         print(f"\nwrote {r.stem.with_suffix('.json')}\n      {md}\n      {png or '(no chart)'}")
         print(f"{r.meta['gpu']}, {r.meta['config']} configs, backend {r.meta['backend']}, "
               f"{r.meta['elapsed_s']:.0f} s; median (min) ms, wall clock")
-        print("\n".join(r.table()))
+        if r.rows:
+            print("\n".join(r.table()))
+        if r.sessions:
+            print("\n".join(r.session_table()))
         if r.matmul:
             print("\n".join(r.matmul_table()))
 
@@ -1234,6 +1406,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile subprocesses at a time (default 1: no contention)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new work after this many seconds (skips are recorded)")
+    p.add_argument("--session-order", action="store_true",
+                   help="only this: the --only workloads' sessions f32 train, f16 train, f16 "
+                   "infer, f32 infer one after another here, each also alone in a fresh process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(REPO / "out" / "results"))
     p.add_argument("--redraw", type=Path, metavar="RUN.json",
@@ -1253,6 +1428,7 @@ def redraw(run: Path, out_dir: Path) -> list[Path]:
     data = json.loads(run.read_text())
     report = Report(out_dir / run.stem, data["meta"])
     report.rows, report.matmul = data["rows"], data["matmul"]
+    report.sessions = data.get("session_order", [])
     return [p for p in (report.write_markdown(), report.write_chart()) if p is not None]
 
 
@@ -1263,7 +1439,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         return 0
     if opts.child:
-        print(json.dumps(child_compile(json.loads(opts.child))))
+        spec = json.loads(opts.child)
+        child = child_time if spec.get("task") == "time" else child_compile
+        print(json.dumps(child(spec)))
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="vkml-bench-"))
     # A hung step would otherwise hold a lent GPU for vkml's default 300 s; a full-config step
@@ -1283,6 +1461,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()  # no queue of launches left to drain afterwards
         print(f"vkml on {bench.report.meta['vkml_device']}; PyTorch {bench.report.meta['torch']}"
               f" on {bench.report.meta['torch_device']}", flush=True)
+        if opts.session_order:
+            for name in opts.only:
+                bench.session_order(WORKLOADS[name])
+            return 0
         for name in opts.only:
             bench.workload(WORKLOADS[name])
         if opts.matmul:
