@@ -600,9 +600,9 @@ def test_torch_in_place_ops_compute_what_pytorch_does(device):
     torch.manual_seed(0)
     module, x = InPlace(), torch.randn(3, 4)
     program = torch.export.export(module, (x,))
-    assert torch_export._needs_decompositions(program)  # y is read by y * 2 and y.add_
+    assert torch_export._needs_decompositions(program, torch._ops)  # y is read by y * 2, y.add_
     assert not torch_export._needs_decompositions(
-        torch.export.export(torch.nn.Sequential(module.fc, module.act), (x,)))
+        torch.export.export(torch.nn.Sequential(module.fc, module.act), (x,)), torch._ops)
     imp = vkml.import_torch(module, (x,))
     s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
     s.set_input("x", x.numpy())
@@ -622,3 +622,29 @@ def test_onnx_opsets_match_onnxruntime(device, tmp_path, opset, model, shape):
     path = export_onnx(module, (x,), tmp_path / "model.onnx", ["x"], opset=opset)
     assert onnx.load(path).opset_import[0].version == opset
     assert onnxruntime_error(path, x, device) < FORWARD_TOL
+
+
+class GradFreeBlock(torch.nn.Module):
+    """A `torch.no_grad()` block over a non-persistent buffer, as Hugging Face's rotary
+    embeddings have: torch.export keeps it as a higher-order op holding a subgraph."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.register_buffer("freq", torch.arange(4.0), persistent=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = torch.cos(self.freq * 2)
+        return self.fc(x) * scale + torch.sin(x)
+
+
+@vulkan_only
+def test_torch_grad_free_blocks_are_inlined(device):
+    torch.manual_seed(0)
+    module, x = GradFreeBlock(), torch.randn(3, 4)
+    imp = vkml.import_torch(module, (x,))
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.forward()
+    assert rel_l2(s.read("output"), module(x).detach().numpy()) < FORWARD_TOL

@@ -64,7 +64,7 @@ def import_torch(module: Any, args: tuple = (), kwargs: dict | None = None,
                 "use_cache=False (config.use_cache = False)" if "Cache" in str(e) else "")
         raise ModelImportError(f"torch.export could not export {name}: {type(e).__name__}: "
                                f"{e}{hint}") from e
-    if _needs_decompositions(program):
+    if _needs_decompositions(program, torch._ops):
         table = torch.export.default_decompositions()
         for op in list(table):
             if _key(op) in KEPT:
@@ -81,13 +81,19 @@ def import_torch(module: Any, args: tuple = (), kwargs: dict | None = None,
     return builder.result(name, snapshot, getattr(state, "_metadata", None))
 
 
-def _needs_decompositions(program: Any) -> bool:
+def _needs_decompositions(program: Any, torch_ops: Any) -> bool:
     """Whether the exported program computes ops the table lacks, or writes in place into a
     value something else could read (the decompositions make such programs functional).
     They cost more than the rest of an import (4.8 of 8.3 s for regnet_y_400mf), so a program
     of known ops skips them (ops on values known at import, such as a mask's arithmetic, are
     computed by PyTorch, whatever they are); an in-place op that alone reads a value no view
-    shares (a ReLU(inplace=True) after a convolution) computes what its functional form does."""
+    shares (a ReLU(inplace=True) after a convolution) computes what its functional form does.
+    A higher-order op (a `torch.no_grad()` or `torch.autocast(enabled=False)` block, as in
+    Hugging Face's rotary embeddings) holds a subgraph that only the decompositions inline,
+    wherever it reads from."""
+    if any(node.op == "call_function" and isinstance(node.target, torch_ops.HigherOrderOperator)
+           for node in program.graph.nodes):
+        return True
     for node in _computed_on_device(program):
         if _key(node.target) not in ATEN and _key(node.target) not in FOLD_ONLY:
             return True
