@@ -268,6 +268,26 @@ def test_balanced_cuts_minimise_the_largest_piece():
     assert big.cost > small.cost > 0  # the estimate chunks are balanced by before measuring
 
 
+def test_a_long_level_is_cut_into_parts_of_about_equal_cost():
+    # Dispatch costs 1, 4, 1; the middle one has 8 slabs (workgroups along its cut axis).
+    parts = chunking.cut_level([1, 4, 1], [1, 8, 1], 3)
+    assert parts == [[(0, 0, 1), (1, 0, 2)], [(1, 2, 6)], [(1, 6, 8), (2, 0, 1)]]
+    # None can be cut: whole dispatches, each in the part where most of it falls.
+    assert chunking.cut_level([1, 4, 1], [1, 1, 1], 3) == [[(0, 0, 1)], [(1, 0, 1)], [(2, 0, 1)]]
+    assert chunking.cut_level([1, 4, 1], [1, 8, 1], 1) == [[(0, 0, 1), (1, 0, 8), (2, 0, 1)]]
+    assert chunking.cut_level([0, 0], [4, 1], 3) == [[(0, 0, 4), (1, 0, 1)]]
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # every slab of every dispatch once, in order, no part empty
+        n = int(rng.integers(1, 5))
+        costs = rng.exponential(1.0, n) * (rng.random(n) > 0.2)
+        slabs = rng.integers(1, 9, n)
+        k = int(rng.integers(1, 12))
+        got = chunking.cut_level(list(costs), list(slabs), k)
+        assert 1 <= len(got) <= k and all(got)
+        flat = [(d, s) for part in got for d, a, b in part for s in range(a, b)]
+        assert flat == [(d, s) for d in range(n) for s in range(slabs[d])]
+
+
 def test_implausible_timestamps_are_detected():
     assert timestamps_plausible([0.5, 0.3], 1.2)[0]
     assert timestamps_plausible([0.002], 0.4)[0]  # a tiny step: the host's overhead dominates
@@ -359,6 +379,59 @@ def test_chunked_steps_are_bit_identical_to_whole_steps(device, pieces):
         assert s._chunker.recorded_cuts <= 2
 
 
+def wide_mlp(device, train):
+    """An MLP with wide rows (its pointwise and matmul kernels have many workgroups), for a
+    training step (Adam) or for inference only."""
+    g = vkml.Graph(seed=3)
+    x = g.input("x", (512, 48))
+    h = vkml.nn.Linear(g, "fc1", 48, 96)(x).relu()
+    logits = g.output("logits", vkml.nn.Linear(g, "fc2", 96, 10)(h))
+    loss = None
+    if train:
+        labels = g.input("labels", (512,), "i32")
+        loss = g.cross_entropy(logits, labels)
+    session = vkml.compile(g, loss=loss, optimizer=vkml.Adam(lr=1e-2) if train else None,
+                           device=device)
+    rng = np.random.default_rng(5)
+    session.set_input("x", rng.standard_normal((512, 48)).astype(np.float32))
+    if train:
+        session.set_input("labels", rng.integers(0, 10, 512).astype(np.int32))
+    return session
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_level_longer_than_the_budget_is_cut_into_workgroup_ranges(device, train):
+    """Costs that make one dispatch (the one with the most workgroups) far longer than the
+    budget: its level goes as several pieces of workgroup ranges where the backend has
+    dispatch bases (Vulkan), and the steps are bit-identical to whole ones either way."""
+    def run(session, budget):
+        for _ in range(3):
+            session.step(budget_ms=budget) if budget else session.step()
+        out = session.state_dict() if train else {}
+        return {**out, "logits": session.read("logits")}
+
+    with wide_mlp(device, train) as whole:
+        expected = run(whole, None)
+    with wide_mlp(device, train) as s:
+        chunker = s._chunker
+        extents = [d.kernel.groups[d.kernel.cut_axis] if d.kernel.cut_axis is not None else 1
+                   for d in s.plan.dispatches]
+        long = int(np.argmax(extents))
+        assert extents[long] >= 4
+        ms = [0.2] * len(s.plan.dispatches)
+        ms[long] = 4.0
+        chunker.set_measured(ms, "made up: one long dispatch")
+        bounds = s.chunk_boundaries(budget_ms=1.0)
+        touching = sum(first <= long < end for first, end in bounds)  # pieces running it
+        # Vulkan: 4 ms in pieces of at most 1 ms, so at least 4 of its workgroup ranges.
+        assert touching >= 4 if device.caps.dispatch_base else touching == 1
+        assert len(s.piece_costs(budget_ms=1.0)) == len(bounds)
+        got = run(s, 1.0)
+    assert got.keys() == expected.keys()
+    for k in got:
+        assert np.array_equal(got[k], expected[k]), k
+
+
 def test_chunks_follow_the_timeline_and_budget_mode(device, host):
     vulkan_only(device)
     expected = reference(device, 4)
@@ -395,9 +468,9 @@ def test_chunks_follow_the_timeline_and_budget_mode(device, host):
         vk.vkWaitSemaphores(host.device, info, 60 * 10**9)  # or on the host thread
         s.step(budget_ms=1e-6)  # nothing measured yet: runs whole, timed
         assert s._chunker.dispatch_ms is not None
-        s.step(budget_ms=1e-6)  # every level its own piece now
+        s.step(budget_ms=1e-6)  # every level its own piece now, long ones cut further
         tiny = s.chunk_boundaries(budget_ms=1e-6)
-        assert len(tiny) == len({d.level for d in s.plan.dispatches})
+        assert len(tiny) >= len({d.level for d in s.plan.dispatches})
         assert len(s.chunk_boundaries(budget_ms=1e9)) == 1
         s.step(chunks=2)
         s.wait()

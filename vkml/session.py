@@ -325,8 +325,11 @@ class Session:
         boundaries, balanced by measured GPU time per dispatch when a profile() or budget step
         measured it, else by an estimate), so a host's submits can run between them. A level
         is never split: N above the number of levels gives one piece per level.
-        `budget_ms=b`: as many pieces as needed for each to fit b ms of measured GPU time (a
-        level longer than b is a piece of its own); when nothing was measured yet this step
+        `budget_ms=b`: as many pieces as needed for each to fit b ms of measured GPU time. A
+        level longer than b is cut into ranges of its dispatches' workgroups, run as dispatches
+        of their own, as far as its kernels allow (Kernel.independent_workgroups; a backend
+        with dispatch bases, Vulkan; a part is never shorter than 0.1 ms), else it is a piece
+        of its own. When nothing was measured yet this step
         runs whole with timestamps, blocks until done, and later steps are cut by what it
         measured. Results are bit-identical to a whole step either way.
 
@@ -461,7 +464,8 @@ class Session:
     def chunk_boundaries(self, chunks: int | None = None,
                          budget_ms: float | None = None) -> list[tuple[int, int]]:
         """The pieces step(chunks=...) / step(budget_ms=...) would submit, as [first, end)
-        ranges of dispatch indices into session.plan.dispatches (records nothing)."""
+        ranges of dispatch indices into session.plan.dispatches (records nothing). The pieces
+        of a level that budget_ms cut into workgroup ranges share that level's dispatches."""
         return self._chunker.boundaries(chunks, budget_ms)
 
     def done(self) -> tuple[object, int]:

@@ -31,6 +31,7 @@ live in the owner's arenas, and the submissions check that a step never sees hal
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,6 +48,22 @@ STAGING_BUFFERS = 2
 # Outputs copied at the end of every step, at most this many bytes in all (the largest first
 # left out): an LLM's logits are read rarely and would cost a copy per step.
 DOWNLOAD_LIMIT = 16 << 20
+
+
+@dataclass(frozen=True)
+class Part:
+    """Workgroups [start, end) of plan dispatch `dispatch` along its kernel's cut_axis: run
+    alone, with a base workgroup (hal.Dispatch.base), it does that much of the dispatch."""
+
+    dispatch: int
+    start: int
+    end: int
+
+
+def _on_axis(v: tuple[int, int, int], axis: int, value: int) -> tuple[int, int, int]:
+    out = list(v)
+    out[axis] = value
+    return out[0], out[1], out[2]
 
 
 def check_fits(plan: Plan, device: Device) -> None:
@@ -193,23 +210,30 @@ class BoundPlan:
         return [Copy(*self.place(s), self._readback, at, self.plan.slots[s].nbytes)
                 for s, at in self.download_offsets.items()]
 
-    def commands(self, indices: Iterable[int]) -> list[Command]:
-        """The commands of the dispatches at `indices` (in plan order), with a barrier wherever
-        the level changes. The inputs' copies are a program of their own (upload())."""
+    def commands(self, indices: Iterable[int | Part]) -> list[Command]:
+        """The commands of the dispatches at `indices` (in plan order; a Part for a range of
+        one's workgroups), with a barrier wherever the level changes. The inputs' copies are a
+        program of their own (upload())."""
         plan = self.plan
         commands: list[Command] = []
         level = None
-        for i in indices:
+        for item in indices:
+            i = item.dispatch if isinstance(item, Part) else item
             d = plan.dispatches[i]
             if level is not None and d.level != level:
                 commands.append(Barrier())
             level = d.level
             bindings = tuple(Binding(*self.place(s), max(plan.slots[s].nbytes, 4), w)
                              for s, w in zip(d.slots, d.kernel.writable))
-            commands.append(Dispatch(self._pipelines[d.kernel.wgsl], bindings, d.kernel.groups))
+            groups, base = d.kernel.groups, (0, 0, 0)
+            axis = d.kernel.cut_axis
+            if isinstance(item, Part) and axis is not None:
+                groups = _on_axis(groups, axis, item.end - item.start)
+                base = _on_axis(base, axis, item.start)
+            commands.append(Dispatch(self._pipelines[d.kernel.wgsl], bindings, groups, base))
         return commands
 
-    def record(self, indices: Iterable[int], label: str) -> object:
+    def record(self, indices: Iterable[int | Part], label: str) -> object:
         """A program of the dispatches at `indices` (freed with the session)."""
         return self.record_commands(self.commands(indices), label)
 
