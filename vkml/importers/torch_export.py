@@ -56,6 +56,14 @@ def import_torch(module: Any, args: tuple = (), kwargs: dict | None = None,
     """Import `module` called on `args` / `kwargs` (example tensors: their shapes and dtypes
     are the graph's inputs'). Raises ModelImportError listing every op it cannot import."""
     torch = _torch()
+    with torch.set_grad_enabled(torch.is_grad_enabled()):
+        return _import(torch, module, args, kwargs, training, seed)
+
+
+def _import(torch: Any, module: Any, args: tuple, kwargs: dict | None, training: bool,
+            seed: int) -> ImportedModel:
+    """import_torch's work; the caller restores PyTorch's grad mode, which exporting
+    a model must not change for the user's code that runs after."""
     name = type(module).__name__
     try:
         program = torch.export.export(module, tuple(args), kwargs or {})
