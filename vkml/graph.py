@@ -79,7 +79,7 @@ class OpDef:
     fusion: Literal["product", "sum"] | None = None
     fused: str | None = None
     unfused: str | None = None
-    # `scaled`: a product whose f16 cooperative kernel may scale its operands into f16's range
+    # `scaled`: a product whose f16 kernel may scale its operands into f16's range
     # (compiler/scale.py): whether it does for the node on the (backward pass's) target.
     scaled: Callable[[Tensor, Capabilities], bool] | None = None
     # `composes`: a composition of other ops that this op computes in one kernel: at a node,

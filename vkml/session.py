@@ -86,7 +86,9 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     matrix products and convolutions take f16 inputs on the device's cooperative matrices
     (tensor cores), accumulating in f32, the backward pass's gradients first scaled by powers
     of two into f16's range; everything else stays f32, parameters and optimizer state
-    included). "f16" needs a device with cooperative matrices, else a DeviceError.
+    included). On a device with f16 arithmetic but no cooperative matrices, every matrix
+    product is computed in f16 instead (f32 across each 8 or 16 terms of a sum), convolutions
+    staying f32 (Capabilities.f16_products). "f16" needs shaderFloat16, else a DeviceError.
     `check_finite`: like torch's anomaly detection, a step whose loss is NaN or infinite
     changes nothing (the optimizer's kernels read the loss and skip) and raises
     NonFiniteError; step() then waits for each step to finish, so it costs a sync per step.

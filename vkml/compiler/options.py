@@ -39,8 +39,8 @@ class CompileOptions:
         loss, optimizer, outputs = self.loss, self.optimizer, self.outputs
         if self.precision not in PRECISIONS:
             raise GraphError(f"unknown precision {self.precision!r}; use 'f32' (strict) or "
-                             "'f16' (matrix products and convolutions on f16 cooperative "
-                             "matrices with f32 accumulation)")
+                             "'f16' (matrix products in f16: on cooperative matrices where "
+                             "the device has them, else in f16 arithmetic)")
         if self.rewrite not in REWRITES:
             raise GraphError(f"unknown rewrite {self.rewrite!r}; use one of {REWRITES}")
         if optimizer is not None:
@@ -127,9 +127,9 @@ class CompileOptions:
     def target(self, caps: Capabilities) -> Capabilities:
         """The capabilities codegen compiles for: the device's, with the arithmetic asked
         for."""
-        if self.precision == "f16" and not (caps.cooperative_matrix and caps.shader_f16):
-            raise DeviceError(f"precision='f16' needs cooperative matrices "
-                              f"(VK_KHR_cooperative_matrix with shaderFloat16), which "
-                              f"{caps.device_name!r} does not offer; compile with "
-                              "precision='f32'")
-        return dataclasses.replace(caps, precision=self.precision)
+        target = dataclasses.replace(caps, precision=self.precision)
+        if self.precision == "f16" and target.f16_products is None:
+            raise DeviceError(f"precision='f16' needs f16 arithmetic (shaderFloat16 with "
+                              f"storageBuffer16BitAccess), which {caps.device_name!r} does not "
+                              "offer; compile with precision='f32'")
+        return target

@@ -1,13 +1,14 @@
 """Scale the backward pass's f16 products (accelerated mode; it runs after the split stage, before
 scheduling): gradients often lie far below f16's smallest normal (6e-5), Whisper's attention
 gradients around 1e-7, and converting them to f16 as they are would flush them to zero. So each
-matrix product of the backward pass that takes cooperative tiles gets, for each operand that
-is not a forward-pass tensor, the largest magnitude of each of its rows in memory (one
+matrix product of the backward pass that takes f16 tiles gets, for each operand that
+is not a forward-pass tensor (every operand, where products compute in f16 arithmetic:
+Capabilities.f16_products "simt"), the largest magnitude of each of its rows in memory (one
 `abs_max` over its last axis, read along memory, shared by every product that reads the same
 tensor) as an extra input, attribute "scales" saying how the kernel reads them: "rows" where
 the operand's rows in memory are the product's rows (A) or columns (B), so each gets a power
 of two of its own; "depth" where they run along the sum, so the kernel takes the largest over
-its range of k (vkml/kernels/gemm.py `Scale`). The forward pass's operands are left as they
+its range of k (vkml/kernels/gemm.py `Scale`). The forward pass's products are left as they
 are: activations and parameters sit well inside f16's range.
 """
 
@@ -38,7 +39,11 @@ def scale_operands(rooted: Rooted, caps: Capabilities) -> Rooted:
         if (scaled is not None and node.id not in forward and backward.scaled_operands
                 and scaled(node, backward)):
             ta, tb = node.attrs["transpose_a"], node.attrs["transpose_b"]
-            modes = tuple(None if x.id in forward else "rows" if per_row else "depth"
+            # f16 arithmetic (staged f16 tiles) scales the forward pass's operand too: its
+            # products and sums are f16 as well
+            every = backward.f16_products == "simt"
+            modes = tuple(None if x.id in forward and not every
+                          else "rows" if per_row else "depth"
                           for x, per_row in zip(node.inputs[:2], (not ta, tb)))
             if any(modes):
                 a, b, *extras = inputs

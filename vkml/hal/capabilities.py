@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,24 @@ class Capabilities:
     # an invocation's loops after 65535 in all and returns what it has; kernels split longer work.
     max_loop_iterations: int | None = None
     # The compilation's arithmetic for matrix products and convolutions (vkml.compile's
-    # `precision`): "f32", or "f16" inputs with f32 accumulation on cooperative matrices. An
-    # option rather than a device property, carried here because codegen reads it with the rest.
+    # `precision`): "f32", or "f16" (how: `f16_products`). An option rather than a device
+    # property, carried here because codegen reads it with the rest.
     precision: str = "f32"
     # Products whose operands may lie far below f16's smallest normal (6e-5), as the backward
-    # pass's gradients do: at precision "f16" their cooperative kernels scale each row of such
-    # an operand by the power of two that brings its largest magnitude to [2^13, 2^14) before
-    # converting to f16, and undo it exactly as they store (compiler/scale.py, gemm `_scales`).
+    # pass's gradients do: at precision "f16" their kernels scale each row of such an operand
+    # by a power of two that brings its largest magnitude into f16's range before converting
+    # to f16, and undo it exactly as they store (compiler/scale.py, gemm `_scales`).
     scaled_operands: bool = False
+
+    @property
+    def f16_products(self) -> Literal["cooperative", "simt"] | None:
+        """How matrix products compute at precision "f16" on this device, decided here alone:
+        "cooperative" where it has cooperative matrices (tensor cores: f16 operands, f32
+        accumulation); "simt" where it has shaderFloat16 without them (most mobile and headset
+        GPUs, whose f16 arithmetic runs at twice the f32 rate): the plain tiled kernels stage
+        f16 operands and multiply-add in f16 over each staged slice of the sum, adding each
+        slice's sums into f32 accumulators (kernels/gemm.py); None at precision "f32" or
+        without f16 arithmetic."""
+        if self.precision != "f16" or not self.shader_f16:
+            return None
+        return "cooperative" if self.cooperative_matrix else "simt"

@@ -268,7 +268,7 @@ def cooperative(dim: int, dv: int, keys: int, caps: Capabilities) -> bool:
     keys runs on cooperative matrices: at precision "f16" on a device with them, 32-wide
     subgroups (two threads a row of each subgroup's 16), head widths in whole fragments, at
     most COOP_MAX_KEYS keys, and the tiles within workgroup memory."""
-    return (caps.precision == "f16" and caps.cooperative_matrix and caps.shader_f16
+    return (caps.f16_products == "cooperative"
             and caps.subgroup_size == 32 and dim % 16 == 0 and dv % 16 == 0
             and 32 * COOP_SUBGROUPS <= min(caps.max_workgroup_invocations,
                                            caps.max_workgroup_size[0])

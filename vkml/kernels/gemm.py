@@ -30,10 +30,18 @@ Three variants, chosen by the device and the product:
   they beat f32 (over a short k only where fragments store straight to C), while on
   convolutions they were slower and, in ResNet-50's training, failed the gradient gates (batch
   norm over f16 convolutions).
+- staged in f16 (precision="f16" on devices with f16 arithmetic but no cooperative matrices,
+  Capabilities.f16_products "simt"; matmuls only, every size): the staged variant with its
+  slices held as f16 in workgroup memory (half the bytes) and multiplied in f16, four columns
+  a vec4<f16> fma, each slice's BK-term sums added into the f32 accumulators, so no f16 sum
+  runs longer than BK terms. Every operand of a backward product is scaled as the cooperative
+  kernel scales gradients, here into [2^4, 2^5) (F16_SCALED_TOP): products then stay below
+  2^10 and a slice's sums below 2^14, inside f16's range whatever the magnitudes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -104,6 +112,7 @@ class Tiling:
     tn: int
     bk: int
     staged: bool
+    f16: bool = False  # staged in f16, multiplied in f16 (see the module's docstring)
 
     @property
     def wx(self) -> int:
@@ -118,7 +127,8 @@ class Tiling:
         return self.wx * self.wy
 
     def __str__(self) -> str:
-        return f"{'s' if self.staged else 'd'}{self.bm}x{self.bn}k{self.bk}r{self.tm}x{self.tn}"
+        return (f"{'s' if self.staged else 'd'}{self.bm}x{self.bn}k{self.bk}r{self.tm}x{self.tn}"
+                f"{'h' if self.f16 else ''}")
 
 
 # Staged tilings from the largest tile (most reuse per loaded value) to the smallest (most
@@ -128,6 +138,7 @@ STAGED = (Tiling(256, 128, 16, 8, 8, True), Tiling(128, 128, 8, 8, 8, True),
           Tiling(64, 128, 4, 8, 8, True), Tiling(64, 64, 4, 4, 16, True),
           Tiling(64, 32, 8, 4, 16, True), Tiling(32, 64, 4, 8, 16, True),
           Tiling(32, 32, 4, 4, 16, True))
+STAGED_F16 = tuple(dataclasses.replace(t, f16=True) for t in STAGED)
 @dataclass(frozen=True)
 class CoopTiling:
     """SG_M x SG_N subgroups of 32 lanes, each with FM x FN 16x16 fragments."""
@@ -180,6 +191,11 @@ def stores_wide(tiling: Tiling | CoopTiling, k: int) -> bool:
             and (tiling.tm * tiling.tn <= 16 or k <= WIDE_STORE_MAX_K))
 
 
+def in_f16(tiling: Tiling | CoopTiling) -> bool:
+    """Whether a kernel of this tiling takes f16 operands (and scales a backward product's)."""
+    return isinstance(tiling, CoopTiling) or tiling.f16
+
+
 def on_cpu(caps: Capabilities) -> bool:
     """Whether kernels for `caps` take the CPU drivers' variants (f16 is for GPUs only)."""
     return caps.device_type == "cpu" and caps.precision != "f16"
@@ -199,16 +215,17 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     kernel_lab.py times the choices: 64 x 64 with splits beats smaller tiles unsplit on
     convolutions, 32 x 32 wins on most of the transformers' smaller products). `coop_min`: the
     fewest rows and columns, and the shallowest depth, that take cooperative tiles in
-    accelerated mode (default COOP_MIN for all three)."""
+    accelerated mode (default COOP_MIN for all three); given only for matmuls, which alone
+    take f16 staged tiles (Capabilities.f16_products "simt")."""
     if on_cpu(caps):
         return direct_tiling(m, n)
     outputs, depth = (COOP_MIN, COOP_MIN) if coop_min is None else coop_min
     # scaled operands (the backward pass) only in matmuls of many rows: convolutions'
     # gradients stay f32, see SCALED_MIN_ROWS
-    coop = (caps.precision == "f16" and min(m, n) >= outputs and k >= depth
+    coop = (caps.f16_products == "cooperative" and min(m, n) >= outputs and k >= depth
             and (not caps.scaled_operands or coop_min is not None and m >= SCALED_MIN_ROWS))
-    usable = ([t for t in COOP if _fits(t, caps)] if coop
-              else [t for t in STAGED if _fits(t, caps)])
+    staged = STAGED_F16 if caps.f16_products == "simt" and coop_min is not None else STAGED
+    usable = [t for t in (COOP if coop else staged) if _fits(t, caps)]
 
     def tiles(t: Tiling | CoopTiling) -> int:
         return _workgroups(t, m, n, z)
@@ -279,7 +296,8 @@ def _fits(t: Tiling | CoopTiling, caps: Capabilities) -> bool:
     if isinstance(t, CoopTiling):
         return (t.threads <= min(caps.max_workgroup_invocations, caps.max_workgroup_size[0])
                 and _coop_bytes(t, caps.scaled_operands) <= caps.max_shared_memory_bytes)
-    shared = 4 * t.bk * ((t.bm + PAD) + (t.bn + PAD))
+    shared = ((2 if t.f16 else 4) * t.bk * ((t.bm + PAD) + (t.bn + PAD))
+              + (_scale_bytes(t) if t.f16 and caps.scaled_operands else 0))
     return (t.threads <= caps.max_workgroup_invocations and shared <= caps.max_shared_memory_bytes
             and t.wx <= caps.max_workgroup_size[0] and t.wy <= caps.max_workgroup_size[1])
 
@@ -347,21 +365,27 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
                               None if scaled else plain_store, scales), grid,
                         prelude=["enable f16;", "enable wgpu_cooperative_matrix;", *prelude,
                                  *_coop_shared(tiling, scales)], flops=flops, nbytes=nbytes)
+    if any(scales) and not tiling.f16:
+        raise AssertionError(f"{name}: operands scaled for f32 tiles {tiling}")
     edges = Edges(m % tiling.bm != 0, n % tiling.bn != 0,
                   ragged or k % tiling.bk != 0 or (depth or k) % k != 0)
-    body = (_staged(m, n, a, b, store, tiling, begin, end, wide_store, edges) if tiling.staged
-            else _direct(m, n, a, b, store, tiling, begin, end, edges))
+    body = (_staged(m, n, a, b, store, tiling, begin, end, wide_store, edges, scales)
+            if tiling.staged else _direct(m, n, a, b, store, tiling, begin, end, edges))
     head = ["fn main(@builtin(local_invocation_id) lid: vec3<u32>, "
             "@builtin(workgroup_id) wid: vec3<u32>) {",
             f"  let tx = lid.x; let ty = lid.y; let tid = ty * {tiling.wx}u + tx;",
             f"  let row0 = wid.y * {tiling.bm}u; let col0 = wid.x * {tiling.bn}u; let z = wid.z;",
             *setup]
-    shared = ([f"var<workgroup> As: array<vec4<f32>, {tiling.bk * (tiling.bm + PAD) // 4}>;",
-               f"var<workgroup> Bs: array<vec4<f32>, {tiling.bk * (tiling.bn + PAD) // 4}>;"]
+    element = "f16" if tiling.f16 else "f32"
+    shared = ([f"var<workgroup> As: array<vec4<{element}>, "
+               f"{tiling.bk * (tiling.bm + PAD) // 4}>;",
+               f"var<workgroup> Bs: array<vec4<{element}>, "
+               f"{tiling.bk * (tiling.bn + PAD) // 4}>;", *_scale_shared(tiling, scales)]
               if tiling.staged else [])
-    return assemble(f"{name}_{tiling}", caps, buffers, (tiling.wx, tiling.wy),
-                    [*head, *body, "}"], grid, prelude=[*prelude, *shared], flops=flops,
-                    nbytes=nbytes)
+    return assemble(f"{name}_{tiling}{'_scaled' if any(scales) else ''}", caps, buffers,
+                    (tiling.wx, tiling.wy), [*head, *body, "}"], grid,
+                    prelude=[*(["enable f16;"] if tiling.f16 else []), *prelude, *shared],
+                    flops=flops, nbytes=nbytes)
 
 
 def _element(load: Loader, row: str, depth: str, guard: str, target: str) -> str:
@@ -372,40 +396,71 @@ def _element(load: Loader, row: str, depth: str, guard: str, target: str) -> str
 
 
 def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, begin: str,
-            end: str, wide_store: WideStore | None, edges: Edges) -> list[str]:
+            end: str, wide_store: WideStore | None, edges: Edges,
+            scales: tuple[Scale | None, Scale | None]) -> list[str]:
+    # f16 tiles: elements converted as they are staged, each slice's products summed in f16
+    # (h: a thread's four neighbouring columns, one vec4<f16> fma a step), then into c in f32
+    def half(v: str, vector: bool = False) -> str:  # as staged
+        return v if not t.f16 else f"vec4<f16>({v})" if vector else f"f16({v})"
     lines = [*[f"  var c{i}_{j} = 0.0;" for i in range(t.tm) for j in range(t.tn)],
+             *(_scales(m, n, t, begin, end, scales, F16_SCALED_TOP) if any(scales) else []),
              *_stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end, edges,
                      place=lambda tile, ii, kk: f"{kk} * {(t.bm if tile == 'a' else t.bn) + PAD}u"
                                                 f" + {ii}",
                      write=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at} / 4u]"
-                                               f"[{at} % 4u] = {v};",
+                                               f"[{at} % 4u] = {half(v)};",
                      fast=("row", "row"),
                      write4=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at} / 4u] = "
-                                                f"{v};")]
+                                                f"{half(v, vector=True)};",
+                     scale=lambda tile, row: (f"Pow{tile}[{row}]" if scales["ab".index(tile)]
+                                              else None))]
     comp = "xyzw"
+    if t.f16:
+        lines += [f"    var h{i}_{j4} = vec4<f16>();"
+                  for i in range(t.tm) for j4 in range(t.tn // 4)]
     for kk in range(t.bk):
         lines.append("    {")
         lines += [f"      let a{i4} = As[{kk * (t.bm + PAD) // 4}u + {i4 * t.wy}u + ty];"
                   for i4 in range(t.tm // 4)]
         lines += [f"      let b{j4} = Bs[{kk * (t.bn + PAD) // 4}u + {j4 * t.wx}u + tx];"
                   for j4 in range(t.tn // 4)]
-        lines += [f"      c{i}_{j} = fma(a{i // 4}.{comp[i % 4]}, b{j // 4}.{comp[j % 4]}, "
-                  f"c{i}_{j});" for i in range(t.tm) for j in range(t.tn)]
+        if t.f16:
+            lines += [f"      h{i}_{j4} = fma(vec4<f16>(a{i // 4}.{comp[i % 4]}), b{j4}, "
+                      f"h{i}_{j4});" for i in range(t.tm) for j4 in range(t.tn // 4)]
+        else:
+            lines += [f"      c{i}_{j} = fma(a{i // 4}.{comp[i % 4]}, b{j // 4}.{comp[j % 4]}, "
+                      f"c{i}_{j});" for i in range(t.tm) for j in range(t.tn)]
         lines.append("    }")
+    if t.f16:
+        lines += [f"    c{i}_{j} += f32(h{i}_{j // 4}.{comp[j % 4]});"
+                  for i in range(t.tm) for j in range(t.tn)]
     lines += ["    workgroupBarrier();", "  }"]
 
     def at(i: int, j: int) -> list[str]:
         return [f"  {{ let r = row0 + {4 * (i // 4) * t.wy + i % 4}u + 4u * ty; "
                 f"let c = col0 + {4 * (j // 4) * t.wx + j % 4}u + 4u * tx;",
                 f"    if ({edges.store_guard(m, n)}) {{"]
+
+    def value(i: int, j: int, dr: int, dc: int) -> str:  # c_i_j, unscaled; at (r + dr, c + dc)
+        return _unscaled(f"c{i}_{j}", f"r - row0 + {dr}u", f"c - col0 + {dc}u", scales)
     # a thread's outputs one at a time, or four along the rows or the columns
     di, dj = {None: (1, 1), "col": (1, 4), "row": (4, 1)}[wide_store and wide_store.along]
     for i in range(0, t.tm, di):
         for j in range(0, t.tn, dj):
-            body = (store("r", "c", f"c{i}_{j}") if wide_store is None else wide_store.store(
-                "r", "c", [f"c{i + q * (di > 1)}_{j + q * (dj > 1)}" for q in range(4)]))
+            body = (store("r", "c", value(i, j, 0, 0)) if wide_store is None
+                    else wide_store.store("r", "c", [
+                        value(i + q * (di > 1), j + q * (dj > 1), q * (di > 1), q * (dj > 1))
+                        for q in range(4)]))
             lines += [*at(i, j), *body, "  } }"]
     return lines
+
+
+def _unscaled(acc: str, row: str, col: str, scales: tuple[Scale | None, Scale | None]) -> str:
+    """The accumulator `acc` of the tile's `row` and `col` with the operands' scaling undone
+    (exact: a power of two)."""
+    exps = [f"Exp{tile}[{at}]" for tile, at, scale in (("a", row, scales[0]),
+                                                       ("b", col, scales[1])) if scale]
+    return f"ldexp({acc}, -({' + '.join(exps)}))" if exps else acc
 
 
 def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, threads: int,
@@ -504,13 +559,24 @@ COOP_PAD = 8  # f16 elements added to each staged row (16 bytes: keeps rows off 
 
 def _coop_bytes(t: CoopTiling, scaled: bool) -> int:
     return (2 * (t.bm * (t.bk + COOP_PAD) + t.bk * (t.bn + COOP_PAD)) + 4 * 256 * t.sg_m * t.sg_n
-            + (8 * (t.bm + t.bn) + 4 * t.threads if scaled else 0))
+            + (_scale_bytes(t) if scaled else 0))
 
 
 def _coop_shared(t: CoopTiling, scales: tuple[Scale | None, Scale | None]) -> list[str]:
-    lines = [f"var<workgroup> As: array<f16, {t.bm * (t.bk + COOP_PAD)}>;",  # row-major, k fast
-             f"var<workgroup> Bs: array<f16, {t.bk * (t.bn + COOP_PAD)}>;",  # k rows, n fast
-             f"var<workgroup> Cs: array<f32, {256 * t.sg_m * t.sg_n}>;"]  # a fragment a subgroup
+    return [f"var<workgroup> As: array<f16, {t.bm * (t.bk + COOP_PAD)}>;",  # row-major, k fast
+            f"var<workgroup> Bs: array<f16, {t.bk * (t.bn + COOP_PAD)}>;",  # k rows, n fast
+            f"var<workgroup> Cs: array<f32, {256 * t.sg_m * t.sg_n}>;",  # a fragment a subgroup
+            *_scale_shared(t, scales)]
+
+
+def _scale_bytes(t: Tiling | CoopTiling) -> int:
+    """The most workgroup memory `_scale_shared` takes."""
+    return 8 * (t.bm + t.bn) + 4 * t.threads
+
+
+def _scale_shared(t: Tiling | CoopTiling, scales: tuple[Scale | None, Scale | None]
+                  ) -> list[str]:
+    lines = []
     for tile, extent, scale in (("a", t.bm, scales[0]), ("b", t.bn, scales[1])):
         if scale is not None:  # per row of the tile: the exponent applied, its power of two
             lines += [f"var<workgroup> Exp{tile}: array<i32, {extent}>;",
@@ -520,14 +586,22 @@ def _coop_shared(t: CoopTiling, scales: tuple[Scale | None, Scale | None]) -> li
     return lines
 
 
-def _scales(m: int, n: int, t: CoopTiling, begin: str, end: str,
-            scales: tuple[Scale | None, Scale | None]) -> list[str]:
+# The exponent e with 2^(e - 1) <= a scaled operand's largest magnitude < 2^e. Cooperative
+# tiles sum in f32: 2^14 uses f16's range (65504) to the full. Staged f16 tiles multiply and
+# sum a slice in f16, every operand scaled: products below 2^10, a slice of at most 16 of them
+# below 2^14.
+COOP_SCALED_TOP = 14
+F16_SCALED_TOP = 5
+
+
+def _scales(m: int, n: int, t: Tiling | CoopTiling, begin: str, end: str,
+            scales: tuple[Scale | None, Scale | None], top_exp: int) -> list[str]:
     """Lines choosing, for each row of A and column of B in the tile, the power of two 2^e
-    that brings its largest magnitude into [2^13, 2^14) (f16 holds up to 65504), so a row of
-    gradients around 1e-7 keeps its 11 bits instead of flushing to zero; the product of a row
-    and a column is then 2^(ea + eb) too large, and the store multiplies by 2^-(ea + eb),
-    exactly. An operand without a magnitude per row takes the largest over the layer's range
-    of k (a tree reduction in workgroup memory)."""
+    that brings its largest magnitude into [2^(top_exp - 1), 2^top_exp) (f16 holds up to
+    65504), so a row of gradients around 1e-7 keeps its 11 bits instead of flushing to zero;
+    the product of a row and a column is then 2^(ea + eb) too large, and the store multiplies
+    by 2^-(ea + eb), exactly. An operand without a magnitude per row takes the largest over
+    the layer's range of k (a tree reduction in workgroup memory)."""
     tiles = [(tile, extent, origin, bound, scale)
              for tile, extent, origin, bound, scale in (("a", t.bm, "row0", m, scales[0]),
                                                         ("b", t.bn, "col0", n, scales[1]))
@@ -548,7 +622,7 @@ def _scales(m: int, n: int, t: CoopTiling, begin: str, end: str,
                 f"{{ top = {scale.read(f'{origin} + i')}; }}"] if scale.per_row
                else [f"    let top = Top{tile}[0];"])
         lines += [f"  for (var i = tid; i < {extent}u; i += {t.threads}u) {{", *top,
-                  "    let e = min(14 - frexp(top).exp, 126);",
+                  f"    let e = min({top_exp} - frexp(top).exp, 126);",
                   f"    Exp{tile}[i] = e; Pow{tile}[i] = ldexp(1.0, e);", "  }"]
     return [*lines, "  workgroupBarrier();"]
 
@@ -572,7 +646,7 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
              f"  let sc = (sg % {t.sg_n}u) * {16 * t.fn}u;",
              *[f"  var acc{i}_{j} = coop_mat16x16<f32, C>();"
                for i in range(t.fm) for j in range(t.fn)],
-             *(_scales(m, n, t, begin, end, scales) if any(scales) else [])]
+             *(_scales(m, n, t, begin, end, scales, COOP_SCALED_TOP) if any(scales) else [])]
     lines += _stage(m, n, a, b, t.bm, t.bn, t.bk, t.threads, begin, end, COOP_EDGES,
                     place=lambda tile, ii, kk: (f"{ii} * {sa}u + {kk}" if tile == "a"
                                                 else f"{kk} * {sb}u + {ii}"),
@@ -596,12 +670,8 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
     through_shared: list[str] = []
     for i in range(t.fm):
         for j in range(t.fn):
-            value = "Cs[sg * 256u + e]"
-            exps = [f"Exp{tile}[{at}]" for tile, at, scale in (
-                ("a", f"sr + {16 * i}u + e / 16u", scales[0]),
-                ("b", f"sc + {16 * j}u + e % 16u", scales[1])) if scale is not None]
-            if exps:
-                value = f"ldexp({value}, -({' + '.join(exps)}))"
+            value = _unscaled("Cs[sg * 256u + e]", f"sr + {16 * i}u + e / 16u",
+                              f"sc + {16 * j}u + e % 16u", scales)
             through_shared += [
                 f"  coopStoreT(acc{i}_{j}, &Cs[sg * 256u], 16u);", "  workgroupBarrier();",
                 "  for (var e = lane; e < 256u; e += 32u) {",

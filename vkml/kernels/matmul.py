@@ -118,9 +118,9 @@ def choose(node: Tensor, caps: Capabilities) -> gemm.Tiling | gemm.CoopTiling:
 
 
 def scaled(node: Tensor, caps: Capabilities) -> bool:
-    """Whether the node's kernel takes cooperative tiles, which scale the operands into f16's
-    range on a target with `scaled_operands` (OpDef.scaled)."""
-    return isinstance(choose(node, caps), gemm.CoopTiling)
+    """Whether the node's kernel takes f16 tiles, which scale the operands into f16's range on
+    a target with `scaled_operands` (OpDef.scaled)."""
+    return gemm.in_f16(choose(node, caps))
 
 
 def splits(node: Tensor, caps: Capabilities) -> int:
