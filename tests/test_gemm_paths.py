@@ -217,8 +217,8 @@ def test_cooperative_tiles_store_plain_products_straight_to_memory(device):
     # gemm.PlainStore: in a product stored as computed (no epilogue) the workgroups whose tile
     # lies inside C store each fragment straight there (4096^3 203 -> 216 TFLOP/s on an H200,
     # tools/KERNELS.md v11); edge tiles, and products with an epilogue, go through workgroup
-    # memory. Lavapipe has no cooperative matrices: the kernels are translated to SPIR-V here,
-    # not run (the H200's lab and bench gates check their values).
+    # memory. The kernels are translated to SPIR-V here; tests/gpu/test_accelerated.py runs
+    # both paths where there are cooperative matrices (lavapipe has none).
     from vkml.vk import compile_wgsl
     caps = with_cooperative_matrices(device)
 
@@ -243,8 +243,8 @@ def test_backward_products_scale_their_operands_on_cooperative_tiles(device):
     # 1e-7), so the backward pass's cooperative products scale the rows of a gradient operand
     # by powers of two first, from its largest magnitudes (compiler/scale.py), and undo it as
     # they store; before this the whole backward pass stayed f32. Convolutions' gradients stay
-    # f32. Translated to SPIR-V here, not run (lavapipe has no cooperative matrices; the
-    # H200's bench gates check the gradients).
+    # f32. Translated to SPIR-V here; tests/gpu/test_accelerated.py runs such products where
+    # there are cooperative matrices (lavapipe has none).
     from vkml.vk import compile_wgsl
     caps = with_cooperative_matrices(device, max_shared_memory_bytes=49152)
     g = vkml.Graph()

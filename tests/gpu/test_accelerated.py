@@ -1,0 +1,286 @@
+"""Every accelerated kernel variant run on a GPU against float64 torch at PROTOCOL.md's gates:
+the cooperative-matrix GEMM (tiles that divide C and edge tiles, fragments stored straight to C
+and through workgroup memory, each transpose, batched, split sums, the largest tiles, the
+backward pass's scaled operands), the cooperative convolution, the cooperative attention, and
+the staged f16 tiles of devices without cooperative matrices (run here by compiling for this
+GPU's capabilities less its cooperative matrices).
+
+Each case asserts that the variant it names is the kernel that ran (a silent fall back to f32
+would otherwise pass), records its kernels and errors, then asserts the gates; the records go
+to $VKML_GPU_RESULTS as JSON at the end of the run where that is set (the lead commits the
+H200's run as tests/gpu/results-h200.json). Lavapipe has no cooperative matrices, and there
+the staged f16 tiles are checked by tests/test_gemm_paths.py and tests/test_models.py: every
+case here says so as it skips. On a GPU (the H200, from the repo root, about a minute):
+
+    . .gl/enter.sh; VKML_GPU_RESULTS=$OUT/gpu-checks.json python3 -m pytest -q -rs tests/gpu
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_ops import (
+    COOPERATIVE_ATTENTION,
+    cooperative_attention_case,
+    cooperative_attention_reference,
+)
+
+import vkml
+from vkml.compiler.stages import lower
+from vkml.session import Session
+
+# PROTOCOL.md
+FORWARD_GATE, GRAD_GATE, COSINE_GATE = 1e-2, 5e-2, 0.99
+REF = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # float64 either way
+COOP = r"_c\d+x\d+k\d+f\d+x\d+"  # kernels/gemm.py CoopTiling's name
+STAGED_F16 = r"_s\d+x\d+k\d+r\d+x\d+h"  # a staged Tiling's, f16
+
+
+@pytest.fixture(scope="module")
+def device():
+    """The Vulkan device alone: cooperative matrices are a Vulkan extension."""
+    dev = vkml.Device(backend="vulkan")
+    yield dev
+    dev.close()
+
+
+@pytest.fixture(scope="module")
+def results(device):
+    """Cases append a dict each; written to $VKML_GPU_RESULTS once they have run."""
+    cases: list[dict] = []
+    yield cases
+    path = os.environ.get("VKML_GPU_RESULTS")
+    if path:
+        caps = device.caps
+        Path(path).write_text(json.dumps({
+            "device": caps.device_name, "driver": caps.driver, "api": caps.api_version,
+            "cooperative_matrix": caps.cooperative_matrix, "shader_f16": caps.shader_f16,
+            "cases": cases}, indent=1) + "\n")
+
+
+def needs(device, variant: str) -> None:
+    """Skip, saying what was not checked and why, where this device cannot run `variant`."""
+    caps = device.caps
+    if variant == "cooperative" and not caps.cooperative_matrix:
+        pytest.skip(f"NOT CHECKED: {caps.device_name} has no cooperative matrices "
+                    "(VK_KHR_cooperative_matrix), so no cooperative GEMM, convolution or "
+                    "attention kernel ran; run tests/gpu on a GPU that has them")
+    if variant == "staged_f16" and not caps.shader_f16:
+        pytest.skip(f"NOT CHECKED: {caps.device_name} has no shaderFloat16: the staged f16 "
+                    "tiles did not run")
+    if variant == "staged_f16" and caps.device_type == "cpu":
+        pytest.skip(f"not run here: {caps.device_name} is a CPU driver; tests/test_gemm_paths.py "
+                    "and tests/test_models.py check the staged f16 tiles on it")
+
+
+def tensor64(x: np.ndarray) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64, device=REF, requires_grad=True)
+
+
+def numpy64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def gate(results: list, case: str, kernels: list[str], forward: dict, grads: dict) -> None:
+    """Records then asserts PROTOCOL.md's gates: `forward` and `grads` map names to (vkml's
+    array, the float64 reference)."""
+    pairs = [*forward.values(), *grads.values()]
+    finite = all(bool(np.all(np.isfinite(a))) for a, _ in pairs)
+    errors: dict[str, float] = {}
+    for name, (a, want) in forward.items():
+        errors[f"forward {name}"] = _rel(a, want)
+    if grads:
+        total = np.sqrt(sum(np.sum(np.square(a, dtype=np.float64)) for a, _ in grads.values()))
+        ref_total = np.sqrt(sum(np.sum(np.square(w)) for _, w in grads.values()))
+        errors["gradient total norm"] = float(abs(total - ref_total) / ref_total)
+        for name, (a, want) in grads.items():
+            a, want = a.astype(np.float64).ravel(), want.ravel()
+            norm = np.linalg.norm(want)
+            errors[f"gradient norm {name}"] = float(abs(np.linalg.norm(a) - norm) / norm)
+            errors[f"gradient cosine {name}"] = float(a @ want / (np.linalg.norm(a) * norm))
+            errors[f"gradient rel_l2 {name}"] = _rel(a, want)
+    passed = finite and all(_passes(k, v) for k, v in errors.items())
+    results.append({"case": case, "kernels": kernels, "errors": errors, "finite": finite,
+                    "gates": {"forward": FORWARD_GATE, "gradient norm": GRAD_GATE,
+                              "cosine": COSINE_GATE}, "passed": passed})
+    assert finite, f"{case}: NaN or Inf"
+    assert passed, (case, errors)
+
+
+def _passes(key: str, value: float) -> bool:
+    if "cosine" in key:
+        return value > COSINE_GATE
+    if "rel_l2" in key:  # reported, not a gate
+        return True
+    return value < (FORWARD_GATE if key.startswith("forward") else GRAD_GATE)
+
+
+def _rel(a: np.ndarray, want: np.ndarray) -> float:
+    a = np.asarray(a, np.float64)
+    assert a.shape == want.shape, (a.shape, want.shape)
+    return float(np.linalg.norm(a - want) / np.linalg.norm(want))
+
+
+def infer(g: vkml.Graph, device) -> tuple[Session, list[str]]:
+    """An inference of `g` at precision "f16" on the device, stepped once, and its kernels."""
+    session = vkml.compile(g, precision="f16", device=device)
+    session.step()
+    return session, [d.kernel.name for d in session.plan.dispatches]
+
+
+def products(session: Session, phase: str) -> list[str]:
+    return [d.kernel.name for d in session.plan.dispatches
+            if d.phase == phase and "matmul" in d.kernel.name]
+
+
+# name: (a shape, b shape, transpose_a, transpose_b, a bias epilogue). All take cooperative
+# tiles at precision "f16" (kernels/gemm.py COOP_MIN_MATMUL, matmul.COOP_MIN_DIRECT_DEPTH).
+MATMULS = {
+    "divides_tiles_straight_to_c": ((512, 384), (384, 1024), False, False, False),
+    "edge_tiles_straight_to_c": ((1500, 384), (384, 1000), False, False, False),
+    "edges_everywhere_epilogue": ((300, 520), (520, 200), False, False, True),
+    "nt": ((300, 320), (260, 320), False, True, True),
+    "tn": ((320, 300), (320, 260), True, False, False),
+    "tt": ((320, 300), (260, 320), True, True, False),
+    "batched_broadcast": ((3, 200, 256), (256, 136), False, False, False),
+    "shallow_scores_64_deep": ((2, 300, 64), (2, 300, 64), False, True, False),
+    "largest_tiles": ((4096, 1024), (1024, 2304), False, False, False),
+    "split_sums": ((128, 8192), (8192, 128), False, False, False),
+}
+# Training products whose backward products take cooperative tiles too (gemm.SCALED_MIN_ROWS
+# rows and more), their gradient operands scaled into f16's range (compiler/scale.py)
+BACKWARD = {
+    "nn": ((512, 384), (384, 640), False, False),
+    "nt_bias": ((512, 384), (640, 384), False, True),
+    "tn": ((384, 512), (384, 640), True, False),
+}
+# The staged f16 tiles (Capabilities.f16_products "simt"), forward and backward
+STAGED = {
+    "edges": ((300, 520), (520, 200), False, False),
+    "nt": ((256, 320), (260, 320), False, True),
+    "tt_batched": ((2, 320, 300), (260, 320), True, True),
+    "square_1024": ((1024, 1024), (1024, 1024), False, False),
+}
+
+
+def _matmul_graph(rng, a_shape, b_shape, ta, tb, bias: bool):
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    g = vkml.Graph()
+    product = g.matmul(g.param("a", a_shape, init=a), g.param("b", b_shape, init=b),
+                       transpose_a=ta, transpose_b=tb)
+    c = rng.standard_normal(product.shape[-1]).astype(np.float32) if bias else None
+    y = g.output("y", g.add(product, g.constant(c)) if bias else product)
+    ra, rb = tensor64(a), tensor64(b)
+    want = (ra.transpose(-1, -2) if ta else ra) @ (rb.transpose(-1, -2) if tb else rb)
+    if bias:
+        want = want + torch.tensor(c, dtype=torch.float64, device=REF)
+    return g, y, (ra, rb), want
+
+
+def _train(rng, g, y, session_of, refs, want):
+    """One gradient step of sum(y * w), w about 1e-7 (gradients below f16's smallest
+    normal, as a loss's often are): the session, and the forward and gradient pairs."""
+    weights = (rng.standard_normal(y.shape) * 1e-7).astype(np.float32)
+    session = session_of(g.sum(g.mul(y, g.constant(weights))))
+    session.step()
+    (want * torch.tensor(weights, dtype=torch.float64, device=REF)).sum().backward()
+    forward = {"y": (session.read("y"), numpy64(want))}
+    grads = {n: (session.grad(n), numpy64(r.grad)) for n, r in zip("ab", refs)}
+    return session, forward, grads
+
+
+@pytest.mark.parametrize("name", MATMULS)
+def test_cooperative_matmul(name, device, results, rng):
+    needs(device, "cooperative")
+    a_shape, b_shape, ta, tb, bias = MATMULS[name]
+    g, _, _, want = _matmul_graph(rng, a_shape, b_shape, ta, tb, bias)
+    session, kernels = infer(g, device)
+    (product,) = products(session, "forward")
+    assert re.search(COOP, product), kernels
+    if name == "split_sums":
+        assert "_split" in product and any("fused_sum" in k for k in kernels), kernels
+    gate(results, f"cooperative matmul {name}", kernels,
+         {"y": (session.read("y"), numpy64(want))}, {})
+    session.close()
+
+
+@pytest.mark.parametrize("name", BACKWARD)
+def test_cooperative_matmul_backward_scaled(name, device, results, rng):
+    needs(device, "cooperative")
+    a_shape, b_shape, ta, tb = BACKWARD[name]
+    g, y, refs, want = _matmul_graph(rng, a_shape, b_shape, ta, tb, name.endswith("bias"))
+    session, forward, grads = _train(rng, g, y, lambda loss: vkml.compile(
+        g, loss=loss, keep_grads=True, precision="f16", device=device), refs, want)
+    backward = products(session, "backward")
+    assert len(backward) == 2 and all(re.search(COOP + "_scaled$", k) for k in backward), \
+        backward
+    assert re.search(COOP + "$", products(session, "forward")[0])
+    gate(results, f"cooperative matmul backward {name}",
+         [d.kernel.name for d in session.plan.dispatches], forward, grads)
+    session.close()
+
+
+@pytest.mark.parametrize("name", STAGED)
+def test_staged_f16_matmul_forward_and_backward(name, device, results, rng):
+    needs(device, "staged_f16")
+    a_shape, b_shape, ta, tb = STAGED[name]
+    caps = dataclasses.replace(device.caps, cooperative_matrix=False)
+    g, y, refs, want = _matmul_graph(rng, a_shape, b_shape, ta, tb, False)
+    session, forward, grads = _train(rng, g, y, lambda loss: Session(lower(
+        g, caps, loss=loss, keep_grads=True, precision="f16").plan, device), refs, want)
+    assert re.search(STAGED_F16 + "$", products(session, "forward")[0]), session.plan
+    backward = products(session, "backward")
+    assert len(backward) == 2 and all(re.search(STAGED_F16 + "_scaled$", k)
+                                      for k in backward), backward
+    gate(results, f"staged f16 matmul {name}", [d.kernel.name for d in session.plan.dispatches],
+         forward, grads)
+    session.close()
+
+
+# x shape, weight shape, stride, padding: from gemm.COOP_MIN (2048) in every dimension of the
+# implicit GEMM, forward only (their gradients stay f32)
+CONVS = {
+    "3x3_divides": ((1, 256, 48, 48), (2048, 256, 3, 3), 1, 1),
+    "3x3_edges": ((1, 232, 47, 45), (2056, 232, 3, 3), 1, 1),
+    "1x1_pointwise": ((2, 2048, 32, 32), (2048, 2048, 1, 1), 1, 0),
+}
+
+
+@pytest.mark.parametrize("name", CONVS)
+def test_cooperative_convolution(name, device, results, rng):
+    needs(device, "cooperative")
+    x_shape, w_shape, stride, padding = CONVS[name]
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    g = vkml.Graph()
+    g.output("y", g.conv2d(g.param("x", x_shape, init=x), g.param("w", w_shape, init=w),
+                           stride=stride, padding=padding))
+    session, kernels = infer(g, device)
+    assert any(k.startswith("conv2d") and re.search(COOP, k) for k in kernels), kernels
+    want = F.conv2d(tensor64(x), tensor64(w), stride=stride, padding=padding)
+    gate(results, f"cooperative convolution {name}", kernels,
+         {"y": (session.read("y"), numpy64(want))}, {})
+    session.close()
+
+
+@pytest.mark.parametrize("name", COOPERATIVE_ATTENTION)
+def test_cooperative_attention(name, device, results, rng):
+    # tests/test_ops.py checks which plans take it; here its values
+    needs(device, "cooperative")
+    g, operands = cooperative_attention_case(name, rng)
+    session, kernels = infer(g, device)
+    assert len(kernels) == 1 and kernels[0].startswith("flash_attention") \
+        and kernels[0].endswith("_c"), kernels
+    want = cooperative_attention_reference(name, [tensor64(x) for x in operands])
+    gate(results, f"cooperative attention {name}", kernels,
+         {"out": (session.read("out"), numpy64(want))}, {})
+    session.close()
