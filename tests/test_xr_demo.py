@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 
-from xr_demo.schedule import Policy, plan_pieces
+from xr_demo.schedule import SLACK_PIECE, Policy, plan_pieces
 
 REPO = Path(__file__).resolve().parent.parent
 VALIDATING = "VK_LAYER_KHRONOS_validation" in os.environ.get("VK_INSTANCE_LAYERS", "")
@@ -97,6 +97,11 @@ def test_policies_parse():
     assert Policy.parse("chunks:2").one_per_frame and not Policy.parse("slack").one_per_frame
     with pytest.raises(ValueError, match="unknown schedule"):
         Policy.parse("fastest")
+    # the slack policy's pieces are sized to the slack; with none to size them by, a level
+    assert Policy("slack").within(12.0) == Policy("slack", 12.0 * SLACK_PIECE)
+    assert Policy("slack").within(float("inf")) == Policy("slack")
+    assert Policy("slack").within(0.0) == Policy("slack")
+    assert Policy("chunks", 2).within(12.0) == Policy("chunks", 2)
 
 
 def test_network_freezes_the_encoder_for_decoder_only_live_training():
@@ -189,6 +194,13 @@ def test_headless_results_are_bit_identical_across_chunkings(tmp_path, zero_copy
         results[schedule] = (metrics, load_file(str(tmp_path / f"{name}.safetensors")))
     assert results["chunks:3"][0]["setup"]["train"]["pieces"] == 3
     assert results["slack"][0]["setup"]["train"]["pieces"] > 1  # really cut by the slack
+    # A level longer than a slack piece's size runs as workgroup ranges in several pieces,
+    # none of them longer than the slack.
+    setup = results["slack"][0]["setup"]
+    print("slack run:", setup)
+    assert setup["train"]["piece_ms_max"] <= setup["slack_ms"]
+    assert setup["train"]["levels_cut"] >= 1 \
+        or setup["train"]["level_ms_max"] <= setup["slack_ms"] * SLACK_PIECE
     reference = results["chunks:1"][1]
     for schedule, (_, state) in results.items():
         assert state.keys() == reference.keys()

@@ -204,7 +204,7 @@ def main() -> None:
     print("step overhead", json.dumps(overhead), flush=True)
     policies = [("chunks=1", Policy("chunks", 1)), ("chunks=2", Policy("chunks", 2)),
                 ("chunks=4", Policy("chunks", 4)), ("budget", Policy("budget", budget)),
-                ("slack", Policy("slack"))]
+                ("slack", Policy("slack").within(slack_ms))]
     jobs = {name: Job("train", session, host, p)
             for name, p in policies}
     for job in jobs.values():  # record every mode's pieces before timing

@@ -398,7 +398,7 @@ class Demo:
         self.period_ms = period_ms
         self.slack_ms = max(0.0, period_ms - render_ms - self.opts.margin_ms) if period_ms else \
             float("inf")
-        policy = Policy.parse(self.opts.schedule)
+        policy = Policy.parse(self.opts.schedule).within(self.slack_ms)
         self.jobs = []
         if self.opts.infer_every > 0:
             self.jobs.append(Job("infer", self.infer, self.host,
@@ -409,6 +409,8 @@ class Demo:
         for job in self.jobs:
             info[job.name]["pieces"] = len(job.costs)
             info[job.name]["piece_ms_max"] = round(max(job.costs), 3)
+            info[job.name]["level_ms_max"] = round(job.level_ms_max, 3)
+            info[job.name]["levels_cut"] = job.levels_cut
             info[job.name]["policy"] = str(job.policy)
         info["slack_ms"] = round(self.slack_ms, 3) if math.isfinite(self.slack_ms) else None
         info["render_ms"] = round(render_ms, 3)

@@ -9,11 +9,14 @@ Policies (`Policy`):
 - `chunks=N` / `budget=b`: the step is cut into N balanced pieces, or into pieces of at most
   b ms, and ONE piece goes per frame (what tools/cotenancy.py measured: smooth frames, but the
   step's latency grows with the number of pieces).
-- `slack` (the default): the step is cut at every level (the finest cut vkml makes), and every
-  frame submits as many pieces as fit the GPU time left after the render, in one submission:
-  the slack is the frame period minus the measured render time minus a margin. A step that
-  fits the slack runs whole in one frame (no added latency); a longer one spreads over as few
-  frames as its cost needs.
+- `slack` (the default): the step is cut into pieces of at most a quarter of the slack
+  (`Policy.within`: levels packed together, and a longer level cut into ranges of its
+  dispatches' workgroups, as Session.step's budget_ms cuts; unpaced, one piece per level), and
+  every frame submits as many pieces as fit the GPU time left after the render, in one
+  submission: the slack is the frame period minus the measured render time minus a margin. A
+  step that fits the slack runs whole in one frame (no added latency); a longer one spreads
+  over as few frames as its cost needs, and no level is too long for a frame where its
+  kernels can be cut.
 
 `Scheduler.fill(slack_ms)` runs after the frame's render has been submitted; it goes through the
 jobs in priority order (inference first: it is what the user sees). The decision itself
@@ -29,20 +32,26 @@ tools/cotenancy.py's waiter.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import vkml
 
+# The slack policy's pieces are at most this fraction of the slack: a frame's slack fills to
+# at least the rest of it, and no piece outgrows the slack even at the Scheduler's largest
+# cost scale (4).
+SLACK_PIECE = 0.25
+
 
 @dataclass(frozen=True)
 class Policy:
     kind: str  # "chunks", "budget" or "slack"
-    value: float = 0.0  # chunks: N; budget: ms per piece
+    value: float = 0.0  # chunks: N; budget: ms per piece; slack: ms per piece (0: a level)
 
     @classmethod
     def parse(cls, text: str) -> Policy:
@@ -56,6 +65,13 @@ class Policy:
             return cls("budget", float(value))
         raise ValueError(f"unknown schedule {text!r}: use slack, chunks:N or "
                          "budget:MS")
+
+    def within(self, slack_ms: float) -> Policy:
+        """This policy for frames with `slack_ms` of room: the slack policy's pieces sized to
+        it (with no slack to size them by, unpaced or none left, one piece per level)."""
+        if self.kind != "slack" or not 0 < slack_ms < math.inf:
+            return self
+        return Policy("slack", slack_ms * SLACK_PIECE)
 
     @property
     def one_per_frame(self) -> bool:
@@ -112,7 +128,9 @@ class Job:
             self._chunking: dict[str, float] = {"chunks": int(p.value)}
         elif p.kind == "budget":
             self._chunking = {"budget_ms": float(p.value)}
-        else:  # one piece per level: step_chunk(max_ms=...) packs them by the frame's slack
+        elif p.value:  # pieces of at most p.value ms: step_chunk(max_ms=...) packs them
+            self._chunking = {"budget_ms": float(p.value)}
+        else:  # one piece per level, packed the same way
             self._chunking = {"chunks": len({d.level for d in session.plan.dispatches})}
         self.costs = session.piece_costs(**self._chunking)  # measured by profile()
         session.record_pieces(**self._chunking)  # now, not in the first frames
@@ -136,6 +154,20 @@ class Job:
     @property
     def step_ms(self) -> float:
         return sum(self.costs)
+
+    @property
+    def level_ms_max(self) -> float:
+        """The measured cost of the step's longest level."""
+        levels = len({d.level for d in self.session.plan.dispatches})
+        return max(self.session.piece_costs(chunks=levels))
+
+    @property
+    def levels_cut(self) -> int:
+        """Levels of the step that run as more than one piece (cut into workgroup ranges)."""
+        level = [d.level for d in self.session.plan.dispatches]
+        pieces = Counter(lv for a, b in self.session.chunk_boundaries(**self._chunking)
+                         for lv in {level[a], level[b - 1]})
+        return sum(n > 1 for n in pieces.values())
 
     # ---- state ---------------------------------------------------------------------------
     @property
