@@ -276,6 +276,10 @@ def test_a_long_level_is_cut_into_parts_of_about_equal_cost():
     assert chunking.cut_level([1, 4, 1], [1, 1, 1], 3) == [[(0, 0, 1)], [(1, 0, 1)], [(2, 0, 1)]]
     assert chunking.cut_level([1, 4, 1], [1, 8, 1], 1) == [[(0, 0, 1), (1, 0, 8), (2, 0, 1)]]
     assert chunking.cut_level([0, 0], [4, 1], 3) == [[(0, 0, 4), (1, 0, 1)]]
+    # parts of one dispatch that end up in one piece run as one dispatch
+    part = chunking.Part
+    assert chunking.joined([part(0, 0, 1), part(1, 0, 2), part(1, 2, 6), part(2, 0, 3)]) == (
+        part(0, 0, 1), part(1, 0, 6), part(2, 0, 3))
     rng = np.random.default_rng(0)
     for _ in range(200):  # every slab of every dispatch once, in order, no part empty
         n = int(rng.integers(1, 5))

@@ -175,6 +175,9 @@ for optimizer in (vkml.SGD(lr=0.1, momentum=0.9), vkml.AdamW()):
             s.step(chunks=chunks)
         while s.step_chunk(chunks=3):  # one piece per call, as in a render loop
             pass
+        # every level made longer than the budget: cut into workgroup ranges where it can be
+        s._chunker.set_measured([1.0] * len(s.plan.dispatches), "made up")
+        s.step(budget_ms=0.4)
         s.wait()
 print("MESSAGES", len(device.backend.validation_messages))
 """

@@ -122,6 +122,18 @@ def cut_level(costs: Sequence[float], slabs: Sequence[int], parts: int
     return result
 
 
+def joined(parts: Sequence[Part]) -> tuple[Part, ...]:
+    """`parts` with consecutive ranges of one dispatch made one: the same work in fewer
+    dispatches."""
+    out: list[Part] = []
+    for p in parts:
+        if out and out[-1].dispatch == p.dispatch and out[-1].end == p.start:
+            out[-1] = Part(p.dispatch, out[-1].start, p.end)
+        else:
+            out.append(p)
+    return tuple(out)
+
+
 class Chunker:
     """The pieces of a bound plan's step, recorded once per distinct cut, and the chunked step
     in progress."""
@@ -233,7 +245,7 @@ class Chunker:
             unit_costs = [self._cost(u, costs) for u in units]
             points = (balanced(unit_costs, count) if budget is None
                       else within_budget(unit_costs, budget))
-            cut = tuple(tuple(p for u in units[a:b] for p in u)
+            cut = tuple(joined([p for u in units[a:b] for p in u])
                         for a, b in pieces_of(points, len(units))) if units else ()
             self._cuts[key] = cut
         return cut
