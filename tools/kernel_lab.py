@@ -9,13 +9,16 @@ kernel: half the bytes read; checked against float64 of the f16-rounded operands
     python tools/kernel_lab.py --out DIR            # also lab.json there (after every case)
     python tools/kernel_lab.py --tilings c128x256k32f4x4,s64x64k32r4x4   # any tiling by name
     python tools/kernel_lab.py --f16-operands ...   # also each tiling reading f16 from memory
+    python tools/kernel_lab.py --tilings s128x128k8r8x8,s128x128k8r8x8h   # f32 and f16 staged
 
 Each case is a graph of one matmul or convolution (of the kind the models' forward and backward
 passes make) compiled as usual, whose kernel is then regenerated with each forced tiling; the
-"auto" row is what codegen chooses, timed again last ("auto-again": a change of more than 10%
-is printed as drift, the GPU's clocks having moved while the case ran). A row reports the
-median GPU ms over --reps steps (the profile's timestamps), TFLOP/s and the relative L2 error
-against float64.
+"auto" row is what codegen chooses ("auto-f16" at precision="f16" on cooperative matrices,
+"auto-f16-staged" on the staged f16 tiles that devices with f16 arithmetic but no cooperative
+matrices take, Capabilities.f16_products "simt"), timed again last ("auto-again": a change of
+more than 10% is printed as drift, the GPU's clocks having moved while the case ran). A row
+reports the median GPU ms over --reps steps (the profile's timestamps), TFLOP/s and the
+relative L2 error against float64.
 """
 
 from __future__ import annotations
@@ -247,13 +250,13 @@ def conv_case(a_shape, w_shape, stride, padding, rng):
 
 def parse_tiling(name: str) -> gemm.Tiling | gemm.CoopTiling:
     """A tiling from its name (as str() writes it), so a lab can time tilings no list holds."""
-    staged = re.fullmatch(r"s(\d+)x(\d+)k(\d+)r(\d+)x(\d+)", name)
+    staged = re.fullmatch(r"s(\d+)x(\d+)k(\d+)r(\d+)x(\d+)(h?)", name)
     coop = re.fullmatch(r"c(\d+)x(\d+)k(\d+)f(\d+)x(\d+)", name)
     tiling: gemm.Tiling | gemm.CoopTiling | None = None
     if staged:
-        bm, bn, bk, tm, tn = map(int, staged.groups())
+        bm, bn, bk, tm, tn = map(int, staged.groups()[:5])
         if not (bm % tm or bn % tn or tm % 4 or tn % 4):
-            tiling = gemm.Tiling(bm, bn, tm, tn, bk, True)
+            tiling = gemm.Tiling(bm, bn, tm, tn, bk, True, f16=staged.group(6) == "h")
     elif coop:
         bm, bn, bk, fm, fn = map(int, coop.groups())
         tiling = gemm.CoopTiling(bm // (16 * fm), bn // (16 * fn), fm, fn, bk)
@@ -306,9 +309,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tilings", default="all",
                         help="'all' (gemm's lists), 'auto' or names like s64x64k16r4x4, "
-                             "c128x256k32f4x4, listed or not (codegen's own choice always runs "
-                             "first: 'auto', and 'auto-f16' for precision='f16' where the device "
-                             "has cooperative matrices)")
+                             "s64x64k16r4x4h (f16 staged), c128x256k32f4x4, listed or not "
+                             "(codegen's own choice always runs first: 'auto', 'auto-f16' for "
+                             "precision='f16' where the device has cooperative matrices, "
+                             "'auto-f16-staged' on matmuls where it has shaderFloat16)")
     parser.add_argument("--splits", default="auto",
                         help="'auto' (the split stage's choice) or counts like 1,2,4,8")
     parser.add_argument("--cases", default="", help="only cases whose label has one of these")
@@ -346,16 +350,23 @@ def main() -> int:
             g, loss, conv_expected, flop = conv_case(sa, sb, p, q, rng)
         # codegen's own choice runs first and again last: the two timings of one kernel say
         # how far the GPU's clocks drifted while the case ran
+        # "f16-staged": precision "f16" on this device's capabilities less its cooperative
+        # matrices (matmuls only: convolutions stay f32 there)
+        staged_f16 = device.caps.shader_f16 and kind == "matmul"
         variants = [(None, "f32"), *([(None, "f16")] if coop else []),
-                    *[(t, "f16" if isinstance(t, gemm.CoopTiling) else "f32") for t in tilings],
+                    *([(None, "f16-staged")] if staged_f16 else []),
+                    *[(t, "f16" if isinstance(t, gemm.CoopTiling) else
+                       "f16-staged" if t.f16 else "f32") for t in tilings],
                     *([(None, "f32")] if tilings else [])]
         runs = [(v, c) for v in variants for c in split_counts]
         for i, ((tiling, precision), splits) in enumerate(runs):
             caps = dataclasses.replace(staged_caps if tiling is not None else device.caps,
-                                       precision=precision)
-            limit = 5e-3 if precision == "f16" else 1e-5
+                                       precision=precision.removesuffix("-staged"))
+            if precision == "f16-staged":
+                caps = dataclasses.replace(caps, cooperative_matrix=False)
+            limit = 5e-3 if precision != "f32" else 1e-5
             name = str(tiling) if tiling is not None else (
-                "auto-f16" if precision == "f16" else
+                f"auto-{precision}" if precision != "f32" else
                 "auto-again" if i >= len(runs) - len(split_counts) and tilings else "auto")
             try:
                 session, times, _ = run(device, g, loss, tiling, opts.reps, caps, splits)
