@@ -1,10 +1,14 @@
-"""Per-step host overhead of each backend on the same small MLP, measured side by side.
+"""Per-step host overhead of each backend on the same MLP, measured side by side.
 
-    PYTHONPATH=. python tools/backend_overhead.py [--steps 200] [--backends vulkan,wgpu]
+    PYTHONPATH=. python tools/backend_overhead.py [--steps 200] [--layers 2]
+        [--backends vulkan,wgpu]
 
 For each backend: `submit` is the time step() takes to return (Vulkan: one vkQueueSubmit of
 the recorded command buffer; wgpu: re-encoding the recorded command list, then one submit),
-and `step` is step() + wait(), the whole round trip. Medians in milliseconds.
+`host us / dispatch` is the processor time the calling thread spent in step() over the step's
+dispatches (unlike the wall clock, hardly changed by other processes on a shared machine), and
+`step` is step() + wait(), the whole round trip. Medians. More `--layers` make more dispatches,
+so the per-dispatch cost shows above the fixed cost of a step.
 """
 
 from __future__ import annotations
@@ -17,53 +21,68 @@ import numpy as np
 
 import vkml
 
+WIDTH = 64
 
-def mlp(device: vkml.Device) -> vkml.Session:
+
+def mlp(device: vkml.Device, layers: int) -> vkml.Session:
+    """`layers` Linear layers (ReLU between them) under cross-entropy and Adam."""
     g = vkml.Graph(seed=0)
-    x = g.input("x", (32, 64))
+    x = g.input("x", (32, WIDTH))
     labels = g.input("labels", (32,), "i32")
-    h = vkml.nn.Linear(g, "fc1", 64, 64)(x).relu()
-    logits = vkml.nn.Linear(g, "fc2", 64, 10)(h)
+    h = x
+    for i in range(layers - 1):
+        h = vkml.nn.Linear(g, f"fc{i + 1}", WIDTH, WIDTH)(h).relu()
+    logits = vkml.nn.Linear(g, f"fc{layers}", WIDTH, 10)(h)
     session = vkml.compile(g, loss=g.cross_entropy(logits, labels),
                            optimizer=vkml.Adam(lr=1e-3), device=device)
     rng = np.random.default_rng(0)
-    session.set_input("x", rng.standard_normal((32, 64)).astype(np.float32))
+    session.set_input("x", rng.standard_normal((32, WIDTH)).astype(np.float32))
     session.set_input("labels", rng.integers(0, 10, 32).astype(np.int32))
     return session
 
 
-def measure(session: vkml.Session, steps: int, submit: list[float], step: list[float]) -> None:
+Times = tuple[list[float], list[float], list[float]]  # submit, host processor time, step
+
+
+def measure(session: vkml.Session, steps: int, times: Times) -> None:
+    submit, host, step = times
     for _ in range(steps):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         session.step()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         session.wait()
         t2 = time.perf_counter()
         submit.append(t1 - t0)
+        host.append(c1 - c0)
         step.append(t2 - t0)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--layers", type=int, default=2, help="Linear layers of the MLP")
     parser.add_argument("--backends", default="vulkan,wgpu")
     args = parser.parse_args()
+    if args.layers < 1:
+        parser.error(f"--layers {args.layers}: the MLP needs at least one layer")
     sessions = {}
     for name in args.backends.split(","):
         device = vkml.Device(backend=name)
-        sessions[name] = (device, mlp(device))
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in sessions}
+        sessions[name] = (device, mlp(device, args.layers))
+    times: dict[str, Times] = {name: ([], [], []) for name in sessions}
     for _, session in sessions.values():  # warm-up: first submissions compile lazily
-        measure(session, 5, [], [])
+        measure(session, 5, ([], [], []))
     # Alternating rounds, so a change in the machine's load falls on every backend alike.
     for _ in range(10):
         for name, (_, session) in sessions.items():
-            measure(session, max(args.steps // 10, 1), *times[name])
-    print(f"{'backend':8} {'dispatches':>10} {'submit ms':>10} {'step ms':>10}   device")
+            measure(session, max(args.steps // 10, 1), times[name])
+    print(f"{'backend':8} {'dispatches':>10} {'submit ms':>10} {'host us/dispatch':>17} "
+          f"{'step ms':>10}   device")
     for name, (device, session) in sessions.items():
-        submit, step = (statistics.median(t) * 1e3 for t in times[name])
+        submit, host, step = (statistics.median(t) * 1e3 for t in times[name])
         n = len(session.plan.dispatches)
-        print(f"{name:8} {n:10d} {submit:10.3f} {step:10.3f}   {device!r}")
+        print(f"{name:8} {n:10d} {submit:10.3f} {host / n * 1e3:17.2f} {step:10.3f}   "
+              f"{device!r}")
     for device, session in sessions.values():
         session.close()
         device.close()
