@@ -112,6 +112,31 @@ def test_one_buffer_bound_read_only_and_writable_in_one_dispatch(backend):
     backend.free_buffer(arena)
 
 
+def test_a_command_buffer_encoded_ahead_reads_what_was_written_after_it(backend):
+    # From its second submission on, a program's next command buffer is encoded right after
+    # each submission: the data written before the next submit must still be what it reads.
+    pipe = backend.create_pipeline(axpb_kernel(backend.caps))
+    stride = -(-NBYTES // 256) * 256
+    arena = backend.create_buffer(3 * stride, "device", "arena")
+    bindings = (Binding(arena, 0, NBYTES, False), Binding(arena, stride, NBYTES, False),
+                Binding(arena, 2 * stride, NBYTES, True))
+    program = backend.record([Dispatch(pipe, bindings, (-(-N // 64), 1, 1))], "axpb")
+    rng = np.random.default_rng(7)
+    for submission in range(4):
+        x, b = (rng.standard_normal(N).astype(np.float32) for _ in range(2))
+        backend.write_buffer(arena, 0, x.tobytes())
+        backend.write_buffer(arena, stride, b.tobytes())
+        backend.submit(program)
+        assert (program.ahead is not None) == (submission >= 1)
+        got = np.frombuffer(backend.read_buffer(arena, 2 * stride, NBYTES), np.float32)
+        np.testing.assert_array_equal(got, 2 * x + b)  # one rounding: 2x is exact in f32
+    backend.free_program(program)
+    assert program.ahead is None
+    with pytest.raises(DeviceError, match="was freed"):
+        backend.submit(program)
+    backend.free_buffer(arena)
+
+
 def test_timestamps_time_each_dispatch(backend):
     if backend.timestamps is None:
         pytest.skip("this adapter has no timestamp queries")

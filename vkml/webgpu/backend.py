@@ -6,8 +6,15 @@ never needs it.
 
 What WebGPU does not allow, and what this module does about it:
 - A command buffer runs once. `record` therefore builds everything that can be reused (bind
-  groups, the flat command list), and `submit` only re-encodes that list: one compute pass per
-  run of dispatches, three calls per dispatch, then one queue submission.
+  groups, the flat command list), and encoding only replays that list: one compute pass per
+  run of dispatches, three calls per dispatch, made straight into wgpu-native's C functions
+  (wgpu-py's wrapper of each call, which checks for an error, costs more than the call; a
+  compute pass reports its commands' errors when it ends, which still goes through wgpu-py).
+  A program submitted a second time is one that repeats (a step), so from then on each
+  submission queues a command buffer encoded ahead and then encodes the next one while the
+  device runs this one: the host's per-dispatch work overlaps the device's instead of delaying
+  it. Encoding ahead is safe because what a command buffer reads is decided when it runs:
+  queue writes made after it was encoded land before it.
 - There are no explicit barriers: WebGPU makes each dispatch's writes visible to the next one
   by itself, so `Barrier` commands are dropped.
 - One buffer may not be copied to itself; such a copy goes through a scratch buffer.
@@ -90,17 +97,23 @@ class Pipeline:
 
 
 class Program:
-    """A recorded command list: `segments` alternate compute passes (lists of (pipeline handle,
-    bind group or None, x, y, z)) and the encoder's transfers ((method name, its arguments):
-    copies and fills); the bind groups and any scratch buffer live as long as the program."""
+    """A recorded command list: `segments` alternate compute passes (lists of (pipeline, bind
+    group or None, x, y, z), as wgpu-native's C handles) and the encoder's transfers ((method
+    name, its arguments): copies and fills); `objects` holds the wgpu-py objects owning those
+    handles (the pipelines, the bind groups), which live as long as the program, as does any
+    scratch buffer. `ahead` is its next command buffer, encoded ahead once it has been
+    submitted twice."""
 
-    __slots__ = ("label", "num_dispatches", "scratch", "segments", "queries", "resolved",
-                 "timings")
+    __slots__ = ("ahead", "label", "num_dispatches", "objects", "scratch", "segments",
+                 "submissions", "queries", "resolved", "timings")
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.segments: list[list[tuple[Any, ...]] | tuple[Any, ...]] | None = []
         self.num_dispatches = 0
+        self.objects: list[Any] = []
+        self.submissions = 0
+        self.ahead: Any = None
         self.scratch: Any = None
         # With timestamps: query sets (a begin and an end per dispatch), the buffer they resolve
         # into and the readable copy of it.
@@ -189,6 +202,9 @@ class WgpuBackend(BackendBase):
             raise DeviceError(f"wgpu could not open {_describe(adapter)[0]!r}: {exc}") from exc
         self._queue = self._device.queue
         logging.getLogger("wgpu").addHandler(self._log)
+        # wgpu-native's C functions and NULL, for the encoding loop (see the module's docstring)
+        ffi = wgpu.backends.wgpu_native._ffi
+        self._lib, self._null = ffi.lib, ffi.ffi.NULL
 
         info, lim = adapter.info, self._device.limits
         native = wgpu.backends.wgpu_native
@@ -366,13 +382,16 @@ class WgpuBackend(BackendBase):
                     segments.append([])
                 group = None
                 if cmd.bindings:
-                    group = self._device.create_bind_group(
+                    bind_group = self._device.create_bind_group(
                         label=f"{label}:{cmd.pipeline.name}", layout=cmd.pipeline.layout,
                         entries=[{"binding": i, "resource": {"buffer": b.buffer.handle,
                                                              "offset": b.offset,
                                                              "size": b.nbytes}}
                                  for i, b in enumerate(cmd.bindings)])
-                segments[-1].append((cmd.pipeline.handle, group, *cmd.groups))
+                    prog.objects.append(bind_group)
+                    group = bind_group._internal
+                prog.objects.append(cmd.pipeline.handle)
+                segments[-1].append((cmd.pipeline.handle._internal, group, *cmd.groups))
                 prog.num_dispatches += 1
             elif isinstance(cmd, Copy):
                 src, dst = cmd.src.handle, cmd.dst.handle
@@ -391,20 +410,30 @@ class WgpuBackend(BackendBase):
         return prog
 
     def submit(self, program: Program) -> None:
-        """Encode `program` afresh (wgpu command buffers run once) and queue it; returns at once.
-        Later submissions run after it, in queue order."""
-        buffer = self._encode(program)
-        with deferred_interrupts():  # a Ctrl-C in between would have wait() skip the work
-            self._queue.submit([buffer])
-            self._pending = True
+        """Queue `program` (wgpu command buffers run once: its command buffer encoded ahead, or
+        encoded now); returns once the next one is encoded. Later submissions run after it, in
+        queue order."""
+        self.submit_batch([program])
 
     def submit_batch(self, programs: Sequence[Program]) -> None:
-        """Encode each program and queue them in one queue.submit, in order."""
-        buffers = [self._encode(p) for p in programs]
-        if buffers:
-            with deferred_interrupts():
-                self._queue.submit(buffers)
-                self._pending = True
+        """Queue the programs in one queue.submit, in order, then encode ahead the next command
+        buffer of each that repeats (see the module's docstring)."""
+        buffers = [self._take(p) for p in programs]
+        if not buffers:
+            return
+        with deferred_interrupts():  # a Ctrl-C in between would have wait() skip the work
+            self._queue.submit(buffers)
+            self._pending = True
+        for p in programs:
+            p.submissions += 1
+            if p.submissions >= 2 and p.ahead is None:
+                p.ahead = self._encode(p)
+
+    def _take(self, program: Program) -> Any:
+        """The program's command buffer encoded ahead (which runs once: it is dropped here), or
+        one encoded now."""
+        buffer, program.ahead = program.ahead, None
+        return buffer if buffer is not None else self._encode(program)
 
     def _encode(self, program: Program) -> Any:
         segments = program.segments
@@ -412,6 +441,7 @@ class WgpuBackend(BackendBase):
             raise DeviceError(f"{program!r} was freed or belongs to a closed backend")
         encoder = self._device.create_command_encoder(label=program.label)
         timed = program.queries is not None
+        lib, null = self._lib, self._null
         query = 0
         for seg in segments:
             if isinstance(seg, list):
@@ -423,14 +453,14 @@ class WgpuBackend(BackendBase):
                               if timed else None)
                     query += 2
                     compute = encoder.begin_compute_pass(timestamp_writes=writes)
-                    current = None
+                    handle, current = compute._internal, None
                     for pipeline, group, x, y, z in run:
                         if pipeline is not current:
-                            compute.set_pipeline(pipeline)
+                            lib.wgpuComputePassEncoderSetPipeline(handle, pipeline)
                             current = pipeline
                         if group is not None:
-                            compute.set_bind_group(0, group)
-                        compute.dispatch_workgroups(x, y, z)
+                            lib.wgpuComputePassEncoderSetBindGroup(handle, 0, group, 0, null)
+                        lib.wgpuComputePassEncoderDispatchWorkgroups(handle, x, y, z)
                     compute.end()
             else:
                 method, args = seg
@@ -470,7 +500,8 @@ class WgpuBackend(BackendBase):
         return [(end - begin) * 1e-6 for begin, end in zip(stamps[::2], stamps[1::2])]
 
     def free_program(self, program: Program) -> None:
-        """Drop a program's bind groups and scratch; work already submitted is unaffected."""
+        """Drop a program's bind groups, scratch and command buffer encoded ahead; work already
+        submitted is unaffected."""
         if program.scratch is not None:
             self.wait()
             program.scratch.destroy()
@@ -479,7 +510,8 @@ class WgpuBackend(BackendBase):
             if resource is not None:
                 resource.destroy()
         program.queries = program.resolved = program.timings = None
-        program.segments = None
+        program.segments = program.ahead = None
+        program.objects.clear()
         self._programs.discard(program)
 
     def live_objects(self) -> dict[str, int]:
