@@ -17,13 +17,20 @@ from conftest import subprocess_env
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_bench_tiny_smollm2(tmp_path):
-    cmd = [sys.executable, str(REPO / "tools" / "bench.py"), "--tiny", "--only", "smollm2",
-           "--reps", "2", "--warmup", "1", "--matmul", "--matmul-sizes", "32",
+def run_bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """tools/bench.py --tiny with `args`, writing into tmp_path, as a user runs it."""
+    cmd = [sys.executable, str(REPO / "tools" / "bench.py"), "--tiny", *args,
            "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_bench_tiny_smollm2(tmp_path):
+    proc = run_bench(tmp_path, "--only", "smollm2", "--reps", "2", "--warmup", "1", "--matmul",
+                     "--matmul-sizes", "32", "--torch-engines", "eager,graphs",
+                     "--torch-autocast", "none")
     (json_path,) = tmp_path.glob("bench-*-tiny-vulkan.json")
     assert json_path.with_suffix(".md").read_text().count("| smollm2 |") == 4
     assert json_path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -56,6 +63,41 @@ def test_bench_tiny_smollm2(tmp_path):
     assert matmul["torch (CPU)", "tf32"]["reason"]
     assert {r["workload"] for r in data["ratios"]} == {"smollm2"}
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| 32 |")  # summary printed last
+
+
+def test_bench_compile_and_library_twins(tmp_path):
+    # torch.compile's rows and the Hugging Face / torchvision twins (tools/bench_hf.py) beside
+    # the plain references, with the same weights: their gates against float64 pass. aot_eager
+    # compiles in seconds on a CPU (inductor takes minutes); the CUDA-graph capture and
+    # autocast rows need CUDA and say so here.
+    run_bench(tmp_path, "--only", "whisper_encoder", "--phases", "train", "--reps", "1",
+              "--warmup", "0", "--compile", "none", "--torch-compile-backend", "aot_eager")
+    (json_path,) = tmp_path.glob("bench-*-tiny-vulkan.json")
+    data = json.loads(json_path.read_text())
+    rows = {(r["mode"], r["engine"]): r for r in data["rows"]}
+    engines = ["torch-eager", "torch-graphs", "torch-compile", "hf-eager", "hf-graphs",
+               "hf-compile"]
+    assert {e for m, e in rows if m == "strict"} == {"vkml", *engines}
+    assert {e for m, e in rows if m == "accelerated"} == {
+        "vkml", *engines, *(f"{e}+bf16" for e in engines)}
+    for engine in ("torch-compile", "hf-eager", "hf-compile"):
+        row = rows["strict", engine]
+        assert row["status"] == "ok", row
+        assert row["gates"]["pass"] and "grad_total_norm_error" in row["gates"], row
+    for engine in ("torch-compile", "hf-compile"):
+        row = rows["strict", engine]
+        assert row["compile_s"] > 0 and row["compile_backend"] == "aot_eager"
+        assert row["cuda_graph"] is False  # no CUDA here: compiled, not captured
+    assert rows["strict", "hf-graphs"]["status"] == "skipped"
+    for (mode, engine), row in rows.items():
+        if mode == "accelerated" and engine != "vkml":
+            assert row["status"] == "not available" and "CUDA" in row["reason"], row
+    ratios = {r["mode"]: r for r in data["ratios"]}["strict"]
+    vk = rows["strict", "vkml"]["median_ms"]
+    assert ratios["vkml/hf-compile"] == vk / rows["strict", "hf-compile"]["median_ms"]
+    text = json_path.with_suffix(".md").read_text()
+    assert "## Every PyTorch row" in text and "| whisper_encoder | train | strict | hf-compile |" \
+        in text
 
 
 def test_bench_compare_puts_runs_side_by_side(tmp_path, capsys):
@@ -119,11 +161,7 @@ def test_session_order_times_each_session_here_and_alone(tmp_path):
     # tools/bench.py --session-order: f32 train, f16 train, f16 infer, f32 infer one after
     # another on one device, each beside the same session alone in a fresh process. lavapipe
     # has no cooperative matrices: its f16 sessions say so, and the f32 ones still run.
-    cmd = [sys.executable, str(REPO / "tools" / "bench.py"), "--tiny", "--only", "smollm2",
-           "--session-order", "--reps", "1", "--warmup", "0", "--out-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_bench(tmp_path, "--only", "smollm2", "--session-order", "--reps", "1", "--warmup", "0")
     (json_path,) = tmp_path.glob("bench-*-tiny-vulkan-sessions.json")
     data = json.loads(json_path.read_text())
     assert not data["rows"]

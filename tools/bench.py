@@ -16,10 +16,21 @@ Engines, per (workload, phase, mode):
 - torch-graphs: the same step captured whole in one CUDA graph (Adam capturable=True, warm-up on a
   side stream, zero_grad(set_to_none=True), then forward + backward + opt.step() captured;
   inference captured under no_grad). Skipped, with the reason, where PyTorch has no CUDA device.
-Strict: TF32 off for cuBLAS and cuDNN. Accelerated: TF32 on (plus autocast of the forward with
-`--torch-autocast bf16|f16`; no loss scaling, so f16 training is a timing, not a recipe).
-Without CUDA (`--tiny` here: lavapipe), PyTorch runs eager on the CPU with one thread, and its
-graph and accelerated rows are recorded as skipped / not available, with the reason.
+- torch-compile: the module compiled by torch.compile (`--torch-compile-backend`, Inductor by
+  default, default mode), then the whole step captured in one CUDA graph as above; compile_s is
+  its first call. Without CUDA it runs compiled, uncaptured (cuda_graph false).
+- hf-eager, hf-graphs, hf-compile: the same three with what a PyTorch user runs instead of the
+  plain reference, for the three workloads that have one (tools/bench_hf.py): Hugging Face
+  LlamaForCausalLM with SDPA (SmolLM2), torchvision's ResNet (ResNet-50), Hugging Face
+  WhisperForAudioClassification with SDPA (Whisper), loaded from the same weights file.
+`--torch-engines` picks among these. Strict: TF32 off for cuBLAS and cuDNN. Accelerated: TF32 on,
+and each engine again with autocast of the forward for every type of `--torch-autocast` (default
+none,bf16: rows "torch-eager+bf16" ...; f32 master weights, cache_enabled=False; no loss scaling,
+so f16 training is a timing, not a recipe). Without CUDA (`--tiny` here: lavapipe), PyTorch runs
+on the CPU with one thread, and its graph and accelerated rows are recorded as skipped / not
+available, with the reason. Every PyTorch row carries PROTOCOL.md's gates against the plain
+reference in float64 (the markdown's "Every PyTorch row" table, where there are engines beyond
+eager and graphs).
 
 Same weights and inputs on both sides: each workload's seeded parameters go into one safetensors
 file, written once and loaded by name by every vkml session and every PyTorch module. The
@@ -107,6 +118,11 @@ sys.path.insert(1, str(REPO / "tests"))  # torch_reference.py, the plain-PyTorch
 LR = 1e-4
 PHASES = ("train", "infer")
 MODES = ("strict", "accelerated")
+# PyTorch's engines (--torch-engines): the plain references of tests/torch_reference.py eager,
+# in one CUDA graph, and torch.compile'd in one CUDA graph; "hf-": the same three for the Hugging
+# Face / torchvision twin (tools/bench_hf.py) where the workload has one.
+TORCH_ENGINES = ("eager", "graphs", "compile", "hf-eager", "hf-graphs", "hf-compile")
+AUTOCASTS = ("none", "bf16", "f16")
 # PROTOCOL.md's gates
 FORWARD_TOL, GRAD_TOL, COSINE_MIN = 1e-2, 5e-2, 0.99
 MiB = 2**20
@@ -469,13 +485,14 @@ class TorchSide:
     """PyTorch on the bench's device: precision modes, modules from the shared weights, timing
     of eager steps and of CUDA-graph replays, peak memory."""
 
-    def __init__(self, device: str, autocast: str) -> None:
+    def __init__(self, device: str, compile_backend: str = "inductor") -> None:
         import torch
 
         self.torch = torch
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.autocast = autocast  # "none", "bf16" or "f16": accelerated mode's autocast
+        self.autocast = "none"  # "none", "bf16" or "f16": accelerated mode's autocast, per row
+        self.compile_backend = compile_backend  # torch.compile's backend for the compile rows
         if not self.cuda:
             # One thread: PyTorch's OpenMP workers otherwise spin against a CPU Vulkan driver's
             # threads on the same cores (seen on a 2-core machine with lavapipe and wgpu: a tiny
@@ -520,21 +537,34 @@ class TorchSide:
         return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
 
     # modules and data --------------------------------------------------------------------------
-    def template(self, workload: Workload, cfg: Any, weights: Path, infer: bool) -> Any:
-        """The reference module on the device with the shared weights, loaded by name; every
-        row copies it."""
+    def template(self, workload: Workload, cfg: Any, weights: Path, infer: bool,
+                 library: bool = False) -> Any:
+        """The reference module (or, `library`, its Hugging Face / torchvision twin from
+        tools/bench_hf.py) on the device with the shared weights, loaded by name; every row
+        copies it."""
         from safetensors.torch import load_file
 
-        module = getattr(self.ref, workload.reference)(cfg)
+        if library:
+            import bench_hf
+
+            module = bench_hf.twin(workload.name, cfg)
+            # its parameters come from the file; buffers the file lacks (torchvision's running
+            # statistics beside a training graph, which has none) keep the library's values
+            required = [n for n, _ in module.named_parameters()]
+        else:
+            module = getattr(self.ref, workload.reference)(cfg)
+            required = [k for k in module.state_dict() if not k.endswith("num_batches_tracked")]
         own = module.state_dict()
         loaded = load_file(str(weights))
-        missing = [k for k in own if k not in loaded and not k.endswith("num_batches_tracked")]
+        missing = [k for k in required if k not in loaded]
         if missing:
             raise RuntimeError(f"the weights file lacks {missing[:5]}")
         module.load_state_dict({k: v for k, v in loaded.items() if k in own}, strict=False)
         # .float(): the references are written for float64 tests and compute some buffers in
         # float64 (Whisper's positions), which would otherwise promote the f32 model
         module = module.float().to(self.device)
+        if library:  # as a user runs it: eval() for inference
+            return module.train(not infer)
         return module.eval() if infer and workload.infer_overrides else module
 
     def inputs(self, arrays: dict[str, np.ndarray], float64: bool = False) -> dict[str, Any]:
@@ -626,16 +656,35 @@ class TorchSide:
         return {**stats_fields(wall), "first_step_ms": first,
                 "gpu_ms": {**stats(gpu), "source": "CUDA events"} if cuda else None}
 
+    def compiled(self, module: Any, compile: bool) -> Any:
+        """`module`, compiled in place by torch.compile where `compile` (parameter names kept,
+        where torch.compile(module) would prefix them)."""
+        if compile:
+            # A fresh start per row: Dynamo's caches are per code object, and the rows' copies
+            # of one model (each mode and phase) would otherwise add up to its recompile limit,
+            # past which it runs the model uncompiled without a word
+            self.torch._dynamo.reset()
+            module.compile(backend=self.compile_backend)
+        return module
+
+    def checked(self, module: Any, x: dict[str, Any], phase: str,
+                reference: tuple[dict, dict | None]) -> tuple[dict[str, Any], float]:
+        """PyTorch's own error at this precision against float64, for context; also the first
+        call (a compiled module's compile): its seconds."""
+        t0 = time.perf_counter()
+        fwd, grads = self.results(module, x, grads=phase == "train")
+        first_s = time.perf_counter() - t0
+        return gates(fwd, reference[0], grads.__getitem__ if grads else None,
+                     reference[1]), first_s
+
     def eager(self, template: Any, arrays: dict[str, np.ndarray], phase: str, warmup: int,
-              reps: int, reference: tuple[dict, dict | None]) -> dict[str, Any]:
+              reps: int, reference: tuple[dict, dict | None],
+              compile: bool = False) -> dict[str, Any]:
         torch = self.torch
         base = self.release()
-        module = copy.deepcopy(template)
+        module = self.compiled(copy.deepcopy(template), compile)
         x = self.inputs(arrays)
-        # PyTorch's own error at this precision, for context (also a warm-up)
-        fwd, grads = self.results(module, x, grads=phase == "train")
-        check = gates(fwd, reference[0], grads.__getitem__ if grads else None, reference[1])
-        del grads
+        check, first_s = self.checked(module, x, phase, reference)
         if phase == "train":
             opt = torch.optim.Adam(module.parameters(), lr=LR)
 
@@ -649,18 +698,28 @@ class TorchSide:
                     self.forward(module, x)
         out = self.timed(step, warmup, reps)
         out.update(memory=self.peak(base), gates=check)
+        if compile:
+            out.update(compile_s=first_s, cuda_graph=False,
+                       compile_backend=self.compile_backend)
         return out
 
     def graphs(self, template: Any, arrays: dict[str, np.ndarray], phase: str, warmup: int,
-               reps: int) -> dict[str, Any]:
+               reps: int, reference: tuple[dict, dict | None],
+               compile: bool = False) -> dict[str, Any]:
+        """The whole step captured in one CUDA graph and replayed; `compile`: torch.compile's
+        module in it (its compile, the first call, timed apart as compile_s)."""
         if not self.cuda:
+            if compile:  # torch.compile still runs, without the capture
+                return self.eager(template, arrays, phase, warmup, reps, reference, True)
             raise Skipped(f"CUDA graphs need a CUDA device; PyTorch runs on the "
                           f"{self.device.type} here")
         torch = self.torch
         base = self.release()
-        t0 = time.perf_counter()
-        module = copy.deepcopy(template)
+        module = self.compiled(copy.deepcopy(template), compile)
         x = self.inputs(arrays)  # static inputs: the graph reads these buffers every replay
+        check, first_s = self.checked(module, x, phase, reference)
+        torch.cuda.reset_peak_memory_stats()  # the row's peak: the captured step's
+        t0 = time.perf_counter()  # capture_s: warm-up and capture
         train = phase == "train"
         opt = torch.optim.Adam(module.parameters(), lr=LR, capturable=True) if train else None
 
@@ -690,7 +749,10 @@ class TorchSide:
         capture_s = time.perf_counter() - t0
         out = self.timed(graph.replay, warmup, reps)
         finite = bool(torch.isfinite(loss).item())
-        out.update(memory=self.peak(base), capture_s=capture_s, loss_finite=finite)
+        out.update(memory=self.peak(base), capture_s=capture_s, loss_finite=finite,
+                   gates=check)
+        if compile:
+            out.update(compile_s=first_s, cuda_graph=True, compile_backend=self.compile_backend)
         return out
 
     def matmul(self, a: np.ndarray, b: np.ndarray, precision: str, warmup: int,
@@ -806,12 +868,54 @@ class Report:
         for wl, phase, mode in self.groups():
             v = self.find(wl, phase, mode, self.meta["vkml_engine"])
             entry: dict[str, Any] = {"workload": wl, "phase": phase, "mode": mode}
-            for engine in ("torch-eager", "torch-graphs"):
+            for engine in self.torch_engines():
                 t = self.find(wl, phase, mode, engine)
                 ok = v and t and v.get("median_ms") and t.get("median_ms")
-                entry[f"vkml/{engine[6:]}"] = v["median_ms"] / t["median_ms"] if ok else None
+                key = f"vkml/{engine.removeprefix('torch-')}"
+                entry[key] = v["median_ms"] / t["median_ms"] if ok else None
             out.append(entry)
         return out
+
+    def torch_engines(self) -> list[str]:
+        """PyTorch's engines in the rows, in order: eager and graphs always (the main table's
+        columns), then any other (torch.compile, the library twins, autocast variants)."""
+        vk = self.meta["vkml_engine"]
+        engines = ["torch-eager", "torch-graphs"]
+        for r in self.rows:
+            if r["engine"] not in engines and r["engine"] != vk:
+                engines.append(r["engine"])
+        return engines
+
+    def engines_table(self) -> list[str]:
+        """Every PyTorch row, where the run has engines beyond eager and graphs: time, vkml's
+        time over it, its gates against float64 and its compile time."""
+        if self.torch_engines() == ["torch-eager", "torch-graphs"]:
+            return []
+        vk = self.meta["vkml_engine"]
+        lines = ["| workload | phase | mode | engine | precision | ms | vkml / this | "
+                 "GPU ms | gates | compile s | peak MiB |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for wl, phase, mode in self.groups():
+            v = self.find(wl, phase, mode, vk)
+            for engine in self.torch_engines():
+                r = self.find(wl, phase, mode, engine)
+                if r is None:
+                    continue
+                head = f"| {wl} | {phase} | {mode} | {engine} |"
+                if r["status"] != "ok":
+                    lines.append(f"{head} | {r['status']} | | | | | |")
+                    continue
+                ratio = (f"{v['median_ms'] / r['median_ms']:.2f}x"
+                         if v and v.get("median_ms") else "-")
+                gpu = (r.get("gpu_ms") or {}).get("median")
+                comp = r.get("compile_s")
+                peak = (r.get("memory") or {}).get("torch_peak_bytes")
+                lines.append(
+                    f"{head} {r.get('precision', '')} | {r['median_ms']:.3g} ({r['min_ms']:.3g})"
+                    f" | {ratio} | {'-' if gpu is None else f'{gpu:.3g}'} | "
+                    f"{gate_text(r.get('gates'))} | {'-' if comp is None else f'{comp:.1f}'} | "
+                    f"{'-' if not peak else f'{peak / MiB:.3g}'} |")
+        return lines
 
     def table(self) -> list[str]:
         vk = self.meta["vkml_engine"]
@@ -882,6 +986,14 @@ class Report:
                  f"{m['precision']['accelerated']}", ""]
         if self.rows or not self.sessions:
             lines += [*self.table(), ""]
+        engines = self.engines_table()
+        if engines:
+            lines += ["## Every PyTorch row", "", "torch-: the plain references "
+                      "(tests/torch_reference.py); hf-: Hugging Face transformers (SmolLM2, "
+                      "Whisper) and torchvision (ResNet-50) with the same weights "
+                      "(tools/bench_hf.py); graphs: the whole step in one CUDA graph; compile: "
+                      f"{self.meta.get('torch_compile', 'torch.compile')}. Gates: against the "
+                      "plain reference in float64.", "", *engines, ""]
         if self.sessions:
             lines += ["## Sessions one after another in one process", "",
                       f"Compiled and timed in this order on one device, each beside the same "
@@ -913,7 +1025,7 @@ class Report:
         except ImportError as e:
             self.meta["chart"] = f"not written: {e}"
             return None
-        engines = (self.meta["vkml_engine"], "torch-eager", "torch-graphs")
+        engines = (self.meta["vkml_engine"], *self.torch_engines())
         modes = [m for m in MODES if any(r["mode"] == m and r["status"] == "ok"
                                          for r in self.rows)]
         panels = len(modes) + bool(self.matmul)
@@ -923,10 +1035,12 @@ class Report:
         for ax, mode in zip(axes[:, 0], modes):
             keys = [(wl, ph) for wl, ph, md in self.groups() if md == mode]
             x = np.arange(len(keys))
+            width = 0.8 / len(engines)
             for i, engine in enumerate(engines):
                 rows = [self.find(wl, ph, mode, engine) for wl, ph in keys]
                 heights = [r["median_ms"] if r and r.get("median_ms") else np.nan for r in rows]
-                bars = ax.bar(x + (i - 1) * 0.27, heights, 0.27, label=engine)
+                bars = ax.bar(x + (i - (len(engines) - 1) / 2) * width, heights, width,
+                              label=engine)
                 ax.bar_label(bars, fmt="%.3g", fontsize=7)
             ax.set_xticks(x, ["\n".join([*wl.split("_"), ph]) for wl, ph in keys], fontsize=8)
             ax.set_yscale("log")
@@ -972,7 +1086,7 @@ class Bench:
             import torch
 
             torch_device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.torch = TorchSide(torch_device, opts.torch_autocast)
+        self.torch = TorchSide(torch_device, opts.torch_compile_backend)
         torch = self.torch.torch
         caps = self.device.caps
         smi = nvidia_smi()
@@ -986,6 +1100,10 @@ class Bench:
                                   f"PyTorch {self.torch.set_mode(mode)}"
             except NotAvailable as e:
                 precision[mode] = f"vkml {opts.vkml_accel}; PyTorch: {e}"
+        casts = [c for c in opts.torch_autocast if c != "none"]
+        if casts:
+            precision["accelerated"] += "; " + ", ".join(
+                f"rows '+{c}': the same with autocast to {c} (f32 weights)" for c in casts)
         self.torch.set_mode("strict")
         meta = {
             "date": now.isoformat(timespec="seconds"), "host": platform.node(),
@@ -1000,7 +1118,10 @@ class Bench:
             "vkml_wait_timeout_s": os.environ.get("VKML_WAIT_TIMEOUT"),
             "numpy": np.__version__, "config": "tiny" if opts.tiny else "full",
             "reps": opts.reps, "warmup": opts.warmup, "optimizer": f"Adam(lr={LR})",
-            "precision": precision,
+            "precision": precision, "torch_engines": opts.torch_engines,
+            "torch_compile": f"torch.compile(backend={opts.torch_compile_backend!r}), default "
+                             "mode; on CUDA the whole step then captured in one CUDA graph; "
+                             "compile_s: its first call (one step)",
             "gates": {"forward_rel_l2_max": FORWARD_TOL, "grad_norm_error_max": GRAD_TOL,
                       "cosine_min": COSINE_MIN, "reference": f"PyTorch float64 on "
                       f"{self.torch.device}, same weights and inputs"},
@@ -1062,7 +1183,8 @@ class Bench:
         """Rows of `wl` (in `mode`, or all modes) not recorded yet, with a status and reason."""
         for md in [mode] if mode else self.opts.modes:
             for ph in self.opts.phases:
-                for engine in (self.engine, "torch-eager", "torch-graphs"):
+                engines = [self.engine, *(e for e, _, _ in self.torch_engines(wl, md))]
+                for engine in engines:
                     if self.report.find(wl.name, ph, md, engine) is None:
                         self.report.add(self.row(wl.name, ph, md, engine, status=status,
                                                  reason=reason))
@@ -1079,6 +1201,15 @@ class Bench:
         weights = self.write_weights(wl, built)
         t = self.torch
         templates = {ph: t.template(wl, cfgs[ph], weights, ph == "infer") for ph in opts.phases}
+        library: dict[str, Any] = {}  # the Hugging Face / torchvision twin, or why none
+        if any(kind.startswith("hf-") for md in opts.modes
+               for _, kind, _ in self.torch_engines(wl, md)):
+            for ph in opts.phases:
+                try:
+                    library[ph] = t.template(wl, cfgs[ph], weights, ph == "infer", library=True)
+                except Exception as e:  # noqa: BLE001 - its rows say why; the others run
+                    traceback.print_exc()
+                    library[ph] = NotAvailable(f"the library twin: {error_text(e)}")
         refs = {}
         for ph in opts.phases:
             if ph == "infer" and "train" in refs and not wl.infer_overrides:
@@ -1091,7 +1222,8 @@ class Bench:
                 self.fill(wl, "skipped", skip, mode)
                 continue
             for ph in opts.phases:
-                self.phase(wl, ph, mode, built[ph], arrays, weights, templates[ph], refs[ph])
+                self.phase(wl, ph, mode, built[ph], arrays, weights, templates[ph],
+                           library.get(ph), refs[ph])
 
     def write_weights(self, wl: Workload, built: dict[str, Any]) -> Path:
         """One safetensors file per workload: the seeded initial parameters of its graphs;
@@ -1114,8 +1246,20 @@ class Bench:
         save_file(weights, str(path))
         return path
 
+    def torch_engines(self, wl: Workload, mode: str) -> list[tuple[str, str, str]]:
+        """(row engine, --torch-engines kind, autocast) of PyTorch's rows of `wl` in `mode`:
+        strict runs without autocast; accelerated once per --torch-autocast (TF32 on in each),
+        the engine named with "+bf16" / "+f16" where autocast is on."""
+        import bench_hf
+
+        autocasts = ["none"] if mode == "strict" else self.opts.torch_autocast
+        return [(("" if kind.startswith("hf-") else "torch-") + kind
+                 + ("" if cast == "none" else f"+{cast}"), kind, cast)
+                for cast in autocasts for kind in self.opts.torch_engines
+                if not kind.startswith("hf-") or wl.name in bench_hf.WORKLOADS]
+
     def phase(self, wl: Workload, phase: str, mode: str, built: Any,
-              arrays: dict[str, np.ndarray], weights: Path, template: Any,
+              arrays: dict[str, np.ndarray], weights: Path, template: Any, library: Any,
               ref: tuple[dict, dict | None]) -> None:
         t = self.torch
         vk = self.guarded(self.row(wl.name, phase, mode, self.engine,
@@ -1125,19 +1269,28 @@ class Bench:
             self.compile_jobs.append({"workload": wl.name, "phase": phase, "mode": mode,
                                       "tiny": self.opts.tiny, "backend": self.opts.backend,
                                       "accel": self.opts.vkml_accel})
-        try:
-            label = t.set_mode(mode)
-        except NotAvailable as e:
-            for engine in ("torch-eager", "torch-graphs"):
+        warmup, reps = self.opts.warmup, self.opts.reps
+
+        def run(kind: str) -> dict[str, Any]:
+            module = library if kind.startswith("hf-") else template
+            if isinstance(module, NotAvailable):
+                raise module
+            how = kind.removeprefix("hf-")
+            if how == "eager":
+                return t.eager(module, arrays, phase, warmup, reps, ref)
+            return t.graphs(module, arrays, phase, warmup, reps, ref, compile=how == "compile")
+
+        for engine, kind, cast in self.torch_engines(wl, mode):
+            t.autocast = cast
+            try:
+                label = t.set_mode(mode)
+            except NotAvailable as e:
                 self.report.add(self.row(wl.name, phase, mode, engine, status="not available",
                                          reason=str(e)))
-            return
-        warmup, reps = self.opts.warmup, self.opts.reps
-        runs: dict[str, Callable[[], dict[str, Any]]] = {
-            "torch-eager": lambda: t.eager(template, arrays, phase, warmup, reps, ref),
-            "torch-graphs": lambda: t.graphs(template, arrays, phase, warmup, reps)}
-        for engine, run in runs.items():
-            self.guarded(self.row(wl.name, phase, mode, engine, precision=label), run)
+                continue
+            self.guarded(self.row(wl.name, phase, mode, engine, precision=label),
+                         functools.partial(run, kind))
+        t.autocast = "none"
         t.set_mode("strict")
 
     def vkml_row(self, built: Any, phase: str, mode: str, arrays: dict[str, np.ndarray],
@@ -1394,8 +1547,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("vulkan", "wgpu"), default="vulkan",
                    help="vkml's backend for the vkml rows")
     p.add_argument("--vkml-accel", default="f16", help="vkml precision= in accelerated mode")
-    p.add_argument("--torch-autocast", choices=("none", "bf16", "f16"), default="none",
-                   help="accelerated PyTorch: TF32, plus autocast to this type")
+    p.add_argument("--torch-autocast", type=names(AUTOCASTS), default=["none", "bf16"],
+                   help="accelerated PyTorch's rows: TF32, then each again with autocast to "
+                   "these types (engines named '+bf16'); default none,bf16")
+    p.add_argument("--torch-engines", type=names(TORCH_ENGINES), default=list(TORCH_ENGINES),
+                   help=f"PyTorch's engines, comma-separated (default all: "
+                   f"{','.join(TORCH_ENGINES)})")
+    p.add_argument("--torch-compile-backend", default="inductor",
+                   help="torch.compile's backend for the compile rows (aot_eager compiles in "
+                   "seconds on a CPU, where inductor takes minutes)")
     p.add_argument("--torch-device", default="auto", help="auto (cuda if there), cuda, cpu")
     p.add_argument("--matmul", action="store_true", help="also one n^3 matmul, TFLOP/s")
     p.add_argument("--matmul-sizes", type=lambda s: [int(x) for x in s.split(",")],

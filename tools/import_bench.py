@@ -95,21 +95,14 @@ def resnet_rows(torch, tiny: bool, device, warmup, reps, tmp) -> list[dict]:
 
 
 def llama_rows(torch, tiny: bool, device, warmup, reps, tmp) -> list[dict]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from bench_hf import llama_config
+    from transformers import LlamaForCausalLM
     cfg = smollm2.tiny() if tiny else smollm2.SmolLM2Config()
     built = smollm2.build(cfg)
     feeds = built.sample_inputs(np.random.default_rng(0))
     rows = [run("smollm2 hand-built", built.graph, built.loss, feeds, device, warmup, reps)]
-    hf = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                     intermediate_size=cfg.intermediate_size,
-                     num_hidden_layers=cfg.num_hidden_layers,
-                     num_attention_heads=cfg.num_attention_heads,
-                     num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                     rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-                     tie_word_embeddings=cfg.tie_word_embeddings, use_cache=False,
-                     max_position_embeddings=max(256, cfg.seq), attn_implementation="sdpa")
     torch.manual_seed(0)
-    module = zoo_models.FirstOutput(LlamaForCausalLM(hf), "logits").eval()
+    module = zoo_models.FirstOutput(LlamaForCausalLM(llama_config(cfg)), "logits").eval()
     ids = torch.from_numpy(feeds["ids"].astype(np.int64))
     for way in ("torch.export", "onnx"):
         try:
