@@ -1,6 +1,7 @@
-"""Per-step host overhead of each backend on the same MLP, measured side by side.
+"""Per-step host overhead of each backend on the same model's training step, side by side.
 
     PYTHONPATH=. python tools/backend_overhead.py [--steps 200] [--layers 2]
+        [--model mlp|smollm2|whisper_encoder|unet|resnet|smolvla_expert [--tiny]]
         [--backends vulkan,wgpu]
 
 For each backend: `submit` is the time step() takes to return (Vulkan: one vkQueueSubmit of
@@ -8,12 +9,14 @@ the recorded command buffer; wgpu: re-encoding the recorded command list, then o
 `host us / dispatch` is the processor time the calling thread spent in step() over the step's
 dispatches (unlike the wall clock, hardly changed by other processes on a shared machine), and
 `step` is step() + wait(), the whole round trip. Medians. More `--layers` make more dispatches,
-so the per-dispatch cost shows above the fixed cost of a step.
+so the per-dispatch cost shows above the fixed cost of a step. `--model` takes a reference
+model of vkml/models/ instead (its default config, or its tiny one with `--tiny`), under Adam.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 
@@ -22,6 +25,7 @@ import numpy as np
 import vkml
 
 WIDTH = 64
+MODELS = ("smollm2", "whisper_encoder", "unet", "resnet", "smolvla_expert")
 
 
 def mlp(device: vkml.Device, layers: int) -> vkml.Session:
@@ -44,6 +48,17 @@ def mlp(device: vkml.Device, layers: int) -> vkml.Session:
 Times = tuple[list[float], list[float], list[float]]  # submit, host processor time, step
 
 
+def reference_model(device: vkml.Device, name: str, tiny: bool) -> vkml.Session:
+    """A model of vkml/models/ (its default or tiny config) under Adam, seeded inputs set."""
+    module = importlib.import_module(f"vkml.models.{name}")
+    built = module.build(module.tiny() if tiny else None)
+    session = vkml.compile(built.graph, loss=built.loss, outputs=built.outputs,
+                           optimizer=vkml.Adam(lr=1e-4), device=device)
+    for input_name, value in built.sample_inputs(np.random.default_rng(0)).items():
+        session.set_input(input_name, value)
+    return session
+
+
 def measure(session: vkml.Session, steps: int, times: Times) -> None:
     submit, host, step = times
     for _ in range(steps):
@@ -61,6 +76,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--layers", type=int, default=2, help="Linear layers of the MLP")
+    parser.add_argument("--model", default="mlp", choices=("mlp", *MODELS),
+                        help="the MLP of --layers, or a reference model's training step")
+    parser.add_argument("--tiny", action="store_true", help="the reference model's tiny config")
     parser.add_argument("--backends", default="vulkan,wgpu")
     args = parser.parse_args()
     if args.layers < 1:
@@ -68,7 +86,8 @@ def main() -> None:
     sessions = {}
     for name in args.backends.split(","):
         device = vkml.Device(backend=name)
-        sessions[name] = (device, mlp(device, args.layers))
+        sessions[name] = (device, mlp(device, args.layers) if args.model == "mlp"
+                          else reference_model(device, args.model, args.tiny))
     times: dict[str, Times] = {name: ([], [], []) for name in sessions}
     for _, session in sessions.values():  # warm-up: first submissions compile lazily
         measure(session, 5, ([], [], []))
