@@ -47,7 +47,7 @@ def test_safetensors_file_loads_and_matches_transformers(tmp_path, device, spell
     pixels = g.input("pixel_values", (1, 3, 28, 28))
     hidden = dinov2.dinov2(g, pixels, cfg, trainable=False)
     outputs = {f"hidden_{i}": h for i, h in enumerate(hidden)}
-    outputs["last_hidden_state"] = dinov2.final_norm(g, hidden[-1], cfg, trainable=False)
+    outputs["last_hidden_state"] = dinov2.final_norm(g, cfg, trainable=False)(hidden[-1])
     assert set(g.params) == set(tensors)  # every name of the file, nothing else
     assert not any(t.attrs["trainable"] for t in g.params.values())
     session = vkml.compile(g, outputs=outputs, device=device)

@@ -121,6 +121,22 @@ def test_network_freezes_the_encoder_for_decoder_only_live_training():
         net.config_for(36)
 
 
+def test_vits14_network_freezes_its_dinov2_encoder_and_predicts_at_the_input_size():
+    from xr_demo import model as net
+
+    cfg = net.config("vits14", 28)  # DINOv2-small's encoder at 2 x 2 patches
+    assert cfg.grid == 2 and cfg.taps == (3, 6, 9, 12)
+    built = net.build(cfg, live="decoder")
+    params = built.graph.params
+    frozen = {n for n, t in params.items() if not t.attrs["trainable"]}
+    assert frozen == {n for n in params if n.startswith("encoder.")}
+    assert "encoder.encoder.layer.11.attention.q_proj.weight" in frozen  # Dinov2Model's names
+    assert sum(params[n].size for n in frozen) == 22_056_576  # DINOv2-small's 22.1 M
+    assert built.depth.shape == (1, 1, 28, 28)
+    with pytest.raises(ValueError, match="multiple of its patch 14"):
+        net.config("vits14", 32)
+
+
 # ---- headless runs (in this process, on the host's own device) ----------------------------
 
 def _headless(tmp_path, name: str, **kw):
@@ -175,6 +191,40 @@ def test_headless_run_writes_its_outputs_and_learns(tmp_path):
     assert err["eval_abs_rel_end"] < 0.8 * err["eval_abs_rel_start"], err
     assert metrics["validating"] == VALIDATING  # the layer watched when asked to
     assert metrics["validation_messages"] == []
+
+
+def test_headless_run_of_the_vits14_model_with_encoder_weights(tmp_path, monkeypatch):
+    """The whole demo path with the vits14 model (its encoder narrowed to a tiny DINOv2 so
+    that lavapipe runs it in seconds): the encoder's weights come from a transformers
+    Dinov2Model's safetensors file and stay as they were while the decoder learns."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    from vkml.models import dinov2
+    from xr_demo import model as net
+
+    tiny = dinov2.tiny()
+    monkeypatch.setattr(net, "VITS14", tiny)
+    torch.manual_seed(0)
+    hf = transformers.Dinov2Model(transformers.Dinov2Config(
+        hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads, image_size=tiny.image_size))
+    weights = tmp_path / "dinov2.safetensors"
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(weights))
+    metrics, lines = _headless(tmp_path, "vits14", model="vits14", resolution=28,
+                               encoder_weights=str(weights), frames=8, train_every=1,
+                               infer_every=1, live="decoder", evaluate=False)
+    assert any(line.startswith("model vits14") and str(weights) in line for line in lines)
+    network = metrics["network"]
+    assert network["model"] == "vits14" and network["encoder_weights"] == str(weights)
+    assert network["params_live"] == network["params_decoder"] > 0
+    assert metrics["run"]["train_steps"] == 8 and metrics["run"]["infer_steps"] > 0
+    assert metrics["validation_messages"] == []
+    saved = load_file(str(tmp_path / "vits14.safetensors"))
+    for name, value in load_file(str(weights)).items():  # frozen: exactly the file's
+        np.testing.assert_array_equal(saved["encoder." + name], value, err_msg=name)
 
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["bind_input", "set_input"])

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from xr_demo.app import Options
-from xr_demo.model import LIVE_MODES
+from xr_demo.model import DEFAULT_RESOLUTION, LIVE_MODES, MODELS
 from xr_demo.vkhost import HostError
 
 
@@ -21,8 +21,20 @@ def parse(argv: list[str] | None = None) -> Options:
                       help="a GLFW window with a Vulkan swapchain")
     mode.add_argument("--xr", dest="mode", action="store_const", const="xr",
                       help="OpenXR (pyopenxr, XR_KHR_vulkan_enable2), stereo")
-    ap.add_argument("--resolution", type=int, default=d.resolution,
-                    help="the model's input and output size (square, a multiple of 8)")
+    ap.add_argument("--model", choices=MODELS, default=d.model,
+                    help="the depth network: small (a small ViT and decoder, the default: quick "
+                    "on a CPU driver) or vits14 (DINOv2-small's ViT-S/14 encoder, frozen, and a "
+                    "DPT-style decoder learning live: a GPU's model)")
+    ap.add_argument("--resolution", "--size", type=int,
+                    help="the model's input and output size, square: small a multiple of 8 "
+                    "(default 64), vits14 a multiple of 14 (default 224)")
+    ap.add_argument("--encoder-weights", metavar="PATH",
+                    help="vits14: the encoder's weights, a safetensors file of a transformers "
+                    "Dinov2Model state dict (DINOv2-small's; either spelling of the names); "
+                    "without it the encoder is seeded at random")
+    ap.add_argument("--precision", choices=("f32", "f16"), default=d.precision,
+                    help="f16: products and convolutions on the device's cooperative matrices "
+                    "(tensor cores), accumulating in f32 (vkml.compile's precision)")
     ap.add_argument("--frames", type=int, default=d.frames)
     ap.add_argument("--hz", type=float, default=d.hz,
                     help="frame rate the headless and window loops are paced at (0: unpaced); "
@@ -70,7 +82,9 @@ def parse(argv: list[str] | None = None) -> Options:
         schedule = f"chunks:{a.chunks}"
     if a.budget is not None:
         schedule = f"budget:{a.budget}"
-    return Options(mode=a.mode or "headless", resolution=a.resolution, frames=a.frames,
+    return Options(mode=a.mode or "headless", model=a.model,
+                   resolution=a.resolution or DEFAULT_RESOLUTION[a.model],
+                   encoder_weights=a.encoder_weights, precision=a.precision, frames=a.frames,
                    hz=a.hz, train_every=a.train_every, infer_every=a.infer_every,
                    schedule=schedule, live=a.live, lr=a.lr, checkpoint=a.checkpoint,
                    fresh_decoder=a.fresh_decoder, save=a.save, seed=a.seed, out=a.out,

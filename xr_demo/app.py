@@ -47,6 +47,7 @@ import vulkan as vk
 from safetensors.numpy import load_file
 
 import vkml
+from vkml.models import dinov2
 from xr_demo import model as net
 from xr_demo.renderer import SceneRenderer, create_image, destroy_image, image_barrier
 from xr_demo.samples import SampleRing
@@ -62,7 +63,10 @@ RECENT_FRAMES = 256  # zero_copy: frames kept on the host for the metrics of the
 @dataclass
 class Options:
     mode: str = "headless"
-    resolution: int = 64
+    model: str = "small"  # small | vits14 (xr_demo/model.py)
+    resolution: int = 64  # the model's input and output size (vits14: a multiple of 14)
+    encoder_weights: str | None = None  # vits14: a Dinov2Model safetensors file
+    precision: str = "f32"  # f32 | f16 (vkml.compile's precision)
     frames: int = 900
     hz: float = 72.0  # the frame rate the loop is paced at (0: as fast as it goes)
     train_every: int = 1  # a training sample every N frames (0: no training)
@@ -125,9 +129,11 @@ class RunLog:
     eval_end: float | None = None
 
 
-def to_input(rgb: np.ndarray) -> np.ndarray:
-    """(H, W, 3) uint8 -> (1, 3, H, W) float32, centred."""
-    return ((rgb.astype(np.float32) / 255.0 - 0.5) / 0.25).transpose(2, 0, 1)[None].copy()
+def to_input(rgb: np.ndarray, mean: Any = 0.5, std: Any = 0.25) -> np.ndarray:
+    """(H, W, 3) uint8 -> (1, 3, H, W) float32, normalised by `mean` and `std` (numbers or
+    one per channel)."""
+    x = (rgb.astype(np.float32) / 255.0 - np.float32(mean)) / np.float32(std)
+    return x.astype(np.float32).transpose(2, 0, 1)[None].copy()
 
 
 def to_target(depth_m: np.ndarray) -> np.ndarray:
@@ -235,7 +241,9 @@ class Demo:
     def __init__(self, host: VulkanHost, opts: Options, renderer: SceneRenderer,
                  log: Callable[[str], None] = print) -> None:
         self.host, self.opts, self.renderer, self.log = host, opts, renderer, log
-        self.cfg = net.config_for(opts.resolution)
+        encoder, self.encoder_source = self._encoder_weights()
+        self.cfg = net.config(opts.model, opts.resolution,
+                              net.checked_vits14(encoder) if encoder else None)
         if renderer.width != opts.resolution or renderer.height != opts.resolution:
             raise ValueError("the model's renderer must draw at the model's resolution")
         self.device = host.vkml_device()
@@ -244,14 +252,22 @@ class Demo:
         if opts.train_every > 0:
             b = net.build(self.cfg, train=True, live=opts.live, seed=opts.seed)
             self.train = vkml.compile(b.graph, loss=b.loss, optimizer=vkml.Adam(lr=opts.lr),
-                                      device=self.device)
+                                      device=self.device, precision=opts.precision)
         # The inference session's parameters are the trainer's own memory.
         self.infer = vkml.compile(net.build(self.cfg, train=False, seed=opts.seed).graph,
-                                  device=self.device, share_params_with=self.train)
+                                  device=self.device, share_params_with=self.train,
+                                  precision=opts.precision)
         self.compile_s = time.perf_counter() - t0
         # What learns live (the rest is frozen).
         self.live_params = [n for n in self.infer.plan.params
                             if opts.live == "all" or n.startswith("decoder.")]
+        owner = self.train if self.train is not None else self.infer
+        for name, value in (encoder or {}).items():
+            owner.set_param("encoder." + name, value)
+        self.counts = self._count_params()
+        log(f"model {self.cfg.describe()}; parameters: encoder {self.counts['encoder']:,}, "
+            f"decoder {self.counts['decoder']:,}, learning live {self.counts['live']:,} "
+            f"({opts.live}); encoder weights: {self.encoder_source}; precision {opts.precision}")
         if opts.checkpoint:
             self._load(opts.checkpoint, opts.fresh_decoder)
         self.run = RunLog()
@@ -295,14 +311,15 @@ class Demo:
         after_render = vk.VK_IMAGE_LAYOUT_TRANSFER_SRC_OPTIMAL  # where record() leaves them
         colour = vkml.HostImage(self.renderer.color.image, host.device, "rgba8_unorm", (r, r),
                                 usage, after_render)
-        self.infer.bind_input("image", colour, mean=0.5, std=0.25)
+        mean, std = self.cfg.normalisation
+        self.infer.bind_input("image", colour, mean=mean, std=std)
         if self.train is not None:
             self.ring = ring = SampleRing(host, self.renderer, self.opts.max_pending + 1)
             samples = vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT | vk.VK_IMAGE_USAGE_TRANSFER_DST_BIT
             general = vk.VK_IMAGE_LAYOUT_GENERAL
             self.train.bind_input("image", vkml.HostImage(
                 ring.colour.image, host.device, "rgba8_unorm", (r, r), samples, general),
-                mean=0.5, std=0.25)
+                mean=mean, std=std)
             self.train.bind_input("target", vkml.HostImage(
                 ring.depth.image, host.device, "r32_float", (r, r), samples, general),
                 mean=0.0, std=FAR)
@@ -317,7 +334,32 @@ class Demo:
         self.infer.bind_output("depth", vkml.HostImage(self.drawable.image, host.device,
                                                        "r32_float", (r, r), drawn, readable))
 
-    # ---- checkpoints ------------------------------------------------------------------------
+    # ---- weights ----------------------------------------------------------------------------
+    def _encoder_weights(self) -> tuple[dict[str, np.ndarray] | None, str]:
+        """The --encoder-weights file's tensors under Dinov2Model's names, and where the
+        encoder's weights come from (for the log and the metrics)."""
+        path = self.opts.encoder_weights
+        if not path:
+            return None, f"seeded (seed {self.opts.seed})"
+        if self.opts.model != "vits14":
+            raise ValueError(f"--encoder-weights {path}: the {self.opts.model!r} model has no "
+                             "DINOv2 encoder; add --model vits14")
+        if not path.endswith(".safetensors"):
+            raise ValueError(f"--encoder-weights {path}: give a .safetensors file of a "
+                             "Dinov2Model state dict (e.g. safetensors.torch.save_file("
+                             "Dinov2Model.from_pretrained('facebook/dinov2-small').state_dict(), "
+                             "path))")
+        return dinov2.state_dict_names(load_file(path)), os.path.abspath(path)
+
+    def _count_params(self) -> dict[str, int]:
+        sizes = {n: int(v.size) for n, v in self.infer.params().items()}
+        return {"encoder": sum(v for n, v in sizes.items() if n.startswith("encoder.")),
+                "decoder": sum(v for n, v in sizes.items() if n.startswith("decoder.")),
+                "live": sum(sizes[n] for n in self.live_params)}
+
+    def to_input(self, rgb: np.ndarray) -> np.ndarray:
+        return to_input(rgb, *self.cfg.normalisation)
+
     def _load(self, path: str, fresh_decoder: bool) -> None:
         # The inference session shares the trainer's parameters: load into the owner only.
         owner = self.train if self.train is not None else self.infer
@@ -356,7 +398,7 @@ class Demo:
     def predict_now(self, rgb: np.ndarray) -> np.ndarray:
         """The prediction for `rgb`, the frame render_now() drew last."""
         if not self.opts.zero_copy:
-            self.infer.set_input("image", to_input(rgb))
+            self.infer.set_input("image", self.to_input(rgb))
         self.infer.step()
         return self.infer.read("depth")[0, 0] * FAR
 
@@ -380,9 +422,9 @@ class Demo:
             self.ring.capture(0)
             self.ring.release(0)
         if not self.opts.zero_copy:
-            self.infer.set_input("image", to_input(rgb))
+            self.infer.set_input("image", self.to_input(rgb))
             if self.train is not None:
-                self.train.set_input("image", to_input(rgb))
+                self.train.set_input("image", self.to_input(rgb))
                 self.train.set_input("target", to_target(depth))
         for name, s in sessions:
             # update=False: the profiled steps leave the training session's state as it was,
@@ -470,7 +512,7 @@ class Demo:
                 self._infer_input, self._infer_frame = None, None
             else:
                 self._infer_input = self.latest
-                self.infer.set_input("image", to_input(self.latest[1]))
+                self.infer.set_input("image", self.to_input(self.latest[1]))
             self._infer_harvested = False
             self._infer_due = False
             infer.begin(n)
@@ -479,7 +521,7 @@ class Demo:
             if self.ring is not None:  # its frame into the images the trainer reads
                 self.ring.release(self._sample_slots.popleft())
             else:
-                self.train.set_input("image", to_input(rgb))  # type: ignore[union-attr]
+                self.train.set_input("image", self.to_input(rgb))  # type: ignore[union-attr]
                 self.train.set_input("target", to_target(depth))  # type: ignore[union-attr]
             self._train_harvested = False
             train.begin(n)

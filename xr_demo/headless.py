@@ -194,8 +194,13 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         demo.finish()
         metrics: dict[str, Any] = {
             "device": host.device_name, "mode": "headless", "options": vars(opts).copy(),
-            "network": {"params": int(sum(v.size for v in demo.infer.params().values())),
-                        "trainable_live": len(demo.live_params), "config": repr(demo.cfg)},
+            "network": {"model": opts.model, "description": demo.cfg.describe(),
+                        "params": int(sum(v.size for v in demo.infer.params().values())),
+                        "params_encoder": demo.counts["encoder"],
+                        "params_decoder": demo.counts["decoder"],
+                        "params_live": demo.counts["live"],
+                        "trainable_live": len(demo.live_params),
+                        "encoder_weights": demo.encoder_source, "config": repr(demo.cfg)},
             "setup": info, "loop_seconds": round(loop_s, 2),
             "run": demo.metrics(period_ms),
         }
@@ -223,7 +228,8 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         metrics["validation_messages"] = list(host.messages)
         metrics["validating"] = host.messenger is not None
         metrics["total_seconds"] = round(time.perf_counter() - t_start, 2)
-        title = (f"{host.device_name.split(' (')[0]}: {opts.resolution}x{opts.resolution}, "
+        title = (f"{host.device_name.split(' (')[0]}: {opts.model} {opts.resolution}x"
+                 f"{opts.resolution}, "
                  f"live {opts.live}, schedule {opts.schedule}, {opts.hz:g} Hz")
         paths = outputs.write_all(opts.out, run_log, metrics, opts.hz, title)
         metrics["outputs"] = {k: os.path.abspath(v) for k, v in paths.items()}

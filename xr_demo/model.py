@@ -1,23 +1,38 @@
-"""The depth network, in the spirit of DINOv2 + DPT ("DinoVision"): a small ViT encoder (patch
-embedding, a few pre-norm attention blocks) and a convolutional decoder that upsamples the patch
-tokens back to full resolution, with one full-resolution skip from the image, predicting per-pixel
-depth (normalised to [0, 1] by the scene's far distance).
+"""The depth networks, in the spirit of DINOv2 + DPT ("DinoVision"), predicting per-pixel depth
+(normalised to [0, 1] by the scene's far distance) from the rendered image. Two scales:
 
-Parameters are named `encoder.*` and `decoder.*`. Live training is either the whole network or
-the decoder only; in the latter case the encoder's parameters are built frozen
-(`graph.param(..., trainable=False)`: no gradient, no optimizer state, saved and loaded like the
-rest), as DinoVision freezes its pretrained backbone and adapts a light head.
+- "small" (`NetConfig`, the CPU default): a small ViT encoder (patch embedding, a few pre-norm
+  attention blocks) and a convolutional decoder that projects each token to its patch's pixels,
+  with one full-resolution skip from the image.
+- "vits14" (`DptConfig`): DINOv2-small's ViT-S/14 (vkml/models/dinov2.py: 12 layers, width 384,
+  6 heads, patch 14; its weights from a Dinov2Model safetensors file, or seeded) and a DPT-style
+  decoder: the tokens of four layers reassembled into maps at 4, 2, 1 and 1/2 times the 1/14
+  grid, fused upward from the coarsest with residual convolution units, and a head that
+  predicts depth at the input size.
+
+Parameters are named `encoder.*` and `decoder.*` (vits14's encoder: `encoder.` + Dinov2Model's
+names). Live training is either the whole network or the decoder only; in the latter case the
+encoder's parameters are built frozen (`graph.param(..., trainable=False)`: no gradient, no
+optimizer state, saved and loaded like the rest), as DinoVision freezes its pretrained backbone
+and adapts a light head.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 import vkml
 from vkml.graph import Graph, Tensor
+from vkml.models import dinov2
 
 LIVE_MODES = ("decoder", "all")
+MODELS = ("small", "vits14")
+VITS14 = dinov2.Dinov2Config()  # DINOv2-small's encoder
+DEFAULT_RESOLUTION = {"small": 64, "vits14": 224}
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,92 @@ class NetConfig:
     @property
     def grid(self) -> int:
         return self.resolution // self.patch
+
+    @property
+    def normalisation(self) -> tuple[float, float]:
+        """(mean, std) of the pixels in [0, 1] the network takes."""
+        return 0.5, 0.25
+
+    def describe(self) -> str:
+        return (f"small: ViT ({self.blocks} blocks, width {self.dim}, {self.heads} heads, patch "
+                f"{self.patch}) + pixel-shuffle decoder at {self.resolution}x{self.resolution}")
+
+
+@dataclass(frozen=True)
+class DptConfig:
+    """ViT-S/14 (or the encoder given) and a DPT-style decoder whose widths follow the
+    encoder's width D as Depth Anything's do: reassembly D/8, D/4, D/2, D; the fusion narrower
+    than its (D/12: 32 for ViT-S, where Depth Anything small has 64), as the training step runs
+    every frame and the decoder should stay a fraction of the encoder's cost."""
+    resolution: int = 224
+    encoder: dinov2.Dinov2Config = VITS14
+
+    def __post_init__(self) -> None:
+        p = self.encoder.patch_size
+        if self.resolution % p or self.resolution < 2 * p:
+            raise ValueError(f"the vits14 model's resolution must be a multiple of its patch "
+                             f"{p}, at least {2 * p} (default 224), got {self.resolution}")
+
+    @property
+    def grid(self) -> int:
+        return self.resolution // self.encoder.patch_size
+
+    @property
+    def reassemble(self) -> tuple[int, int, int, int]:
+        """Channels of the maps at 4, 2, 1 and 1/2 times the grid."""
+        d = self.encoder.hidden_size
+        return d // 8, d // 4, d // 2, d
+
+    @property
+    def features(self) -> int:
+        """The fusion stages' width."""
+        return max(8, self.encoder.hidden_size // 12)
+
+    @property
+    def head(self) -> int:
+        """The full-resolution convolution's width."""
+        return self.features // 2
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The hidden states (1-based layers) the decoder reads: four spread evenly, the
+        last one last (ViT-S/14: 3, 6, 9, 12)."""
+        n = self.encoder.num_hidden_layers
+        return tuple(max(1, round(n * (i + 1) / 4)) for i in range(4))
+
+    @property
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        return (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as DINOv2 was trained
+
+    def describe(self) -> str:
+        e = self.encoder
+        return (f"vits14: ViT-S/14 encoder ({e.num_hidden_layers} layers, width "
+                f"{e.hidden_size}, {e.num_attention_heads} heads, patch {e.patch_size}, "
+                f"{self.grid}x{self.grid} tokens + [CLS]) + DPT decoder (layers "
+                f"{', '.join(map(str, self.taps))}; {self.features} features) at "
+                f"{self.resolution}x{self.resolution}")
+
+
+Config = NetConfig | DptConfig
+
+
+def config(model: str, resolution: int, encoder: dinov2.Dinov2Config | None = None) -> Config:
+    """The network `model` ("small" or "vits14") at `resolution`; vits14's encoder may be
+    given (e.g. read from a weights file by dinov2.config_of)."""
+    if model == "small":
+        return config_for(resolution)
+    if model == "vits14":
+        return DptConfig(resolution, encoder or VITS14)
+    raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+
+
+def checked_vits14(tensors: dict[str, np.ndarray]) -> dinov2.Dinov2Config:
+    """The encoder of a Dinov2Model state dict, if it is ViT-S/14 (its position table may be
+    for any image size); else ValueError naming what differs."""
+    found = dinov2.config_of(tensors, heads_=VITS14.num_attention_heads)
+    if replace(found, image_size=VITS14.image_size) != VITS14:
+        raise ValueError(f"the encoder weights are not ViT-S/14's (DINOv2-small): {found}")
+    return found
 
 
 def config_for(resolution: int) -> NetConfig:
@@ -77,6 +178,13 @@ class _Params:
         w = self(f"{name}.weight", (c_out, c_in, k, k), "uniform", bound)
         b = self(f"{name}.bias", (c_out,), "uniform", bound)
         return self.g.conv2d(x, w, b, stride=stride, padding=padding)
+
+    def conv_transpose(self, name: str, x: Tensor, c_in: int, c_out: int, k: int) -> Tensor:
+        """Upsampling by k with a k x k transposed convolution of stride k (DPT's)."""
+        bound = 1.0 / math.sqrt(c_out * k * k)  # torch's fan_in of a transposed weight
+        w = self(f"{name}.weight", (c_in, c_out, k, k), "uniform", bound)
+        b = self(f"{name}.bias", (c_out,), "uniform", bound)
+        return self.g.conv_transpose2d(x, w, b, stride=k)
 
     def norm(self, name: str, x: Tensor, dim: int) -> Tensor:
         return self.g.layer_norm(x, dim, self(f"{name}.weight", (dim,), 1.0),
@@ -128,6 +236,52 @@ def decoder(g: Graph, cfg: NetConfig, image: Tensor, tokens: Tensor) -> Tensor:
     return g.sigmoid(x)
 
 
+def dpt_decoder(g: Graph, cfg: DptConfig, hidden: list[Tensor],
+                norm: Callable[[Tensor], Tensor]) -> Tensor:
+    """DPT's neck and head on the encoder's hidden states -> depth (B, 1, R, R) in [0, 1].
+
+    Reassemble: each tapped layer's tokens, through the encoder's final LayerNorm (as
+    Dinov2Backbone gives them) and without [CLS], become a (B, D, G, G) map, projected (1x1)
+    and resized to 4, 2, 1 and 1/2 times the grid (transposed convolutions, identity, a
+    strided 3x3 convolution), then a 3x3 convolution to the fusion width. Fuse: from the
+    coarsest, each stage adds a residual convolution unit of its map to the path, runs
+    another, upsamples x2 (bilinear, align_corners as DPT) and projects (1x1). Head: a 3x3
+    convolution at 8 x the grid, bilinear resize to the input size, a 3x3 convolution and
+    ReLU, a 1x1 convolution to one channel, a sigmoid (the target is depth / FAR)."""
+    p = _Params(g, "decoder", True)
+    b = hidden[0].shape[0]
+    d, n, f = cfg.encoder.hidden_size, cfg.grid, cfg.features
+    maps = []
+    for i, (tap, c) in enumerate(zip(cfg.taps, cfg.reassemble)):
+        x = g.slice(norm(hidden[tap]), 1, 1, 1 + n * n)  # the patch tokens
+        x = g.reshape(g.transpose(x, (0, 2, 1)), (b, d, n, n))
+        x = p.conv(f"reassemble.{i}.project", x, d, c, 1)
+        if i < 2:
+            x = p.conv_transpose(f"reassemble.{i}.resize", x, c, c, (4, 2)[i])
+        elif i == 3:
+            x = p.conv(f"reassemble.{i}.resize", x, c, c, 3, stride=2, padding=1)
+        maps.append(p.conv(f"reassemble.{i}.out", x, c, f, 3, padding=1))
+
+    def residual_unit(name: str, x: Tensor) -> Tensor:
+        y = p.conv(f"{name}.conv1", g.relu(x), f, f, 3, padding=1)
+        return x + p.conv(f"{name}.conv2", g.relu(y), f, f, 3, padding=1)
+
+    path = None
+    for i in reversed(range(4)):
+        x = maps[i]
+        if path is not None:
+            x = x + residual_unit(f"fusion.{i}.residual1", path)
+        x = residual_unit(f"fusion.{i}.residual2", x)
+        up = maps[i - 1].shape[-1] if i else 2 * x.shape[-1]
+        x = g.interpolate(x, size=(up, up), mode="bilinear", align_corners=True)
+        path = p.conv(f"fusion.{i}.project", x, f, f, 1)
+    x = p.conv("head.conv1", path, f, f // 2, 3, padding=1)
+    r = cfg.resolution
+    x = g.interpolate(x, size=(r, r), mode="bilinear")
+    x = g.relu(p.conv("head.conv2", x, f // 2, cfg.head, 3, padding=1))
+    return g.sigmoid(p.conv("head.conv3", x, cfg.head, 1, 1))
+
+
 @dataclass
 class Built:
     graph: Graph
@@ -137,7 +291,7 @@ class Built:
     loss: Tensor | None
 
 
-def build(cfg: NetConfig, batch: int = 1, train: bool = True, live: str = "decoder",
+def build(cfg: Config, batch: int = 1, train: bool = True, live: str = "decoder",
           seed: int = 0) -> Built:
     """The graph: inputs "image" (B, 3, R, R) and, for training, "target" (B, 1, R, R); output
     "depth"; MSE loss. `live`: "decoder" freezes the encoder, "all" trains everything."""
@@ -146,8 +300,13 @@ def build(cfg: NetConfig, batch: int = 1, train: bool = True, live: str = "decod
     g = vkml.Graph(seed=seed)
     r = cfg.resolution
     image = g.input("image", (batch, 3, r, r))
-    tokens = encoder(g, cfg, image, trainable=live == "all")
-    depth = g.output("depth", decoder(g, cfg, image, tokens))
+    if isinstance(cfg, DptConfig):
+        hidden = dinov2.dinov2(g, image, cfg.encoder, "encoder.", trainable=live == "all")
+        norm = dinov2.final_norm(g, cfg.encoder, "encoder.", trainable=live == "all")
+        depth = g.output("depth", dpt_decoder(g, cfg, hidden, norm))
+    else:
+        tokens = encoder(g, cfg, image, trainable=live == "all")
+        depth = g.output("depth", decoder(g, cfg, image, tokens))
     if not train:
         return Built(g, image, depth, None, None)
     target = g.input("target", (batch, 1, r, r))

@@ -17,6 +17,7 @@ The default config is DINOv2-small's (ViT-S/14: 12 layers, width 384, 6 heads).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -92,11 +93,13 @@ def config_of(tensors: dict[str, np.ndarray], heads_: int | None = None) -> Dino
                         patch_size=patch, image_size=grid * patch)
 
 
-def _norm(g: Graph, name: str, x: Tensor, cfg: Dinov2Config, trainable: bool) -> Tensor:
+def layer_norm(g: Graph, cfg: Dinov2Config, name: str, trainable: bool = True
+               ) -> Callable[[Tensor], Tensor]:
+    """A LayerNorm `name` over the hidden size, its parameters made once, applied by calling."""
     d = cfg.hidden_size
-    return g.layer_norm(x, d, g.param(f"{name}.weight", (d,), 1.0, trainable=trainable),
-                        g.param(f"{name}.bias", (d,), "zeros", trainable=trainable),
-                        cfg.layer_norm_eps)
+    weight = g.param(f"{name}.weight", (d,), 1.0, trainable=trainable)
+    bias = g.param(f"{name}.bias", (d,), "zeros", trainable=trainable)
+    return lambda x: g.layer_norm(x, d, weight, bias, cfg.layer_norm_eps)
 
 
 def position_embeddings(g: Graph, table: Tensor, grid: tuple[int, int], cfg: Dinov2Config
@@ -146,13 +149,13 @@ def dinov2(g: Graph, pixel_values: Tensor, cfg: Dinov2Config, prefix: str = "",
     hidden = [x]
     for i in range(cfg.num_hidden_layers):
         q = f"encoder.layer.{i}."
-        a = _norm(g, prefix + q + "norm1", x, cfg, trainable)
+        a = layer_norm(g, cfg, prefix + q + "norm1", trainable)(x)
         qs, ks, vs = (heads(g, dense(q + f"attention.{n}_proj", a, d, d), nh, d // nh)
                       for n in "qkv")
         a = dense(q + "attention.o_proj", merge_heads(g, g.scaled_dot_product_attention(
             qs, ks, vs)), d, d)
         x = x + a * param(q + "layer_scale1.lambda1", (d,), cfg.layerscale_value)
-        m = _norm(g, prefix + q + "norm2", x, cfg, trainable)
+        m = layer_norm(g, cfg, prefix + q + "norm2", trainable)(x)
         m = dense(q + "mlp.fc2", dense(q + "mlp.fc1", m, d, d * cfg.mlp_ratio).gelu(),
                   d * cfg.mlp_ratio, d)
         x = x + m * param(q + "layer_scale2.lambda1", (d,), cfg.layerscale_value)
@@ -160,8 +163,8 @@ def dinov2(g: Graph, pixel_values: Tensor, cfg: Dinov2Config, prefix: str = "",
     return hidden
 
 
-def final_norm(g: Graph, x: Tensor, cfg: Dinov2Config, prefix: str = "",
-               trainable: bool = True) -> Tensor:
+def final_norm(g: Graph, cfg: Dinov2Config, prefix: str = "",
+               trainable: bool = True) -> Callable[[Tensor], Tensor]:
     """Dinov2Model's last LayerNorm (`layernorm`): of the last hidden state it gives
     `last_hidden_state`; Dinov2Backbone applies it to every stage it returns."""
-    return _norm(g, prefix + "layernorm", x, cfg, trainable)
+    return layer_norm(g, cfg, prefix + "layernorm", trainable)
