@@ -161,6 +161,7 @@ BACKWARD = {
     "nn": ((512, 384), (384, 640), False, False),
     "nt_bias": ((512, 384), (640, 384), False, True),
     "tn": ((384, 512), (384, 640), True, False),
+    "read_twice": None,  # _read_twice_graph
 }
 # The staged f16 tiles (Capabilities.f16_products "simt"), forward and backward
 STAGED = {
@@ -168,7 +169,15 @@ STAGED = {
     "nt": ((256, 320), (260, 320), False, True),
     "tt_batched": ((2, 320, 300), (260, 320), True, True),
     "square_1024": ((1024, 1024), (1024, 1024), False, False),
+    "read_twice": None,  # _read_twice_graph
 }
+
+
+def _case_graph(cases: dict, name: str, rng):
+    if cases[name] is None:
+        return _read_twice_graph(rng)
+    a_shape, b_shape, ta, tb = cases[name]
+    return _matmul_graph(rng, a_shape, b_shape, ta, tb, name.endswith("bias"))
 
 
 def _matmul_graph(rng, a_shape, b_shape, ta, tb, bias: bool):
@@ -183,7 +192,19 @@ def _matmul_graph(rng, a_shape, b_shape, ta, tb, bias: bool):
     want = (ra.transpose(-1, -2) if ta else ra) @ (rb.transpose(-1, -2) if tb else rb)
     if bias:
         want = want + torch.tensor(c, dtype=torch.float64, device=REF)
-    return g, y, (ra, rb), want
+    return g, y, {"a": ra, "b": rb}, want
+
+
+def _read_twice_graph(rng):
+    """y = x w1 + x w2 with x (512, 384): x's gradient is dY w1^T + dY w2^T, its second
+    product adding the first in an epilogue whose input is bound after the scales."""
+    values = {n: rng.standard_normal(s).astype(np.float32)
+              for n, s in (("x", (512, 384)), ("w1", (384, 384)), ("w2", (384, 384)))}
+    g = vkml.Graph()
+    x, w1, w2 = (g.param(n, v.shape, init=v) for n, v in values.items())
+    y = g.output("y", g.add(g.matmul(x, w1), g.matmul(x, w2)))
+    refs = {n: tensor64(v) for n, v in values.items()}
+    return g, y, refs, refs["x"] @ refs["w1"] + refs["x"] @ refs["w2"]
 
 
 def _train(rng, g, y, session_of, refs, want):
@@ -194,7 +215,7 @@ def _train(rng, g, y, session_of, refs, want):
     session.step()
     (want * torch.tensor(weights, dtype=torch.float64, device=REF)).sum().backward()
     forward = {"y": (session.read("y"), numpy64(want))}
-    grads = {n: (session.grad(n), numpy64(r.grad)) for n, r in zip("ab", refs)}
+    grads = {n: (session.grad(n), numpy64(r.grad)) for n, r in refs.items()}
     return session, forward, grads
 
 
@@ -216,14 +237,15 @@ def test_cooperative_matmul(name, device, results, rng):
 @pytest.mark.parametrize("name", BACKWARD)
 def test_cooperative_matmul_backward_scaled(name, device, results, rng):
     needs(device, "cooperative")
-    a_shape, b_shape, ta, tb = BACKWARD[name]
-    g, y, refs, want = _matmul_graph(rng, a_shape, b_shape, ta, tb, name.endswith("bias"))
+    g, y, refs, want = _case_graph(BACKWARD, name, rng)
     session, forward, grads = _train(rng, g, y, lambda loss: vkml.compile(
         g, loss=loss, keep_grads=True, precision="f16", device=device), refs, want)
-    backward = products(session, "backward")
-    assert len(backward) == 2 and all(re.search(COOP + "_scaled$", k) for k in backward), \
-        backward
-    assert re.search(COOP + "$", products(session, "forward")[0])
+    backward, forward_products = products(session, "backward"), products(session, "forward")
+    assert len(backward) == 2 * len(forward_products) and all(
+        re.search(COOP + "_scaled$", k) for k in backward), backward
+    assert all(re.search(COOP + "$", k) for k in forward_products), forward_products
+    if name == "read_twice":
+        assert any(k.startswith("fused_matmul") for k in backward), backward
     gate(results, f"cooperative matmul backward {name}",
          [d.kernel.name for d in session.plan.dispatches], forward, grads)
     session.close()
@@ -232,15 +254,14 @@ def test_cooperative_matmul_backward_scaled(name, device, results, rng):
 @pytest.mark.parametrize("name", STAGED)
 def test_staged_f16_matmul_forward_and_backward(name, device, results, rng):
     needs(device, "staged_f16")
-    a_shape, b_shape, ta, tb = STAGED[name]
     caps = dataclasses.replace(device.caps, cooperative_matrix=False)
-    g, y, refs, want = _matmul_graph(rng, a_shape, b_shape, ta, tb, False)
+    g, y, refs, want = _case_graph(STAGED, name, rng)
     session, forward, grads = _train(rng, g, y, lambda loss: Session(lower(
         g, caps, loss=loss, keep_grads=True, precision="f16").plan, device), refs, want)
-    assert re.search(STAGED_F16 + "$", products(session, "forward")[0]), session.plan
-    backward = products(session, "backward")
-    assert len(backward) == 2 and all(re.search(STAGED_F16 + "_scaled$", k)
-                                      for k in backward), backward
+    backward, forward_products = products(session, "backward"), products(session, "forward")
+    assert len(backward) == 2 * len(forward_products) and all(
+        re.search(STAGED_F16 + "_scaled$", k) for k in backward), backward
+    assert all(re.search(STAGED_F16 + "$", k) for k in forward_products), forward_products
     gate(results, f"staged f16 matmul {name}", [d.kernel.name for d in session.plan.dispatches],
          forward, grads)
     session.close()
