@@ -137,6 +137,17 @@ def test_vits14_network_freezes_its_dinov2_encoder_and_predicts_at_the_input_siz
         net.config("vits14", 32)
 
 
+def test_command_line_picks_each_models_size_and_keeps_the_load_headless():
+    from xr_demo.__main__ import parse
+
+    assert parse([]).model == "small" and parse([]).resolution == 64  # make demo's
+    vits14 = parse(["--model", "vits14", "--load-ms", "3"])
+    assert (vits14.resolution, vits14.load_ms) == (224, 3.0)
+    assert parse(["--model", "vits14", "--size", "28"]).resolution == 28
+    with pytest.raises(SystemExit):
+        parse(["--window", "--load-ms", "3"])
+
+
 # ---- headless runs (in this process, on the host's own device) ----------------------------
 
 def _headless(tmp_path, name: str, **kw):
@@ -195,8 +206,9 @@ def test_headless_run_writes_its_outputs_and_learns(tmp_path):
 
 def test_headless_run_of_the_vits14_model_with_encoder_weights(tmp_path, monkeypatch):
     """The whole demo path with the vits14 model (its encoder narrowed to a tiny DINOv2 so
-    that lavapipe runs it in seconds): the encoder's weights come from a transformers
-    Dinov2Model's safetensors file and stay as they were while the decoder learns."""
+    that lavapipe runs it in seconds) and the synthetic render load: the encoder's weights
+    come from a transformers Dinov2Model's safetensors file and stay as they were while the
+    decoder learns."""
     transformers = pytest.importorskip("transformers")
     import torch
     from safetensors.numpy import load_file
@@ -215,12 +227,14 @@ def test_headless_run_of_the_vits14_model_with_encoder_weights(tmp_path, monkeyp
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(weights))
     metrics, lines = _headless(tmp_path, "vits14", model="vits14", resolution=28,
                                encoder_weights=str(weights), frames=8, train_every=1,
-                               infer_every=1, live="decoder", evaluate=False)
+                               infer_every=1, live="decoder", evaluate=False, load_ms=1.0,
+                               load_size=32)
     assert any(line.startswith("model vits14") and str(weights) in line for line in lines)
     network = metrics["network"]
     assert network["model"] == "vits14" and network["encoder_weights"] == str(weights)
     assert network["params_live"] == network["params_decoder"] > 0
     assert metrics["run"]["train_steps"] == 8 and metrics["run"]["infer_steps"] > 0
+    assert metrics["setup"]["load"]["iterations"] >= 1  # calibrated on this device
     assert metrics["validation_messages"] == []
     saved = load_file(str(tmp_path / "vits14.safetensors"))
     for name, value in load_file(str(weights)).items():  # frozen: exactly the file's

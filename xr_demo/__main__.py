@@ -77,7 +77,15 @@ def parse(argv: list[str] | None = None) -> Options:
     ap.add_argument("--set-input", dest="zero_copy", action="store_false",
                     help="frames reach the model through the host (read-back, set_input) "
                     "instead of GPU memory (bind_input, the default)")
+    ap.add_argument("--load-ms", type=float, default=d.load_ms,
+                    help="headless: add a synthetic render load (xr_demo/loadgen.py: a full-"
+                    "screen fragment shader) costing about this many GPU ms a frame, measured "
+                    "and scaled on the device, submitted with every frame's render (0: none)")
+    ap.add_argument("--load-size", type=int, default=d.load_size,
+                    help="the synthetic load's image size (square)")
     a = ap.parse_args(argv)
+    if a.load_ms and a.mode not in (None, "headless"):
+        ap.error("--load-ms is for --headless runs")
     schedule = a.schedule
     if a.chunks is not None:
         schedule = f"chunks:{a.chunks}"
@@ -92,7 +100,8 @@ def parse(argv: list[str] | None = None) -> Options:
                    max_pending=a.max_pending, camera=a.camera, margin_ms=a.margin_ms,
                    compare=a.compare, compare_frames=a.compare_frames, evaluate=a.evaluate,
                    xr_size=a.xr_size, window_scale=a.window_scale,
-                   screenshot=a.screenshot, zero_copy=a.zero_copy)
+                   screenshot=a.screenshot, zero_copy=a.zero_copy, load_ms=a.load_ms,
+                   load_size=a.load_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,8 @@ class Options:
     window_scale: int = 4  # window: screen pixels per model pixel
     screenshot: str | None = None  # window: grab the X screen into this PNG before closing
     zero_copy: bool = True  # frames in and the prediction out through GPU memory (bind_input)
+    load_ms: float = 0.0  # headless: a synthetic render load (xr_demo/loadgen.py) of this GPU ms
+    load_size: int = 512  # its image's size
 
 
 @dataclass

@@ -4,6 +4,7 @@ and metrics are written to the output folder."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ import vulkan as vk
 
 from xr_demo import outputs
 from xr_demo.app import EVAL_FRAMES, Demo, Options, camera_frame, pct
+from xr_demo.loadgen import FullscreenLoad, calibrated
 from xr_demo.renderer import SceneRenderer
 from xr_demo.scene import Scene, desktop_camera
 from xr_demo.schedule import Job, Policy, Scheduler
@@ -45,10 +47,11 @@ class Pacer:
         return skipped, start
 
 
-def calibrate(host: VulkanHost, renderer: SceneRenderer, frames: int = 16
-              ) -> tuple[float, str, list[float]]:
-    """The render's time per frame, measured alone: GPU timestamps where plausible against
-    the host's submit-to-fence time, else that host time. Returns (p90 ms, source, samples)."""
+def calibrate(host: VulkanHost, renderer: SceneRenderer, frames: int = 16,
+              load: FullscreenLoad | None = None) -> tuple[float, str, list[float]]:
+    """The render's time per frame (with the synthetic `load`, submitted before it, if any),
+    measured alone: GPU timestamps where plausible against the host's submit-to-fence time,
+    else that host time. Returns (p90 ms, source, samples)."""
     cb = host.command_buffers(1)[0]
     fence = host.fence()
     gpu, wall = [], []
@@ -60,10 +63,13 @@ def calibrate(host: VulkanHost, renderer: SceneRenderer, frames: int = 16
             renderer.record(cb, desktop_camera(n * 97), n / 72.0)
             vk.vkEndCommandBuffer(cb)
             t0 = time.perf_counter()
+            t_load = load.render(timed=True) if load is not None else 0.0
             host.submit(cb, fence)
             host.wait_fence(fence)
+            load_ms = load.wait(t_load)[1] if load is not None else 0.0
             ms = (time.perf_counter() - t0) * 1e3
             g = renderer.gpu_ms()
+            g = g + load_ms if g is not None and math.isfinite(load_ms) else None
             if n >= 3:  # the first frames compile the driver's shaders
                 wall.append(ms)
                 gpu.append(g)
@@ -77,7 +83,10 @@ def calibrate(host: VulkanHost, renderer: SceneRenderer, frames: int = 16
 
 
 def frame_loop(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts: Options,
-               frames: int, first: int = 0, log: Callable[[str], None] | None = None) -> None:
+               frames: int, first: int = 0, log: Callable[[str], None] | None = None,
+               load: FullscreenLoad | None = None) -> None:
+    """`frames` frames paced at opts.hz: each renders the scene (after the synthetic `load`,
+    if any: one frame's GPU work is both), the model's pieces around it."""
     cb = host.command_buffers(1)[0]
     fence = host.fence()
     pacer = Pacer(opts.hz)
@@ -101,10 +110,13 @@ def frame_loop(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts: Opti
             renderer.record(cb, desktop_camera(c), c / 72.0)
             vk.vkEndCommandBuffer(cb)
             demo.fill_before_render(n)  # continuing steps' pieces, then the render
+            t_load = load.render(timed=False) if load is not None else 0.0
             host.submit(cb, fence)
             demo.fill(n)  # new steps' pieces go in after the render, on the same queue
             t_wait, cpu_wait = time.perf_counter(), time.thread_time()
             host.wait_fence(fence)
+            if load is not None:
+                load.wait(t_load)
             t_fenced, cpu_fenced = time.perf_counter(), time.thread_time()
             # frame time: from the frame's slot (host work, the pieces before the render and
             # the render itself) to the render's fence
@@ -121,7 +133,8 @@ def frame_loop(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts: Opti
 
 
 def compare_policies(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts: Options,
-                     first_frame: int, log: Callable[[str], None]) -> dict[str, Any]:
+                     first_frame: int, log: Callable[[str], None],
+                     load: FullscreenLoad | None = None) -> dict[str, Any]:
     """Training alone (no inference) under 1, 2, 4 chunks, a budget and the slack schedule,
     `compare_frames` frames each: frame times, missed frames, worker latency (PROTOCOL.md's
     co-tenancy metrics). The budget is the slack the render leaves, as measured."""
@@ -141,7 +154,7 @@ def compare_policies(host: VulkanHost, renderer: SceneRenderer, demo: Demo, opts
             job = Job("train", demo.train, host, policy)
             demo.jobs, demo.scheduler = [job], Scheduler([job])
             demo.run.frames = []
-            frame_loop(host, renderer, demo, opts, opts.compare_frames, first=n)
+            frame_loop(host, renderer, demo, opts, opts.compare_frames, first=n, load=load)
             n += opts.compare_frames
             job.close()
             demo.begin_frame(n, start_inference=False)
@@ -169,18 +182,27 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole headless run; returns the metrics (also written to <out>/metrics.json)."""
     t_start = time.perf_counter()
     host = VulkanHost.create()
-    renderer = demo = None
+    renderer = demo = load = None
     try:
         renderer = SceneRenderer(host, opts.resolution, opts.resolution, Scene.build(opts.seed))
         demo = Demo(host, opts, renderer, log)
         log(f"device: {host.device_name}; compiled the depth network in {demo.compile_s:.1f} s")
-        render_ms, render_source, _ = calibrate(host, renderer)
+        load_info = None
+        if opts.load_ms > 0:
+            load, load_ms = calibrated(host, opts.load_ms, opts.load_size)
+            load_info = {"size": opts.load_size, "iterations": load.iterations,
+                         "ms": round(load_ms, 3)}
+            log(f"synthetic render load (xr_demo/loadgen.py): {opts.load_size}x{opts.load_size}"
+                f", {load.iterations} iterations a pixel, {load_ms:.2f} ms a frame alone "
+                f"(asked {opts.load_ms:g})")
+        render_ms, render_source, _ = calibrate(host, renderer, load=load)
         period_ms = 1000 / opts.hz if opts.hz else 0.0
         if opts.evaluate:
             demo.run.eval_start = demo.evaluate()
             log(f"held-out depth error (AbsRel) at the start: {demo.run.eval_start:.4f}")
         info = demo.prepare(period_ms, render_ms)
         info["render_timing"] = render_source
+        info["load"] = load_info
         log(f"render {render_ms:.2f} ms ({render_source}); frame {period_ms:.2f} ms; "
             f"slack {info['slack_ms']} ms")
         for name in ("infer", "train"):
@@ -189,7 +211,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                 log(f"{name}: step {i['step_gpu_ms']} ms GPU ({i['timing']}), "
                     f"{i['dispatches']} dispatches, {i['pieces']} pieces under {i['policy']}")
         t_loop = time.perf_counter()
-        frame_loop(host, renderer, demo, opts, opts.frames, log=log)
+        frame_loop(host, renderer, demo, opts, opts.frames, log=log, load=load)
         loop_s = time.perf_counter() - t_loop
         demo.finish()
         metrics: dict[str, Any] = {
@@ -221,7 +243,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
             log(f"comparing schedules, training alone, {opts.compare_frames} frames each:")
             frames_before = list(run_log.frames)
             metrics["schedules"] = compare_policies(host, renderer, demo, opts,
-                                                    opts.frames + 1000, log)
+                                                    opts.frames + 1000, log, load)
             run_log.frames = frames_before
         if opts.save:
             demo.save(opts.save)
@@ -246,6 +268,8 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
     finally:
         if demo is not None:
             demo.close()
+        if load is not None:
+            load.close()
         if renderer is not None:
             renderer.close()
         host.close()

@@ -9,6 +9,8 @@ Formerly vkml/vk/renderer.py: the library holds no host-application code any mor
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from typing import Any
 
@@ -56,6 +58,7 @@ class FullscreenLoad:
     def __init__(self, host: VulkanHost, width: int = 256, height: int = 256,
                  iterations: int = 32) -> None:
         self.host, self.width, self.height = host, width, height
+        self.iterations = iterations
         d = host.device
         fmt = vk.VK_FORMAT_R8G8B8A8_UNORM
         self.image = vk.vkCreateImage(d, vk.VkImageCreateInfo(
@@ -167,6 +170,15 @@ class FullscreenLoad:
         gpu_ms = (self._stamps[1] - self._stamps[0]) * self.host.timestamp_period / 1e6
         return cpu_ms, gpu_ms
 
+    def measure(self, frames: int = 6) -> float:
+        """The median ms of a frame alone: GPU timestamps where plausible against the host's
+        submit-to-fence time (lavapipe's can read wrong), else that time."""
+        times = []
+        for _ in range(frames + 1):
+            wall, gpu = self.wait(self.render(timed=True))
+            times.append(gpu if math.isfinite(gpu) and 0 < gpu <= wall + 0.5 else wall)
+        return statistics.median(times[1:])  # the first one compiles the driver's shaders
+
     def close(self) -> None:
         """Destroy the renderer's objects; every frame must have been waited for."""
         d = self.host.device
@@ -182,3 +194,22 @@ class FullscreenLoad:
         vk.vkDestroyImage(d, self.image, None)
         vk.vkFreeMemory(d, self.memory, None)
         self.pipeline = None
+
+
+def calibrated(host: VulkanHost, target_ms: float, size: int = 512, rounds: int = 4
+               ) -> tuple[FullscreenLoad, float]:
+    """A size x size load whose frame takes about `target_ms` on this device, and its measured
+    ms: the iterations scaled from a measured probe (a frame's cost is about linear in them),
+    a few rounds until within 10%."""
+    iterations = 16
+    for _ in range(rounds):
+        load = FullscreenLoad(host, size, size, iterations)
+        ms = load.measure()
+        if abs(ms - target_ms) <= 0.1 * target_ms:
+            break
+        load.close()
+        iterations = max(1, round(iterations * target_ms / max(ms, 1e-3)))
+    else:
+        load = FullscreenLoad(host, size, size, iterations)
+        ms = load.measure()
+    return load, ms
