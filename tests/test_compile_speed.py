@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -310,29 +309,6 @@ def test_a_session_from_a_cached_plan_computes_the_same(plan_cache_dir):
     for a, b in zip(*results):
         assert np.array_equal(a, b)
     device.close()
-
-
-def test_compile_returns_once_its_fresh_plan_is_pickled(plan_cache_dir, monkeypatch):
-    """Pickling holds Python's lock in slices: a session stepped while it runs waits a switch
-    interval each time it takes the lock back (on the H200, 10.5 ms steps instead of 3.8)."""
-    pickled = []
-
-    class SlowPickler(plan_cache._Pickler):
-        def dump(self, obj):
-            time.sleep(0.5)
-            super().dump(obj)
-            pickled.append(obj)
-
-    monkeypatch.setattr(plan_cache, "_Pickler", SlowPickler)
-    g, loss = tiny_training_graph()
-    monkeypatch.setenv("VKML_PLAN_CACHE", "0")  # kernels translated, so binding is quick
-    vkml.compile(g, loss=loss, optimizer=vkml.Adam(lr=0.1)).close()
-    monkeypatch.delenv("VKML_PLAN_CACHE")
-    session = vkml.compile(g, loss=loss, optimizer=vkml.Adam(lr=0.1))
-    assert len(pickled) == 1
-    session.close()
-    wait_for_stores()
-    assert len(list(plan_cache_dir.glob("*.pkl"))) == 1
 
 
 def test_an_unreadable_cached_plan_is_lowered_again(plan_cache_dir):

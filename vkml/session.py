@@ -14,7 +14,6 @@ from typing import Any, NamedTuple, TypeVar, overload
 
 import numpy as np
 
-from vkml.compiler import plan_cache
 from vkml.compiler.options import CompileOptions, Trainable
 from vkml.compiler.plan import Plan
 from vkml.compiler.stages import compile_plan
@@ -119,10 +118,8 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     device = device or default_device()
     device.backend.preload()  # a cold cache's translator loads beside the lowering
     plan = compile_plan(graph, device.caps, options)
-    session = Session(plan, device, options.check_finite, graph=graph,
-                      share_params_with=share_params_with)
-    plan_cache.settle()  # a fresh plan was pickled beside the binding: no step competes with it
-    return session
+    return Session(plan, device, options.check_finite, graph=graph,
+                   share_params_with=share_params_with)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

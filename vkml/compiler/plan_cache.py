@@ -139,42 +139,17 @@ def store(cache_key: str, plan: Plan, graph: Graph, optimizer: Optimizer | None)
     entry = (dataclasses.replace(plan, initial_values={}), sources)
     path, root = _path(cache_key), cache_dir()
 
-    pickled = threading.Event()
-    with _pickling_lock:
-        _pickling.add(pickled)
-
     def write() -> None:
         out = io.BytesIO()
         try:
             _Pickler(out, optimizer).dump(entry)
         except Exception:  # only saves time: a plan that cannot be pickled is not cached
             return
-        finally:
-            pickled.set()
-            with _pickling_lock:
-                _pickling.discard(pickled)
         if write_entry(path, out.getvalue(), root):
             _trim(path.parent)
 
     # Not a daemon: an exiting interpreter waits for it, so no half-written temporary is left.
     threading.Thread(target=write, name="vkml-plan-cache").start()
-
-
-# Plans handed to `store` and not pickled yet.
-_pickling: set[threading.Event] = set()
-_pickling_lock = threading.Lock()
-
-
-def settle() -> None:
-    """Wait until every plan handed to `store` is pickled (its file may still be written).
-    Pickling runs Python code (persistent_id) and so holds Python's lock in slices: while it
-    runs, each time the thread that steps a session waits on the GPU and wants the lock back,
-    it waits a switch interval (5 ms) for it. On the H200, SmolLM2's inference steps took
-    10.5 ms instead of 3.8 for as long as its fresh plan was being pickled."""
-    with _pickling_lock:
-        pending = list(_pickling)
-    for event in pending:
-        event.wait()
 
 
 def _trim(directory: Path) -> None:
