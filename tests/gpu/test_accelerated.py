@@ -7,17 +7,22 @@ GPU's capabilities less its cooperative matrices).
 
 Each case asserts that the variant it names is the kernel that ran (a silent fall back to f32
 would otherwise pass), records its kernels and errors, then asserts the gates; the records go
-to $VKML_GPU_RESULTS as JSON at the end of the run where that is set (the lead commits the
-H200's run as tests/gpu/results-h200.json). Lavapipe has no cooperative matrices, and there
-the staged f16 tiles are checked by tests/test_gemm_paths.py and tests/test_models.py: every
-case here says so as it skips. On a GPU (the H200, from the repo root, about a minute):
+to $VKML_GPU_RESULTS as JSON at the end of the run where that is set, with a fingerprint of
+the kernel sources. Lavapipe has no cooperative matrices, and there the staged f16 tiles are
+checked by tests/test_gemm_paths.py and tests/test_models.py: every case here says so as it
+skips. Run on the H200 before each change to the kernels (from the repo root, about a minute):
 
-    . .gl/enter.sh; VKML_GPU_RESULTS=$OUT/gpu-checks.json python3 -m pytest -q -rs tests/gpu
+    . .gl/enter.sh; VKML_GPU_RESULTS=$OUT/results-h200.json python3 -m pytest -q -rs tests/gpu
+
+and commit the file as tests/gpu/results-h200.json: everywhere, the suite then checks that
+every case of that run passed, and says so as it skips where the run is missing or out of date
+(kernel sources changed since, or cases added).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -63,7 +68,50 @@ def results(device):
         Path(path).write_text(json.dumps({
             "device": caps.device_name, "driver": caps.driver, "api": caps.api_version,
             "cooperative_matrix": caps.cooperative_matrix, "shader_f16": caps.shader_f16,
-            "cases": cases}, indent=1) + "\n")
+            "kernel_sources": kernel_sources(), "cases": cases}, indent=1) + "\n")
+
+
+# The sources that decide and generate the kernels checked here, and the H200's committed run
+KERNEL_SOURCES = ("vkml/kernels", "vkml/compiler", "vkml/hal/capabilities.py")
+COMMITTED = Path(__file__).with_name("results-h200.json")
+
+
+def kernel_sources() -> str:
+    """A fingerprint (sha256) of KERNEL_SOURCES' Python files, paths and contents."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for source in KERNEL_SOURCES:
+        path = root / source
+        for f in sorted(path.glob("*.py")) if path.is_dir() else [path]:
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def test_committed_gpu_run_passed_and_is_current():
+    # the H200's run committed as COMMITTED: every case it ran passed; where it is missing,
+    # ran on other kernel sources, or lacks cases defined here, this says so as it skips
+    if not COMMITTED.exists():
+        pytest.skip(f"NOT CHECKED: no GPU run is committed ({COMMITTED.name}): run this "
+                    "module on the H200 (the command is in its docstring) and commit the file")
+    run = json.loads(COMMITTED.read_text())
+    failed = [c["case"] for c in run["cases"] if not c["passed"]]
+    assert not failed, f"the committed GPU run ({run['device']}) failed: {failed}"
+    missing = sorted(case_names() - {c["case"] for c in run["cases"]})
+    stale = run["kernel_sources"] != kernel_sources()
+    if stale or missing:
+        pytest.skip(f"NOT CHECKED: the committed GPU run ({run['device']}, {COMMITTED.name}) "
+                    "is out of date: " + "; ".join(
+                        [*([f"{', '.join(KERNEL_SOURCES)} changed since"] if stale else []),
+                         *([f"it lacks {missing}"] if missing else [])])
+                    + ": rerun tests/gpu on the H200 and commit the file")
+
+
+def case_names() -> set[str]:
+    """The name each case records its result under."""
+    return {f"{kind} {name}" for kind, cases in (
+        ("cooperative matmul", MATMULS), ("cooperative matmul backward", BACKWARD),
+        ("staged f16 matmul", STAGED), ("cooperative convolution", CONVS),
+        ("cooperative attention", COOPERATIVE_ATTENTION)) for name in cases}
 
 
 def needs(device, variant: str) -> None:
