@@ -315,27 +315,31 @@ def test_staged_f16_matmul_forward_and_backward(name, device, results, rng):
     session.close()
 
 
-# x shape, weight shape, stride, padding: from gemm.COOP_MIN (2048) in every dimension of the
-# implicit GEMM, forward only (their gradients stay f32)
+# x shape, weight shape, stride, padding, a ReLU epilogue: from gemm.COOP_MIN (2048) in every
+# dimension of the implicit GEMM, forward only (their gradients stay f32)
 CONVS = {
-    "3x3_divides": ((1, 256, 48, 48), (2048, 256, 3, 3), 1, 1),
-    "3x3_edges": ((1, 232, 47, 45), (2056, 232, 3, 3), 1, 1),
-    "1x1_pointwise": ((2, 2048, 32, 32), (2048, 2048, 1, 1), 1, 0),
+    "3x3_divides": ((1, 256, 48, 48), (2048, 256, 3, 3), 1, 1, False),
+    "3x3_edges_relu": ((1, 232, 47, 45), (2056, 232, 3, 3), 1, 1, True),
+    "1x1_pointwise": ((2, 2048, 32, 32), (2048, 2048, 1, 1), 1, 0, False),
 }
 
 
 @pytest.mark.parametrize("name", CONVS)
 def test_cooperative_convolution(name, device, results, rng):
     needs(device, "cooperative")
-    x_shape, w_shape, stride, padding = CONVS[name]
+    x_shape, w_shape, stride, padding, relu = CONVS[name]
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
     g = vkml.Graph()
-    g.output("y", g.conv2d(g.param("x", x_shape, init=x), g.param("w", w_shape, init=w),
-                           stride=stride, padding=padding))
+    y = g.conv2d(g.param("x", x_shape, init=x), g.param("w", w_shape, init=w), stride=stride,
+                 padding=padding)
+    g.output("y", g.relu(y) if relu else y)
     session, kernels = infer(g, device)
-    assert any(k.startswith("conv2d") and re.search(COOP, k) for k in kernels), kernels
+    (conv,) = kernels  # the ReLU in its epilogue
+    assert conv.startswith("fused_conv2d" if relu else "conv2d") and re.search(COOP, conv), \
+        kernels
     want = F.conv2d(tensor64(x), tensor64(w), stride=stride, padding=padding)
+    want = torch.relu(want) if relu else want
     gate(results, f"cooperative convolution {name}", kernels,
          {"y": (session.read("y"), numpy64(want))}, {})
     session.close()
