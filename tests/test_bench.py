@@ -183,3 +183,29 @@ def test_session_order_times_each_session_here_and_alone(tmp_path):
     text = json_path.with_suffix(".md").read_text()
     assert "## Sessions one after another in one process" in text
     assert text.count("| smollm2 |") == 4
+
+
+def test_ncnn_bench_runs_both_engines_on_one_model(tmp_path):
+    # tools/ncnn_bench.py: pnnx converts a tiny zoo model to ncnn's format; ncnn (Vulkan, and
+    # the CPU) and vkml's import of the same module run it, each checked against float64
+    pytest.importorskip("ncnn", reason="tools/ncnn_bench.py needs `pip install vkml[bench]`")
+    pytest.importorskip("pnnx", reason="tools/ncnn_bench.py needs `pip install vkml[bench]`")
+    cmd = [sys.executable, str(REPO / "tools" / "ncnn_bench.py"), "--tiny", "--models",
+           "squeezenet1_1", "--cpu", "--reps", "2", "--warmup", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "ncnn_bench-tiny.json").read_text())
+    rows = {(r["engine"], r["variant"]): r for r in data["rows"]}
+    assert rows["pnnx", "convert"]["status"] == "ok" and rows["pnnx", "convert"]["convert_s"] > 0
+    for key in [("ncnn", "vulkan fp32"), ("ncnn", "cpu fp32"), ("vkml", "f32")]:
+        row = rows[key]
+        assert row["status"] == "ok", row
+        assert row["rel_l2"] < 1e-4 and row["pass"], row  # f32 against float64
+        assert row["n"] == 2 and 0 < row["min_ms"] <= row["median_ms"]
+    assert rows["ncnn", "vulkan fp32"]["options"]["use_fp16_storage"] is False
+    fp16 = rows["ncnn", "vulkan fp16"]
+    assert fp16["status"] == "ok" and fp16["pass"], fp16
+    assert rows["vkml", "f16"]["status"] == "ok" or rows["vkml", "f16"]["reason"]
+    text = (tmp_path / "ncnn_bench-tiny.md").read_text()
+    assert text.count("| squeezenet1_1 |") == 5

@@ -291,7 +291,7 @@ def mlp(seed: int = 0) -> tuple[vkml.Graph, vkml.Tensor, vkml.Tensor]:
 def test_a_session_after_another_computes_the_same_and_close_gives_its_memory_back(device):
     """On the H200 a session compiled after an f16 training session in the same process ran
     3-4x slower than in a fresh one. Here: an f32 inference session alone; then a training
-    session (f32, and f16 where the device has cooperative matrices) stepped and closed, which
+    session (f32, and f16 where the device has f16 arithmetic) stepped and closed, which
     must leave the device's buffers, their bytes, pipelines and programs as they were; then the
     same inference session again, whose logits must equal those it gave alone, bit for bit, and
     float64 NumPy's."""

@@ -384,23 +384,28 @@ def child_compile(spec: dict[str, Any]) -> dict[str, Any]:
             "compile_s": t4 - t3, "close_s": time.perf_counter() - t4, "kernels": kernels}
 
 
+def timed_calls(call: Callable[[], Any], warmup: int, reps: int) -> dict[str, Any]:
+    """The first call, `warmup` more, then `reps` timed calls, wall clock in ms."""
+    t0 = time.perf_counter()
+    call()
+    first = (time.perf_counter() - t0) * 1e3
+    for _ in range(warmup):
+        call()
+    wall = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        wall.append((time.perf_counter() - t0) * 1e3)
+    return {**stats_fields(wall), "first_step_ms": first}
+
+
 def timed_steps(session: Any, warmup: int, reps: int) -> dict[str, Any]:
-    """First step, `warmup` more, then `reps` timed `step(); wait()`, wall clock."""
+    """timed_calls of `step(); wait()`."""
     def step() -> None:
         session.step()
         session.wait()
 
-    t0 = time.perf_counter()
-    step()
-    first = (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
-        step()
-    wall = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        wall.append((time.perf_counter() - t0) * 1e3)
-    return {**stats_fields(wall), "first_step_ms": first}
+    return timed_calls(step, warmup, reps)
 
 
 def device_state(device: Any) -> dict[str, Any]:
