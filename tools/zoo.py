@@ -128,7 +128,7 @@ def export_onnx(torch, model: zoo_models.ZooModel, path: Path, training: bool = 
 
 
 def import_model(torch, model: zoo_models.ZooModel, way: str, workdir: Path):
-    if way == "onnx":
+    if way == "onnx":  # else "torch" (main checks --ways)
         path = workdir / "model.onnx"
         row_exporter = export_onnx(torch, model, path)
         return vkml.import_onnx(str(path)), path, row_exporter
@@ -393,25 +393,48 @@ def write(rows: list[Row], meta: dict, out: Path) -> None:
     (out / f"zoo-{meta['size']}.md").write_text(markdown(rows, meta))
 
 
+def merge(paths: list[Path], out: Path) -> int:
+    runs = [json.loads(p.read_text()) for p in paths]
+    sizes = {run["meta"]["size"] for run in runs}
+    if len(sizes) != 1:
+        raise SystemExit(f"--merge: the files hold sizes {sorted(sizes)}; merge one size")
+    # Before --ways both expanded, "both" named one way: import_model's torch.export branch.
+    rows = {(r["model"], r["way"]): Row(**r) for run in runs
+            for r in [{**r, "way": "torch" if r["way"] == "both" else r["way"]}
+                      for r in run["rows"]]}
+    meta = {**runs[0]["meta"], "command": "; ".join(run["meta"]["command"] for run in runs),
+            "date": ", ".join(sorted({run["meta"]["date"] for run in runs}))}
+    write(list(rows.values()), meta, out)
+    print(f"wrote {out / ('zoo-' + meta['size'] + '.md')} and .json ({len(rows)} rows)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=zoo_models.SIZES, default="small")
     ap.add_argument("--only", help="comma-separated model names (default: all of "
                                    f"{', '.join(zoo_models.MODELS)})")
-    ap.add_argument("--ways", default=",".join(WAYS), help="onnx, torch or both")
+    ap.add_argument("--ways", default="both", help="onnx, torch or both")
     ap.add_argument("--bench", action="store_true", help="time training steps beside PyTorch")
     ap.add_argument("--import-only", action="store_true",
                     help="import both ways and report refusals; no numbers checked")
     ap.add_argument("--out", default="out/zoo", help="folder for zoo-<size>.json and .md")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="write one table of the rows of these zoo-<size>.json files (runs "
+                         "cut into parts to fit a machine's time limit), later files winning")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge([Path(p) for p in args.merge], Path(args.out))
     import torch
     torch.set_num_threads(max(1, torch.get_num_threads()))
     names = args.only.split(",") if args.only else list(zoo_models.MODELS)
     unknown = sorted(set(names) - set(zoo_models.MODELS))
     if unknown:
         ap.error(f"unknown models {unknown}; the zoo has {sorted(zoo_models.MODELS)}")
-    ways = args.ways.split(",")
+    ways = list(WAYS) if args.ways == "both" else args.ways.split(",")
+    if set(ways) - set(WAYS):
+        ap.error(f"--ways {args.ways!r}: give onnx, torch, onnx,torch or both")
     device = vkml.Device()
     rows: list[Row] = []
     meta = {"size": args.size, "date": time.strftime("%Y-%m-%d %H:%M"),
