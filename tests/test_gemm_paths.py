@@ -584,3 +584,27 @@ def test_f16_arithmetic_leaves_convolutions_f32(device):
     plan = lower(g, caps, loss=g.sum(g.mul(y, y)), precision="f16").plan
     convs = [d.kernel.name for d in plan.dispatches if d.op.startswith("conv2d")]
     assert len(convs) == 3 and all(re.search(r"_s\d+x\d+k\d+r\d+x\d+$", n) for n in convs), convs
+
+
+def test_staged_f16_tiles_sum_each_slice_in_f16_and_the_slices_in_f32(device):
+    # 2048 then ones along the sum: within the first staged slice f16 arithmetic drops every
+    # 1 (f16's spacing at 2048 is 2, and ties go to even), the second slice's ones are summed
+    # exactly and added in f32: 2048 + bk, where f32 sums would give 2048 + 2 bk - 1.
+    # (Lavapipe computes f16 as f16, so this runs the arithmetic a mobile GPU would.)
+    if dataclasses.replace(device.caps, precision="f16").f16_products != "simt":
+        pytest.skip(f"{device.caps.device_name} has no f16 arithmetic without cooperative "
+                    "matrices: the staged f16 tiles were not run")
+    from vkml.kernels import gemm
+    bk = 16
+    a = np.ones((4, 2 * bk), np.float32)
+    a[:, 0] = 2048
+    g = vkml.Graph()
+    g.output("c", g.matmul(g.param("a", a.shape, init=a), g.constant(np.ones((2 * bk, 4),
+                                                                              np.float32))))
+    session = vkml.compile(g, precision="f16", device=device)
+    session.step()
+    (kernel,) = [d.kernel.name for d in session.plan.dispatches]
+    assert kernel.endswith(f"k{bk}r4x4h") and kernel in {
+        f"matmul_nn_4x4x{2 * bk}_{t}" for t in gemm.STAGED_F16}, kernel
+    np.testing.assert_array_equal(session.read("c"), np.full((4, 4), 2048 + bk, np.float32))
+    session.close()
