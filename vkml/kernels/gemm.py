@@ -3,7 +3,7 @@ output tiles, with the operands read through loaders, so one generator serves ma
 transposed, batched) and convolution as implicit GEMM (forward, input gradient, weight gradient):
 the caller says how to read an element of A and of B and how to store an element of C.
 
-Three variants, chosen by the device and the product:
+Four variants, chosen by the device and the product:
 - staged (GPUs): a workgroup computes a BM x BN tile; each thread holds a TM x TN register tile
   of scalar accumulators (generated unrolled: a dynamically indexed local array would live in
   slow local memory). Every BK-deep slice of A and B goes through workgroup memory as vec4 rows,
@@ -139,6 +139,8 @@ STAGED = (Tiling(256, 128, 16, 8, 8, True), Tiling(128, 128, 8, 8, 8, True),
           Tiling(64, 32, 8, 4, 16, True), Tiling(32, 64, 4, 8, 16, True),
           Tiling(32, 32, 4, 4, 16, True))
 STAGED_F16 = tuple(dataclasses.replace(t, f16=True) for t in STAGED)
+
+
 @dataclass(frozen=True)
 class CoopTiling:
     """SG_M x SG_N subgroups of 32 lanes, each with FM x FN 16x16 fragments."""
