@@ -202,9 +202,10 @@ class WgpuBackend(BackendBase):
             raise DeviceError(f"wgpu could not open {_describe(adapter)[0]!r}: {exc}") from exc
         self._queue = self._device.queue
         logging.getLogger("wgpu").addHandler(self._log)
-        # wgpu-native's C functions and NULL, for the encoding loop (see the module's docstring)
-        ffi = wgpu.backends.wgpu_native._ffi
-        self._lib, self._null = ffi.lib, ffi.ffi.NULL
+        # wgpu-native's C functions, cffi's types and wgpu-py's wrappers of both, for what
+        # wgpu-py's classes do slowly or not at all (the encoding loop, _shader_module)
+        self._api = wgpu.backends.wgpu_native._api
+        self._ffi, self._lib, self._null = self._api.ffi, self._api.lib, self._api.ffi.NULL
 
         info, lim = adapter.info, self._device.limits
         native = wgpu.backends.wgpu_native
@@ -320,7 +321,7 @@ class WgpuBackend(BackendBase):
         self._alive()
         wgpu, dev, name = self._wgpu, self._device, kernel.name
         try:
-            module = dev.create_shader_module(label=name, code=kernel.wgsl)
+            module = self._shader_module(name, kernel.wgsl)
         except wgpu.GPUError as exc:  # wgpu's WGSL front end is naga too: same report
             raise NagaError.for_kernel(f"naga rejected kernel '{name}' (in wgpu):\n{exc}", name,
                                        kernel.wgsl, str(exc)) from None
@@ -338,6 +339,28 @@ class WgpuBackend(BackendBase):
         pipeline = Pipeline(name, handle, layout, kernel.num_bindings)
         self._pipelines.add(pipeline)
         return pipeline
+
+    def _shader_module(self, name: str, wgsl: str) -> Any:
+        """A shader module of `wgsl` without the checks wgpu compiles into every shader by
+        default: a clamp of every array index (vkml generates its kernels' indexing, and the
+        Vulkan backend's SPIR-V, naga's default, has none either) and a counter bounding every
+        loop (vkml's loops end by construction). wgpu-py has no call for wgpu-native's trusted
+        shader modules: its C function is called through wgpu-py's wrapper, which raises the
+        errors (naga's report) as create_shader_module does."""
+        ffi, lib = self._ffi, self._lib
+        code, label = wgsl.encode(), name.encode()
+        code_chars, label_chars = ffi.new("char[]", code), ffi.new("char[]", label)
+        source = ffi.new("WGPUShaderSourceWGSL *")
+        source.chain.sType = lib.WGPUSType_ShaderSourceWGSL
+        source.code.data, source.code.length = code_chars, len(code)
+        descriptor = ffi.new("WGPUShaderModuleDescriptor *")
+        descriptor.nextInChain = ffi.cast("WGPUChainedStruct *", source)
+        descriptor.label.data, descriptor.label.length = label_chars, len(label)
+        handle = self._api.libf.wgpuDeviceCreateShaderModuleTrusted(
+            self._device._internal, descriptor, lib.WGPUShaderRuntimeChecks_None)
+        if handle == self._null:
+            raise DeviceError(f"wgpu made no shader module of kernel {name!r}")
+        return self._api.GPUShaderModule(name, handle, self._device)
 
     def free_pipeline(self, pipeline: Pipeline) -> None:
         """wgpu releases a pipeline when nothing references it: drop vkml's references."""
