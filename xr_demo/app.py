@@ -266,12 +266,13 @@ class Demo:
         owner = self.train if self.train is not None else self.infer
         for name, value in (encoder or {}).items():
             owner.set_param("encoder." + name, value)
+        if opts.checkpoint:  # after the encoder weights: the checkpoint has the last word
+            self._load(opts.checkpoint, opts.fresh_decoder)
+            self.encoder_source = os.path.abspath(opts.checkpoint)
         self.counts = self._count_params()
         log(f"model {self.cfg.describe()}; parameters: encoder {self.counts['encoder']:,}, "
             f"decoder {self.counts['decoder']:,}, learning live {self.counts['live']:,} "
             f"({opts.live}); encoder weights: {self.encoder_source}; precision {opts.precision}")
-        if opts.checkpoint:
-            self._load(opts.checkpoint, opts.fresh_decoder)
         self.run = RunLog()
         self.samples: deque[tuple[int, np.ndarray, np.ndarray]] = deque()
         self.latest: tuple[int, np.ndarray, np.ndarray] | None = None
