@@ -177,6 +177,7 @@ def test_session_order_times_each_session_here_and_alone(tmp_path):
         assert e["ratio"] == here["median_ms"] / alone["median_ms"]
         assert e["slower"] == (e["ratio"] > 1.2)
         assert np.isfinite(here["loss"]) and e["loss_rel_diff"] < 1e-5, e
+        assert here["gpu_ms"]["n"] == 1 and alone["gpu_ms"]["median"] > 0
         # the bench holds no other session: the close left no buffer behind
         assert here["device_after_close"]["live"]["buffers"] == 0
         assert here["device_after_close"]["live"] == here["device_before"]["live"]

@@ -67,9 +67,10 @@ f32 infer (SESSION_ORDER) compiled, stepped and closed one after another on the 
 each beside the same session alone in a fresh process (the graph's seeded weights, the same
 inputs and steps): a session more than 1.2x slower here than alone is flagged. On the H200 a
 session compiled after an f16 training session ran 3-4x slower than alone, which the usual order
-of rows (each workload's f32 sessions first) did not show. Each entry also records the loss here
-and alone, the device's live buffers (count, bytes) and heap budget after the close, and how
-many of the session's arenas were host-mapped memory.
+of rows (each workload's f32 sessions first) did not show. Each entry also records the GPU time
+(`profile()`) here and alone, which tells a slower device (memory, clocks) from a slower host
+(waits, threads), the loss here and alone, the device's live buffers (count, bytes) and heap
+budget after the close, and how many of the session's arenas were host-mapped memory.
 
 Order, for a run cut short by a time limit: each workload's rows (timings and gates), then the
 matmul, then the compile subprocesses; the JSON is rewritten after every row, the markdown after
@@ -431,6 +432,10 @@ def time_session(vkml: Any, device: Any, built: Any, phase: str, mode: str, acce
         for name, value in arrays.items():
             session.set_input(name, value)
         out = timed_steps(session, warmup, reps)
+        # device time apart from wall time: a session slower on the GPU (memory, clocks) or
+        # only on the host (waits, threads) after another
+        gpu = profile_summary(session.profile(reps))
+        out["gpu_ms"] = {k: gpu[k] for k in ("median", "min", "n", "source")}
         out["loss"] = float(np.asarray(session.read("loss")).ravel()[0])
         arenas = getattr(getattr(session, "_bound", None), "arenas", [])
         out["arenas_mapped"] = [sum(getattr(a, "pointer", None) is not None for a in arenas),
@@ -816,9 +821,9 @@ class Report:
         if not self.sessions:
             return []
         lines = ["| workload | # | phase | precision | here ms | fresh process ms | here / fresh | "
-                 "loss here vs fresh | arenas mapped | device after close: buffers, MiB, "
-                 "heap available MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- "
-                 "| --- |"]
+                 "GPU ms here / fresh | loss here vs fresh | arenas mapped | device after "
+                 "close: buffers, MiB, heap available MiB |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
         def ms(r: dict[str, Any]) -> str:
             if r.get("status") != "ok":
@@ -828,7 +833,7 @@ class Report:
         for e in self.sessions:
             head = f"| {e['workload']} | {e['position']} | {e['phase']} | {e['precision']} |"
             if e["status"] != "ok":
-                lines.append(f"{head} {e['status']}: {e.get('reason', '')[:200]} | | | | | |")
+                lines.append(f"{head} {e['status']}: {e.get('reason', '')[:200]} | | | | | | |")
                 continue
             here, fresh = e["in_process"], e["fresh_process"]
             ratio = (f"**{e['ratio']:.2f}x**" if e.get("slower") else f"{e['ratio']:.2f}x"
@@ -838,7 +843,9 @@ class Report:
             avail = after["heap_available_bytes"]
             state = (f"{after['live']['buffers']}, {after['live']['buffer_bytes'] / MiB:.3g}, "
                      + ("-" if avail is None else f"{avail / MiB:.0f}"))
-            lines.append(f"{head} {ms(here)} | {ms(fresh)} | {ratio} | {loss} | "
+            gpu = " / ".join("-" if not (r.get("gpu_ms") or {}).get("median") else
+                             f"{r['gpu_ms']['median']:.3g}" for r in (here, fresh))
+            lines.append(f"{head} {ms(here)} | {ms(fresh)} | {ratio} | {gpu} | {loss} | "
                          f"{here['arenas_mapped'][0]} / {here['arenas_mapped'][1]} | {state} |")
         return lines
 
