@@ -241,6 +241,20 @@ def test_headless_run_of_the_vits14_model_with_encoder_weights(tmp_path, monkeyp
         np.testing.assert_array_equal(saved["encoder." + name], value, err_msg=name)
 
 
+def test_headless_run_predicting_in_the_training_step(tmp_path):
+    """--predict-in-training: no inference job; each training step's forward pass is the
+    prediction, of the frame it trained on, and its latency the frame-to-prediction one."""
+    metrics, _ = _headless(tmp_path, "pit", frames=8, train_every=1, evaluate=False,
+                           predict_in_training=True)
+    run = metrics["run"]
+    assert "infer_steps" not in run and run["train_steps"] == 8
+    assert run["prediction_from"] == "train"
+    assert run["prediction_latency_ms_p50"] == run["train_latency_ms_p50"] is not None
+    live = metrics["depth_error"]["live_abs_rel"]
+    assert [p[2] for p in live] == list(range(8))  # step k predicted before its own update
+    assert metrics["validation_messages"] == []
+
+
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["bind_input", "set_input"])
 def test_headless_results_are_bit_identical_across_chunkings(tmp_path, zero_copy):
     """Whatever the schedule, the trainer trains on the frames it was given: with set_input,

@@ -77,6 +77,10 @@ def parse(argv: list[str] | None = None) -> Options:
     ap.add_argument("--set-input", dest="zero_copy", action="store_false",
                     help="frames reach the model through the host (read-back, set_input) "
                     "instead of GPU memory (bind_input, the default)")
+    ap.add_argument("--predict-in-training", action="store_true",
+                    help="the prediction drawn is each training step's own forward pass on its "
+                    "frame (before the update): one encoder pass a frame, no inference job; "
+                    "needs --train-every 1")
     ap.add_argument("--load-ms", type=float, default=d.load_ms,
                     help="headless: add a synthetic render load (xr_demo/loadgen.py: a full-"
                     "screen fragment shader) costing about this many GPU ms a frame, measured "
@@ -100,7 +104,8 @@ def parse(argv: list[str] | None = None) -> Options:
                    max_pending=a.max_pending, camera=a.camera, margin_ms=a.margin_ms,
                    compare=a.compare, compare_frames=a.compare_frames, evaluate=a.evaluate,
                    xr_size=a.xr_size, window_scale=a.window_scale,
-                   screenshot=a.screenshot, zero_copy=a.zero_copy, load_ms=a.load_ms,
+                   screenshot=a.screenshot, zero_copy=a.zero_copy,
+                   predict_in_training=a.predict_in_training, load_ms=a.load_ms,
                    load_size=a.load_size)
 
 

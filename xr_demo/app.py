@@ -89,6 +89,9 @@ class Options:
     window_scale: int = 4  # window: screen pixels per model pixel
     screenshot: str | None = None  # window: grab the X screen into this PNG before closing
     zero_copy: bool = True  # frames in and the prediction out through GPU memory (bind_input)
+    # the prediction is the training step's own forward pass (before its update) on the frame
+    # it trains on: one encoder pass a frame, no inference job (needs train_every 1)
+    predict_in_training: bool = False
     load_ms: float = 0.0  # headless: a synthetic render load (xr_demo/loadgen.py) of this GPU ms
     load_size: int = 512  # its image's size
 
@@ -243,6 +246,10 @@ class Demo:
     def __init__(self, host: VulkanHost, opts: Options, renderer: SceneRenderer,
                  log: Callable[[str], None] = print) -> None:
         self.host, self.opts, self.renderer, self.log = host, opts, renderer, log
+        if opts.predict_in_training and opts.train_every != 1:
+            raise ValueError("predict_in_training draws every training step's prediction: "
+                             f"it needs a training step every frame (train_every 1, got "
+                             f"{opts.train_every})")
         encoder, self.encoder_source = self._encoder_weights()
         self.cfg = net.config(opts.model, opts.resolution,
                               net.checked_vits14(encoder) if encoder else None)
@@ -286,6 +293,7 @@ class Demo:
         self._infer_train_steps = 0  # training steps the inference in flight sees
         self._train_harvested = True
         self._train_steps_done = 0
+        self._train_sample: tuple[int, np.ndarray, np.ndarray] | None = None  # in training
         self._sync_cb = host.command_buffers(1)[0]
         self._sync_fence = host.fence()
         self.timer = ModelTimer(host)
@@ -334,8 +342,9 @@ class Demo:
             cb, self.drawable.image, vk.VK_IMAGE_LAYOUT_UNDEFINED, readable,
             vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, 0,
             vk.VK_ACCESS_MEMORY_READ_BIT))
-        self.infer.bind_output("depth", vkml.HostImage(self.drawable.image, host.device,
-                                                       "r32_float", (r, r), drawn, readable))
+        predicting = self.train if self.opts.predict_in_training else self.infer
+        predicting.bind_output("depth", vkml.HostImage(  # type: ignore[union-attr]
+            self.drawable.image, host.device, "r32_float", (r, r), drawn, readable))
 
     # ---- weights ----------------------------------------------------------------------------
     def _encoder_weights(self) -> tuple[dict[str, np.ndarray] | None, str]:
@@ -445,7 +454,7 @@ class Demo:
             float("inf")
         policy = Policy.parse(self.opts.schedule).within(self.slack_ms)
         self.jobs = []
-        if self.opts.infer_every > 0:
+        if self.opts.infer_every > 0 and not self.opts.predict_in_training:
             self.jobs.append(Job("infer", self.infer, self.host,
                                  policy if policy.kind == "slack" else Policy("chunks", 1)))
         if self.train is not None:
@@ -498,6 +507,9 @@ class Demo:
             self._harvest_prediction()
         if train is not None and not self._train_harvested and not train.busy:
             loss = float(self.train.read("loss"))  # type: ignore[union-attr]
+            if self.opts.predict_in_training:
+                self._record_prediction(*self._train_sample, self.train,  # type: ignore[arg-type]
+                                        self._train_steps_done)
             self._train_steps_done += 1
             self.run.losses.append((self._train_steps_done, n, loss))
             self._train_harvested = True
@@ -520,7 +532,8 @@ class Demo:
             self._infer_due = False
             infer.begin(n)
         if train is not None and self._train_harvested and not train.busy and self.samples:
-            _, rgb, depth = self.samples.popleft()
+            self._train_sample = self.samples.popleft()
+            _, rgb, depth = self._train_sample
             if self.ring is not None:  # its frame into the images the trainer reads
                 self.ring.release(self._sample_slots.popleft())
             else:
@@ -537,10 +550,13 @@ class Demo:
                 return
             self._infer_input = (self._infer_frame, *seen)  # type: ignore[assignment]
         assert self._infer_input is not None
-        frame, rgb, depth = self._infer_input
-        pred = self.infer.read("depth")[0, 0] * FAR
+        self._record_prediction(*self._infer_input, self.infer, self._infer_train_steps)
+
+    def _record_prediction(self, frame: int, rgb: np.ndarray, depth: np.ndarray,
+                           session: vkml.Session, train_steps: int) -> None:
+        pred = session.read("depth")[0, 0] * FAR
         self.run.predictions.append(Prediction(
-            frame, time.perf_counter() - self._t0, self._infer_train_steps, rgb, depth, pred,
+            frame, time.perf_counter() - self._t0, train_steps, rgb, depth, pred,
             abs_rel(pred, depth)))
 
     def fill_before_render(self, n: int) -> None:
@@ -686,6 +702,11 @@ class Demo:
                                                             if p50 is not None else None)
             frames_spanned = [r.frames for r in job.records]
             result[f"{job.name}_frames_per_step_p50"] = pct(frames_spanned, 50)
+        # frame to prediction: the job whose step draws it (first piece submitted -> done)
+        source = "train" if self.opts.predict_in_training else "infer"
+        result["prediction_from"] = source
+        for key in ("latency_ms_p50", "latency_ms_p99", "latency_frames_p50"):
+            result[f"prediction_{key}"] = result.get(f"{source}_{key}")
         return result
 
     def _finish_jobs(self, close: bool = False) -> None:
