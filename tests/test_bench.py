@@ -71,7 +71,8 @@ def test_bench_compile_and_library_twins(tmp_path):
     # compiles in seconds on a CPU (inductor takes minutes); the CUDA-graph capture and
     # autocast rows need CUDA and say so here.
     run_bench(tmp_path, "--only", "whisper_encoder", "--phases", "train", "--reps", "1",
-              "--warmup", "0", "--compile", "none", "--torch-compile-backend", "aot_eager")
+              "--warmup", "0", "--compile", "none", "--torch-engines", "all",
+              "--torch-compile-backend", "aot_eager")
     (json_path,) = tmp_path.glob("bench-*-tiny-vulkan.json")
     data = json.loads(json_path.read_text())
     rows = {(r["mode"], r["engine"]): r for r in data["rows"]}

@@ -7,6 +7,7 @@
     python tools/bench.py --backend wgpu           # the vkml rows through the wgpu backend
     python tools/bench.py --matmul                 # also one n^3 matmul vs cuBLAS, TFLOP/s
     python tools/bench.py --session-order          # only: sessions one after another (below)
+    python tools/bench.py --only resnet --torch-engines all   # + torch.compile, torchvision's
 
 Engines, per (workload, phase, mode):
 - vkml: `vkml.compile(...)` (strict: the default precision, f32; accelerated: `precision="f16"`,
@@ -23,14 +24,14 @@ Engines, per (workload, phase, mode):
   plain reference, for the three workloads that have one (tools/bench_hf.py): Hugging Face
   LlamaForCausalLM with SDPA (SmolLM2), torchvision's ResNet (ResNet-50), Hugging Face
   WhisperForAudioClassification with SDPA (Whisper), loaded from the same weights file.
-`--torch-engines` picks among these. Strict: TF32 off for cuBLAS and cuDNN. Accelerated: TF32 on,
-and each engine again with autocast of the forward for every type of `--torch-autocast` (default
-none,bf16: rows "torch-eager+bf16" ...; f32 master weights, cache_enabled=False; no loss scaling,
-so f16 training is a timing, not a recipe). Without CUDA (`--tiny` here: lavapipe), PyTorch runs
-on the CPU with one thread, and its graph and accelerated rows are recorded as skipped / not
-available, with the reason. Every PyTorch row carries PROTOCOL.md's gates against the plain
-reference in float64 (the markdown's "Every PyTorch row" table, where there are engines beyond
-eager and graphs).
+`--torch-engines` picks among these (default eager,graphs; "all": every one). Strict: TF32 off for
+cuBLAS and cuDNN. Accelerated: TF32 on, and each engine again with autocast of the forward for
+every type of `--torch-autocast` (default none,bf16: rows "torch-eager+bf16" ...; f32 master
+weights, cache_enabled=False; no loss scaling, so f16 training is a timing, not a recipe). Without
+CUDA (`--tiny` here: lavapipe), PyTorch runs on the CPU with one thread, and its graph and
+accelerated rows are recorded as skipped / not available, with the reason. Every PyTorch row
+carries PROTOCOL.md's gates against the plain reference in float64 (the markdown's "Every PyTorch
+row" table, where there are engines beyond eager and graphs).
 
 Same weights and inputs on both sides: each workload's seeded parameters go into one safetensors
 file, written once and loaded by name by every vkml session and every PyTorch module. The
@@ -1538,6 +1539,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         allowed = list(allowed)
 
         def parse(text: str) -> list[str]:
+            if text.strip() == "all":
+                return allowed
             chosen = [s.strip() for s in text.split(",") if s.strip()]
             bad = [s for s in chosen if s not in allowed]
             if bad or not chosen:
@@ -1562,9 +1565,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-autocast", type=names(AUTOCASTS), default=["none", "bf16"],
                    help="accelerated PyTorch's rows: TF32, then each again with autocast to "
                    "these types (engines named '+bf16'); default none,bf16")
-    p.add_argument("--torch-engines", type=names(TORCH_ENGINES), default=list(TORCH_ENGINES),
-                   help=f"PyTorch's engines, comma-separated (default all: "
-                   f"{','.join(TORCH_ENGINES)})")
+    p.add_argument("--torch-engines", type=names(TORCH_ENGINES), default=["eager", "graphs"],
+                   help=f"PyTorch's engines, comma-separated, or all: {','.join(TORCH_ENGINES)}"
+                   " (default eager,graphs: Inductor takes up to a minute or two per compile "
+                   "row on a GPU machine)")
     p.add_argument("--torch-compile-backend", default="inductor",
                    help="torch.compile's backend for the compile rows (aot_eager compiles in "
                    "seconds on a CPU, where inductor takes minutes)")
