@@ -144,8 +144,29 @@ def test_command_line_picks_each_models_size_and_keeps_the_load_headless():
     vits14 = parse(["--model", "vits14", "--load-ms", "3"])
     assert (vits14.resolution, vits14.load_ms) == (224, 3.0)
     assert parse(["--model", "vits14", "--size", "28"]).resolution == 28
-    with pytest.raises(SystemExit):
-        parse(["--window", "--load-ms", "3"])
+    for wrong in (["--window", "--load-ms", "3"], ["--model", "vits14", "--size", "32"],
+                  ["--encoder-weights", "x.safetensors"],  # the small model has no DINOv2
+                  ["--model", "vits14", "--encoder-weights", "/nonexistent.safetensors"],
+                  ["--predict-in-training", "--train-every", "2"]):
+        with pytest.raises(SystemExit):
+            parse(wrong)
+
+
+def test_encoder_weights_of_another_architecture_end_in_one_line(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    from xr_demo.__main__ import main
+
+    path = tmp_path / "other.safetensors"  # a ViT 32 wide, not ViT-S/14's 384
+    save_file({"embeddings.cls_token": np.zeros((1, 1, 32), np.float32),
+               "embeddings.position_embeddings": np.zeros((1, 5, 32), np.float32),
+               "embeddings.patch_embeddings.projection.weight":
+                   np.zeros((32, 3, 14, 14), np.float32),
+               "encoder.layer.0.mlp.fc1.weight": np.zeros((128, 32), np.float32)}, str(path))
+    assert main(["--model", "vits14", "--size", "28", "--encoder-weights", str(path),
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not ViT-S/14's weights" in err[0] and "width 32" in err[0], err
 
 
 # ---- headless runs (in this process, on the host's own device) ----------------------------

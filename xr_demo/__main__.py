@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from xr_demo.app import Options
-from xr_demo.model import DEFAULT_RESOLUTION, LIVE_MODES, MODELS
+from xr_demo.app import Options, weights_problem
+from xr_demo.model import DEFAULT_RESOLUTION, LIVE_MODES, MODELS, WeightsError, config
 from xr_demo.vkhost import HostError
 
 
@@ -90,13 +90,22 @@ def parse(argv: list[str] | None = None) -> Options:
     a = ap.parse_args(argv)
     if a.load_ms and a.mode not in (None, "headless"):
         ap.error("--load-ms is for --headless runs")
+    if a.predict_in_training and a.train_every != 1:
+        ap.error("--predict-in-training needs a training step every frame (--train-every 1)")
+    resolution = a.resolution or DEFAULT_RESOLUTION[a.model]
+    try:
+        config(a.model, resolution)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.encoder_weights and (problem := weights_problem(a.model, a.encoder_weights)):
+        ap.error(problem)
     schedule = a.schedule
     if a.chunks is not None:
         schedule = f"chunks:{a.chunks}"
     if a.budget is not None:
         schedule = f"budget:{a.budget}"
     return Options(mode=a.mode or "headless", model=a.model,
-                   resolution=a.resolution or DEFAULT_RESOLUTION[a.model],
+                   resolution=resolution,
                    encoder_weights=a.encoder_weights, precision=a.precision, frames=a.frames,
                    hz=a.hz, train_every=a.train_every, infer_every=a.infer_every,
                    schedule=schedule, live=a.live, lr=a.lr, checkpoint=a.checkpoint,
@@ -113,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     try:
         run(opts)
-    except HostError as e:  # no display, no OpenXR runtime, no device: one line says which
+    except (HostError, WeightsError) as e:
+        # no display, no OpenXR runtime, no device, or another model's weights: one line
         print(f"python -m xr_demo: {e}", file=sys.stderr)
         return 2
     return 0

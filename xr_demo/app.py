@@ -150,6 +150,20 @@ def abs_rel(pred_m: np.ndarray, true_m: np.ndarray) -> float:
     return float(np.mean(np.abs(pred_m - true_m) / np.maximum(true_m, 1e-3)))
 
 
+def weights_problem(model: str, path: str) -> str | None:
+    """What is wrong with --encoder-weights `path` for `model` before it is read, if anything."""
+    if model != "vits14":
+        return f"--encoder-weights {path}: the {model!r} model has no DINOv2 encoder; add " \
+               "--model vits14"
+    if not path.endswith(".safetensors"):
+        return (f"--encoder-weights {path}: give a .safetensors file of a Dinov2Model state "
+                "dict (e.g. safetensors.torch.save_file(Dinov2Model.from_pretrained("
+                "'facebook/dinov2-small').state_dict(), path))")
+    if not os.path.isfile(path):
+        return f"--encoder-weights {path}: no such file"
+    return None
+
+
 def camera_frame(opts: Options, n: int) -> int:
     """Which frame of the camera path loop frame n shows."""
     if opts.camera == "random":
@@ -251,8 +265,8 @@ class Demo:
                              f"it needs a training step every frame (train_every 1, got "
                              f"{opts.train_every})")
         encoder, self.encoder_source = self._encoder_weights()
-        self.cfg = net.config(opts.model, opts.resolution,
-                              net.checked_vits14(encoder) if encoder else None)
+        self.cfg = net.config(opts.model, opts.resolution, net.checked_vits14(
+            encoder, self.encoder_source) if encoder else None)
         if renderer.width != opts.resolution or renderer.height != opts.resolution:
             raise ValueError("the model's renderer must draw at the model's resolution")
         self.device = host.vkml_device()
@@ -353,14 +367,9 @@ class Demo:
         path = self.opts.encoder_weights
         if not path:
             return None, f"seeded (seed {self.opts.seed})"
-        if self.opts.model != "vits14":
-            raise ValueError(f"--encoder-weights {path}: the {self.opts.model!r} model has no "
-                             "DINOv2 encoder; add --model vits14")
-        if not path.endswith(".safetensors"):
-            raise ValueError(f"--encoder-weights {path}: give a .safetensors file of a "
-                             "Dinov2Model state dict (e.g. safetensors.torch.save_file("
-                             "Dinov2Model.from_pretrained('facebook/dinov2-small').state_dict(), "
-                             "path))")
+        problem = weights_problem(self.opts.model, path)
+        if problem:
+            raise net.WeightsError(problem)
         return dinov2.state_dict_names(load_file(path)), os.path.abspath(path)
 
     def _count_params(self) -> dict[str, int]:

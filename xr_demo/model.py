@@ -136,12 +136,22 @@ def config(model: str, resolution: int, encoder: dinov2.Dinov2Config | None = No
     raise ValueError(f"model must be one of {MODELS}, got {model!r}")
 
 
-def checked_vits14(tensors: dict[str, np.ndarray]) -> dinov2.Dinov2Config:
-    """The encoder of a Dinov2Model state dict, if it is ViT-S/14 (its position table may be
-    for any image size); else ValueError naming what differs."""
-    found = dinov2.config_of(tensors, heads_=VITS14.num_attention_heads)
+class WeightsError(ValueError):
+    """Encoder weights that do not fit the model (the message names the file and why)."""
+
+
+def checked_vits14(tensors: dict[str, np.ndarray], path: str) -> dinov2.Dinov2Config:
+    """The encoder of a Dinov2Model state dict read from `path`, if it is ViT-S/14 (its
+    position table may be for any image size); else WeightsError naming what differs."""
+    try:
+        found = dinov2.config_of(tensors, heads_=VITS14.num_attention_heads)
+    except ValueError as e:
+        raise WeightsError(f"--encoder-weights {path}: {e}") from None
     if replace(found, image_size=VITS14.image_size) != VITS14:
-        raise ValueError(f"the encoder weights are not ViT-S/14's (DINOv2-small): {found}")
+        raise WeightsError(f"--encoder-weights {path}: not ViT-S/14's weights (DINOv2-small: "
+                           f"width {VITS14.hidden_size}, {VITS14.num_hidden_layers} layers, "
+                           f"patch {VITS14.patch_size}), but width {found.hidden_size}, "
+                           f"{found.num_hidden_layers} layers, patch {found.patch_size}")
     return found
 
 
