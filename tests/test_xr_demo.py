@@ -225,27 +225,74 @@ def test_headless_run_writes_its_outputs_and_learns(tmp_path):
     assert metrics["validation_messages"] == []
 
 
-def test_headless_run_of_the_vits14_model_with_encoder_weights(tmp_path, monkeypatch):
-    """The whole demo path with the vits14 model (its encoder narrowed to a tiny DINOv2 so
-    that lavapipe runs it in seconds) and the synthetic render load: the encoder's weights
-    come from a transformers Dinov2Model's safetensors file and stay as they were while the
-    decoder learns."""
+def _tiny_dinov2(tmp_path, kind: str):
+    """A seeded tiny transformers DINOv2 (xr_demo's VITS14 narrowed to dinov2.tiny() by the
+    caller) and its file: a Dinov2Model state dict in safetensors (name -> value of every
+    tensor) or Dinov2Backbone with four stages exported to ONNX (initializer -> value)."""
     transformers = pytest.importorskip("transformers")
     import torch
-    from safetensors.numpy import load_file
     from safetensors.torch import save_file
+
+    from vkml.models import dinov2
+
+    tiny = dinov2.tiny()
+    torch.manual_seed(0)
+    config = transformers.Dinov2Config(
+        hidden_size=tiny.hidden_size, num_hidden_layers=4 if kind == "onnx" else 2,
+        num_attention_heads=tiny.num_attention_heads, image_size=tiny.image_size,
+        out_features=["stage1", "stage2", "stage3", "stage4"] if kind == "onnx" else None)
+    if kind == "safetensors":
+        model = transformers.Dinov2Model(config).eval()
+        path = tmp_path / "dinov2.safetensors"
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(path))
+        return model, path, {k: v.numpy() for k, v in state.items()}
+    onnx = pytest.importorskip("onnx")
+    model = transformers.Dinov2Backbone(config).eval()
+    path = tmp_path / "dinov2_backbone.onnx"
+    torch.onnx.export(model, (torch.randn(1, 3, 28, 28),), str(path), dynamo=False,
+                      input_names=["pixel_values"])
+    return model, path, {t.name: onnx.numpy_helper.to_array(t)
+                         for t in onnx.load(str(path)).graph.initializer}
+
+
+@pytest.mark.parametrize("device", ["vulkan"], indirect=True)  # the demo's backend
+def test_onnx_backbone_gives_transformers_feature_maps(tmp_path, monkeypatch, device):
+    """--encoder-weights x.onnx: the encoder imported from Dinov2Backbone's ONNX export, its
+    four feature maps those of the float64 module."""
+    import torch
+
+    import vkml
+    from vkml.models import dinov2
+    from xr_demo import model as net
+
+    monkeypatch.setattr(net, "VITS14", dinov2.tiny())
+    backbone, path, _ = _tiny_dinov2(tmp_path, "onnx")
+    g, _, maps = net.onnx_backbone(net.config("vits14", 28, encoder_onnx=str(path)), 1, 0)
+    session = vkml.compile(g, outputs={f"map{i}": m for i, m in enumerate(maps)}, device=device)
+    x = np.random.default_rng(0).standard_normal((1, 3, 28, 28)).astype(np.float32)
+    session.set_input("image", x)
+    session.step()
+    with torch.no_grad():
+        expected = backbone.double()(torch.tensor(x, dtype=torch.float64)).feature_maps
+    for i, value in enumerate(expected):
+        got, want = session.read(f"map{i}"), value.numpy()
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4, i
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "onnx"])
+def test_headless_run_of_the_vits14_model_with_encoder_weights(tmp_path, monkeypatch, kind):
+    """The whole demo path with the vits14 model (its encoder narrowed to a tiny DINOv2 so
+    that lavapipe runs it in seconds) and the synthetic render load: the encoder's weights
+    come from a transformers Dinov2Model's safetensors file (or an ONNX export of its
+    backbone) and stay as they were while the decoder learns."""
+    from safetensors.numpy import load_file
 
     from vkml.models import dinov2
     from xr_demo import model as net
 
-    tiny = dinov2.tiny()
-    monkeypatch.setattr(net, "VITS14", tiny)
-    torch.manual_seed(0)
-    hf = transformers.Dinov2Model(transformers.Dinov2Config(
-        hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_hidden_layers,
-        num_attention_heads=tiny.num_attention_heads, image_size=tiny.image_size))
-    weights = tmp_path / "dinov2.safetensors"
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(weights))
+    monkeypatch.setattr(net, "VITS14", dinov2.tiny())
+    _, weights, tensors = _tiny_dinov2(tmp_path, kind)
     metrics, lines = _headless(tmp_path, "vits14", model="vits14", resolution=28,
                                encoder_weights=str(weights), frames=8, train_every=1,
                                infer_every=1, live="decoder", evaluate=False, load_ms=1.0,
@@ -258,8 +305,11 @@ def test_headless_run_of_the_vits14_model_with_encoder_weights(tmp_path, monkeyp
     assert metrics["setup"]["load"]["iterations"] >= 1  # calibrated on this device
     assert metrics["validation_messages"] == []
     saved = load_file(str(tmp_path / "vits14.safetensors"))
-    for name, value in load_file(str(weights)).items():  # frozen: exactly the file's
-        np.testing.assert_array_equal(saved["encoder." + name], value, err_msg=name)
+    prefix = "encoder." if kind == "safetensors" else ""
+    frozen = {k: v for k, v in saved.items() if not k.startswith(("decoder.", "optimizer/"))}
+    assert len(frozen) > 10 and set(frozen) <= {prefix + k for k in tensors}
+    for name, value in frozen.items():  # frozen: exactly the file's
+        np.testing.assert_array_equal(value, tensors[name.removeprefix(prefix)], err_msg=name)
 
 
 def test_headless_run_predicting_in_the_training_step(tmp_path):

@@ -30,8 +30,9 @@ def parse(argv: list[str] | None = None) -> Options:
                     "(default 64), vits14 a multiple of 14 (default 224)")
     ap.add_argument("--encoder-weights", metavar="PATH",
                     help="vits14: the encoder's weights, a safetensors file of a transformers "
-                    "Dinov2Model state dict (DINOv2-small's; either spelling of the names); "
-                    "without it the encoder is seeded at random")
+                    "Dinov2Model state dict (DINOv2-small's; either spelling of the names), or "
+                    "the encoder itself, an ONNX export of Dinov2Backbone with four stages "
+                    "(README); without it the encoder is seeded at random")
     ap.add_argument("--precision", choices=("f32", "f16"), default=d.precision,
                     help="f16: matrix products in f16, on the device's cooperative matrices "
                     "(tensor cores) where it has them, else in f16 arithmetic where it has "

@@ -155,10 +155,11 @@ def weights_problem(model: str, path: str) -> str | None:
     if model != "vits14":
         return f"--encoder-weights {path}: the {model!r} model has no DINOv2 encoder; add " \
                "--model vits14"
-    if not path.endswith(".safetensors"):
+    if not path.endswith((".safetensors", ".onnx")):
         return (f"--encoder-weights {path}: give a .safetensors file of a Dinov2Model state "
                 "dict (e.g. safetensors.torch.save_file(Dinov2Model.from_pretrained("
-                "'facebook/dinov2-small').state_dict(), path))")
+                "'facebook/dinov2-small').state_dict(), path)) or an .onnx export of "
+                "Dinov2Backbone (see README)")
     if not os.path.isfile(path):
         return f"--encoder-weights {path}: no such file"
     return None
@@ -265,8 +266,9 @@ class Demo:
                              f"it needs a training step every frame (train_every 1, got "
                              f"{opts.train_every})")
         encoder, self.encoder_source = self._encoder_weights()
+        onnx = opts.encoder_weights if self.encoder_source.endswith(".onnx") else None
         self.cfg = net.config(opts.model, opts.resolution, net.checked_vits14(
-            encoder, self.encoder_source) if encoder else None)
+            encoder, self.encoder_source) if encoder else None, onnx)
         if renderer.width != opts.resolution or renderer.height != opts.resolution:
             raise ValueError("the model's renderer must draw at the model's resolution")
         self.device = host.vkml_device()
@@ -274,8 +276,11 @@ class Demo:
         self.train: vkml.Session | None = None
         if opts.train_every > 0:
             b = net.build(self.cfg, train=True, live=opts.live, seed=opts.seed)
+            # decoder live: everything else frozen (an imported encoder's parameters too)
+            trainable = None if opts.live == "all" else (lambda n: n.startswith("decoder."))
             self.train = vkml.compile(b.graph, loss=b.loss, optimizer=vkml.Adam(lr=opts.lr),
-                                      device=self.device, precision=opts.precision)
+                                      device=self.device, precision=opts.precision,
+                                      trainable=trainable)
         # The inference session's parameters are the trainer's own memory.
         self.infer = vkml.compile(net.build(self.cfg, train=False, seed=opts.seed).graph,
                                   device=self.device, share_params_with=self.train,
@@ -362,19 +367,22 @@ class Demo:
 
     # ---- weights ----------------------------------------------------------------------------
     def _encoder_weights(self) -> tuple[dict[str, np.ndarray] | None, str]:
-        """The --encoder-weights file's tensors under Dinov2Model's names, and where the
-        encoder's weights come from (for the log and the metrics)."""
+        """The --encoder-weights safetensors file's tensors under Dinov2Model's names (None
+        for an ONNX file, which the graph is imported from), and where the encoder's weights
+        come from (for the log and the metrics)."""
         path = self.opts.encoder_weights
         if not path:
             return None, f"seeded (seed {self.opts.seed})"
         problem = weights_problem(self.opts.model, path)
         if problem:
             raise net.WeightsError(problem)
+        if path.endswith(".onnx"):
+            return None, os.path.abspath(path)
         return dinov2.state_dict_names(load_file(path)), os.path.abspath(path)
 
     def _count_params(self) -> dict[str, int]:
         sizes = {n: int(v.size) for n, v in self.infer.params().items()}
-        return {"encoder": sum(v for n, v in sizes.items() if n.startswith("encoder.")),
+        return {"encoder": sum(v for n, v in sizes.items() if not n.startswith("decoder.")),
                 "decoder": sum(v for n, v in sizes.items() if n.startswith("decoder.")),
                 "live": sum(sizes[n] for n in self.live_params)}
 

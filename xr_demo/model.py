@@ -76,6 +76,8 @@ class DptConfig:
     every frame and the decoder should stay a fraction of the encoder's cost."""
     resolution: int = 224
     encoder: dinov2.Dinov2Config = VITS14
+    # the encoder imported from an ONNX export of Dinov2Backbone instead (its feature maps)
+    encoder_onnx: str | None = None
 
     def __post_init__(self) -> None:
         p = self.encoder.patch_size
@@ -115,24 +117,32 @@ class DptConfig:
         return (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as DINOv2 was trained
 
     def describe(self) -> str:
-        e = self.encoder
-        return (f"vits14: ViT-S/14 encoder ({e.num_hidden_layers} layers, width "
-                f"{e.hidden_size}, {e.num_attention_heads} heads, patch {e.patch_size}, "
-                f"{self.grid}x{self.grid} tokens + [CLS]) + DPT decoder (layers "
-                f"{', '.join(map(str, self.taps))}; {self.features} features) at "
+        e, n = self.encoder, self.grid
+        if self.encoder_onnx:
+            encoder = (f"ViT-S/14 encoder from {self.encoder_onnx} (its four feature maps, width "
+                       f"{e.hidden_size}, {n}x{n})")
+            layers = ""
+        else:
+            encoder = (f"ViT-S/14 encoder ({e.num_hidden_layers} layers, width {e.hidden_size}, "
+                       f"{e.num_attention_heads} heads, patch {e.patch_size}, {n}x{n} tokens + "
+                       "[CLS])")
+            layers = f"layers {', '.join(map(str, self.taps))}; "
+        return (f"vits14: {encoder} + DPT decoder ({layers}{self.features} features) at "
                 f"{self.resolution}x{self.resolution}")
 
 
 Config = NetConfig | DptConfig
 
 
-def config(model: str, resolution: int, encoder: dinov2.Dinov2Config | None = None) -> Config:
+def config(model: str, resolution: int, encoder: dinov2.Dinov2Config | None = None,
+           encoder_onnx: str | None = None) -> Config:
     """The network `model` ("small" or "vits14") at `resolution`; vits14's encoder may be
-    given (e.g. read from a weights file by dinov2.config_of)."""
+    given (e.g. read from a weights file by dinov2.config_of), or imported from an ONNX file
+    (`onnx_backbone`)."""
     if model == "small":
         return config_for(resolution)
     if model == "vits14":
-        return DptConfig(resolution, encoder or VITS14)
+        return DptConfig(resolution, encoder or VITS14, encoder_onnx)
     raise ValueError(f"model must be one of {MODELS}, got {model!r}")
 
 
@@ -246,25 +256,66 @@ def decoder(g: Graph, cfg: NetConfig, image: Tensor, tokens: Tensor) -> Tensor:
     return g.sigmoid(x)
 
 
-def dpt_decoder(g: Graph, cfg: DptConfig, hidden: list[Tensor],
-                norm: Callable[[Tensor], Tensor]) -> Tensor:
-    """DPT's neck and head on the encoder's hidden states -> depth (B, 1, R, R) in [0, 1].
+def feature_maps(g: Graph, cfg: DptConfig, hidden: list[Tensor],
+                 norm: Callable[[Tensor], Tensor]) -> list[Tensor]:
+    """Dinov2Backbone's feature maps of the tapped layers: each one's tokens through the
+    encoder's final LayerNorm, without [CLS], as a (B, D, G, G) map."""
+    b, n, d = hidden[0].shape[0], cfg.grid, cfg.encoder.hidden_size
+    maps = []
+    for tap in cfg.taps:
+        x = g.slice(norm(hidden[tap]), 1, 1, 1 + n * n)  # the patch tokens
+        maps.append(g.reshape(g.transpose(x, (0, 2, 1)), (b, d, n, n)))
+    return maps
 
-    Reassemble: each tapped layer's tokens, through the encoder's final LayerNorm (as
-    Dinov2Backbone gives them) and without [CLS], become a (B, D, G, G) map, projected (1x1)
-    and resized to 4, 2, 1 and 1/2 times the grid (transposed convolutions, identity, a
-    strided 3x3 convolution), then a 3x3 convolution to the fusion width. Fuse: from the
+
+def onnx_backbone(cfg: DptConfig, batch: int, seed: int) -> tuple[Graph, Tensor, list[Tensor]]:
+    """The encoder imported by vkml.import_onnx from an ONNX export of transformers'
+    Dinov2Backbone with four out_features (ViT-S/14: stage3, stage6, stage9, stage12): the
+    graph, its one input renamed "image" (B, 3, R, R), and its four feature maps
+    (B, D, R/14, R/14). Raises WeightsError for a file that is not such an export."""
+    import onnx  # the `onnx` extra
+
+    path = str(cfg.encoder_onnx)
+    proto = onnx.load(path)
+    stored = {t.name for t in proto.graph.initializer}
+    names = [i.name for i in proto.graph.input if i.name not in stored]
+    if len(names) != 1:
+        raise WeightsError(f"--encoder-weights {path}: the model has inputs {names}, not one "
+                           "image")
+    for i in proto.graph.input:
+        if i.name == names[0]:
+            i.name = "image"
+    for node in proto.graph.node:
+        node.input[:] = ["image" if x == names[0] else x for x in node.input]
+    r = cfg.resolution
+    try:
+        imp = vkml.import_onnx(proto, shapes={"image": (batch, 3, r, r)}, seed=seed)
+    except vkml.ModelImportError as e:
+        raise WeightsError(f"--encoder-weights {path}: {e}") from None
+    maps = list(imp.outputs.values())
+    want = (batch, cfg.encoder.hidden_size, cfg.grid, cfg.grid)
+    if len(maps) != 4 or any(m.shape != want for m in maps):
+        raise WeightsError(
+            f"--encoder-weights {path}: its outputs are {[m.shape for m in maps]} at {r}x{r}, "
+            f"not four feature maps {want}: export Dinov2Backbone with out_features=['stage3', "
+            "'stage6', 'stage9', 'stage12'] (see README)")
+    return imp.graph, imp.inputs["image"], maps
+
+
+def dpt_decoder(g: Graph, cfg: DptConfig, features: list[Tensor]) -> Tensor:
+    """DPT's neck and head on four (B, D, G, G) feature maps -> depth (B, 1, R, R) in [0, 1].
+
+    Reassemble: each map projected (1x1) and resized to 4, 2, 1 and 1/2 times the grid
+    (transposed convolutions, identity, a strided 3x3 convolution), then a 3x3 convolution to
+    the fusion width. Fuse: from the
     coarsest, each stage adds a residual convolution unit of its map to the path, runs
     another, upsamples x2 (bilinear, align_corners as DPT) and projects (1x1). Head: a 3x3
     convolution at 8 x the grid, bilinear resize to the input size, a 3x3 convolution and
     ReLU, a 1x1 convolution to one channel, a sigmoid (the target is depth / FAR)."""
     p = _Params(g, "decoder", True)
-    b = hidden[0].shape[0]
-    d, n, f = cfg.encoder.hidden_size, cfg.grid, cfg.features
+    d, f = cfg.encoder.hidden_size, cfg.features
     maps = []
-    for i, (tap, c) in enumerate(zip(cfg.taps, cfg.reassemble)):
-        x = g.slice(norm(hidden[tap]), 1, 1, 1 + n * n)  # the patch tokens
-        x = g.reshape(g.transpose(x, (0, 2, 1)), (b, d, n, n))
+    for i, (x, c) in enumerate(zip(features, cfg.reassemble)):
         x = p.conv(f"reassemble.{i}.project", x, d, c, 1)
         if i < 2:
             x = p.conv_transpose(f"reassemble.{i}.resize", x, c, c, (4, 2)[i])
@@ -307,14 +358,19 @@ def build(cfg: Config, batch: int = 1, train: bool = True, live: str = "decoder"
     "depth"; MSE loss. `live`: "decoder" freezes the encoder, "all" trains everything."""
     if live not in LIVE_MODES:
         raise ValueError(f"live must be one of {LIVE_MODES}, got {live!r}")
-    g = vkml.Graph(seed=seed)
     r = cfg.resolution
-    image = g.input("image", (batch, 3, r, r))
-    if isinstance(cfg, DptConfig):
+    if isinstance(cfg, DptConfig) and cfg.encoder_onnx:
+        g, image, maps = onnx_backbone(cfg, batch, seed)
+        depth = g.output("depth", dpt_decoder(g, cfg, maps))
+    elif isinstance(cfg, DptConfig):
+        g = vkml.Graph(seed=seed)
+        image = g.input("image", (batch, 3, r, r))
         hidden = dinov2.dinov2(g, image, cfg.encoder, "encoder.", trainable=live == "all")
         norm = dinov2.final_norm(g, cfg.encoder, "encoder.", trainable=live == "all")
-        depth = g.output("depth", dpt_decoder(g, cfg, hidden, norm))
+        depth = g.output("depth", dpt_decoder(g, cfg, feature_maps(g, cfg, hidden, norm)))
     else:
+        g = vkml.Graph(seed=seed)
+        image = g.input("image", (batch, 3, r, r))
         tokens = encoder(g, cfg, image, trainable=live == "all")
         depth = g.output("depth", decoder(g, cfg, image, tokens))
     if not train:
