@@ -5,16 +5,17 @@
   attention blocks) and a convolutional decoder that projects each token to its patch's pixels,
   with one full-resolution skip from the image.
 - "vits14" (`DptConfig`): DINOv2-small's ViT-S/14 (vkml/models/dinov2.py: 12 layers, width 384,
-  6 heads, patch 14; its weights from a Dinov2Model safetensors file, or seeded) and a DPT-style
-  decoder: the tokens of four layers reassembled into maps at 4, 2, 1 and 1/2 times the 1/14
-  grid, fused upward from the coarsest with residual convolution units, and a head that
-  predicts depth at the input size.
+  6 heads, patch 14; its weights from a Dinov2Model safetensors file, or seeded; or the encoder
+  imported from an ONNX export of Dinov2Backbone) and a DPT-style decoder: the tokens of four
+  layers reassembled into maps at 4, 2, 1 and 1/2 times the 1/14 grid, fused upward from the
+  coarsest with residual convolution units, and a head that predicts depth at the input size.
 
 Parameters are named `encoder.*` and `decoder.*` (vits14's encoder: `encoder.` + Dinov2Model's
-names). Live training is either the whole network or the decoder only; in the latter case the
-encoder's parameters are built frozen (`graph.param(..., trainable=False)`: no gradient, no
-optimizer state, saved and loaded like the rest), as DinoVision freezes its pretrained backbone
-and adapts a light head.
+names; an imported one keeps the ONNX file's names). Live training is either the whole network
+or the decoder only; in the latter case the encoder's parameters are built frozen
+(`graph.param(..., trainable=False)`: no gradient, no optimizer state, saved and loaded like the
+rest; the app also compiles with `trainable=` the decoder's, which freezes an imported
+encoder), as DinoVision freezes its pretrained backbone and adapts a light head.
 """
 
 from __future__ import annotations
