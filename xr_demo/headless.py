@@ -261,7 +261,11 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
             f"{r['frame_ms_p99']} ms; missed {r['missed_frames_72hz']} at 72 Hz, "
             f"{r['missed_frames_90hz']} at 90 Hz, {r['skipped_slots']} slots skipped; model "
             f"{r['model_gpu_ms_per_frame_p50']} ms GPU per frame (timestamps), train latency "
-            f"p50 {r.get('train_latency_ms_p50')} ms")
+            f"p50 {r.get('train_latency_ms_p50')} ms; {r.get('train_steps', 0)} training steps, "
+            f"{len(run_log.predictions)} predictions (from {r['prediction_from']}: latency p50 "
+            f"{r['prediction_latency_ms_p50']} ms, p99 {r['prediction_latency_ms_p99']} ms, "
+            f"{r['prediction_latency_frames_p50']} frames), {r['dropped_samples']} samples "
+            "dropped")
         for k, v in metrics["outputs"].items():
             log(f"  {k:>8}: {v}")
         return metrics
