@@ -42,7 +42,7 @@ def test_safetensors_file_loads_and_matches_transformers(tmp_path, device, spell
     save_file(state, str(path))
 
     tensors = dinov2.state_dict_names(load_file(str(path)))
-    assert dinov2.config_of(tensors, heads_=cfg.num_attention_heads) == cfg
+    assert dinov2.config_of(tensors, num_heads=cfg.num_attention_heads) == cfg
     g = vkml.Graph(seed=1)
     pixels = g.input("pixel_values", (1, 3, 28, 28))
     hidden = dinov2.dinov2(g, pixels, cfg, trainable=False)

@@ -155,7 +155,7 @@ def checked_vits14(tensors: dict[str, np.ndarray], path: str) -> dinov2.Dinov2Co
     """The encoder of a Dinov2Model state dict read from `path`, if it is ViT-S/14 (its
     position table may be for any image size); else WeightsError naming what differs."""
     try:
-        found = dinov2.config_of(tensors, heads_=VITS14.num_attention_heads)
+        found = dinov2.config_of(tensors, num_heads=VITS14.num_attention_heads)
     except ValueError as e:
         raise WeightsError(f"--encoder-weights {path}: {e}") from None
     if replace(found, image_size=VITS14.image_size) != VITS14:

@@ -65,7 +65,7 @@ def state_dict_names(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return renamed
 
 
-def config_of(tensors: dict[str, np.ndarray], heads_: int | None = None) -> Dinov2Config:
+def config_of(tensors: dict[str, np.ndarray], num_heads: int | None = None) -> Dinov2Config:
     """The architecture a Dinov2Model state dict has (the file does not say how many heads:
     DINOv2's are 64 wide, so hidden_size // 64 unless given). Raises ValueError naming what
     is missing or not DINOv2's."""
@@ -89,7 +89,7 @@ def config_of(tensors: dict[str, np.ndarray], heads_: int | None = None) -> Dino
                      if (m := re.match(r"encoder\.layer\.(\d+)\.", n)))
     ratio = tensors["encoder.layer.0.mlp.fc1.weight"].shape[0] // hidden
     return Dinov2Config(hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads_ or max(1, hidden // 64), mlp_ratio=ratio,
+                        num_attention_heads=num_heads or max(1, hidden // 64), mlp_ratio=ratio,
                         patch_size=patch, image_size=grid * patch)
 
 
