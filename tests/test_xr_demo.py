@@ -357,6 +357,60 @@ def test_headless_results_are_bit_identical_across_chunkings(tmp_path, zero_copy
             np.testing.assert_array_equal(state[k], reference[k], err_msg=f"{schedule}: {k}")
 
 
+def test_gpu_depth_panel_draws_what_session_read_gives(tmp_path):
+    """The panel pass (xr_demo/panel.py) colour-maps the renderer's true depth and the bound
+    prediction image on the GPU: equal, to a unit of colour rounding, to depth_picture of the
+    renderer's read-back and of session.read; black before the first prediction; a newer
+    frame changes the true depth and leaves the last prediction in place."""
+    import vulkan as vk
+
+    from xr_demo.app import Demo, Options
+    from xr_demo.colormap import depth_picture
+    from xr_demo.panel import DepthPanel
+    from xr_demo.renderer import SceneRenderer
+    from xr_demo.scene import Scene
+    from xr_demo.vkhost import VulkanHost
+
+    r = 32
+    host = VulkanHost.create()
+    renderer = SceneRenderer(host, r, r, Scene.build(3))
+    demo = panel = None
+    cb, fence = host.command_buffers(1)[0], host.fence()
+    try:
+        demo = Demo(host, Options(resolution=r, train_every=0, seed=3, out=str(tmp_path)),
+                    renderer, log=lambda line: None)
+        panel = DepthPanel(host, r)
+
+        def drawn() -> np.ndarray:
+            host.run_now(cb, fence, lambda c: panel.record(c, renderer.depth, demo.drawable))
+            return panel.read_now(cb, fence).astype(int)
+
+        def close_to(got: np.ndarray, metres: np.ndarray) -> None:
+            np.testing.assert_allclose(got, depth_picture(metres).astype(int), atol=1, rtol=0)
+
+        rgb, depth = demo.render_now(101)
+        before = drawn()
+        close_to(before[:, :r], depth)
+        assert (before[:, r:] == 0).all(), "no prediction yet: the prediction half is black"
+        predicted = demo.predict_now(rgb)  # session.read of the step, in metres
+        shown = drawn()
+        close_to(shown[:, :r], depth)
+        close_to(shown[:, r:], predicted)
+        assert len(np.unique(shown[:, r:].reshape(-1, 3), axis=0)) > 5
+        _, later = demo.render_now(917)
+        assert np.abs(later - depth).max() > 1.0
+        after = drawn()
+        close_to(after[:, :r], later)
+        np.testing.assert_array_equal(after[:, r:], shown[:, r:])
+        assert list(host.messages) == []
+    finally:
+        for part in (panel, demo, renderer):
+            if part is not None:
+                part.close()
+        vk.vkDestroyFence(host.device, fence, None)
+        host.close()
+
+
 # ---- a window under Xvfb --------------------------------------------------------------------
 
 def _xvfb():
@@ -376,7 +430,13 @@ def _xvfb():
     return proc, f":{number}"
 
 
-def test_window_opens_presents_and_closes_under_xvfb(tmp_path):
+@pytest.mark.parametrize("path", ["bind_input", "set_input"])
+def test_window_opens_presents_and_closes_under_xvfb(tmp_path, path):
+    """The window shows the scene and the depth panel: drawn on the GPU from the bound
+    images (bind_input), or made on the host (--set-input); either way every panel pixel is a
+    colour of the depth map. On the GPU the last prediction finished is on screen; the host's
+    panel shows one a frame after it is harvested (black before), which the 16 frames of
+    lavapipe may not reach."""
     pytest.importorskip("glfw", reason="the demo extra (glfw) is not installed")
     xvfb, display = _xvfb()
     try:
@@ -384,7 +444,8 @@ def test_window_opens_presents_and_closes_under_xvfb(tmp_path):
         run = subprocess.run(
             [sys.executable, "-m", "xr_demo", "--window", "--resolution", "32",
              "--window-scale", "8", "--frames", "16", "--infer-every", "4", "--no-eval",
-             "--out", str(tmp_path / "out"), "--screenshot", str(shot)],
+             "--out", str(tmp_path / "out"), "--screenshot", str(shot)]
+            + (["--set-input"] if path == "set_input" else []),
             cwd=REPO, capture_output=True, text=True, timeout=600,
             env=subprocess_env(DISPLAY=display))
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -403,6 +464,18 @@ def test_window_opens_presents_and_closes_under_xvfb(tmp_path):
         "the screenshot is blank"
     sky = window[8, 8]
     assert sky[2] > sky[0], f"expected sky blue in the scene panel's top left, got {sky}"
+    from xr_demo.colormap import turbo
+
+    scale = turbo(np.linspace(0.0, 1.0, 4097)).astype(int)
+    for name, x0 in (("true depth", 256), ("prediction", 512)):
+        maybe_none = name == "prediction" and path == "set_input"
+        if maybe_none:
+            scale = np.concatenate([scale, [[0, 0, 0]]])
+        centres = window[4::8, x0 + 4:x0 + 256:8].reshape(-1, 1, 3).astype(int)
+        off_scale = np.abs(centres - scale[None]).max(-1).min(-1)
+        assert off_scale.max() <= 1, f"{name} panel: colours off the depth scale"
+        assert maybe_none or len(np.unique(centres.reshape(-1, 3), axis=0)) > 5, \
+            f"{name} panel is flat"
 
 
 # ---- OpenXR against Monado ------------------------------------------------------------------

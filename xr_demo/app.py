@@ -49,7 +49,8 @@ from safetensors.numpy import load_file
 import vkml
 from vkml.models import dinov2
 from xr_demo import model as net
-from xr_demo.renderer import SceneRenderer, create_image, destroy_image, image_barrier
+from xr_demo.panel import clear_prediction
+from xr_demo.renderer import SceneRenderer, create_image, destroy_image
 from xr_demo.samples import SampleRing
 from xr_demo.scene import FAR, desktop_camera
 from xr_demo.schedule import Job, Policy, Scheduler
@@ -357,10 +358,7 @@ class Demo:
                  | vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT)
         self.drawable = create_image(host, r, r, vk.VK_FORMAT_R32_SFLOAT, drawn)
         readable = vk.VK_IMAGE_LAYOUT_SHADER_READ_ONLY_OPTIMAL
-        self._run_now(lambda cb: image_barrier(
-            cb, self.drawable.image, vk.VK_IMAGE_LAYOUT_UNDEFINED, readable,
-            vk.VK_PIPELINE_STAGE_TOP_OF_PIPE_BIT, vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT, 0,
-            vk.VK_ACCESS_MEMORY_READ_BIT))
+        self._run_now(lambda cb: clear_prediction(cb, self.drawable.image))
         predicting = self.train if self.opts.predict_in_training else self.infer
         predicting.bind_output("depth", vkml.HostImage(  # type: ignore[union-attr]
             self.drawable.image, host.device, "r32_float", (r, r), drawn, readable))

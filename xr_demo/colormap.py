@@ -31,3 +31,25 @@ def depth_fraction(depth_m: np.ndarray) -> np.ndarray:
 def depth_picture(depth_m: np.ndarray) -> np.ndarray:
     """Metres (H, W) -> (H, W, 3) uint8; the background (FAR) is dark blue."""
     return turbo(depth_fraction(depth_m))
+
+
+def turbo_wgsl() -> str:
+    """WGSL for the GPU's depth pictures (xr_demo/panel.py): `depth_colour(metres) -> vec3`,
+    depth_picture's arithmetic before the rounding to bytes, from the same constants."""
+    def horner(c: tuple[float, ...]) -> str:
+        text = f"{c[-1]!r}"
+        for k in reversed(c[:-1]):
+            text = f"({k!r} + x * {text})"
+        return text
+
+    return f"""
+const FAR: f32 = {FAR!r};
+const NEAR: f32 = {NEAR!r};
+
+fn depth_colour(metres: f32) -> vec3<f32> {{
+    let x = clamp((1.0 / clamp(metres, NEAR, FAR) - 1.0 / FAR) / (1.0 / NEAR - 1.0 / FAR),
+                  0.0, 1.0);
+    let rgb = vec3<f32>({horner(_R)}, {horner(_G)}, {horner(_B)});
+    return clamp(rgb, vec3<f32>(0.0), vec3<f32>(1.0));
+}}
+"""

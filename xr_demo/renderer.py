@@ -5,8 +5,9 @@ SPIR-V by vkml.vk.compile_wgsl. Each frame's command buffer is recorded by
 the image (the network's input) and the true depth (its target) reach vkml: `read()` after the
 frame's fence.
 
-`Compositor` puts frames on a screen: it blits the scene and a panel of depth images (uploaded
-from the host) into a swapchain image (GLFW) or an OpenXR swapchain image.
+`Compositor` puts frames on a screen: it blits the scene and a panel of depth images (drawn on
+the GPU by xr_demo/panel.py, or uploaded from the host with --set-input) into a swapchain image
+(GLFW) or an OpenXR swapchain image.
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ class SceneRenderer:
         src = vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT
         self.color = create_image(host, width, height, COLOR_FORMAT,
                                   vk.VK_IMAGE_USAGE_COLOR_ATTACHMENT_BIT | src)
-        self.depth = create_image(host, width, height, DEPTH_TARGET_FORMAT,
-                                  vk.VK_IMAGE_USAGE_COLOR_ATTACHMENT_BIT | src)
+        self.depth = create_image(host, width, height, DEPTH_TARGET_FORMAT,  # sampled: panel.py
+                                  vk.VK_IMAGE_USAGE_COLOR_ATTACHMENT_BIT | src
+                                  | vk.VK_IMAGE_USAGE_SAMPLED_BIT)
         zprops = vk.vkGetPhysicalDeviceFormatProperties(host.physical, ZBUFFER_FORMAT)
         if not zprops.optimalTilingFeatures & vk.VK_FORMAT_FEATURE_DEPTH_STENCIL_ATTACHMENT_BIT:
             raise HostError("the device cannot render to D32_SFLOAT depth buffers")
@@ -301,13 +303,17 @@ class SceneRenderer:
 
 
 class Compositor:
-    """Puts a frame on a screen image: the rendered scene and a panel of host-made pixels
-    (true and predicted depth, colour-mapped) side by side, by vkCmdBlitImage (scaling and
-    converting to the screen's format). The panel is uploaded through a mapped buffer when it
-    changes."""
+    """Puts a frame on a screen image: the rendered scene and depth panels side by side, by
+    vkCmdBlitImage (scaling and converting to the screen's format). With `panel_size` (width,
+    height) it also owns a panel of host-made pixels (set_panel), uploaded through a mapped
+    buffer when it changes."""
 
-    def __init__(self, host: VulkanHost, panel_width: int, panel_height: int) -> None:
+    def __init__(self, host: VulkanHost, panel_size: tuple[int, int] | None = None) -> None:
         self.host = host
+        self.panel: Image | None = None
+        if panel_size is None:
+            return
+        panel_width, panel_height = panel_size
         self.panel = create_image(host, panel_width, panel_height, COLOR_FORMAT,
                                   vk.VK_IMAGE_USAGE_TRANSFER_DST_BIT
                                   | vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT, view=False)
@@ -322,6 +328,7 @@ class Compositor:
     def set_panel(self, rgb: np.ndarray) -> None:
         """New panel pixels (H, W, 3) uint8, uploaded by the next record(). The previous frame
         must have finished (the caller waits for its fence before building the next)."""
+        assert self.panel is not None, "Compositor made without a panel_size"
         h, w = self.panel.height, self.panel.width
         if rgb.shape != (h, w, 3):
             raise ValueError(f"panel is {(h, w, 3)}, got {rgb.shape}")
@@ -339,11 +346,13 @@ class Compositor:
                dst: Any, old_layout: int, new_layout: int, dst_stage: int,
                dst_access: int) -> None:
         """Blit each (source, (x0, y0, x1, y1)) of `placements` into `dst`, scaled; sources
-        are the scene's colour target (TRANSFER_SRC_OPTIMAL after SceneRenderer.record) or
-        `self.panel`. `dst` goes from `old_layout` to `new_layout`, ready for `dst_stage`
-        (present: BOTTOM_OF_PIPE and no access; an OpenXR swapchain: colour attachment)."""
+        are in TRANSFER_SRC_OPTIMAL: the scene's colour target (after SceneRenderer.record),
+        a DepthPanel's image (after its record) or `self.panel`. `dst` goes from `old_layout`
+        to `new_layout`, ready for `dst_stage` (present: BOTTOM_OF_PIPE and no access; an
+        OpenXR swapchain: colour attachment)."""
         transfer = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
-        if self._dirty and any(src is self.panel for src, _ in placements):
+        if self.panel is not None and self._dirty and \
+                any(src is self.panel for src, _ in placements):
             old = (vk.VK_IMAGE_LAYOUT_TRANSFER_SRC_OPTIMAL if self._initialised
                    else vk.VK_IMAGE_LAYOUT_UNDEFINED)
             image_barrier(cb, self.panel.image, old, vk.VK_IMAGE_LAYOUT_TRANSFER_DST_OPTIMAL,
@@ -381,4 +390,4 @@ class Compositor:
             return
         destroy_image(self.host, self.panel)
         destroy_buffer(self.host, self.staging)
-        self.panel = None  # type: ignore[assignment]
+        self.panel = None

@@ -1,7 +1,10 @@
-"""Window mode: a GLFW window with a Vulkan swapchain. The host draws the scene, then blits it
-and a panel (true depth | predicted depth) into the swapchain image and presents it; the model
-learns between frames on the same queue. Close the window (or run --frames) to stop; the run's
-metrics JSON goes to the output folder, and `--screenshot` grabs the screen (X) before closing."""
+"""Window mode: a GLFW window with a Vulkan swapchain. The host draws the scene and a panel (true
+depth | predicted depth, colour-mapped on the GPU from its depth target and the image the model's
+prediction lands in: xr_demo/panel.py), blits both into the swapchain image and presents it; the
+model learns between frames on the same queue, reading the frames where they were rendered. With
+--set-input the frames go through the CPU and the panel is made on the host and uploaded.
+Close the window (or run --frames) to stop; the run's metrics JSON goes to the output folder, and
+`--screenshot` grabs the screen (X) before closing."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from xr_demo import outputs
 from xr_demo.app import Demo, Options, camera_frame
 from xr_demo.colormap import depth_picture
 from xr_demo.headless import Pacer, calibrate
+from xr_demo.panel import DepthPanel
 from xr_demo.renderer import Compositor, SceneRenderer
 from xr_demo.scene import Scene, desktop_camera
 from xr_demo.vkhost import HostError, VulkanHost
@@ -89,7 +93,8 @@ class Swapchain:
 
 
 def panel_pixels(demo: Demo, resolution: int) -> np.ndarray:
-    """True depth of the latest frame | the latest prediction (black until the first)."""
+    """--set-input's panel, made on the host: true depth of the latest frame | the latest
+    prediction (black until the first)."""
     blank = np.zeros((resolution, resolution, 3), np.uint8)
     true = depth_picture(demo.latest[2]) if demo.latest is not None else blank
     preds = demo.run.predictions
@@ -111,7 +116,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
     if not glfw.init():
         raise HostError("glfw.init failed (no display? run under X or Xvfb)")
     window = None
-    host = renderer = demo = compositor = swapchain = None
+    host = renderer = demo = compositor = swapchain = panel = None
     surface = None
     r = opts.resolution
     try:
@@ -131,9 +136,11 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         surface = surface_p[0]
         swapchain = Swapchain(host, surface, 3 * r * s, r * s)
         renderer = SceneRenderer(host, r, r, Scene.build(opts.seed))
-        compositor = Compositor(host, 2 * r, r)
+        compositor = Compositor(host, None if opts.zero_copy else (2 * r, r))
         compositor.check_format(swapchain.format)
         demo = Demo(host, opts, renderer, log)
+        if opts.zero_copy:
+            panel = DepthPanel(host, r)
         render_ms, source, _ = calibrate(host, renderer)
         period_ms = 1000 / opts.hz if opts.hz else 0.0
         info = demo.prepare(period_ms, render_ms)
@@ -152,16 +159,19 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                     break
                 skipped, frame_start = pacer.wait()
                 demo.begin_frame(n)
-                compositor.set_panel(panel_pixels(demo, r))
+                if panel is None:
+                    compositor.set_panel(panel_pixels(demo, r))
                 index, available = swapchain.acquire()
                 c = camera_frame(opts, n)
                 vk.vkResetCommandBuffer(cb, 0)
                 vk.vkBeginCommandBuffer(cb, vk.VkCommandBufferBeginInfo(
                     sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
                 renderer.record(cb, desktop_camera(c), c / 72.0)
+                if panel is not None:  # the latest prediction finished before this frame
+                    panel.record(cb, renderer.depth, demo.drawable)
                 w, h = swapchain.width, swapchain.height
-                placements = [(renderer.color, (0, 0, w // 3, h)),
-                              (compositor.panel, (w // 3, 0, w, h))]
+                shown = panel.image if panel is not None else compositor.panel
+                placements = [(renderer.color, (0, 0, w // 3, h)), (shown, (w // 3, 0, w, h))]
                 compositor.record(cb, placements, swapchain.images[index],
                                   vk.VK_IMAGE_LAYOUT_UNDEFINED,
                                   vk.VK_IMAGE_LAYOUT_PRESENT_SRC_KHR,
@@ -175,7 +185,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                 demo.fill(n)  # the model's pieces after the frame, on the same queue
                 host.wait_fence(fence)
                 frame_ms = (time.perf_counter() - frame_start) * 1e3  # slot to fence
-                rgb, depth = renderer.read()
+                rgb, depth = renderer.read()  # zero_copy: for the metrics only
                 gpu = renderer.gpu_ms() if demo.queries_readable() else None
                 demo.end_frame(n, rgb, depth, frame_ms, gpu, skipped)
             if opts.screenshot:
@@ -199,6 +209,8 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         log(f"presented {presented} frames; metrics {os.path.abspath(path)}")
         return metrics
     finally:
+        if panel is not None:
+            panel.close()
         if demo is not None:
             demo.close()
         if compositor is not None:
