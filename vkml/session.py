@@ -233,7 +233,10 @@ class Session:
         """Every later step reads input `name` from the host's GPU memory, never through the
         CPU: `source` describes a VkBuffer or VkImage of this session's device (vkml.HostBuffer,
         vkml.HostImage: Vulkan cannot report a handle's size, format or usage, so the host
-        declares them and vkml checks them). Vulkan only (InputError on wgpu).
+        declares them and vkml checks them). On a wgpu host's device (vkml.Device.from_wgpu)
+        `source` is the host's wgpu.GPUBuffer or GPUTexture itself (rgba8unorm, rgba8unorm-srgb,
+        rgba16float or r32float), with COPY_SRC in its usage; a picture in a GPUBuffer is
+        vkml.HostBuffer(buffer, device, buffer.size, buffer.usage, format=, extent=).
 
         A buffer holds the input as set_input takes it (its dtype, C order) from byte `offset`,
         copied into the step. An image's `region` (x, y, width, height; the whole image by
@@ -249,7 +252,11 @@ class Session:
         queue (any stage) and see its writes, and its later work waits for the step's reads;
         so submit the step after the render pass that writes the frame, on the same queue
         (step(), step_chunk()) or record() it into the host's command buffer after the pass.
-        The image is in `layout` (HostImage) when the step runs and is left in it."""
+        The image is in `layout` (HostImage) when the step runs and is left in it. On wgpu,
+        WebGPU runs its one queue's submissions in order and tracks each resource's use
+        itself: the host's writes submitted before step() (queue.write_buffer, write_texture,
+        its command buffers) are seen by the step, and its work submitted after sees the
+        step's reads done (and a bound output written)."""
         if self._chunker.in_progress:
             raise InputError("bind_input: a chunked step is in progress; submit the rest of it "
                              "(step_chunk() until it returns 0) first")
@@ -269,7 +276,10 @@ class Session:
         order, from byte `offset`) or an r32_float vkml.HostImage (an output of shape (..., H,
         W) with 1 in the leading axes, at texel `region` = (x, y), (0, 0) by default). The
         host's work submitted after the step (sampling the image) waits for it and sees it;
-        the image is left in its declared layout. read() still works. Vulkan only."""
+        the image is left in its declared layout. read() still works. On a wgpu host's device
+        (vkml.Device.from_wgpu) `target` is its wgpu.GPUBuffer, or an r32float GPUTexture,
+        with COPY_DST in its usage; WebGPU's queue order makes the host's later submissions
+        see what the step wrote."""
         if self._chunker.in_progress:
             raise InputError("bind_output: a chunked step is in progress; submit the rest of "
                              "it (step_chunk() until it returns 0) first")

@@ -50,8 +50,9 @@ class HostRecording(Protocol):
 
 class HostResources(Protocol):
     """Buffers and images a host application made on the device, for vkml's programs to read
-    and write (Session.bind_input / bind_output). The API cannot report a resource's size,
-    usage or device, so the host declares them and the backend checks what it can."""
+    and write (Session.bind_input / bind_output). Where the API cannot report a resource's
+    size, usage or device (Vulkan), the host declares them and the backend checks what it can;
+    where it can (wgpu), the resource describes itself (describe())."""
 
     def buffer(self, handle: Any, device: Any, nbytes: int, usage: int, access: str,
                what: str) -> object:
@@ -68,6 +69,13 @@ class HostResources(Protocol):
 
     def release(self, resource: object) -> None:
         """Forget a buffer or image from buffer() / image() (the host's handle stays)."""
+        ...
+
+    def describe(self, resource: Any, what: str) -> tuple[str, dict[str, Any]]:
+        """A resource of the backend's own API that reports its device, size, usage and format
+        (wgpu's GPUBuffer, GPUTexture) as ("buffer", vkml.HostBuffer's fields) or ("image",
+        vkml.HostImage's); InputError naming `what` and what this backend takes for anything
+        else (Vulkan: everything, its handles report nothing)."""
         ...
 
 

@@ -87,6 +87,25 @@ class Device:
         self.pipelines = PipelinePool(self.backend)
         return self
 
+    @classmethod
+    def from_wgpu(cls, device: Any) -> Device:
+        """Run vkml on a wgpu.GPUDevice the host created (its renderer's, e.g. on Metal), so
+        that sessions can bind the host's GPUBuffers and GPUTextures (Session.bind_input /
+        bind_output) and share its queue, which orders vkml's submissions with the host's.
+
+        vkml never destroys the device (close() releases only vkml's own buffers and
+        pipelines) and uses it with the features and limits the host requested: "shader-f16"
+        and "timestamp-query" where enabled, and WebGPU's default limits unless the host
+        raised them (a large model may need the adapter's `max-storage-buffer-binding-size`,
+        `max-buffer-size` and `max-storage-buffers-per-shader-stage`)."""
+        from vkml.webgpu.backend import WgpuBackend
+
+        self = cls.__new__(cls)
+        self.backend_name = "wgpu"
+        self.backend = WgpuBackend(adopt=device)
+        self.pipelines = PipelinePool(self.backend)
+        return self
+
     @property
     def queue_lock(self) -> Any:
         """The lock held around every queue submission; a host sharing the queue holds it too."""
@@ -94,7 +113,7 @@ class Device:
 
     @property
     def adopted(self) -> bool:
-        """Whether the Vulkan handles belong to a host (Device.from_vulkan)."""
+        """Whether the device belongs to a host (Device.from_vulkan, Device.from_wgpu)."""
         return not self.backend.owned
 
     @property

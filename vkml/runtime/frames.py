@@ -9,7 +9,10 @@ host's buffer or image by a program that ends every step. Both begin and end wit
 every pipeline stage, so the host's work on the shared queue before the step (its render pass)
 is complete and visible to them, and its later work (sampling the prediction, rendering the
 next frame into the image) waits for them: queue order is the host's synchronisation. Recorded
-into the host's command buffer (Session.record), they sit inside its barriers the same way."""
+into the host's command buffer (Session.record), they sit inside its barriers the same way.
+On wgpu the resources are the host's GPUBuffers and GPUTextures themselves (they report what
+Vulkan's handles declare: the backend's host_resources.describe()), the barriers are WebGPU's
+own, and its one queue's order is the synchronisation."""
 
 from __future__ import annotations
 
@@ -117,6 +120,7 @@ class FrameBindings:
                              f"{known or 'none'}")
         slot = plan.slots[plan.inputs[name]]
         resources = self._resources(what)
+        source = _described(resources, source, what)
         arena, at = self._bound.place(slot.id)
         if isinstance(source, HostBuffer) and source.format is None:
             if region is not None or channels is not None or mean is not None or std is not None:
@@ -129,14 +133,9 @@ class FrameBindings:
             buf = resources.buffer(source.handle, source.device, source.nbytes, source.usage,
                                    "read", what)
             binding = _Bound(buf, Copy(buf, offset, arena, at, slot.nbytes))
-        elif isinstance(source, HostImage | HostBuffer):
+        else:
             binding = self._picture_input(what, slot, arena, at, source, offset, region,
                                           channels, mean, std)
-        else:
-            raise InputError(f"{what}: expected a vkml.HostBuffer or vkml.HostImage describing "
-                             f"the host's VkBuffer or VkImage, got {type(source).__name__} "
-                             "(Vulkan cannot report a handle's size, format or usage, so "
-                             "they are declared with it)")
         self.unbind(name)
         self.inputs[name] = binding
 
@@ -229,6 +228,7 @@ class FrameBindings:
         nbytes = 4 * math.prod(view.shape)
         arena, at = self._bound.place(slot.id)
         resources = self._resources(what)
+        target = _described(resources, target, what)
         if isinstance(target, HostBuffer):
             if region is not None:
                 raise InputError(f"{what}: region is for images; a buffer takes an offset")
@@ -236,7 +236,7 @@ class FrameBindings:
             buf = resources.buffer(target.handle, target.device, target.nbytes, target.usage,
                                    "write", what)
             binding = _Bound(buf, Copy(arena, at, buf, offset, nbytes))
-        elif isinstance(target, HostImage):
+        else:
             if offset:
                 raise InputError(f"{what}: offset is for buffers; an image takes region=(x, y)")
             if target.format != "r32_float" or slot.dtype != "f32":
@@ -255,9 +255,6 @@ class FrameBindings:
             image = resources.image(target.handle, target.device, target.format, extent,
                                     target.usage, target.layout, "write", what)
             binding = _Bound(image, CopyToImage(arena, at, ImageRegion(image, x, y, cols, rows)))
-        else:
-            raise InputError(f"{what}: expected a vkml.HostBuffer or vkml.HostImage, got "
-                             f"{type(target).__name__}")
         self.unbind(name, outputs=True)
         self.outputs[name] = binding
 
@@ -302,6 +299,16 @@ class FrameBindings:
             self.unbind(name)
         for name in list(self.outputs):
             self.unbind(name, outputs=True)
+
+
+def _described(resources: Any, resource: Any, what: str) -> HostBuffer | HostImage:
+    """A HostBuffer or HostImage as given, else the backend's own object (wgpu's GPUBuffer or
+    GPUTexture, which reports what a Vulkan handle's description declares) described by the
+    backend, which refuses anything else naming what it takes."""
+    if isinstance(resource, HostBuffer | HostImage):
+        return resource
+    kind, fields = resources.describe(resource, what)
+    return HostBuffer(**fields) if kind == "buffer" else HostImage(**fields)
 
 
 def _extent(what: str, extent: Any) -> tuple[int, int]:

@@ -106,11 +106,20 @@ class HostResources:
     def release(self, resource: object) -> None:
         self._backend._host_objects.discard(resource)
 
+    def describe(self, resource: Any, what: str) -> tuple[str, dict[str, Any]]:
+        """Vulkan's handles describe nothing: the host declares them."""
+        _refuse_wgpu(resource, what)
+        raise InputError(f"{what}: expected a vkml.HostBuffer or vkml.HostImage describing "
+                         f"the host's VkBuffer or VkImage, got {type(resource).__name__} "
+                         "(Vulkan cannot report a handle's size, format or usage, so "
+                         "they are declared with it)")
+
     def _check_common(self, handle: Any, ctype: str, device: Any, usage: int, access: str,
                       what: str) -> int:
         """The handle as an integer, after checking the declared device and usage."""
         b = self._backend
         ffi = b._ffi
+        _refuse_wgpu(handle, what)
         raw = raw_handle(ffi, handle, ctype, what)
         try:
             theirs = as_handle(ffi, "VkDevice", device, f"{what}: device")
@@ -130,3 +139,12 @@ class HostResources:
                              f"create it with VK_{'IMAGE' if ctype == 'VkImage' else 'BUFFER'}"
                              f"_USAGE_{name}_BIT")
         return raw
+
+
+def _refuse_wgpu(resource: Any, what: str) -> None:
+    """InputError for a wgpu object (a GPUBuffer or GPUTexture) given to a Vulkan session."""
+    if type(resource).__module__.partition(".")[0] == "wgpu":
+        raise InputError(f"{what}: {type(resource).__name__} is a wgpu object, and this "
+                         "session runs on Vulkan: bind it on a session compiled for "
+                         "vkml.Device.from_wgpu(its device), or give a VkBuffer or VkImage "
+                         "(vkml.HostBuffer, vkml.HostImage) here")

@@ -20,8 +20,12 @@ What WebGPU does not allow, and what this module does about it:
 - One buffer may not be copied to itself; such a copy goes through a scratch buffer.
 - One buffer may not be bound both read-only and writable in one dispatch: the capabilities say
   `read_only_storage=False`, so codegen declares every storage binding read_write.
-Optional capabilities: device timestamps where the adapter has them; no timeline semaphore and
-no recording into a host's command buffers.
+- A texture copy spaces rows in its buffer by a multiple of 256 bytes, and the frame kernels
+  read rows tightly packed: a host texture's region whose rows are not a multiple of 256 bytes
+  is copied a row at a time (_texel_copies).
+Optional capabilities: device timestamps where the adapter has them; a host's GPUBuffers and
+GPUTextures (host_resources, on a device adopted with Device.from_wgpu); no timeline semaphore
+and no recording into a host's command buffers.
 """
 
 from __future__ import annotations
@@ -39,12 +43,16 @@ from vkml.hal import (
     Capabilities,
     Command,
     Copy,
+    CopyFromImage,
+    CopyToImage,
     Dispatch,
     Fill,
     HostWrite,
+    ImageRegion,
     Kernel,
 )
 from vkml.interrupts import deferred_interrupts
+from vkml.webgpu.host_resources import HostResources, ImportedTexture
 
 # WebGPU's default, and what a browser guarantees. Adapters may allow less (lavapipe says 32), but
 # a plan laid out for 256 is valid on every WebGPU implementation, so this is not lowered.
@@ -53,6 +61,8 @@ STORAGE_OFFSET_ALIGNMENT = 256
 QUERY_SET_SIZE = 4096
 # wgpu's copies, queue writes and mapped ranges work in whole 4-byte words.
 COPY_ALIGN = 4
+# A texture copy's rows lie this many bytes apart in the buffer (a multiple of it).
+ROW_ALIGN = 256
 
 # Limits raised from WebGPU's defaults (128 MiB bindings, 8 storage buffers per stage, 16 KiB of
 # workgroup memory, ...) to what the adapter offers, so planning and codegen see the real device.
@@ -70,6 +80,8 @@ _RAISED_LIMITS = (
 _OPTIONAL_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
 _DEVICE_TYPES = {"DiscreteGPU": "discrete", "IntegratedGPU": "integrated",
                  "VirtualGPU": "virtual", "CPU": "cpu"}
+
+
 def _aligned_range(offset: int, nbytes: int) -> tuple[int, int]:
     start = offset - offset % COPY_ALIGN
     end = -(-(offset + nbytes) // COPY_ALIGN) * COPY_ALIGN
@@ -183,23 +195,36 @@ def _choose_adapter(adapters: Sequence[Any], selector: str | None) -> Any:
 class WgpuBackend(BackendBase):
     """One wgpu adapter and device (Metal on macOS; Vulkan, D3D12 or OpenGL elsewhere)."""
 
-    def __init__(self, selector: str | None = None) -> None:
+    def __init__(self, selector: str | None = None, *, adopt: Any = None) -> None:
+        """A device of the adapter `selector` picks, opened by vkml; or, with `adopt`, a host's
+        wgpu.GPUDevice (Device.from_wgpu), used with the features and limits the host gave it
+        and never destroyed by vkml."""
         super().__init__()
         self._wgpu = wgpu = _load_wgpu()
         self._log = _ErrorLog(self.validation_messages)
         self._buffers: set[Buffer] = set()
+        self._host_objects: set[object] = set()  # the host's buffers and textures (bind_input)
         # Counted only (wgpu frees what nothing references): see live_objects()
         self._pipelines: set[Pipeline] = set()
         self._programs: set[Program] = set()
         self._pending = False
-        adapter = _choose_adapter(wgpu.gpu.enumerate_adapters_sync(), selector)
-        features = [f for f in _OPTIONAL_FEATURES if f in adapter.features]
-        limits = {k: adapter.limits[k] for k in _RAISED_LIMITS if k in adapter.limits}
-        try:
-            self._device = adapter.request_device_sync(
-                label="vkml", required_features=features, required_limits=limits)
-        except Exception as exc:  # wgpu-py raises RuntimeError or GPUError subclasses here
-            raise DeviceError(f"wgpu could not open {_describe(adapter)[0]!r}: {exc}") from exc
+        if adopt is None:
+            adapter = _choose_adapter(wgpu.gpu.enumerate_adapters_sync(), selector)
+            features = [f for f in _OPTIONAL_FEATURES if f in adapter.features]
+            limits = {k: adapter.limits[k] for k in _RAISED_LIMITS if k in adapter.limits}
+            try:
+                self._device = adapter.request_device_sync(
+                    label="vkml", required_features=features, required_limits=limits)
+            except Exception as exc:  # wgpu-py raises RuntimeError or GPUError subclasses
+                raise DeviceError(f"wgpu could not open {_describe(adapter)[0]!r}: "
+                                  f"{exc}") from exc
+        else:
+            if not isinstance(adopt, wgpu.GPUDevice):
+                raise DeviceError(f"Device.from_wgpu takes the host's wgpu.GPUDevice, got "
+                                  f"{type(adopt).__name__}")
+            self._device, self.owned = adopt, False
+            adapter = adopt.adapter
+            features = [f for f in _OPTIONAL_FEATURES if f in adopt.features]
         self._queue = self._device.queue
         logging.getLogger("wgpu").addHandler(self._log)
         # wgpu-native's C functions, cffi's types and wgpu-py's wrappers of both, for what
@@ -306,13 +331,14 @@ class WgpuBackend(BackendBase):
 
     # -- pipelines ----------------------------------------------------------------------------
 
+    @property
+    def host_resources(self) -> HostResources:  # type: ignore[override]
+        return HostResources(self)
+
     def why_absent(self, capability: str) -> str:
         if capability in ("timeline", "host_recording"):  # Vulkan objects WebGPU does not have
             return (f"the wgpu backend has no {capability!r}: use the Vulkan backend, "
                     "vkml.Device(backend='vulkan')")
-        if capability == "host_resources":
-            return ("binding a host's GPU buffers and textures is not supported on wgpu yet: "
-                    "use set_input / read, or the Vulkan backend, vkml.Device(backend='vulkan')")
         return super().why_absent(capability)
 
     def create_pipeline(self, kernel: Kernel) -> Pipeline:
@@ -428,6 +454,14 @@ class WgpuBackend(BackendBase):
                                  (src, so, dst, cmd.dst_offset, cmd.nbytes)))
             elif isinstance(cmd, Fill):
                 segments.append(("clear_buffer", (cmd.buffer.handle, cmd.offset, cmd.nbytes)))
+            elif isinstance(cmd, CopyFromImage):
+                segments += [("copy_texture_to_buffer", (texture, buffer, size)) for
+                             texture, buffer, size in _texel_copies(cmd.region, cmd.dst,
+                                                                    cmd.dst_offset)]
+            elif isinstance(cmd, CopyToImage):
+                segments += [("copy_buffer_to_texture", (buffer, texture, size)) for
+                             texture, buffer, size in _texel_copies(cmd.region, cmd.src,
+                                                                    cmd.src_offset)]
         prog.segments = segments
         self._programs.add(prog)
         return prog
@@ -543,7 +577,8 @@ class WgpuBackend(BackendBase):
         return {"buffers": len(self._buffers),
                 "buffer_bytes": sum(b.nbytes for b in self._buffers),
                 "pipelines": len(self._pipelines),
-                "programs": len(self._programs)}
+                "programs": len(self._programs),
+                "host_resources": len(self._host_objects)}
 
     # -- teardown -----------------------------------------------------------------------------
 
@@ -558,7 +593,9 @@ class WgpuBackend(BackendBase):
         self._buffers.clear()
         self._pipelines.clear()
         self._programs.clear()
-        self._device.destroy()
+        self._host_objects.clear()
+        if self.owned:  # an adopted device is the host's: vkml's buffers alone are destroyed
+            self._device.destroy()
         logging.getLogger("wgpu").removeHandler(self._log)
 
     # -- internals ----------------------------------------------------------------------------
@@ -582,7 +619,8 @@ class WgpuBackend(BackendBase):
         return bytes(memoryview(raw).cast("B")[offset - start:offset - start + nbytes])
 
     def _live_buffer(self, buffer: object) -> bool:
-        return isinstance(buffer, Buffer) and buffer in self._buffers
+        return isinstance(buffer, Buffer) and (buffer in self._buffers
+                                               or buffer in self._host_objects)
 
     def _live_pipeline(self, pipeline: object) -> bool:
         return isinstance(pipeline, Pipeline) and pipeline.handle is not None
@@ -590,8 +628,16 @@ class WgpuBackend(BackendBase):
     def _check_command(self, n: int, cmd: Command, what: str) -> None:
         """WebGPU's rules beyond the shared ones: storage only from device buffers, and copies,
         offsets and sizes in whole 4-byte words."""
+        if isinstance(cmd, CopyFromImage | CopyToImage):
+            texture = cmd.region.image
+            if not isinstance(texture, ImportedTexture) or texture not in self._host_objects:
+                raise DeviceError(f"{what}: {texture!r} is not a texture from this backend's "
+                                  "host_resources.image()")
         if isinstance(cmd, Dispatch):
             for i, b in enumerate(cmd.bindings):
+                if b.buffer in self._host_objects:
+                    raise DeviceError(f"{what} binding {i}: {b.buffer!r} is a host's buffer, "
+                                      "which vkml copies from or into, never binds")
                 if b.buffer.kind != "device":  # type: ignore[attr-defined]
                     raise DeviceError(f"{what} binding {i}: {b.buffer!r} is not a device "
                                       "buffer; only those can be bound as storage")
@@ -602,3 +648,20 @@ class WgpuBackend(BackendBase):
             if any(v % COPY_ALIGN for v in (cmd.src_offset, cmd.dst_offset, cmd.nbytes)):
                 raise DeviceError(f"{what}: offsets and size must be multiples of "
                                   f"{COPY_ALIGN} bytes in wgpu")
+
+
+def _texel_copies(region: ImageRegion, buffer: Buffer, offset: int
+                  ) -> list[tuple[dict[str, Any], dict[str, Any], tuple[int, int, int]]]:
+    """A texture region <-> `buffer` from `offset` with its rows tightly packed (what the frame
+    kernels read and outputs hold), as WebGPU copies (texture info, buffer info, size). WebGPU
+    spaces a copy's rows by a multiple of 256 bytes, so a region whose rows are not is copied
+    a row at a time."""
+    texture: ImportedTexture = region.image  # type: ignore[assignment]
+    row = region.width * texture.texel_bytes
+    pitch = -(-row // ROW_ALIGN) * ROW_ALIGN
+    rows = [(0, region.height)] if pitch == row or region.height == 1 else \
+        [(r, 1) for r in range(region.height)]
+    return [({"texture": texture.handle, "origin": (region.x, region.y + first, 0)},
+             {"buffer": buffer.handle, "offset": offset + first * row, "bytes_per_row": pitch,
+              "rows_per_image": count},
+             (region.width, count, 1)) for first, count in rows]
