@@ -511,6 +511,20 @@ def test_xr_session_against_monado(tmp_path):
     if VALIDATING:  # the layer ran inside the chroot too, with the host's messenger on it
         assert metrics["validating"]
     assert metrics["validation_messages"] == []
+    # Both eyes fed the model in turn, and each eye's panel, drawn on the GPU, shows its own
+    # latest prediction as session.read gave it (to a unit of colour rounding).
+    from xr_demo.colormap import depth_picture
+
+    assert all(count >= 1 for count in metrics["eye_predictions"]), metrics["eye_predictions"]
+    left, right = metrics["eye_shows_frame"]
+    assert left != right
+    panels = np.load(out / "panels.npz")
+    for eye in range(2):
+        assert f"read_{eye}" in panels, f"eye {eye}: its prediction's frame has no record"
+        predicted = depth_picture(panels[f"read_{eye}"]).astype(int)
+        drawn = panels[f"drawn_{eye}"][:, 32:].astype(int)
+        np.testing.assert_allclose(drawn, predicted, atol=1, rtol=0, err_msg=f"eye {eye}")
+    assert np.abs(panels["read_0"] - panels["read_1"]).max() > 0.1  # two predictions
 
 
 def test_window_without_a_display_is_one_clear_line(monkeypatch, capsys):

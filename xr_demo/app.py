@@ -329,6 +329,9 @@ class Demo:
         self._last_slot = 0
         self.drawable: Any = None  # zero_copy: the r32_float image the prediction lands in
         self.ring: SampleRing | None = None  # zero_copy: the training samples, on the GPU
+        # zero_copy: called with the frame a prediction saw once it is in self.drawable and
+        # before another step can overwrite it (XR copies it to the eye that frame showed)
+        self.on_prediction: Callable[[int], None] | None = None
         self._sample_slots: deque[int] = deque()  # their slots, beside self.samples
         self._samples_taken = 0
         if opts.zero_copy:
@@ -494,6 +497,12 @@ class Demo:
     def job(self, name: str) -> Job | None:
         return next((j for j in self.jobs if j.name == name), None)
 
+    @property
+    def predictions_begun(self) -> int:
+        """Steps begun so far of the job whose output is the prediction."""
+        job = self.job("train" if self.opts.predict_in_training else "infer")
+        return job.steps_started if job is not None else 0
+
     # ---- the frame loop -----------------------------------------------------------------------
     def queries_readable(self) -> bool:
         """Whether reading timestamp queries now would not stall the frame loop. Mesa's
@@ -520,11 +529,15 @@ class Demo:
         self._read_timer()  # before new work is queued: the best moment on lavapipe
         if infer is not None and not self._infer_harvested and not infer.busy:
             self._harvest_prediction()
+            if self.on_prediction is not None and self._infer_frame is not None:
+                self.on_prediction(self._infer_frame)
         if train is not None and not self._train_harvested and not train.busy:
             loss = float(self.train.read("loss"))  # type: ignore[union-attr]
             if self.opts.predict_in_training:
                 self._record_prediction(*self._train_sample, self.train,  # type: ignore[arg-type]
                                         self._train_steps_done)
+                if self.on_prediction is not None:
+                    self.on_prediction(self._train_sample[0])  # type: ignore[index]
             self._train_steps_done += 1
             self.run.losses.append((self._train_steps_done, n, loss))
             self._train_harvested = True

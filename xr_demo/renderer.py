@@ -1,9 +1,9 @@
 """The host's renderer: a Vulkan graphics pipeline (dynamic rendering, a depth buffer, two colour
 targets: the shaded image and linear depth) drawing `scene.Scene`, with WGSL shaders compiled to
 SPIR-V by vkml.vk.compile_wgsl. Each frame's command buffer is recorded by
-`SceneRenderer.record()`; it ends with the targets copied to a host-visible buffer, which is how
-the image (the network's input) and the true depth (its target) reach vkml: `read()` after the
-frame's fence.
+`SceneRenderer.record()`; the sessions read its targets in place (bind_input), and it can end
+with them copied to a host-visible buffer: `read()` after the frame's fence, for the metrics and
+pictures, or as the network's input and target with --set-input.
 
 `Compositor` puts frames on a screen: it blits the scene and a panel of depth images (drawn on
 the GPU by xr_demo/panel.py, or uploaded from the host with --set-input) into a swapchain image

@@ -1,9 +1,18 @@
 """XR mode: OpenXR through pyopenxr with XR_KHR_vulkan_enable2. The runtime dictates the Vulkan
 instance, physical device and device (created through xrCreateVulkanInstanceKHR /
 xrCreateVulkanDeviceKHR from the host's own create infos, so the same features are on); vkml
-adopts that device and queue with Device.from_vulkan. Two eyes, one swapchain each; the left
-eye's view is the model's input, and its prediction is drawn into the left eye's lower right.
-xrWaitFrame paces everything: the model's pieces fill the slack of the runtime's frame period.
+adopts that device and queue with Device.from_vulkan. Two eyes, one swapchain each; xrWaitFrame
+paces everything: the model's pieces fill the slack of the runtime's frame period.
+
+Both eyes feed the model, one inference each in turn: the renderer whose targets the sessions
+read (bind_input) draws the eye whose turn it is, the other renderer the other eye, so an
+inference and the training samples of its frames see that eye with no copy, and every inference
+costs the same (one eye, one step: the frame time stays as predictable as with one eye; a batch
+of both eyes would double each step, and the images would need a copy into one input). Each
+eye's latest prediction is copied from the image the model writes (bind_output) into that eye's
+own r32_float image when harvested, and drawn on the GPU in the eye's lower right (xr_demo/
+panel.py). With --set-input the left eye alone feeds the model, through the CPU, and its panel
+is made on the host, as before.
 
 xrBeginFrame, xrEndFrame and swapchain acquire/release may use the app's VkQueue inside the
 runtime, so they are called holding the queue lock, as every vkQueueSubmit is (the host's and
@@ -25,7 +34,15 @@ import xr
 from xr_demo import outputs
 from xr_demo.app import Demo, Options, pct
 from xr_demo.headless import calibrate
-from xr_demo.renderer import Compositor, SceneRenderer
+from xr_demo.panel import READABLE, DepthPanel, clear_prediction
+from xr_demo.renderer import (
+    Compositor,
+    Image,
+    SceneRenderer,
+    create_image,
+    destroy_image,
+    image_barrier,
+)
 from xr_demo.scene import Scene, pose_matrix, xr_camera
 from xr_demo.vkhost import (
     HostError,
@@ -175,18 +192,117 @@ class XrSession:
         xr.destroy_instance(self.instance)
 
 
+class EyePredictions:
+    """Each eye's latest prediction, on the GPU: the frame -> eye map of the frames the model's
+    renderer drew, an r32_float image per eye, and a recorded copy from the image the model
+    writes into each; `shown(frame)` (Demo.on_prediction) queues the copy for that frame's eye.
+    The copy runs after the step (it was harvested: finished) and before the next step's output
+    (whose program starts with a barrier over every stage), between barriers of its own."""
+
+    def __init__(self, host: VulkanHost, drawable: Image, eyes: int) -> None:
+        self.host = host
+        r = drawable.width
+        usage = vk.VK_IMAGE_USAGE_TRANSFER_DST_BIT | vk.VK_IMAGE_USAGE_SAMPLED_BIT
+        self.images = [create_image(host, r, r, vk.VK_FORMAT_R32_SFLOAT, usage)
+                       for _ in range(eyes)]
+        self.eye_of: dict[int, int] = {}
+        self.frames: list[int | None] = [None] * eyes  # the frame each eye's image shows
+        self.counts = [0] * eyes
+        cb, fence = host.command_buffers(1)[0], host.fence()
+
+        def clear(c: Any) -> None:
+            for img in self.images:
+                clear_prediction(c, img.image)
+
+        host.run_now(cb, fence, clear)
+        vk.vkFreeCommandBuffers(host.device, host.pool, 1, [cb])
+        vk.vkDestroyFence(host.device, fence, None)
+        self.copies = host.command_buffers(eyes)
+        for c, img in zip(self.copies, self.images):
+            vk.vkBeginCommandBuffer(c, vk.VkCommandBufferBeginInfo(
+                sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
+            self._record_copy(c, drawable.image, img.image, r)
+            vk.vkEndCommandBuffer(c)
+
+    @staticmethod
+    def _record_copy(cb: Any, src: Any, dst: Any, r: int) -> None:
+        every = vk.VK_PIPELINE_STAGE_ALL_COMMANDS_BIT
+        transfer = vk.VK_PIPELINE_STAGE_TRANSFER_BIT
+        src_layout = vk.VK_IMAGE_LAYOUT_TRANSFER_SRC_OPTIMAL
+        dst_layout = vk.VK_IMAGE_LAYOUT_TRANSFER_DST_OPTIMAL
+        image_barrier(cb, src, READABLE, src_layout, every, transfer,
+                      vk.VK_ACCESS_MEMORY_WRITE_BIT, vk.VK_ACCESS_TRANSFER_READ_BIT)
+        image_barrier(cb, dst, READABLE, dst_layout, every, transfer, 0,
+                      vk.VK_ACCESS_TRANSFER_WRITE_BIT)
+        layers = vk.VkImageSubresourceLayers(vk.VK_IMAGE_ASPECT_COLOR_BIT, 0, 0, 1)
+        origin = vk.VkOffset3D(0, 0, 0)
+        vk.vkCmdCopyImage(cb, src, src_layout, dst, dst_layout, 1, [vk.VkImageCopy(
+            srcSubresource=layers, srcOffset=origin, dstSubresource=layers, dstOffset=origin,
+            extent=vk.VkExtent3D(r, r, 1))])
+        image_barrier(cb, src, src_layout, READABLE, transfer, every, 0, 0)
+        image_barrier(cb, dst, dst_layout, READABLE, transfer, every,
+                      vk.VK_ACCESS_TRANSFER_WRITE_BIT, vk.VK_ACCESS_MEMORY_READ_BIT)
+
+    def drew(self, frame: int, eye: int) -> None:
+        """The model's renderer drew `eye` in `frame`."""
+        self.eye_of[frame] = eye
+        self.eye_of.pop(frame - 4096, None)
+
+    def shown(self, frame: int) -> None:
+        eye = self.eye_of.get(frame)
+        if eye is None:  # a frame from before the loop (the set-up's renders)
+            return
+        self.host.submit(self.copies[eye])
+        self.frames[eye] = frame
+        self.counts[eye] += 1
+
+    def close(self) -> None:
+        self.host.idle()
+        vk.vkFreeCommandBuffers(self.host.device, self.host.pool, len(self.copies), self.copies)
+        for img in self.images:
+            destroy_image(self.host, img)
+
+
+def check_panels(demo: Demo, panels: list[DepthPanel], eyes: EyePredictions,
+                 renderers: list[SceneRenderer], out: str) -> dict[str, Any]:
+    """After the loop: each eye's panel drawn once more and read back, beside the prediction
+    session.read gave for the frame it shows, into `out`/panels.npz (the XR test compares
+    them through colormap.depth_picture); which frame each eye shows."""
+    cb, fence = demo.host.command_buffers(1)[0], demo.host.fence()
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        by_frame = {p.frame: p for p in demo.run.predictions}
+        for e, (panel, frame) in enumerate(zip(panels, eyes.frames)):
+            demo.host.run_now(cb, fence, lambda c, panel=panel, e=e: panel.record(
+                c, renderers[0].depth, eyes.images[e]))
+            arrays[f"drawn_{e}"] = panel.read_now(cb, fence)
+            if frame in by_frame:
+                arrays[f"read_{e}"] = by_frame[frame].depth
+    finally:
+        vk.vkFreeCommandBuffers(demo.host.device, demo.host.pool, 1, [cb])
+        vk.vkDestroyFence(demo.host.device, fence, None)
+    os.makedirs(out, exist_ok=True)
+    np.savez(os.path.join(out, "panels.npz"), **arrays)
+    return {"eye_shows_frame": eyes.frames, "eye_predictions": eyes.counts}
+
+
 def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
     r = opts.resolution
     xs = XrSession(opts.xr_size, log)
     host = xs.host
     renderers: list[SceneRenderer] = []
-    compositor = demo = None
+    panels: list[DepthPanel] = []
+    compositor = demo = eyes = None
     try:
         scene = Scene.build(opts.seed)
         renderers = [SceneRenderer(host, r, r, scene) for _ in xs.eyes]
-        compositor = Compositor(host, 2 * r, r)
+        compositor = Compositor(host, None if opts.zero_copy else (2 * r, r))
         compositor.check_format(xs.format)
-        demo = Demo(host, opts, renderers[0], log)
+        demo = Demo(host, opts, renderers[0], log)  # the model's renderer: renderers[0]
+        if opts.zero_copy:
+            eyes = EyePredictions(host, demo.drawable, len(xs.eyes))
+            demo.on_prediction = eyes.shown
+            panels = [DepthPanel(host, r) for _ in xs.eyes]
         log(f"device: {host.device_name}; eyes {[(w, h) for _, w, h, _ in xs.eyes]}, "
             f"format {xs.format}")
         render_ms, render_source, _ = calibrate(host, renderers[0])
@@ -230,7 +346,14 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                         view_configuration_type=xr.ViewConfigurationType.PRIMARY_STEREO,
                         display_time=state.predicted_display_time, space=xs.space))
                     demo.begin_frame(n)
-                    compositor.set_panel(panel_pixels(demo, r))
+                    model_eye = 0
+                    if eyes is not None:  # the eye of the latest prediction begun
+                        model_eye = max(demo.predictions_begun - 1, 0) % len(xs.eyes)
+                        eyes.drew(n, model_eye)
+                    else:
+                        compositor.set_panel(panel_pixels(demo, r))
+                    drawn_by = list(renderers)  # the renderer of each eye
+                    drawn_by[0], drawn_by[model_eye] = drawn_by[model_eye], drawn_by[0]
                     head = np.mean([[v.pose.position.x, v.pose.position.y, v.pose.position.z]
                                     for v in views], 0)
                     indices = []
@@ -245,16 +368,21 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                         sType=vk.VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO))
                     projection_views = []
                     for e, ((chain, w, h, images), view, rend) in enumerate(
-                            zip(xs.eyes, views, renderers)):
+                            zip(xs.eyes, views, drawn_by)):
                         p, o = view.pose.position, view.pose.orientation
                         pose = pose_matrix(np.array([p.x, p.y, p.z]) - head, (o.x, o.y, o.z, o.w))
                         fov = (view.fov.angle_left, view.fov.angle_right, view.fov.angle_up,
                                view.fov.angle_down)
-                        rend.record(cb, xr_camera(n, pose, fov), n / 72.0, readback=e == 0,
-                                    timestamps=e == 0)
+                        model = rend is renderers[0]
+                        rend.record(cb, xr_camera(n, pose, fov), n / 72.0, readback=model,
+                                    timestamps=model)
                         placements = [(rend.color, (0, 0, w, h))]
-                        if e == 0:  # the prediction panel in the left eye's lower right
-                            placements.append((compositor.panel, (w // 2, h - w // 4, w, h)))
+                        corner = (w // 2, h - w // 4, w, h)  # the panel: the lower right
+                        if eyes is not None:  # the eye's latest prediction
+                            panels[e].record(cb, rend.depth, eyes.images[e])
+                            placements.append((panels[e].image, corner))
+                        elif e == 0:
+                            placements.append((compositor.panel, corner))
                         compositor.record(cb, placements, images[indices[e]],
                                           vk.VK_IMAGE_LAYOUT_UNDEFINED,
                                           vk.VK_IMAGE_LAYOUT_COLOR_ATTACHMENT_OPTIMAL,
@@ -273,7 +401,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
                     demo.fill(n)  # the model's pieces after the eyes, on the same queue
                     host.wait_fence(fence)
                     frame_ms = (time.perf_counter() - t0) * 1e3
-                    rgb, depth = renderers[0].read()
+                    rgb, depth = renderers[0].read()  # zero_copy: for the metrics only
                     gpu = renderers[0].gpu_ms() if demo.queries_readable() else None
                     demo.end_frame(n, rgb, depth, frame_ms, gpu)
                     layer = xr.CompositionLayerProjection(space=xs.space,
@@ -290,6 +418,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
             vk.vkDestroyFence(host.device, fence, None)
             vk.vkFreeCommandBuffers(host.device, host.pool, 1, [cb])
         demo.finish()
+        checked = check_panels(demo, panels, eyes, renderers, opts.out) if eyes else {}
         metrics = {
             "device": host.device_name, "mode": "xr", "runtime": xs.runtime,
             "session_states": xs.states, "reached_focused": "FOCUSED" in xs.states,
@@ -298,6 +427,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
             "run": demo.metrics(info.get("period_ms", 0.0)),
             "train_steps_done": len(demo.run.losses),
             "predictions": len(demo.run.predictions),
+            **checked,
             "validation_messages": list(host.messages),
             "validating": host.messenger is not None,
         }
@@ -308,6 +438,10 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
             f"training steps; metrics {os.path.abspath(path)}")
         return metrics
     finally:
+        for panel in panels:
+            panel.close()
+        if eyes is not None:
+            eyes.close()
         if demo is not None:
             demo.close()
         if compositor is not None:
