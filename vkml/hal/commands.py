@@ -66,13 +66,23 @@ class Fill:
 
 @dataclass(frozen=True)
 class ImageRegion:
-    """A rectangle of a host image's first mip level and layer, tightly packed in a buffer."""
+    """A rectangle of a host image's first mip level and layer, in a buffer row after row."""
 
     image: object  # a handle returned by the backend's host_resources.image()
     x: int
     y: int
     width: int
     height: int
+    # Bytes from a row's start to the next one's in the buffer (0: tightly packed), a
+    # multiple of the texel's size: host_resources.row_pitch() says what the backend copies
+    # in one piece.
+    pitch: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the buffer the rows span."""
+        row = self.width * getattr(self.image, "texel_bytes", 0)
+        return (self.pitch or row) * (self.height - 1) + row
 
 
 @dataclass(frozen=True)
@@ -155,7 +165,10 @@ def check_commands(commands: Sequence[Command], label: str, caps: Capabilities,
                           else (cmd.src, cmd.src_offset))
             r = cmd.region
             texel = getattr(r.image, "texel_bytes", 0)
-            _check_range(buffer, at, r.width * r.height * texel, what, live_buffer)
+            if r.pitch and (r.pitch < r.width * texel or r.pitch % max(texel, 1)):
+                raise DeviceError(f"{what}: row pitch {r.pitch} is not a whole number of "
+                                  f"texels of {texel} bytes, at least the row's {r.width}")
+            _check_range(buffer, at, r.nbytes, what, live_buffer)
             width, height = getattr(r.image, "extent", (0, 0))
             if min(r.x, r.y) < 0 or r.width <= 0 or r.height <= 0 or r.x + r.width > width \
                     or r.y + r.height > height:

@@ -71,6 +71,12 @@ class HostResources(Protocol):
         """Forget a buffer or image from buffer() / image() (the host's handle stays)."""
         ...
 
+    def row_pitch(self, row_bytes: int) -> int:
+        """The smallest row pitch (ImageRegion.pitch) at least `row_bytes` with which the
+        backend copies an image region in one piece (Vulkan: `row_bytes`; WebGPU: a multiple
+        of 256)."""
+        ...
+
     def describe(self, resource: Any, what: str) -> tuple[str, dict[str, Any]]:
         """A resource of the backend's own API that reports its device, size, usage and format
         (wgpu's GPUBuffer, GPUTexture) as ("buffer", vkml.HostBuffer's fields) or ("image",

@@ -31,18 +31,26 @@ def table(format: str, mean: Sequence[float], std: Sequence[float]) -> np.ndarra
     return np.concatenate([m.astype(np.float32), (1.0 / s).astype(np.float32)])
 
 
-def _texel_function(format: str, width: int) -> list[str]:
-    """WGSL `texel(x, y, c)`: source channel c of the texel at (x, y), converted."""
+def _texel_function(format: str, row: int) -> list[str]:
+    """WGSL `texel(x, y, c)`: source channel c of the texel at (x, y), converted; rows lie
+    `row` texels apart."""
     head = "fn texel(x: u32, y: u32, c: u32) -> f32 {"
     if format.startswith("rgba8"):
-        body = [f"  let word = src[y * {width}u + x];",
+        body = [f"  let word = src[y * {row}u + x];",
                 f"  return table[c * {TABLE_ENTRIES}u + ((word >> (8u * c)) & 255u)];"]
     elif format == "rgba16_float":
-        body = [f"  let pair = unpack2x16float(src[(y * {width}u + x) * 2u + c / 2u]);",
+        body = [f"  let pair = unpack2x16float(src[(y * {row}u + x) * 2u + c / 2u]);",
                 "  return (pair[c % 2u] - table[c]) * table[4u + c];"]
     else:
-        body = [f"  return (bitcast<f32>(src[y * {width}u + x]) - table[c]) * table[4u + c];"]
+        body = [f"  return (bitcast<f32>(src[y * {row}u + x]) - table[c]) * table[4u + c];"]
     return [head, *body, "}"]
+
+
+def _entry(total: int) -> list[str]:
+    """The entry point's first lines: one invocation per element `idx` of `total`."""
+    return [f"fn main({ENTRY_ARGS}) {{",
+            f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
+            f"  if (idx >= {total}u) {{ return; }}"]
 
 
 def _axis(name: str, size: int, out: int) -> list[str]:
@@ -56,16 +64,15 @@ def _axis(name: str, size: int, out: int) -> list[str]:
 
 
 def convert(format: str, source: tuple[int, int], shape: tuple[int, int, int],
-            channels: Sequence[int], caps: Capabilities) -> Kernel:
-    """Bindings: `src` (the packed texels of a `source` = (width, height) region, u32 words),
-    `table` (from table()), `out` (the (C, H, W) f32 tensor); `channels[c]` is the source
-    channel of output channel c."""
+            channels: Sequence[int], caps: Capabilities, row: int | None = None) -> Kernel:
+    """Bindings: `src` (the texels of a `source` = (width, height) region, u32 words, rows
+    `row` texels apart: `width`, tightly packed, by default), `table` (from table()), `out`
+    (the (C, H, W) f32 tensor); `channels[c]` is the source channel of output channel c."""
     (width, height), (c_out, h_out, w_out) = source, shape
+    row = width if row is None else row
     total = c_out * h_out * w_out
     picks = ", ".join(f"{c}u" for c in channels)
-    entry = [f"fn main({ENTRY_ARGS}) {{",
-             f"  let idx = ({LINEAR_WORKGROUP}) * {WORKGROUP}u + lid;",
-             f"  if (idx >= {total}u) {{ return; }}",
+    entry = [*_entry(total),
              f"  let x = idx % {w_out}u;",
              f"  let y = (idx / {w_out}u) % {h_out}u;",
              f"  var picks = array<u32, {c_out}>({picks});",
@@ -79,7 +86,20 @@ def convert(format: str, source: tuple[int, int], shape: tuple[int, int, int],
                   "  out[idx] = (1.0 - ly) * top + ly * bottom;"]
     entry.append("}")
     buffers = [Buf("src", "u32"), Buf("table"), Buf("out", writable=True)]
-    name = f"frame_{format}_{width}x{height}_to_{c_out}x{h_out}x{w_out}"
+    pitch = "" if row == width else f"_row{row}"
+    name = f"frame_{format}_{width}x{height}{pitch}_to_{c_out}x{h_out}x{w_out}"
     return assemble(name, caps, buffers, (WORKGROUP,), entry,
-                    grid(-(-total // WORKGROUP), caps), prelude=_texel_function(format, width),
+                    grid(-(-total // WORKGROUP), caps), prelude=_texel_function(format, row),
                     flops=total * 12, nbytes=total * 8)
+
+
+def spaced_rows(rows: int, cols: int, row: int, caps: Capabilities) -> Kernel:
+    """Bindings: `src` (a rows x cols map of 32-bit words, tightly packed), `out` (the same
+    rows, `row` words apart): an output laid out for one copy into a texture where the API
+    spaces a copy's rows (WebGPU: by multiples of 256 bytes). Words are moved, not floats, so
+    every bit arrives."""
+    total = rows * cols
+    entry = [*_entry(total), f"  out[(idx / {cols}u) * {row}u + idx % {cols}u] = src[idx];", "}"]
+    return assemble(f"frame_rows_{rows}x{cols}_to_row{row}", caps,
+                    [Buf("src", "u32"), Buf("out", "u32", writable=True)], (WORKGROUP,), entry,
+                    grid(-(-total // WORKGROUP), caps), nbytes=total * 8)

@@ -81,7 +81,8 @@ class HostImage:
 @dataclass
 class _Bound:
     """One binding: the backend's handle of the host's resource, the copy that reads or writes
-    it, the dispatch converting an image's texels, and what vkml made for it (freed with it)."""
+    it, the dispatch converting an image's texels (or spacing an output's rows for its image),
+    and what vkml made for it (freed with it)."""
 
     resource: object
     copy: Command | None = None
@@ -174,6 +175,10 @@ class FrameBindings:
         nbytes = width * height * FORMATS[format]
         if not image:
             _check_offset(what, offset, nbytes, source.nbytes)
+        resources = self._resources(what)
+        # Image rows land in vkml's buffer as far apart as the backend copies them in one piece
+        # (WebGPU: multiples of 256 bytes); the kernel reads them there.
+        pitch = resources.row_pitch(width * FORMATS[format]) if image else 0
         depth = 1 if format == "r32_float" else 4
         picks = tuple(range(min(shape[0], depth))) if channels is None else tuple(channels)
         if len(picks) != shape[0] or any(not 0 <= c < depth for c in picks):
@@ -184,7 +189,6 @@ class FrameBindings:
         stds = _per_channel(what, "std", std, 1.0, depth)
         if any(s == 0 or not math.isfinite(s) for s in stds):
             raise InputError(f"{what}: std must be finite and non-zero, got {list(stds)}")
-        resources = self._resources(what)
         if isinstance(source, HostImage):
             handle = resources.image(source.handle, source.device, format, extent, source.usage,
                                      source.layout, "read", what)
@@ -194,21 +198,24 @@ class FrameBindings:
         backend = self._backend
         binding = _Bound(handle)
         try:
-            texels = backend.create_buffer(nbytes, "device", f"{what} texels")
+            region_of = ImageRegion(handle, x, y, width, height, pitch) if image else None
+            texels = backend.create_buffer(region_of.nbytes if region_of else nbytes, "device",
+                                           f"{what} texels")
             binding.buffers.append(texels)
             lookup = frame_kernels.table(format, (means * 4)[:4], (stds * 4)[:4])
             table = backend.create_buffer(lookup.nbytes, "device", f"{what} table")
             binding.buffers.append(table)
             backend.write_buffer(table, 0, memoryview(lookup).cast("B"))
             kernel = frame_kernels.convert(format, (width, height), shape, picks,
-                                           self._bound.device.caps)
+                                           self._bound.device.caps,
+                                           pitch // FORMATS[format] if image else None)
             pipeline, = self._bound.device.pipelines.acquire([kernel])
             binding.kernels.append(kernel)
             bindings = (Binding(texels, 0, texels.nbytes, False),
                         Binding(table, 0, table.nbytes, False),
                         Binding(arena, at, slot.nbytes, True))
-            binding.copy = (CopyFromImage(ImageRegion(handle, x, y, width, height), texels, 0)
-                            if image else Copy(handle, offset, texels, 0, nbytes))
+            binding.copy = (CopyFromImage(region_of, texels, 0) if region_of is not None
+                            else Copy(handle, offset, texels, 0, nbytes))
             binding.convert = Dispatch(pipeline, bindings, kernel.groups)
         except BaseException:
             self._free(binding)
@@ -254,9 +261,34 @@ class FrameBindings:
                                  "the output's size, or region=(x, y) inside it")
             image = resources.image(target.handle, target.device, target.format, extent,
                                     target.usage, target.layout, "write", what)
-            binding = _Bound(image, CopyToImage(arena, at, ImageRegion(image, x, y, cols, rows)))
+            binding = self._image_output(what, image, x, y, rows, cols, arena, at)
         self.unbind(name, outputs=True)
         self.outputs[name] = binding
+
+    def _image_output(self, what: str, image: object, x: int, y: int, rows: int, cols: int,
+                      arena: object, at: int) -> _Bound:
+        """The output's map copied into an image at (x, y): straight from the arena where the
+        backend copies tightly packed rows in one piece, else first spaced as it needs them
+        (WebGPU: rows a multiple of 256 bytes apart) by a kernel, into a buffer of vkml's."""
+        pitch = self._backend.host_resources.row_pitch(4 * cols)
+        if pitch == 4 * cols or rows == 1:
+            return _Bound(image, CopyToImage(arena, at, ImageRegion(image, x, y, cols, rows)))
+        region = ImageRegion(image, x, y, cols, rows, pitch)
+        binding = _Bound(image)
+        try:
+            spaced = self._backend.create_buffer(region.nbytes, "device", f"{what} rows")
+            binding.buffers.append(spaced)
+            kernel = frame_kernels.spaced_rows(rows, cols, pitch // 4, self._bound.device.caps)
+            pipeline, = self._bound.device.pipelines.acquire([kernel])
+            binding.kernels.append(kernel)
+            binding.convert = Dispatch(pipeline, (Binding(arena, at, 4 * rows * cols, False),
+                                                  Binding(spaced, 0, region.nbytes, True)),
+                                       kernel.groups)
+            binding.copy = CopyToImage(spaced, 0, region)
+        except BaseException:
+            self._free(binding)
+            raise
+        return binding
 
     # ---- programs -----------------------------------------------------------------------------
     def input_commands(self) -> list[Command]:
@@ -272,7 +304,9 @@ class FrameBindings:
         """What a step runs after its dispatches: the bound outputs' copies."""
         if not self.outputs:
             return []
-        return [Barrier(), *[b.copy for b in self.outputs.values() if b.copy is not None],
+        converts = [b.convert for b in self.outputs.values() if b.convert is not None]
+        return [Barrier(), *([*converts, Barrier()] if converts else []),
+                *[b.copy for b in self.outputs.values() if b.copy is not None],
                 Barrier(host_stages=True)]
 
     def unbind(self, name: str, outputs: bool = False) -> bool:

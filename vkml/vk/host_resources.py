@@ -106,6 +106,10 @@ class HostResources:
     def release(self, resource: object) -> None:
         self._backend._host_objects.discard(resource)
 
+    def row_pitch(self, row_bytes: int) -> int:
+        """Vulkan copies tightly packed rows in one command."""
+        return row_bytes
+
     def describe(self, resource: Any, what: str) -> tuple[str, dict[str, Any]]:
         """Vulkan's handles describe nothing: the host declares them."""
         _refuse_wgpu(resource, what)

@@ -208,7 +208,7 @@ def _copy_image(dev: Any, cb: Any, cmd: CopyFromImage | CopyToImage) -> None:
                access)
     copy = ffi.new("VkBufferImageCopy*", {
         "bufferOffset": cmd.dst_offset if reads else cmd.src_offset,
-        "bufferRowLength": 0, "bufferImageHeight": 0,
+        "bufferRowLength": region.pitch // image.texel_bytes, "bufferImageHeight": 0,
         "imageSubresource": {"aspectMask": vk.VK_IMAGE_ASPECT_COLOR_BIT, "mipLevel": 0,
                              "baseArrayLayer": 0, "layerCount": 1},
         "imageOffset": {"x": region.x, "y": region.y, "z": 0},

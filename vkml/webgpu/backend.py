@@ -20,9 +20,8 @@ What WebGPU does not allow, and what this module does about it:
 - One buffer may not be copied to itself; such a copy goes through a scratch buffer.
 - One buffer may not be bound both read-only and writable in one dispatch: the capabilities say
   `read_only_storage=False`, so codegen declares every storage binding read_write.
-- A texture copy spaces rows in its buffer by a multiple of 256 bytes, and the frame kernels
-  read rows tightly packed: a host texture's region whose rows are not a multiple of 256 bytes
-  is copied a row at a time (_texel_copies).
+- A texture copy spaces rows in its buffer by a multiple of 256 bytes: host_resources.row_pitch
+  says so, and the frame kernels read and write rows that far apart.
 Optional capabilities: device timestamps where the adapter has them; a host's GPUBuffers and
 GPUTextures (host_resources, on a device adopted with Device.from_wgpu); no timeline semaphore
 and no recording into a host's command buffers.
@@ -52,7 +51,7 @@ from vkml.hal import (
     Kernel,
 )
 from vkml.interrupts import deferred_interrupts
-from vkml.webgpu.host_resources import HostResources, ImportedTexture
+from vkml.webgpu.host_resources import ROW_ALIGN, HostResources, ImportedTexture
 
 # WebGPU's default, and what a browser guarantees. Adapters may allow less (lavapipe says 32), but
 # a plan laid out for 256 is valid on every WebGPU implementation, so this is not lowered.
@@ -61,8 +60,6 @@ STORAGE_OFFSET_ALIGNMENT = 256
 QUERY_SET_SIZE = 4096
 # wgpu's copies, queue writes and mapped ranges work in whole 4-byte words.
 COPY_ALIGN = 4
-# A texture copy's rows lie this many bytes apart in the buffer (a multiple of it).
-ROW_ALIGN = 256
 
 # Limits raised from WebGPU's defaults (128 MiB bindings, 8 storage buffers per stage, 16 KiB of
 # workgroup memory, ...) to what the adapter offers, so planning and codegen see the real device.
@@ -455,13 +452,11 @@ class WgpuBackend(BackendBase):
             elif isinstance(cmd, Fill):
                 segments.append(("clear_buffer", (cmd.buffer.handle, cmd.offset, cmd.nbytes)))
             elif isinstance(cmd, CopyFromImage):
-                segments += [("copy_texture_to_buffer", (texture, buffer, size)) for
-                             texture, buffer, size in _texel_copies(cmd.region, cmd.dst,
-                                                                    cmd.dst_offset)]
+                texture, buffer, size = _texel_copy(cmd.region, cmd.dst, cmd.dst_offset)
+                segments.append(("copy_texture_to_buffer", (texture, buffer, size)))
             elif isinstance(cmd, CopyToImage):
-                segments += [("copy_buffer_to_texture", (buffer, texture, size)) for
-                             texture, buffer, size in _texel_copies(cmd.region, cmd.src,
-                                                                    cmd.src_offset)]
+                texture, buffer, size = _texel_copy(cmd.region, cmd.src, cmd.src_offset)
+                segments.append(("copy_buffer_to_texture", (buffer, texture, size)))
         prog.segments = segments
         self._programs.add(prog)
         return prog
@@ -633,6 +628,11 @@ class WgpuBackend(BackendBase):
             if not isinstance(texture, ImportedTexture) or texture not in self._host_objects:
                 raise DeviceError(f"{what}: {texture!r} is not a texture from this backend's "
                                   "host_resources.image()")
+            r = cmd.region
+            if r.height > 1 and (r.pitch or r.width * texture.texel_bytes) % ROW_ALIGN:
+                raise DeviceError(f"{what}: rows {r.pitch or r.width * texture.texel_bytes} "
+                                  f"bytes apart; WebGPU copies rows a multiple of {ROW_ALIGN} "
+                                  "apart (host_resources.row_pitch())")
         if isinstance(cmd, Dispatch):
             for i, b in enumerate(cmd.bindings):
                 if b.buffer in self._host_objects:
@@ -650,18 +650,14 @@ class WgpuBackend(BackendBase):
                                   f"{COPY_ALIGN} bytes in wgpu")
 
 
-def _texel_copies(region: ImageRegion, buffer: Buffer, offset: int
-                  ) -> list[tuple[dict[str, Any], dict[str, Any], tuple[int, int, int]]]:
-    """A texture region <-> `buffer` from `offset` with its rows tightly packed (what the frame
-    kernels read and outputs hold), as WebGPU copies (texture info, buffer info, size). WebGPU
-    spaces a copy's rows by a multiple of 256 bytes, so a region whose rows are not is copied
-    a row at a time."""
+def _texel_copy(region: ImageRegion, buffer: Buffer, offset: int
+                ) -> tuple[dict[str, Any], dict[str, Any], tuple[int, int, int]]:
+    """A texture region <-> `buffer` from `offset`, its rows region.pitch bytes apart (a
+    multiple of 256, checked by _check_command), as WebGPU copies (texture info, buffer info,
+    size)."""
     texture: ImportedTexture = region.image  # type: ignore[assignment]
-    row = region.width * texture.texel_bytes
-    pitch = -(-row // ROW_ALIGN) * ROW_ALIGN
-    rows = [(0, region.height)] if pitch == row or region.height == 1 else \
-        [(r, 1) for r in range(region.height)]
-    return [({"texture": texture.handle, "origin": (region.x, region.y + first, 0)},
-             {"buffer": buffer.handle, "offset": offset + first * row, "bytes_per_row": pitch,
-              "rows_per_image": count},
-             (region.width, count, 1)) for first, count in rows]
+    pitch = region.pitch or region.width * texture.texel_bytes
+    return ({"texture": texture.handle, "origin": (region.x, region.y, 0)},
+            {"buffer": buffer.handle, "offset": offset,
+             "bytes_per_row": -(-pitch // ROW_ALIGN) * ROW_ALIGN, "rows_per_image": region.height},
+            (region.width, region.height, 1))

@@ -19,6 +19,7 @@ from vkml.hal import FORMATS
 TEXTURE_FORMATS = {"rgba8unorm": "rgba8_unorm", "rgba8unorm-srgb": "rgba8_srgb",
                    "rgba16float": "rgba16_float", "r32float": "r32_float"}
 WGPU_FORMATS = {v: k for k, v in TEXTURE_FORMATS.items()}
+ROW_ALIGN = 256  # bytes: a texture copy's rows lie a multiple of this apart in its buffer
 FIX = ("bind a VkBuffer or VkImage on a session of vkml.Device.from_vulkan, or the host's "
        "wgpu.GPUBuffer or GPUTexture itself on this one")
 
@@ -43,6 +44,10 @@ class HostResources:
     def __init__(self, backend: Any) -> None:
         self._backend = backend
         self._wgpu = backend._wgpu
+
+    def row_pitch(self, row_bytes: int) -> int:
+        """WebGPU spaces a texture copy's rows by a multiple of 256 bytes."""
+        return -(-row_bytes // ROW_ALIGN) * ROW_ALIGN
 
     def describe(self, resource: Any, what: str) -> tuple[str, dict[str, Any]]:
         """A GPUBuffer as vkml.HostBuffer's fields ("buffer", holding a tensor as set_input
