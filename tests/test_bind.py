@@ -356,22 +356,28 @@ def identity_session(dev, shape):
     return vkml.compile(g, device=dev, outputs={"y": x.relu()})
 
 
-def test_resize_and_channel_choice_match_torch_bilinear(host, rng):
+def check_resize(dev, texels, source):
+    """`source` (an RGBA8 image holding `texels`) bound with channels (2, 3) to inputs smaller
+    and larger than it: torch's bilinear F.interpolate of the same channels."""
     torch = pytest.importorskip("torch")
-    usage = vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT | vk.VK_IMAGE_USAGE_TRANSFER_DST_BIT
-    source = host.image("rgba8_unorm", 13, 11, usage)
-    texels = rng.integers(0, 256, (11, 13, 4), dtype=np.uint8)
-    host.upload(source, texels, 13, 11, vk.VK_IMAGE_LAYOUT_GENERAL)
     for out in [(6, 5), (24, 20)]:  # down and up
-        s = identity_session(host.vkml, (1, 2, *out))
-        s.bind_input("x", host.describe_image(source, "rgba8_unorm", 13, 11, usage,
-                                              vk.VK_IMAGE_LAYOUT_GENERAL), channels=(2, 3))
+        s = identity_session(dev, (1, 2, *out))
+        s.bind_input("x", source, channels=(2, 3))
         s.forward()
         picked = torch.tensor(texels[..., [2, 3]].transpose(2, 0, 1)[None] / 255.0)
         expected = torch.nn.functional.interpolate(picked, size=out, mode="bilinear",
                                                    align_corners=False).numpy()
         np.testing.assert_allclose(s.read("y"), expected, rtol=0, atol=1e-6)
         s.close()
+
+
+def test_resize_and_channel_choice_match_torch_bilinear(host, rng):
+    usage = vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT | vk.VK_IMAGE_USAGE_TRANSFER_DST_BIT
+    source = host.image("rgba8_unorm", 13, 11, usage)
+    texels = rng.integers(0, 256, (11, 13, 4), dtype=np.uint8)
+    host.upload(source, texels, 13, 11, vk.VK_IMAGE_LAYOUT_GENERAL)
+    check_resize(host.vkml, texels, host.describe_image(source, "rgba8_unorm", 13, 11, usage,
+                                                        vk.VK_IMAGE_LAYOUT_GENERAL))
 
 
 def test_a_picture_in_a_buffer_is_converted_as_an_image_is(host, rng):

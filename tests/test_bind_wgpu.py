@@ -15,6 +15,7 @@ from test_bind import (
     H,
     W,
     assert_bits,
+    check_resize,
     colour_frame,
     conv_graph,
     identity_session,
@@ -173,6 +174,14 @@ def test_rows_of_256_bytes_are_copied_as_they_are(host, rng):
     assert_bits(host.read_texture(target, 64, 3), np.concatenate(
         [np.zeros((1, 64), np.float32), texels[1:3]]))
     s.close()
+
+
+def test_resize_and_channel_choice_match_torch_bilinear(host, rng):
+    """Through rows spaced 256 bytes apart: the resize's taps read them there."""
+    source = host.texture("rgba8unorm", 13, 11, TEX.COPY_SRC | TEX.COPY_DST)
+    texels = rng.integers(0, 256, (11, 13, 4), dtype=np.uint8)
+    host.write_texture(source, texels)
+    check_resize(host.vkml, texels, source)
 
 
 def test_a_picture_in_a_wgpu_buffer_is_converted_as_a_texture_is(host, rng):
