@@ -476,6 +476,13 @@ def test_window_opens_presents_and_closes_under_xvfb(tmp_path, path):
         assert off_scale.max() <= 1, f"{name} panel: colours off the depth scale"
         assert maybe_none or len(np.unique(centres.reshape(-1, 3), axis=0)) > 5, \
             f"{name} panel is flat"
+    if path == "bind_input":  # the drawn prediction is session.read's, colour-mapped
+        from xr_demo.colormap import depth_picture
+
+        panels = np.load(tmp_path / "out" / "panels.npz")
+        assert "read_0" in panels, "the prediction drawn has no record"
+        np.testing.assert_allclose(panels["drawn_0"][:, 32:].astype(int),
+                                   depth_picture(panels["read_0"]).astype(int), atol=1, rtol=0)
 
 
 # ---- OpenXR against Monado ------------------------------------------------------------------

@@ -8,7 +8,9 @@ xr_demo/colormap.py's (the same polynomial, evaluated in f32)."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import vulkan as vk
@@ -25,6 +27,9 @@ from xr_demo.renderer import (
     image_barrier,
 )
 from xr_demo.vkhost import VulkanHost
+
+if TYPE_CHECKING:
+    from xr_demo.app import Demo
 
 NONE_YET = -1.0  # a prediction image's value before the first prediction: drawn black
 READABLE = vk.VK_IMAGE_LAYOUT_SHADER_READ_ONLY_OPTIMAL
@@ -193,3 +198,27 @@ class DepthPanel:
         vk.vkDestroyShaderModule(d, self.module, None)
         destroy_image(self.host, self.image)
         self.pipeline = None
+
+
+def save_panels(demo: Demo, shown: Sequence[tuple[DepthPanel, Image, Image, int | None]],
+                out: str) -> None:
+    """After the loop, for each (panel, true depth, prediction image, the frame that image's
+    prediction saw): the panel drawn once more and read back (`drawn_k`), beside the
+    prediction session.read gave for that frame in metres (`read_k`, where the run kept it),
+    into `out`/panels.npz; the tests compare them through colormap.depth_picture."""
+    host = demo.host
+    cb, fence = host.command_buffers(1)[0], host.fence()
+    by_frame = {p.frame: p.depth for p in demo.run.predictions}
+    arrays: dict[str, np.ndarray] = {}
+    try:
+        for k, (panel, true_depth, prediction, frame) in enumerate(shown):
+            host.run_now(cb, fence, lambda c, panel=panel, t=true_depth, p=prediction:
+                         panel.record(c, t, p))
+            arrays[f"drawn_{k}"] = panel.read_now(cb, fence)
+            if frame in by_frame:
+                arrays[f"read_{k}"] = by_frame[frame]
+    finally:
+        vk.vkFreeCommandBuffers(host.device, host.pool, 1, [cb])
+        vk.vkDestroyFence(host.device, fence, None)
+    os.makedirs(out, exist_ok=True)
+    np.savez(os.path.join(out, "panels.npz"), **arrays)

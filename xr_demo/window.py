@@ -4,7 +4,8 @@ prediction lands in: xr_demo/panel.py), blits both into the swapchain image and 
 model learns between frames on the same queue, reading the frames where they were rendered. With
 --set-input the frames go through the CPU and the panel is made on the host and uploaded.
 Close the window (or run --frames) to stop; the run's metrics JSON goes to the output folder, and
-`--screenshot` grabs the screen (X) before closing."""
+`--screenshot` grabs the screen (X) before closing; with the GPU panel, panels.npz holds it read
+back after the loop beside session.read of the prediction it shows."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from xr_demo import outputs
 from xr_demo.app import Demo, Options, camera_frame
 from xr_demo.colormap import depth_picture
 from xr_demo.headless import Pacer, calibrate
-from xr_demo.panel import DepthPanel
+from xr_demo.panel import DepthPanel, save_panels
 from xr_demo.renderer import Compositor, SceneRenderer
 from xr_demo.scene import Scene, desktop_camera
 from xr_demo.vkhost import HostError, VulkanHost
@@ -139,8 +140,10 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         compositor = Compositor(host, None if opts.zero_copy else (2 * r, r))
         compositor.check_format(swapchain.format)
         demo = Demo(host, opts, renderer, log)
+        shows: list[int] = []  # the frames whose predictions were drawn, the latest last
         if opts.zero_copy:
             panel = DepthPanel(host, r)
+            demo.on_prediction = shows.append
         render_ms, source, _ = calibrate(host, renderer)
         period_ms = 1000 / opts.hz if opts.hz else 0.0
         info = demo.prepare(period_ms, render_ms)
@@ -198,6 +201,9 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
             vk.vkDestroyFence(host.device, fence, None)
             vk.vkFreeCommandBuffers(host.device, host.pool, 1, [cb])
         demo.finish()
+        if panel is not None:  # the panel as drawn, beside session.read of its prediction
+            save_panels(demo, [(panel, renderer.depth, demo.drawable,
+                                shows[-1] if shows else None)], opts.out)
         metrics = {"device": host.device_name, "mode": "window", "presented": presented,
                    "window": [swapchain.width, swapchain.height], "setup": info,
                    "run": demo.metrics(period_ms),

@@ -11,8 +11,9 @@ costs the same (one eye, one step: the frame time stays as predictable as with o
 of both eyes would double each step, and the images would need a copy into one input). Each
 eye's latest prediction is copied from the image the model writes (bind_output) into that eye's
 own r32_float image when harvested, and drawn on the GPU in the eye's lower right (xr_demo/
-panel.py). With --set-input the left eye alone feeds the model, through the CPU, and its panel
-is made on the host, as before.
+panel.py); after the loop each eye's panel is read back beside session.read of the prediction
+it shows (panels.npz). With --set-input the left eye alone feeds the model, through the CPU,
+and its panel is made on the host, as before.
 
 xrBeginFrame, xrEndFrame and swapchain acquire/release may use the app's VkQueue inside the
 runtime, so they are called holding the queue lock, as every vkQueueSubmit is (the host's and
@@ -34,7 +35,7 @@ import xr
 from xr_demo import outputs
 from xr_demo.app import Demo, Options, pct
 from xr_demo.headless import calibrate
-from xr_demo.panel import READABLE, DepthPanel, clear_prediction
+from xr_demo.panel import READABLE, DepthPanel, clear_prediction, save_panels
 from xr_demo.renderer import (
     Compositor,
     Image,
@@ -263,29 +264,6 @@ class EyePredictions:
             destroy_image(self.host, img)
 
 
-def check_panels(demo: Demo, panels: list[DepthPanel], eyes: EyePredictions,
-                 renderers: list[SceneRenderer], out: str) -> dict[str, Any]:
-    """After the loop: each eye's panel drawn once more and read back, beside the prediction
-    session.read gave for the frame it shows, into `out`/panels.npz (the XR test compares
-    them through colormap.depth_picture); which frame each eye shows."""
-    cb, fence = demo.host.command_buffers(1)[0], demo.host.fence()
-    arrays: dict[str, np.ndarray] = {}
-    try:
-        by_frame = {p.frame: p for p in demo.run.predictions}
-        for e, (panel, frame) in enumerate(zip(panels, eyes.frames)):
-            demo.host.run_now(cb, fence, lambda c, panel=panel, e=e: panel.record(
-                c, renderers[0].depth, eyes.images[e]))
-            arrays[f"drawn_{e}"] = panel.read_now(cb, fence)
-            if frame in by_frame:
-                arrays[f"read_{e}"] = by_frame[frame].depth
-    finally:
-        vk.vkFreeCommandBuffers(demo.host.device, demo.host.pool, 1, [cb])
-        vk.vkDestroyFence(demo.host.device, fence, None)
-    os.makedirs(out, exist_ok=True)
-    np.savez(os.path.join(out, "panels.npz"), **arrays)
-    return {"eye_shows_frame": eyes.frames, "eye_predictions": eyes.counts}
-
-
 def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
     r = opts.resolution
     xs = XrSession(opts.xr_size, log)
@@ -418,7 +396,11 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
             vk.vkDestroyFence(host.device, fence, None)
             vk.vkFreeCommandBuffers(host.device, host.pool, 1, [cb])
         demo.finish()
-        checked = check_panels(demo, panels, eyes, renderers, opts.out) if eyes else {}
+        checked: dict[str, Any] = {}
+        if eyes is not None:
+            save_panels(demo, [(panel, renderers[0].depth, image, frame) for panel, image, frame
+                               in zip(panels, eyes.images, eyes.frames)], opts.out)
+            checked = {"eye_shows_frame": eyes.frames, "eye_predictions": eyes.counts}
         metrics = {
             "device": host.device_name, "mode": "xr", "runtime": xs.runtime,
             "session_states": xs.states, "reached_focused": "FOCUSED" in xs.states,
