@@ -9,6 +9,7 @@ if wgpu-native logs it at error level, otherwise the layer prints it (`pytest -s
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -52,6 +53,16 @@ def pytest_configure(config):
 def pytest_report_header(config):
     layers = os.environ.get("VK_INSTANCE_LAYERS", "")
     return f"vkml: VK_INSTANCE_LAYERS={layers or '(none: validation off)'}"
+
+
+def live_objects(device: vkml.Device) -> dict[str, int]:
+    """What is alive on `device` (backend.live_objects()) once the sessions dropped without
+    close() so far are freed: a garbage collection (sessions in reference cycles, such as
+    those a failed test's traceback held), then the release a device call would run first.
+    A baseline taken without it would change at the test's first call."""
+    gc.collect()
+    device.release_dropped()
+    return device.backend.live_objects()
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -14,6 +14,7 @@ import stat
 
 import numpy as np
 import pytest
+from conftest import live_objects
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
@@ -515,7 +516,7 @@ def test_save_from_gpu_memory_reads_in_batches_and_keeps_nothing(device, tmp_pat
     backend = session._bound.backend
     for arena in session._bound.arenas:  # the path of memory the host cannot map
         arena.host_read = arena.host_write = False
-    before = backend.live_objects()
+    before = live_objects(device)
     submissions = []
     run_now = backend.run_now
     backend.run_now = lambda commands: (submissions.append(len(commands)), run_now(commands))[1]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import live_objects, subprocess_env
 
 import vkml
 from vkml import nn
@@ -239,7 +239,7 @@ def test_a_failure_at_any_point_of_binding_frees_everything_made_before_it(devic
     monkeypatch.setattr(memory_plan, "ARENA_LIMIT", 1024)
     monkeypatch.setenv("VKML_PLAN_CACHE", "0")
     backend = device.backend
-    baseline = backend.live_objects()
+    baseline = live_objects(device)
     calls: list[str] = []
     fail_at: list[int] = []  # the number of the call that fails, if any
     lock = threading.Lock()  # pipelines may be made in several threads

@@ -7,12 +7,16 @@ session.record() refuses a handle that is no command buffer instead of crashing 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
+from conftest import live_objects
 
 import vkml
+from vkml.compiler import schedule
 
 
 def small(device, seed=0, optimizer=None):
@@ -30,7 +34,7 @@ def small(device, seed=0, optimizer=None):
 
 
 def live(device):
-    return device.backend.live_objects() | {"shared pipelines": len(device.pipelines)}
+    return live_objects(device) | {"shared pipelines": len(device.pipelines)}
 
 
 def rss_mb() -> float:
@@ -335,3 +339,178 @@ def test_a_session_after_another_computes_the_same_and_close_gives_its_memory_ba
         after, _ = inference()
         assert np.array_equal(after, alone), precision
         assert live(device) == before
+
+
+# ---- sessions dropped without close() ----------------------------------------------------------
+
+def held(device):
+    """What is alive now, freeing nothing first (live() frees the dropped sessions)."""
+    return device.backend.live_objects() | {"shared pipelines": len(device.pipelines)}
+
+
+def used(device, seed=0):
+    """small()'s training session after a whole step, a chunked one, a profile and reads."""
+    session = small(device, seed=seed)
+    session.step()
+    session.step(chunks=2)
+    session.profile(steps=1)
+    session.read("loss"), session.params()
+    return session
+
+
+def test_sessions_dropped_without_close_are_freed_at_the_devices_next_call(device):
+    """A render loop that recompiles, or a notebook re-running a cell, drops sessions without
+    close(): each kept its buffers, programs and pipelines until the device closed (five of
+    these: 15 buffers, linearly). Now a dropped session is freed by the next compile, or the
+    next call of any session of its device; one in a reference cycle once collected."""
+    empty = live(device)
+    keeper = small(device, seed=99)
+    baseline = live(device)
+    one = None
+    for seed in range(6):
+        used(device, seed)  # dropped at once: nothing refers to it
+        now = held(device)  # the latest dropped session, not yet freed; the one before, freed
+        assert now != baseline
+        one = one or now
+        assert now == one, seed
+    keeper.step()
+    assert held(device) == baseline
+    session = used(device, 6)
+    cycle: list[object] = [session]
+    cycle.append(cycle)
+    del session, cycle
+    gc.collect()
+    keeper.step()
+    assert held(device) == baseline
+    used(device, 7)
+    assert device.release_dropped() == 1  # without waiting for a call
+    assert held(device) == baseline
+    keeper.close()
+    assert live(device) == empty
+
+
+def test_a_dropped_session_is_not_kept_alive_by_what_it_holds(device, tmp_path):
+    """Without the collector (a reference cycle through a bound method, a callback, the
+    chunker, the profiler or a cache would keep it), a session whose last reference goes is
+    finalized at once, a chunked step left part-way included, and freed at the next call."""
+    baseline = live(device)
+    keeper = small(device, seed=99)
+    session = used(device)
+    session.step(budget_ms=1e3)
+    session.piece_costs(chunks=2)
+    session.grad("fc1.weight"), session.state_dict(), session.explain()
+    session.set_hyperparams(lr=1e-3)
+    session.save(tmp_path / "s.safetensors")
+    session.load(tmp_path / "s.safetensors")
+    assert session.step_chunk(chunks=3) > 0  # left part-way
+    gone = weakref.ref(session)
+    gc.disable()
+    try:
+        del session
+        assert gone() is None, gc.get_referrers(gone())
+    finally:
+        gc.enable()
+    keeper.step()
+    keeper.close()
+    assert held(device) == baseline
+
+
+def spying(method, calls):
+    """`method`, noting its name and thread in `calls` first."""
+    def spy(*args):
+        calls.append((method.__name__, threading.current_thread()))
+        return method(*args)
+    return spy
+
+
+def test_the_finalizer_calls_nothing_on_the_device(device, monkeypatch):
+    """The collector may finalize a dropped session on any thread, inside any lock: here on a
+    thread holding the pipeline pool's lock, which freeing the session's pipelines takes again
+    (a deadlock), as a collection that struck inside PipelinePool.acquire would. The finalizer
+    only queues the release; the device calls are made by the next call, on its thread."""
+    calls: list[tuple[str, threading.Thread]] = []
+    for name in ("free_buffer", "free_program", "free_pipeline", "wait_for", "wait", "submit",
+                 "submit_batch"):
+        monkeypatch.setattr(device.backend, name, spying(getattr(device.backend, name), calls))
+    baseline = live(device)
+    session = used(device)
+    before = held(device)
+    cycle: list[object] = [session]
+    cycle.append(cycle)
+    collected = []
+
+    def collect():
+        with device.pipelines._lock:
+            collected.append(gc.collect())
+
+    gc.disable()  # so that only that thread's collection finalizes it
+    try:
+        del session, cycle
+        calls.clear()
+        collector = threading.Thread(target=collect, daemon=True)
+        collector.start()
+        collector.join(timeout=10)
+    finally:
+        gc.enable()
+    assert not collector.is_alive(), "finalizing the session deadlocked"
+    assert collected and collected[0] > 0
+    assert calls == [] and held(device) == before
+    assert device.release_dropped() == 1
+    assert {"free_buffer", "free_program"} <= {name for name, _ in calls}
+    assert {thread for _, thread in calls} == {threading.current_thread()}
+    assert held(device) == baseline
+
+
+def reader(owner: vkml.Session) -> vkml.Session:
+    """An inference session of small()'s graph (seed 0) on `owner`'s parameters."""
+    g = vkml.Graph(seed=0)
+    x = g.input("x", (4, 6))
+    logits = vkml.nn.Linear(g, "fc2", 8, 3)(vkml.nn.Linear(g, "fc1", 6, 8)(x).relu())
+    return vkml.compile(g, outputs={"logits": logits}, share_params_with=owner)
+
+
+def test_a_dropped_owner_keeps_its_parameters_for_a_live_sharer(device, monkeypatch):
+    """An owner dropped part-way through a chunked step's parameter updates, with a session
+    sharing its parameters: its remaining updates are submitted (a sharer's step would
+    otherwise see half an update, or be refused forever), the rest of what it holds is freed,
+    and its parameters stay until the sharer goes. A dropped sharer part-way through a chunked
+    step no longer blocks its owner's updates."""
+    monkeypatch.setenv("VKML_PLAN_CACHE", "0")  # the plan depends on PACK_BYTES
+    monkeypatch.setattr(schedule, "PACK_BYTES", 128)  # updates in several packs and levels
+    x = np.random.default_rng(1).standard_normal((4, 6)).astype(np.float32)
+    reference = small(device)
+    reference.step()
+    reference.step()
+    want = reference.params()
+    reference.close()
+    p = {k: v.astype(np.float64) for k, v in want.items()}
+    logits = np.maximum(x @ p["fc1.weight"].T + p["fc1.bias"], 0) @ p["fc2.weight"].T
+    logits += p["fc2.bias"]
+
+    baseline = live(device)
+    owner = small(device)
+    sharer = reader(owner)
+    sharer.set_input("x", x)
+    owner.step()
+    while not owner.updating:
+        assert owner.step_chunk(chunks=99) > 0, "no piece left part-way through the updates"
+    both = held(device)
+    del owner
+    sharer.step()  # frees the owner, after submitting the rest of its update
+    freed = held(device)
+    assert freed["programs"] < both["programs"] and freed["buffers"] < both["buffers"]
+    for _ in range(2):
+        got = sharer.read("logits")
+        assert np.linalg.norm(got - logits) / np.linalg.norm(logits) < 1e-5
+        sharer.step()
+    sharer.close()
+    assert live(device) == baseline
+
+    owner = small(device)
+    sharer = reader(owner)
+    sharer.set_input("x", x)
+    assert sharer.step_chunk(chunks=2) > 0  # part-way: the owner's updates would be refused
+    del sharer
+    owner.step()
+    owner.close()
+    assert live(device) == baseline

@@ -98,7 +98,7 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     update of the owner (see vkml/runtime/sharing.py): starting one while the owner is
     part-way through a chunked step's updates (`owner.updating`) raises InputError, and so do
     the owner's pieces that update parameters while this session's chunked step is
-    part-way. The owner's memory stays allocated until both are closed.
+    part-way. The owner's memory stays allocated until both are closed (or dropped).
     """
     options = CompileOptions(loss, optimizer, {} if outputs is None else outputs, rewrite,
                              keep_grads, trainable, precision, check_finite)
@@ -130,6 +130,7 @@ def _serialized(method: _F) -> _F:
     (its memory is gone: reading it would fail with an IndexError deep inside)."""
     @functools.wraps(method)
     def locked(self: Session, *args: Any, **kwargs: Any) -> Any:
+        self.device.release_dropped()
         with self.lock:
             if self._closed:
                 raise DeviceError(f"session.{method.__name__}(): this session is closed; "
@@ -141,6 +142,10 @@ def _serialized(method: _F) -> _F:
 class Session:
     """A compiled graph bound to a device (made by `vkml.compile`).
 
+    Lifetime: close() frees what it holds on the device at once. A session dropped without
+    close() is freed at its device's next call (any session's call, a compile, or
+    `device.release_dropped()`), not by the garbage collector itself (see runtime/device.py).
+
     Thread safety: every method that submits, waits, reads or writes holds the session's
     lock (`session.lock`, re-entrant), so one session may be used from several threads: each
     call runs whole, and two threads' steps are submitted one after the other, never the same
@@ -150,6 +155,7 @@ class Session:
 
     def __init__(self, plan: Plan, device: Device, check_finite: bool = False, *,
                  graph: Graph | None = None, share_params_with: Session | None = None) -> None:
+        device.release_dropped()  # before this session allocates
         self.plan, self.device = plan, device
         self.lock = threading.RLock()
         self._closed = False
@@ -174,6 +180,9 @@ class Session:
         self._external_uploads: list[object] = []  # the inputs' copies prepared for record()
         self._external_download: object | None = None  # and the outputs' copies
         self._chunker = Chunker(self._bound)
+        # Nothing it holds may refer to this session, or a dropped one is never collected.
+        self._finalizer = device.on_drop(self, functools.partial(_release_dropped,
+                                                                 self._chunker))
         self._profiler = Profiler(self._bound)
         self._external: object | None = None  # the step prepared for record()
         # The bound inputs' and outputs' programs prepared for record() (None: not yet).
@@ -801,18 +810,32 @@ class Session:
         """Finish the work in flight and free what this session made on the device (its
         buffers, programs and the pipelines no other live session uses). Safe to call twice;
         any other call afterwards raises DeviceError."""
+        self.device.release_dropped()
         with self.lock:
             if self._closed:
                 return
             self._chunker.finish()
             self._bound.close()
             self._closed = True
+            self._finalizer.detach()
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_dropped(chunker: Chunker) -> None:
+    """Free what a session dropped without close() bound (Device.release_dropped runs it at a
+    safe point). A chunked step it left part-way is abandoned (nothing can read its results),
+    unless it was part-way through its parameter updates and other sessions share its
+    parameters: they would see half an update ever after, so its remaining pieces are submitted
+    first (never refused: no sharing session's step can be part-way then, runtime/sharing.py)."""
+    bound = chunker.bound
+    if bound.updating and bound.sharers:
+        chunker.finish()
+    bound.close()
 
 
 def _check_range(name: str, array: np.ndarray, first: int, end: int, what: str) -> None:

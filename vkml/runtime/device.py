@@ -1,9 +1,22 @@
-"""The user's handle on a GPU: which backend runs the plans, and what it can do."""
+"""The user's handle on a GPU: which backend runs the plans, and what it can do; and where the
+sessions dropped without close() are freed.
+
+A session that becomes unreachable is not freed by the garbage collector itself: a finalizer
+runs on whatever thread drops the last reference or collects the cycle, possibly while that
+thread holds PipelinePool's lock (a non-reentrant lock taken again by a release) or while
+another thread submits on the queue the host shares. So its finalizer only hands the device a
+release (`on_drop`), which the device runs at a safe point: at the start of the next call of
+any of its sessions, the next compile, `release_dropped()` and `close()`, as that session's
+close() would, waiting for its GPU work.
+"""
 
 from __future__ import annotations
 
+import collections
 import os
-from collections.abc import Iterable
+import threading
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vkml.errors import DeviceError
@@ -48,7 +61,17 @@ class Device:
                     raise DeviceError(f"no usable device. Vulkan: {vulkan_error}\nwgpu: "
                                       f"{wgpu_error}") from None
                 self.backend_name = "wgpu"
+        self._start()
+
+    def _start(self) -> None:
+        """What both constructors set up once the backend is open."""
         self.pipelines = PipelinePool(self.backend)
+        # Releases of dropped sessions, appended by their finalizers (deque.append takes no lock
+        # Python code could hold), run by release_dropped(); its lock keeps two threads from
+        # releasing at once (a dropped owner and its dropped sharer free the same arenas).
+        self._dropped: collections.deque[Callable[[], None]] = collections.deque()
+        self._releasing = threading.Lock()
+        self._closed = False
 
     @classmethod
     def from_vulkan(cls, instance: Any, physical_device: Any, device: Any,
@@ -84,7 +107,7 @@ class Device:
             instance, physical_device, device, queue_family_index, queue, queue_lock,
             enabled_features=enabled_features, enabled_extensions=enabled_extensions,
             require=require)
-        self.pipelines = PipelinePool(self.backend)
+        self._start()
         return self
 
     @classmethod
@@ -124,8 +147,41 @@ class Device:
     def name(self) -> str:
         return self.caps.device_name
 
+    def on_drop(self, owner: object, release: Callable[[], None]) -> weakref.finalize:
+        """Run `release` at this device's next safe point once `owner` is unreachable. The
+        finalizer only queues it (no lock, no device call on the collector's thread).
+        `release` must not refer to `owner`, or `owner` never becomes unreachable. Detach the
+        returned finalizer when `owner` is freed by hand."""
+        finalizer = weakref.finalize(owner, self._dropped.append, release)
+        finalizer.atexit = False  # at exit the device is closed (or the process gone) anyway
+        return finalizer
+
+    def release_dropped(self) -> int:
+        """Free what sessions dropped without close() still hold on the device (their buffers,
+        programs, pipelines no live session uses), waiting for the work they submitted; returns
+        how many were freed. Every session call, compile and close() does it first, so this is
+        only needed to free them before the next such call (after gc.collect() where a session
+        was in a reference cycle); close() is still how to free one session at once."""
+        if not self._dropped:
+            return 0
+        freed = 0
+        with self._releasing:
+            if self._closed:  # the backend destroyed everything
+                self._dropped.clear()
+                return 0
+            while self._dropped:
+                self._dropped.popleft()()
+                freed += 1
+        return freed
+
     def close(self) -> None:
-        self.backend.close()
+        """Free every session's device objects and the device (the host's handles stay, see
+        from_vulkan); sessions of this device fail afterwards."""
+        try:
+            self.release_dropped()
+        finally:
+            self._closed = True
+            self.backend.close()
 
     def __repr__(self) -> str:
         c = self.caps
