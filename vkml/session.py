@@ -518,7 +518,10 @@ class Session:
         and sees its results, and so does session.read() once the host has waited for the
         submission (vkml cannot see the host's submit: wait for it before reading, do not run
         step() while a recorded copy may still be executing, and have at most two recorded
-        steps in flight: their inputs alternate between two staging buffers)."""
+        steps in flight: their inputs alternate between two staging buffers). Keep the session
+        while the host may submit what was recorded, and close() it once those submissions have
+        finished: a session dropped is freed at its device's next call, which waits for vkml's
+        submissions only, never for the host's."""
         recording = self.device.backend.host_recording
         if recording is None:
             raise DeviceError("session.record() records into a Vulkan command buffer, which "
