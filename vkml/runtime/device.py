@@ -126,7 +126,7 @@ class Device:
         self = cls.__new__(cls)
         self.backend_name = "wgpu"
         self.backend = WgpuBackend(adopt=device)
-        self.pipelines = PipelinePool(self.backend)
+        self._start()
         return self
 
     @property
