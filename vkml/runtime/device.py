@@ -63,8 +63,16 @@ class Device:
                 self.backend_name = "wgpu"
         self._start()
 
+    @classmethod
+    def _on(cls, backend: Backend, backend_name: str) -> Device:
+        """A Device on a backend opened on the host's device (from_vulkan, from_wgpu)."""
+        self = cls.__new__(cls)
+        self.backend, self.backend_name = backend, backend_name
+        self._start()
+        return self
+
     def _start(self) -> None:
-        """What both constructors set up once the backend is open."""
+        """What every constructor sets up once the backend is open."""
         self.pipelines = PipelinePool(self.backend)
         # Releases of dropped sessions, appended by their finalizers (deque.append takes no lock
         # Python code could hold), run by release_dropped(); its lock keeps two threads from
@@ -101,14 +109,10 @@ class Device:
         """
         from vkml.vk import VulkanBackend
 
-        self = cls.__new__(cls)
-        self.backend_name = "vulkan"
-        self.backend = VulkanBackend.from_handles(
+        return cls._on(VulkanBackend.from_handles(
             instance, physical_device, device, queue_family_index, queue, queue_lock,
             enabled_features=enabled_features, enabled_extensions=enabled_extensions,
-            require=require)
-        self._start()
-        return self
+            require=require), "vulkan")
 
     @classmethod
     def from_wgpu(cls, device: Any) -> Device:
@@ -123,11 +127,7 @@ class Device:
         `max-buffer-size` and `max-storage-buffers-per-shader-stage`)."""
         from vkml.webgpu.backend import WgpuBackend
 
-        self = cls.__new__(cls)
-        self.backend_name = "wgpu"
-        self.backend = WgpuBackend(adopt=device)
-        self._start()
-        return self
+        return cls._on(WgpuBackend(adopt=device), "wgpu")
 
     @property
     def queue_lock(self) -> Any:
