@@ -386,13 +386,22 @@ def child_compile(spec: dict[str, Any]) -> dict[str, Any]:
             "compile_s": t4 - t3, "close_s": time.perf_counter() - t4, "kernels": kernels}
 
 
-def timed_calls(call: Callable[[], Any], warmup: int, reps: int) -> dict[str, Any]:
-    """The first call, `warmup` more, then `reps` timed calls, wall clock in ms."""
+# The least time spent warming up before timing. On the H200 a vkml session's first 0.15-0.4 s
+# of steps ran up to 3x slow on a device that had run other sessions, whatever the count.
+WARMUP_S = 1.0
+
+
+def timed_calls(call: Callable[[], Any], warmup: int, reps: int,
+                warmup_s: float = WARMUP_S) -> dict[str, Any]:
+    """The first call, `warmup` more and as many as fill `warmup_s` seconds, then `reps` timed
+    calls, wall clock in ms."""
     t0 = time.perf_counter()
     call()
     first = (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
+    done = 0
+    while done < warmup or time.perf_counter() - t0 < warmup_s:
         call()
+        done += 1
     wall = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -401,13 +410,14 @@ def timed_calls(call: Callable[[], Any], warmup: int, reps: int) -> dict[str, An
     return {**stats_fields(wall), "first_step_ms": first}
 
 
-def timed_steps(session: Any, warmup: int, reps: int) -> dict[str, Any]:
+def timed_steps(session: Any, warmup: int, reps: int,
+                warmup_s: float = WARMUP_S) -> dict[str, Any]:
     """timed_calls of `step(); wait()`."""
     def step() -> None:
         session.step()
         session.wait()
 
-    return timed_calls(step, warmup, reps)
+    return timed_calls(step, warmup, reps, warmup_s)
 
 
 def device_state(device: Any) -> dict[str, Any]:
@@ -432,7 +442,9 @@ def time_session(vkml: Any, device: Any, built: Any, phase: str, mode: str, acce
     try:
         for name, value in arrays.items():
             session.set_input(name, value)
-        out = timed_steps(session, warmup, reps)
+        # a count, not a time: both runs take the same steps (their losses are compared), and
+        # a session's first steps are what --session-order looks for
+        out = timed_steps(session, warmup, reps, warmup_s=0.0)
         # device time apart from wall time: a session slower on the GPU (memory, clocks) or
         # only on the host (waits, threads) after another
         gpu = profile_summary(session.profile(reps))

@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vkml first
+import bench  # noqa: E402
 import zoo_models  # noqa: E402
 
 import vkml  # noqa: E402
@@ -315,14 +316,7 @@ def benchmark(torch, model, session, feeds, target, reps: int = 20) -> dict[str,
     """Median wall time (ms) of one synchronised training step: vkml's, PyTorch eager's and
     torch.compile's (same loss, AdamW), on the GPU PyTorch sees."""
     def median_ms(step) -> float:
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return float(np.median(times))
+        return float(bench.timed_calls(step, 3, reps)["median_ms"])
 
     def vk_step():
         session.step()
