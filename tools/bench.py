@@ -423,7 +423,10 @@ def timed_steps(session: Any, warmup: int, reps: int,
 def device_state(device: Any) -> dict[str, Any]:
     """What a closed session should leave as it found it: the backend's live objects (and
     their bytes), and what VK_EXT_memory_budget says this process may still allocate in the
-    heap vkml's buffers go to (None where the driver does not say)."""
+    heap vkml's buffers go to (None where the driver does not say); once the sessions dropped
+    without close() are freed, which the next compile would do (so "before" is not more)."""
+    gc.collect()
+    device.release_dropped()
     return {"live": device.backend.live_objects(),
             "heap_available_bytes": device.backend.device_memory().available}
 
