@@ -51,6 +51,7 @@ from vkml.hal import (
     Kernel,
 )
 from vkml.interrupts import deferred_interrupts
+from vkml.webgpu.buffer import Buffer
 from vkml.webgpu.host_resources import ROW_ALIGN, HostResources, ImportedTexture
 
 # WebGPU's default, and what a browser guarantees. Adapters may allow less (lavapipe says 32), but
@@ -83,16 +84,6 @@ def _aligned_range(offset: int, nbytes: int) -> tuple[int, int]:
     start = offset - offset % COPY_ALIGN
     end = -(-(offset + nbytes) // COPY_ALIGN) * COPY_ALIGN
     return start, end - start
-
-
-class Buffer:
-    __slots__ = ("handle", "kind", "label", "nbytes")
-
-    def __init__(self, handle: Any, nbytes: int, kind: BufferKind, label: str) -> None:
-        self.handle, self.nbytes, self.kind, self.label = handle, nbytes, kind, label
-
-    def __repr__(self) -> str:
-        return f"<wgpu.Buffer {self.label!r} {self.kind} {self.nbytes} B>"
 
 
 class Pipeline:

@@ -14,6 +14,7 @@ from typing import Any
 
 from vkml.errors import InputError
 from vkml.hal import FORMATS
+from vkml.webgpu.buffer import Buffer
 
 # vkml's format names for WebGPU's texture formats it reads and writes.
 TEXTURE_FORMATS = {"rgba8unorm": "rgba8_unorm", "rgba8unorm-srgb": "rgba8_srgb",
@@ -68,8 +69,6 @@ class HostResources:
 
     def buffer(self, handle: Any, device: Any, nbytes: int, usage: int, access: str,
                what: str) -> Any:
-        from vkml.webgpu.backend import Buffer
-
         wgpu = self._wgpu
         if not isinstance(handle, wgpu.GPUBuffer):
             raise InputError(f"{what}: this session runs on wgpu, and the buffer given is "
