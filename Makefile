@@ -39,7 +39,7 @@ $(VENV)/.installed: pyproject.toml
 	[ -x $(PY) ] || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_INDEX_URL),$(PY) -m pip install -q --index-url '$(TORCH_INDEX_URL)' '$(TORCH_PIN)')
-	$(PY) -m pip install -q -e '.[test,demo]'
+	$(PY) -m pip install -q -e '.[test,demo,bench]'
 	touch $@
 
 # The headless demo: the depth network learns live between the host renderer's frames (see
