@@ -407,7 +407,8 @@ def timed_calls(call: Callable[[], Any], warmup: int, reps: int,
         t0 = time.perf_counter()
         call()
         wall.append((time.perf_counter() - t0) * 1e3)
-    return {**stats_fields(wall), "first_step_ms": first}
+    # in order: a session slow at first and fast later shows here, not in the median
+    return {**stats_fields(wall), "first_step_ms": first, "wall_ms": wall}
 
 
 def timed_steps(session: Any, warmup: int, reps: int,
@@ -837,9 +838,16 @@ class Report:
         if not self.sessions:
             return []
         lines = ["| workload | # | phase | precision | here ms | fresh process ms | here / fresh | "
-                 "GPU ms here / fresh | loss here vs fresh | arenas mapped | device after "
-                 "close: buffers, MiB, heap available MiB |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                 "GPU ms here / fresh | first / last quarter of steps here ms | loss here vs "
+                 "fresh | arenas mapped | device after close: buffers, MiB, heap available MiB |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+        def quarters(r: dict[str, Any]) -> str:
+            wall = r.get("wall_ms") or []
+            if len(wall) < 4:
+                return "-"
+            q = len(wall) // 4
+            return f"{statistics.median(wall[:q]):.3g} / {statistics.median(wall[-q:]):.3g}"
 
         def ms(r: dict[str, Any]) -> str:
             if r.get("status") != "ok":
@@ -849,7 +857,7 @@ class Report:
         for e in self.sessions:
             head = f"| {e['workload']} | {e['position']} | {e['phase']} | {e['precision']} |"
             if e["status"] != "ok":
-                lines.append(f"{head} {e['status']}: {e.get('reason', '')[:200]} | | | | | | |")
+                lines.append(f"{head} {e['status']}: {e.get('reason', '')[:200]} | | | | | | | |")
                 continue
             here, fresh = e["in_process"], e["fresh_process"]
             ratio = (f"**{e['ratio']:.2f}x**" if e.get("slower") else f"{e['ratio']:.2f}x"
@@ -861,7 +869,8 @@ class Report:
                      + ("-" if avail is None else f"{avail / MiB:.0f}"))
             gpu = " / ".join("-" if not (r.get("gpu_ms") or {}).get("median") else
                              f"{r['gpu_ms']['median']:.3g}" for r in (here, fresh))
-            lines.append(f"{head} {ms(here)} | {ms(fresh)} | {ratio} | {gpu} | {loss} | "
+            lines.append(f"{head} {ms(here)} | {ms(fresh)} | {ratio} | {gpu} | {quarters(here)} | "
+                         f"{loss} | "
                          f"{here['arenas_mapped'][0]} / {here['arenas_mapped'][1]} | {state} |")
         return lines
 
