@@ -406,8 +406,9 @@ def wide_mlp(device, train):
 @pytest.mark.parametrize("train", [True, False])
 def test_a_level_longer_than_the_budget_is_cut_into_workgroup_ranges(device, train):
     """Costs that make one dispatch (the one with the most workgroups) far longer than the
-    budget: its level goes as several pieces of workgroup ranges where the backend has
-    dispatch bases (Vulkan), and the steps are bit-identical to whole ones either way."""
+    budget: its level goes as several pieces of workgroup ranges (a base workgroup per range:
+    Vulkan's vkCmdDispatchBase, a uniform the kernel adds on wgpu), and the steps are
+    bit-identical to whole ones."""
     def run(session, budget):
         for _ in range(3):
             session.step(budget_ms=budget) if budget else session.step()
@@ -427,8 +428,8 @@ def test_a_level_longer_than_the_budget_is_cut_into_workgroup_ranges(device, tra
         chunker.set_measured(ms, "made up: one long dispatch")
         bounds = s.chunk_boundaries(budget_ms=1.0)
         touching = sum(first <= long < end for first, end in bounds)  # pieces running it
-        # Vulkan: 4 ms in pieces of at most 1 ms, so at least 4 of its workgroup ranges.
-        assert touching >= 4 if device.caps.dispatch_base else touching == 1
+        # 4 ms in pieces of at most 1 ms, so at least 4 of its workgroup ranges.
+        assert device.caps.dispatch_base and touching >= 4
         assert len(s.piece_costs(budget_ms=1.0)) == len(bounds)
         got = run(s, 1.0)
     assert got.keys() == expected.keys()
@@ -441,7 +442,6 @@ def test_reference_models_stepped_in_workgroup_ranges_are_bit_identical(device, 
     """Attention, embeddings, norms, convolutions and their gradients: two training steps with
     every level, and every dispatch with workgroups to spare, cut (made-up costs against a
     small budget) give bit for bit the whole steps' loss, outputs and parameters."""
-    vulkan_only(device)
     import importlib
 
     module = importlib.import_module(f"vkml.models.{model}")

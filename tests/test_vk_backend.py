@@ -7,6 +7,7 @@ checks that the validation layer stayed silent.
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -247,15 +248,22 @@ def test_same_program_resubmitted_without_rerecording(backend, axpb):
 
 
 def test_dispatch_in_workgroup_ranges_equals_the_whole_dispatch(backend, axpb):
-    """Three dispatches of consecutive workgroup ranges (vkCmdDispatchBase) write what one
-    dispatch of the whole grid writes; a pipeline whose kernel's workgroups are not declared
-    independent, or a range past the device's limit, is refused before the driver sees it."""
+    check_workgroup_ranges(backend, axpb)
+
+
+def check_workgroup_ranges(backend, axpb) -> None:
+    """Three dispatches of consecutive workgroup ranges (a base workgroup each: Vulkan's
+    vkCmdDispatchBase, a uniform on wgpu) write what one dispatch of the whole grid writes; a
+    pipeline whose kernel's workgroups are not declared independent, or a range past the
+    device's limit, is refused before the driver sees it. Shared with tests/test_wgpu_backend.py."""
     assert backend.caps.dispatch_base and axpb.dispatch_base
-    buf = backend.create_buffer(4 * NBYTES, "device", "ranges")
+    stride = aligned(backend, NBYTES)
+    buf = backend.create_buffer(4 * stride, "device", "ranges")
     x = np.linspace(-3, 3, N, dtype=np.float32)
-    backend.write_buffer(buf, 0, np.concatenate([x, x ** 2]))
-    inputs = (Binding(buf, 0, NBYTES, False), Binding(buf, NBYTES, NBYTES, False))
-    whole, cut = (Binding(buf, k * NBYTES, NBYTES, True) for k in (2, 3))
+    backend.write_buffer(buf, 0, x)
+    backend.write_buffer(buf, stride, x ** 2)
+    inputs = (Binding(buf, 0, NBYTES, False), Binding(buf, stride, NBYTES, False))
+    whole, cut = (Binding(buf, k * stride, NBYTES, True) for k in (2, 3))
     n = GROUPS[0]
     ranges = [(0, 5), (5, 11), (11, n)]
     prog = backend.record([Dispatch(axpb, (*inputs, whole), GROUPS),
@@ -263,11 +271,12 @@ def test_dispatch_in_workgroup_ranges_equals_the_whole_dispatch(backend, axpb):
                              for a, b in ranges]], "ranges")
     backend.submit(prog)
     backend.wait()
-    got = floats(backend, buf, 3 * NBYTES)
-    np.testing.assert_array_equal(got, floats(backend, buf, 2 * NBYTES))
+    got = floats(backend, buf, 3 * stride)
+    np.testing.assert_array_equal(got, floats(backend, buf, 2 * stride))
     np.testing.assert_allclose(got, 2 * x + x ** 2, rtol=1e-6)
     backend.free_program(prog)
-    kernel = axpb_kernel(backend.caps)
+    # the kernel as a backend without dispatch bases would have it (no base in a uniform)
+    kernel = axpb_kernel(replace(backend.caps, base_in_uniform=False))
     tied = backend.create_pipeline(Kernel(kernel.name, kernel.wgsl, kernel.access,
                                           kernel.workgroup_size, kernel.groups))
     assert not tied.dispatch_base

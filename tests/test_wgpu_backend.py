@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import rel_l2, subprocess_env
 from test_ops import CASES, Case, build_session
-from test_vk_backend import NBYTES, N, axpb_kernel
+from test_vk_backend import NBYTES, N, axpb_kernel, check_workgroup_ranges
 
 import vkml
 from vkml.errors import DeviceError, NagaError
@@ -110,6 +110,17 @@ def test_one_buffer_bound_read_only_and_writable_in_one_dispatch(backend):
         np.frombuffer(backend.read_buffer(arena, 0, NBYTES), np.float32), 4 * x + 3)
     backend.free_program(program)
     backend.free_buffer(arena)
+
+
+def test_dispatch_in_workgroup_ranges_equals_the_whole_dispatch(backend):
+    """WebGPU has no dispatch base: axpb's global invocation id, as a cut kernel's ids are,
+    counts from a base read from a uniform (caps.base_in_uniform), and the ranges write what
+    the whole dispatch writes, as on Vulkan."""
+    kernel = axpb_kernel(backend.caps)
+    assert backend.caps.base_in_uniform and "var<uniform> vkml_base" in kernel.wgsl
+    axpb = backend.create_pipeline(kernel)
+    check_workgroup_ranges(backend, axpb)
+    backend.free_pipeline(axpb)
 
 
 def test_a_command_buffer_encoded_ahead_reads_what_was_written_after_it(backend):

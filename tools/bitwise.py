@@ -6,7 +6,7 @@ the parameters after three Adam steps) on the default device, and writes every a
 (.npz). `compare FILE` does the same and reports each array that differs in any bit. `cut`
 compares the models' whole steps with the same steps cut into pieces at every level and inside
 every dispatch that can be cut (made-up costs against a small budget_ms: the workgroup ranges
-of runtime/chunking.py), in one run.
+of runtime/chunking.py), in one run. VKML_BACKEND=wgpu runs them all on the wgpu backend.
 
     git stash; python tools/bitwise.py save /tmp/before.npz; git stash pop
     python tools/bitwise.py compare /tmp/before.npz

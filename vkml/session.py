@@ -348,11 +348,10 @@ class Session:
         is never split: N above the number of levels gives one piece per level.
         `budget_ms=b`: as many pieces as needed for each to fit b ms of measured GPU time. A
         level longer than b is cut into ranges of its dispatches' workgroups, run as dispatches
-        of their own, as far as its kernels allow (Kernel.independent_workgroups; a backend
-        with dispatch bases, Vulkan; a part is never shorter than 0.1 ms), else it is a piece
-        of its own. When nothing was measured yet this step
-        runs whole with timestamps, blocks until done, and later steps are cut by what it
-        measured. Results are bit-identical to a whole step either way.
+        of their own, as far as its kernels allow (Kernel.independent_workgroups; a part is
+        never shorter than 0.1 ms), else it is a piece of its own. When nothing was measured
+        yet this step runs whole with timestamps, blocks until done, and later steps are cut by
+        what it measured. Results are bit-identical to a whole step either way.
 
         A step is submitted whole or not at all: a KeyboardInterrupt (Ctrl-C) that arrives
         while it is submitted is raised once all its pieces are, so no step is left half-way

@@ -24,10 +24,16 @@ class Capabilities:
     cooperative_matrix: bool = False
     shader_f16: bool = False
     extensions: frozenset[str] = field(default_factory=frozenset)
-    # Whether a dispatch may start at a base workgroup (hal.Dispatch.base; Vulkan 1.1's
-    # vkCmdDispatchBase; WebGPU has none): how a long dispatch runs as ranges of its workgroups
-    # submitted apart (runtime/chunking.py).
+    # Whether a dispatch may start at a base workgroup (hal.Dispatch.base: Vulkan 1.1's
+    # vkCmdDispatchBase, or base_in_uniform): how a long dispatch runs as ranges of its
+    # workgroups submitted apart (runtime/chunking.py).
     dispatch_base: bool = False
+    # How WebGPU, which has no dispatch base, offers one: a kernel that may be cut
+    # (Kernel.cut_axis) reads its base workgroup from a uniform bound after its storage
+    # bindings and adds it to its workgroup ids (kernels/common.py offset_workgroup_id), and
+    # the backend binds each dispatch's base there. Vulkan keeps it off: its WGSL and SPIR-V
+    # are those of a plain dispatch.
+    base_in_uniform: bool = False
     # Whether a kernel may declare a storage binding read-only. WebGPU may not: vkml binds byte
     # ranges of one arena buffer, WebGPU tracks usage per buffer, and a buffer bound read-only
     # and writable in one dispatch is rejected, so there every binding is declared read_write.

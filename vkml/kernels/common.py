@@ -3,8 +3,9 @@ point, the dispatch grid, workgroup reductions, index arithmetic, the loop-lengt
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from vkml.errors import GraphError
@@ -44,19 +45,50 @@ def assemble(name: str, caps: Capabilities, buffers: Sequence[Buf],
     Capabilities.read_only_storage), the entry point `entry` (from `fn main(...) {` to its
     closing brace) with its workgroup size, the grid, and the work estimates.
     `independent_workgroups` (Kernel's): true of every generator here, whose workgroups
-    never meet (a kernel that shares work between them through atomics says False)."""
+    never meet (a kernel that shares work between them through atomics says False).
+    Where the target passes a dispatch's base workgroup in a uniform (caps.base_in_uniform),
+    a kernel that may be cut reads it there (`offset_workgroup_id`)."""
     declared = [f"@group(0) @binding({i}) var<storage, "
                 f"{'read_write' if b.writable or not caps.read_only_storage else 'read'}> "
                 f"{b.name}: array<{b.dtype}>;" for i, b in enumerate(buffers)]
     size = (*workgroup, 1, 1)[:3]
+    kernel = Kernel(name, "", tuple("read_write" if b.writable else "read" for b in buffers),
+                    (int(size[0]), int(size[1]), int(size[2])), groups, int(flops), int(nbytes),
+                    independent_workgroups)
+    if caps.base_in_uniform and kernel.cut_axis is not None:
+        declared.append(f"@group(0) @binding({len(buffers)}) var<uniform> {BASE_UNIFORM}: "
+                        "vec4<u32>;")
+        entry = offset_workgroup_id(entry, kernel.workgroup_size)
     wgsl = "\n".join([*prelude, *declared,
                       f"@compute @workgroup_size({', '.join(map(str, workgroup))})", *entry])
     if independent_workgroups and "atomic" in wgsl:
         raise ValueError(f"kernel {name!r} uses atomics: say independent_workgroups=False, or "
                          "a step cut between its workgroups could change its results")
-    return Kernel(name, wgsl + "\n", tuple("read_write" if b.writable else "read" for b in buffers),
-                  (int(size[0]), int(size[1]), int(size[2])), groups, int(flops), int(nbytes),
-                  independent_workgroups)
+    return replace(kernel, wgsl=wgsl + "\n")
+
+
+# caps.base_in_uniform: the dispatch's base workgroup (x, y, z, unused), which the backend binds
+# right after a cuttable kernel's storage bindings.
+BASE_UNIFORM = "vkml_base"
+# The entry point's parameters that a base workgroup changes (builtin, name).
+_BASED_IDS = re.compile(r"@builtin\((workgroup_id|global_invocation_id)\)\s*(\w+)\s*:\s*vec3<u32>")
+
+
+def offset_workgroup_id(entry: Sequence[str], workgroup: tuple[int, int, int]) -> list[str]:
+    """The entry point `entry` (workgroup size `workgroup`) with its workgroup and global
+    invocation ids counted from the base workgroup in BASE_UNIFORM: the ids a dispatch with a
+    base (vkCmdDispatchBase) gives, on a backend that has no such dispatch. num_workgroups
+    needs nothing: as with a base, it is the range's count, which LINEAR_WORKGROUP allows."""
+    text = "\n".join(entry)
+    brace = text.index("{") + 1  # the signature's end: no parameter holds a brace
+    signature, body = text[:brace], text[brace:]
+    size = ", ".join(f"{n}u" for n in workgroup)
+    offsets = {"workgroup_id": f"{BASE_UNIFORM}.xyz",
+               "global_invocation_id": f"{BASE_UNIFORM}.xyz * vec3<u32>({size})"}
+    lets = [f"  let {name} = {name}_in_range + {offsets[builtin]};"
+            for builtin, name in _BASED_IDS.findall(signature)]
+    signature = _BASED_IDS.sub(r"@builtin(\1) \2_in_range: vec3<u32>", signature)
+    return [signature, *lets, body.lstrip("\n")]
 
 
 def grid(workgroups: int, caps: Capabilities) -> tuple[int, int, int]:

@@ -20,6 +20,10 @@ What WebGPU does not allow, and what this module does about it:
 - One buffer may not be copied to itself; such a copy goes through a scratch buffer.
 - One buffer may not be bound both read-only and writable in one dispatch: the capabilities say
   `read_only_storage=False`, so codegen declares every storage binding read_write.
+- There is no dispatch with a base workgroup (Vulkan's vkCmdDispatchBase), by which a step is
+  cut inside a dispatch: the capabilities say `base_in_uniform`, so codegen has a kernel that
+  may be cut add a base read from a uniform to its workgroup id, and each dispatch of it binds
+  its base there (a 16-byte slot of its program's uniform buffer, one slot per distinct base).
 - A texture copy spaces rows in its buffer by a multiple of 256 bytes: host_resources.row_pitch
   says so, and the frame kernels read and write rows that far apart.
 Optional capabilities: device timestamps where the adapter has them; a host's GPUBuffers and
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +66,8 @@ STORAGE_OFFSET_ALIGNMENT = 256
 QUERY_SET_SIZE = 4096
 # wgpu's copies, queue writes and mapped ranges work in whole 4-byte words.
 COPY_ALIGN = 4
+# A dispatch's base workgroup as its kernel reads it (kernels/common.py BASE_UNIFORM: vec4<u32>).
+BASE_BYTES = 16
 
 # Limits raised from WebGPU's defaults (128 MiB bindings, 8 storage buffers per stage, 16 KiB of
 # workgroup memory, ...) to what the adapter offers, so planning and codegen see the real device.
@@ -87,10 +94,14 @@ def _aligned_range(offset: int, nbytes: int) -> tuple[int, int]:
 
 
 class Pipeline:
-    __slots__ = ("handle", "layout", "name", "num_bindings")
+    __slots__ = ("dispatch_base", "handle", "layout", "name", "num_bindings")
 
-    def __init__(self, name: str, handle: Any, layout: Any, num_bindings: int) -> None:
+    def __init__(self, name: str, handle: Any, layout: Any, num_bindings: int,
+                 dispatch_base: bool) -> None:
         self.name, self.handle, self.layout, self.num_bindings = name, handle, layout, num_bindings
+        # Its kernel reads a base workgroup from a uniform bound after its storage bindings
+        # (caps.base_in_uniform), so its dispatches may start at a base.
+        self.dispatch_base = dispatch_base
 
     def __repr__(self) -> str:
         return f"<wgpu.Pipeline {self.name!r}>"
@@ -100,11 +111,11 @@ class Program:
     """A recorded command list: `segments` alternate compute passes (lists of (pipeline, bind
     group or None, x, y, z), as wgpu-native's C handles) and the encoder's transfers ((method
     name, its arguments): copies and fills); `objects` holds the wgpu-py objects owning those
-    handles (the pipelines, the bind groups), which live as long as the program, as does any
-    scratch buffer. `ahead` is its next command buffer, encoded ahead once it has been
-    submitted twice."""
+    handles (the pipelines, the bind groups), which live as long as the program, as do any
+    scratch buffer and the uniform buffer of its dispatches' base workgroups (`bases`).
+    `ahead` is its next command buffer, encoded ahead once it has been submitted twice."""
 
-    __slots__ = ("ahead", "label", "num_dispatches", "objects", "scratch", "segments",
+    __slots__ = ("ahead", "bases", "label", "num_dispatches", "objects", "scratch", "segments",
                  "submissions", "queries", "resolved", "timings")
 
     def __init__(self, label: str) -> None:
@@ -115,6 +126,7 @@ class Program:
         self.submissions = 0
         self.ahead: Any = None
         self.scratch: Any = None
+        self.bases: Any = None
         # With timestamps: query sets (a begin and an end per dispatch), the buffer they resolve
         # into and the readable copy of it.
         self.queries: Any = None
@@ -247,6 +259,8 @@ class WgpuBackend(BackendBase):
             shader_f16="shader-f16" in features,
             extensions=frozenset(str(f) for f in self._device.features),
             read_only_storage=False,
+            dispatch_base=True,
+            base_in_uniform=True,
             # wgpu over Mesa's llvmpipe inherits its loop limit (see vkml/vk/context.py)
             max_loop_iterations=65535 if "llvmpipe" in info["device"].lower() else None,
         )
@@ -339,18 +353,20 @@ class WgpuBackend(BackendBase):
         except wgpu.GPUError as exc:  # wgpu's WGSL front end is naga too: same report
             raise NagaError.for_kernel(f"naga rejected kernel '{name}' (in wgpu):\n{exc}", name,
                                        kernel.wgsl, str(exc)) from None
+        based = self.caps.base_in_uniform and kernel.cut_axis is not None
+        types = ([wgpu.BufferBindingType.storage] * kernel.num_bindings
+                 + [wgpu.BufferBindingType.uniform] * based)
         try:
             layout = dev.create_bind_group_layout(label=name, entries=[
-                {"binding": i, "visibility": wgpu.ShaderStage.COMPUTE,
-                 "buffer": {"type": wgpu.BufferBindingType.storage}}
-                for i in range(kernel.num_bindings)])
+                {"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": t}}
+                for i, t in enumerate(types)])
             handle = dev.create_compute_pipeline(
                 label=name, layout=dev.create_pipeline_layout(bind_group_layouts=[layout]),
                 compute={"module": module, "entry_point": "main"})
         except wgpu.GPUError as exc:
             raise DeviceError(f"wgpu rejected kernel {name!r}: {exc}\n--- WGSL ---\n"
                               f"{kernel.wgsl}") from None
-        pipeline = Pipeline(name, handle, layout, kernel.num_bindings)
+        pipeline = Pipeline(name, handle, layout, kernel.num_bindings, based)
         self._pipelines.add(pipeline)
         return pipeline
 
@@ -413,18 +429,22 @@ class WgpuBackend(BackendBase):
             prog.scratch = self._device.create_buffer(
                 label=f"{label} copy scratch", size=-(-scratch_bytes // COPY_ALIGN) * COPY_ALIGN,
                 usage=self._wgpu.BufferUsage.COPY_SRC | self._wgpu.BufferUsage.COPY_DST)
+        slots = self._base_slots(prog, commands)
         for cmd in commands:
             if isinstance(cmd, Dispatch):
                 if not segments or not isinstance(segments[-1], list):
                     segments.append([])
                 group = None
-                if cmd.bindings:
+                entries = [{"binding": i, "resource": {"buffer": b.buffer.handle,
+                                                       "offset": b.offset, "size": b.nbytes}}
+                           for i, b in enumerate(cmd.bindings)]
+                if cmd.pipeline.dispatch_base:
+                    entries.append({"binding": len(entries), "resource": {
+                        "buffer": prog.bases, "offset": slots[cmd.base], "size": BASE_BYTES}})
+                if entries:
                     bind_group = self._device.create_bind_group(
                         label=f"{label}:{cmd.pipeline.name}", layout=cmd.pipeline.layout,
-                        entries=[{"binding": i, "resource": {"buffer": b.buffer.handle,
-                                                             "offset": b.offset,
-                                                             "size": b.nbytes}}
-                                 for i, b in enumerate(cmd.bindings)])
+                        entries=entries)
                     prog.objects.append(bind_group)
                     group = bind_group._internal
                 prog.objects.append(cmd.pipeline.handle)
@@ -451,6 +471,26 @@ class WgpuBackend(BackendBase):
         prog.segments = segments
         self._programs.add(prog)
         return prog
+
+    def _base_slots(self, prog: Program, commands: Sequence[Command]
+                    ) -> dict[tuple[int, int, int], int]:
+        """The byte offset of each base workgroup the program's dispatches bind (those of
+        kernels that read one: Pipeline.dispatch_base) in the uniform buffer made here for
+        them, `prog.bases`, which holds each distinct base once."""
+        bases = sorted({c.base for c in commands
+                        if isinstance(c, Dispatch) and c.pipeline.dispatch_base})
+        if not bases:
+            return {}
+        step = max(BASE_BYTES, self._device.limits["min-uniform-buffer-offset-alignment"])
+        data = bytearray(step * len(bases))
+        for k, base in enumerate(bases):
+            data[k * step:k * step + BASE_BYTES] = struct.pack("<4I", *base, 0)
+        usage = self._wgpu.BufferUsage
+        prog.bases = self._device.create_buffer(label=f"{prog.label} base workgroups",
+                                                size=len(data),
+                                                usage=usage.UNIFORM | usage.COPY_DST)
+        self._queue.write_buffer(prog.bases, 0, data)
+        return {base: k * step for k, base in enumerate(bases)}
 
     def submit(self, program: Program) -> None:
         """Queue `program` (wgpu command buffers run once: its command buffer encoded ahead, or
@@ -549,10 +589,11 @@ class WgpuBackend(BackendBase):
             self.wait()
             program.scratch.destroy()
             program.scratch = None
-        for resource in (*(program.queries or ()), program.resolved, program.timings):
+        for resource in (*(program.queries or ()), program.resolved, program.timings,
+                         program.bases):
             if resource is not None:
                 resource.destroy()
-        program.queries = program.resolved = program.timings = None
+        program.queries = program.resolved = program.timings = program.bases = None
         program.segments = program.ahead = None
         program.objects.clear()
         self._programs.discard(program)
