@@ -267,6 +267,17 @@ def _train(rng, g, y, session_of, refs, want):
     return session, forward, grads
 
 
+def products_in_f16(session: Session, variant: str) -> list[str]:
+    """Assert that every matrix product of a training session is the f16 variant `variant`
+    (a kernel-name pattern), each of the backward pass's two per forward product scaled;
+    returns the backward ones."""
+    backward, forward_products = products(session, "backward"), products(session, "forward")
+    assert len(backward) == 2 * len(forward_products) and all(
+        re.search(variant + "_scaled$", k) for k in backward), backward
+    assert all(re.search(variant + "$", k) for k in forward_products), forward_products
+    return backward
+
+
 @pytest.mark.parametrize("name", MATMULS)
 def test_cooperative_matmul(name, device, results, rng):
     needs(device, "cooperative")
@@ -288,10 +299,7 @@ def test_cooperative_matmul_backward_scaled(name, device, results, rng):
     g, y, refs, want = _case_graph(BACKWARD, name, rng)
     session, forward, grads = _train(rng, g, y, lambda loss: vkml.compile(
         g, loss=loss, keep_grads=True, precision="f16", device=device), refs, want)
-    backward, forward_products = products(session, "backward"), products(session, "forward")
-    assert len(backward) == 2 * len(forward_products) and all(
-        re.search(COOP + "_scaled$", k) for k in backward), backward
-    assert all(re.search(COOP + "$", k) for k in forward_products), forward_products
+    backward = products_in_f16(session, COOP)
     if name == "read_twice":
         assert any(k.startswith("fused_matmul") for k in backward), backward
     gate(results, f"cooperative matmul backward {name}",
@@ -306,10 +314,7 @@ def test_staged_f16_matmul_forward_and_backward(name, device, results, rng):
     g, y, refs, want = _case_graph(STAGED, name, rng)
     session, forward, grads = _train(rng, g, y, lambda loss: Session(lower(
         g, caps, loss=loss, keep_grads=True, precision="f16").plan, device), refs, want)
-    backward, forward_products = products(session, "backward"), products(session, "forward")
-    assert len(backward) == 2 * len(forward_products) and all(
-        re.search(STAGED_F16 + "_scaled$", k) for k in backward), backward
-    assert all(re.search(STAGED_F16 + "$", k) for k in forward_products), forward_products
+    products_in_f16(session, STAGED_F16)
     gate(results, f"staged f16 matmul {name}", [d.kernel.name for d in session.plan.dispatches],
          forward, grads)
     session.close()

@@ -261,16 +261,17 @@ class FrameBindings:
                                  "the output's size, or region=(x, y) inside it")
             image = resources.image(target.handle, target.device, target.format, extent,
                                     target.usage, target.layout, "write", what)
-            binding = self._image_output(what, image, x, y, rows, cols, arena, at)
+            binding = self._image_output(what, image, x, y, rows, cols,
+                                         resources.row_pitch(4 * cols), arena, at)
         self.unbind(name, outputs=True)
         self.outputs[name] = binding
 
     def _image_output(self, what: str, image: object, x: int, y: int, rows: int, cols: int,
-                      arena: object, at: int) -> _Bound:
+                      pitch: int, arena: object, at: int) -> _Bound:
         """The output's map copied into an image at (x, y): straight from the arena where the
-        backend copies tightly packed rows in one piece, else first spaced as it needs them
-        (WebGPU: rows a multiple of 256 bytes apart) by a kernel, into a buffer of vkml's."""
-        pitch = self._backend.host_resources.row_pitch(4 * cols)
+        backend copies tightly packed rows in one piece (`pitch`, host_resources.row_pitch,
+        is the row's bytes), else first spaced as it needs them (WebGPU: rows a multiple of
+        256 bytes apart) by a kernel, into a buffer of vkml's."""
         if pitch == 4 * cols or rows == 1:
             return _Bound(image, CopyToImage(arena, at, ImageRegion(image, x, y, cols, rows)))
         region = ImageRegion(image, x, y, cols, rows, pitch)
