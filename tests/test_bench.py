@@ -162,7 +162,8 @@ def test_session_order_times_each_session_here_and_alone(tmp_path):
     # tools/bench.py --session-order: f32 train, f16 train, f16 infer, f32 infer one after
     # another on one device, each beside the same session alone in a fresh process. lavapipe
     # has no cooperative matrices: its f16 sessions say so, and the f32 ones still run.
-    run_bench(tmp_path, "--only", "smollm2", "--session-order", "--reps", "1", "--warmup", "0")
+    run_bench(tmp_path, "--only", "smollm2", "--session-order", "--reps", "1", "--warmup", "0",
+              "--session-warmup-s", "0.05")
     (json_path,) = tmp_path.glob("bench-*-tiny-vulkan-sessions.json")
     data = json.loads(json_path.read_text())
     assert not data["rows"]
@@ -179,6 +180,9 @@ def test_session_order_times_each_session_here_and_alone(tmp_path):
         assert e["slower"] == (e["ratio"] > 1.2)
         assert np.isfinite(here["loss"]) and e["loss_rel_diff"] < 1e-5, e
         assert here["gpu_ms"]["n"] == 1 and alone["gpu_ms"]["median"] > 0
+        # its first steps timed apart from the steady ones, the loss read after the first
+        assert here["first_steps"]["median_ms"] > 0 and len(here["first_steps"]["wall_ms"]) == 1
+        assert set(here["clocks_sm"]) == {"before_first_step", "after_steady_steps"}
         # the bench holds no other session: the close left no buffer behind
         assert here["device_after_close"]["live"]["buffers"] == 0
         assert here["device_after_close"]["live"] == here["device_before"]["live"]

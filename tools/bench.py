@@ -66,12 +66,14 @@ Figures per row:
 --session-order (a run of its own): per workload, the sessions f32 train, f16 train, f16 infer,
 f32 infer (SESSION_ORDER) compiled, stepped and closed one after another on the bench's device,
 each beside the same session alone in a fresh process (the graph's seeded weights, the same
-inputs and steps): a session more than 1.2x slower here than alone is flagged. On the H200 a
-session compiled after an f16 training session ran 3-4x slower than alone, which the usual order
-of rows (each workload's f32 sessions first) did not show. Each entry also records the GPU time
-(`profile()`) here and alone, which tells a slower device (memory, clocks) from a slower host
-(waits, threads), the loss here and alone, the device's live buffers (count, bytes) and heap
-budget after the close, and how many of the session's arenas were host-mapped memory.
+inputs and steps): a session whose steady time (after WARMUP_S of steps) is more than 1.2x its
+time alone is flagged. Its first steps are timed apart with the GPU's SM clock before them: a
+session compiled after an f16 training session once read 3-4x slower than alone, which was the
+GPU's clock after the idle compile, not the session (tools/clock_lab.py). Each entry also
+records the GPU time (`profile()`) here and alone, which tells a slower device (memory,
+clocks) from a slower host (waits, threads), the loss here and alone, the device's live
+buffers (count, bytes) and heap budget after the close, and how many of the session's arenas
+were host-mapped memory.
 
 Order, for a run cut short by a time limit: each workload's rows (timings and gates), then the
 matmul, then the compile subprocesses; the JSON is rewritten after every row, the markdown after
@@ -129,8 +131,8 @@ AUTOCASTS = ("none", "bf16", "f16")
 FORWARD_TOL, GRAD_TOL, COSINE_MIN = 1e-2, 5e-2, 0.99
 MiB = 2**20
 # --session-order: the order in which, on the H200, a session compiled after an f16 training
-# session in the same process ran 3-4x slower than alone; a session this much slower than in a
-# fresh process is flagged.
+# session in the same process read 3-4x slower than alone (its first steps, at idle clocks); a
+# session whose steady time is this much slower than in a fresh process is flagged.
 SESSION_ORDER = (("strict", "train"), ("accelerated", "train"), ("accelerated", "infer"),
                  ("strict", "infer"))
 SLOWER_THAN_FRESH = 1.2
@@ -433,11 +435,17 @@ def device_state(device: Any) -> dict[str, Any]:
 
 
 def time_session(vkml: Any, device: Any, built: Any, phase: str, mode: str, accel: str,
-                 arrays: dict[str, np.ndarray], warmup: int, reps: int) -> dict[str, Any]:
+                 arrays: dict[str, np.ndarray], warmup: int, reps: int,
+                 warmup_s: float = WARMUP_S) -> dict[str, Any]:
     """--session-order's measure of one session, the same in the bench process and in a fresh
-    one: compile (the graph's seeded initial weights), time `step(); wait()`, read the loss,
-    close; with the device's state before the compile and after the close, and how many of the
-    session's arenas landed in host-mapped memory."""
+    one: compile (the graph's seeded initial weights), time its first `warmup` + `reps` steps
+    (`step(); wait()`) and read the loss there (a count, so both runs' losses are comparable),
+    then `reps` more after stepping for `warmup_s`: the steady time the ratio is taken of. The
+    GPU's SM clock (nvidia-smi) is read before the first step and after the steady steps:
+    on the H200 a GPU idle for about half a second (a compile) drops from 1980 to 345 MHz and
+    a session's first 0.15-0.4 s run 3-4x slower until it climbs back
+    (tools/clock_lab.py). Also the device's state before the compile and after the close, and
+    how many of the session's arenas landed in host-mapped memory."""
     before = device_state(device)
     t0 = time.perf_counter()
     session = vkml_compile(vkml, built.graph, device, mode, accel,
@@ -446,14 +454,19 @@ def time_session(vkml: Any, device: Any, built: Any, phase: str, mode: str, acce
     try:
         for name, value in arrays.items():
             session.set_input(name, value)
-        # a count, not a time: both runs take the same steps (their losses are compared), and
-        # a session's first steps are what --session-order looks for
-        out = timed_steps(session, warmup, reps, warmup_s=0.0)
+        clock_first = nvidia_smi().get("clocks.sm")
+        first = timed_steps(session, warmup, reps, warmup_s=0.0)
+        loss = float(np.asarray(session.read("loss")).ravel()[0])
+        out = timed_steps(session, 0, reps, warmup_s)
+        out["first_steps"] = {k: first[k] for k in ("median_ms", "min_ms", "first_step_ms",
+                                                    "wall_ms")}
+        out["clocks_sm"] = {"before_first_step": clock_first,
+                            "after_steady_steps": nvidia_smi().get("clocks.sm")}
         # device time apart from wall time: a session slower on the GPU (memory, clocks) or
         # only on the host (waits, threads) after another
         gpu = profile_summary(session.profile(reps))
         out["gpu_ms"] = {k: gpu[k] for k in ("median", "min", "n", "source")}
-        out["loss"] = float(np.asarray(session.read("loss")).ravel()[0])
+        out["loss"] = loss
         arenas = getattr(getattr(session, "_bound", None), "arenas", [])
         out["arenas_mapped"] = [sum(getattr(a, "pointer", None) is not None for a in arenas),
                                 len(arenas)]
@@ -473,7 +486,7 @@ def child_time(spec: dict[str, Any]) -> dict[str, Any]:
         built = WORKLOADS[spec["workload"]].build(spec["tiny"], spec["phase"])
         arrays = built.sample_inputs(np.random.default_rng(spec["seed"]))
         return time_session(vkml, device, built, spec["phase"], spec["mode"], spec["accel"],
-                            arrays, spec["warmup"], spec["reps"])
+                            arrays, spec["warmup"], spec["reps"], spec["warmup_s"])
     except NotAvailable as e:
         return {"status": "not available", "reason": str(e)}
     finally:
@@ -837,17 +850,18 @@ class Report:
     def session_table(self) -> list[str]:
         if not self.sessions:
             return []
-        lines = ["| workload | # | phase | precision | here ms | fresh process ms | here / fresh | "
-                 "GPU ms here / fresh | first / last quarter of steps here ms | loss here vs "
-                 "fresh | arenas mapped | device after close: buffers, MiB, heap available MiB |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines = ["| workload | # | phase | precision | here ms (steady) | fresh process ms | "
+                 "here / fresh | GPU ms here / fresh | first steps here / fresh ms | SM MHz "
+                 "at the first step here / fresh | loss here vs fresh | arenas mapped | device "
+                 "after close: buffers, MiB, heap available MiB |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
-        def quarters(r: dict[str, Any]) -> str:
-            wall = r.get("wall_ms") or []
-            if len(wall) < 4:
-                return "-"
-            q = len(wall) // 4
-            return f"{statistics.median(wall[:q]):.3g} / {statistics.median(wall[-q:]):.3g}"
+        def first(r: dict[str, Any]) -> str:
+            f = r.get("first_steps") or {}
+            return f"{f['median_ms']:.3g}" if "median_ms" in f else "-"
+
+        def clock(r: dict[str, Any]) -> str:
+            return str((r.get("clocks_sm") or {}).get("before_first_step") or "-")
 
         def ms(r: dict[str, Any]) -> str:
             if r.get("status") != "ok":
@@ -857,7 +871,7 @@ class Report:
         for e in self.sessions:
             head = f"| {e['workload']} | {e['position']} | {e['phase']} | {e['precision']} |"
             if e["status"] != "ok":
-                lines.append(f"{head} {e['status']}: {e.get('reason', '')[:200]} | | | | | | | |")
+                lines.append(f"{head} {e['status']}: {e.get('reason', '')[:200]} | | | | | | | | |")
                 continue
             here, fresh = e["in_process"], e["fresh_process"]
             ratio = (f"**{e['ratio']:.2f}x**" if e.get("slower") else f"{e['ratio']:.2f}x"
@@ -869,7 +883,8 @@ class Report:
                      + ("-" if avail is None else f"{avail / MiB:.0f}"))
             gpu = " / ".join("-" if not (r.get("gpu_ms") or {}).get("median") else
                              f"{r['gpu_ms']['median']:.3g}" for r in (here, fresh))
-            lines.append(f"{head} {ms(here)} | {ms(fresh)} | {ratio} | {gpu} | {quarters(here)} | "
+            lines.append(f"{head} {ms(here)} | {ms(fresh)} | {ratio} | {gpu} | "
+                         f"{first(here)} / {first(fresh)} | {clock(here)} / {clock(fresh)} | "
                          f"{loss} | "
                          f"{here['arenas_mapped'][0]} / {here['arenas_mapped'][1]} | {state} |")
         return lines
@@ -1497,7 +1512,8 @@ class Bench:
                     built[phase] = wl.build(opts.tiny, phase)
                 arrays = built[phase].sample_inputs(np.random.default_rng(opts.seed))
                 here = time_session(self.vkml, self.device, built[phase], phase, mode,
-                                    opts.vkml_accel, arrays, opts.warmup, opts.reps)
+                                    opts.vkml_accel, arrays, opts.warmup, opts.reps,
+                                    opts.session_warmup_s)
             except NotAvailable as e:
                 self.report.add_session({**entry, "status": e.status, "reason": str(e)})
                 continue
@@ -1508,7 +1524,8 @@ class Bench:
             fresh = run_child({"task": "time", "workload": wl.name, "tiny": opts.tiny,
                                "phase": phase, "mode": mode, "accel": opts.vkml_accel,
                                "backend": opts.backend, "seed": opts.seed,
-                               "warmup": opts.warmup, "reps": opts.reps}, {})
+                               "warmup": opts.warmup, "reps": opts.reps,
+                               "warmup_s": opts.session_warmup_s}, {})
             entry.update(status="ok", in_process=here, fresh_process=fresh)
             if fresh.get("status") == "ok":
                 ratio = here["median_ms"] / fresh["median_ms"]
@@ -1609,6 +1626,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--session-order", action="store_true",
                    help="only this: the --only workloads' sessions f32 train, f16 train, f16 "
                    "infer, f32 infer one after another here, each also alone in a fresh process")
+    p.add_argument("--session-warmup-s", type=float, default=WARMUP_S,
+                   help="--session-order: seconds of steps before a session's steady time (its "
+                   "first steps are timed apart)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(REPO / "out" / "results"))
     p.add_argument("--redraw", type=Path, metavar="RUN.json",

@@ -1,7 +1,8 @@
 """Lab: how long a rendered frame takes to become a drawable prediction, through the CPU
 (read-back, set_input, step, read, upload) or without it (bind_input / bind_output).
 
-    PYTHONPATH=. python tools/frame_latency.py [--frames 40] [--resolution 64] [--out PATH]
+    PYTHONPATH=. python tools/frame_latency.py [--model small|vits14] [--frames 40]
+        [--resolution 64] [--out PATH]
 
 The demo's scene renderer (xr_demo/renderer.py) draws a view into its RGBA8 target on the host's
 queue and the demo's depth network (inference, xr_demo/model.py) predicts its depth into an
@@ -49,12 +50,12 @@ TRANSFER_DST = vk.VK_IMAGE_LAYOUT_TRANSFER_DST_OPTIMAL
 
 
 class Lab:
-    def __init__(self, resolution: int, seed: int) -> None:
+    def __init__(self, model: str, resolution: int, seed: int) -> None:
         self.r = r = resolution
         self.host = host = VulkanHost.create()
         self.renderer = SceneRenderer(host, r, r, Scene.build(seed))
         self.device = host.vkml_device()
-        graph = net.build(net.config_for(r), train=False, seed=seed).graph
+        graph = net.build(net.config(model, r), train=False, seed=seed).graph
         self.plain = vkml.compile(graph, device=self.device)
         self.bound = vkml.compile(graph, device=self.device)  # the same initial parameters
         usage = (vk.VK_IMAGE_USAGE_TRANSFER_DST_BIT | vk.VK_IMAGE_USAGE_TRANSFER_SRC_BIT
@@ -182,11 +183,15 @@ def summary(values: list[float]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, default=40, help="frames per path (after warm-up)")
-    ap.add_argument("--resolution", type=int, default=64)
+    ap.add_argument("--model", choices=net.MODELS, default="small",
+                    help="the demo's depth network (xr_demo --model)")
+    ap.add_argument("--resolution", type=int, default=None,
+                    help="the model's input size (default: the demo's for the model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/frame_latency.json")
     args = ap.parse_args()
-    lab = Lab(args.resolution, args.seed)
+    args.resolution = args.resolution or net.DEFAULT_RESOLUTION[args.model]
+    lab = Lab(args.model, args.resolution, args.seed)
     try:
         for f in range(3):  # warm-up: pipelines, caches, first submissions
             lab.through_cpu(f)
@@ -206,7 +211,7 @@ def main() -> None:
             gpu["end"].append(end)
             gpu["submit"].append(submit)
         result = {
-            "device": lab.host.device_name, "resolution": args.resolution,
+            "device": lab.host.device_name, "model": args.model, "resolution": args.resolution,
             "frames_per_path": args.frames, "bit_identical": identical,
             "set_input_path_ms": {"from_render_end": summary(cpu["end"]),
                                   "from_render_submit": summary(cpu["submit"])},
@@ -219,7 +224,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{result['device']}, {args.resolution}x{args.resolution}, {args.frames} frames a "
+    print(f"{result['device']}, {args.model} at {args.resolution}x{args.resolution}, "
+          f"{args.frames} frames a "
           f"path; predictions bit-identical: {identical}")
     print("| path | render end -> drawable ms, median (min, p90) | render submit -> drawable |")
     print("| --- | --- | --- |")
