@@ -9,8 +9,12 @@ messages after each test); results are compared bit for bit with plain whole ste
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
+from conftest import live_objects
 from test_render_loop import (  # noqa: F401  (host: the fixture)
     assert_same,
     host,
@@ -320,6 +324,43 @@ def test_the_owner_may_close_first(device):
     infer.step()
     np.testing.assert_array_equal(infer.read("fc3.bias"), expected["fc3.bias"])
     infer.close()
+
+
+def test_owner_and_sharer_closed_at_once_free_each_buffer_once(device, monkeypatch):
+    # Closed on two threads at the same moment, both saw the owner closed with no sharer left
+    # and both freed its arenas. Every free is counted here, and slowed (letting the other
+    # thread run) so that the two closes interleave.
+    freed: list[int] = []
+    free = device.backend.free_buffer
+
+    def counted(buffer):
+        freed.append(id(buffer))
+        time.sleep(1e-3)
+        free(buffer)
+    monkeypatch.setattr(device.backend, "free_buffer", counted)
+    before = live_objects(device)
+    for _ in range(20):
+        train = mlp(device)
+        pair = [train, inference(device, owner=train)]
+        arenas = [id(b) for s in pair for b in s._bound.arenas]
+        ready, errors = threading.Barrier(2), []
+
+        def close(session, ready=ready, errors=errors):
+            ready.wait()
+            try:
+                session.close()
+            except Exception as e:  # noqa: BLE001  (reported below, from the main thread)
+                errors.append(e)
+        threads = [threading.Thread(target=close, args=(s,)) for s in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert sorted(i for i in freed if i in arenas) == sorted(arenas)
+        assert len(freed) == len(set(freed)), "a buffer was freed twice"
+        freed.clear()
+    assert live_objects(device) == before
 
 
 # ---- Device.from_vulkan with the host's whole extension list --------------------------------

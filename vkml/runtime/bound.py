@@ -30,6 +30,7 @@ live in the owner's arenas, and the submissions check that a step never sees hal
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ from vkml.runtime.frames import FrameBindings
 
 NUMPY_DTYPE = {"f32": np.float32, "i32": np.int32}
 STAGING_BUFFERS = 2
+# Plans sharing arenas (BoundPlan.owner, sharers) may close on different threads at once: this
+# guards their sharers, closed and arenas
+_HANDOVER = threading.Lock()
 # Outputs copied at the end of every step, at most this many bytes in all (the largest first
 # left out): an LLM's logits are read rarely and would cost a copy per step.
 DOWNLOAD_LIMIT = 16 << 20
@@ -160,7 +164,8 @@ class BoundPlan:
             self.close()
             raise
         if owner is not None:
-            owner.sharers.append(self)
+            with _HANDOVER:
+                owner.sharers.append(self)
         self.unset_inputs = set(plan.inputs)
         # The training steps this session has begun (graph.TRAINING_STEP): none in a session
         # without a loss, whose steps are all inference.
@@ -465,10 +470,10 @@ class BoundPlan:
         """Free what binding made: programs, pipelines no other live session uses, buffers.
         The arenas of a plan whose parameters others still share stay until the last of those
         closes. Safe to call twice."""
-        self.wait()
-        for s in self.sharers:
-            s.wait()
-        self.closed = True
+        with _HANDOVER:  # the waits of an owner and a sharer closing at once, one at a time
+            self.wait()
+            for s in self.sharers:
+                s.wait()
         for program in {id(p): p for p in self._programs}.values():
             self.backend.free_program(program)
         self._programs.clear()
@@ -483,15 +488,19 @@ class BoundPlan:
             if buffer is not None:
                 self.backend.free_buffer(buffer)
         self._staging, self._readback = [], None
-        owner = self.owner
-        if owner is not None and self in owner.sharers:
-            owner.sharers.remove(self)
-            if owner.closed and not owner.sharers:
-                owner._free_arenas()
-        if not self.sharers:
-            self._free_arenas()
-
-    def _free_arenas(self) -> None:
-        for buffer in self.arenas:
+        # An owner and its sharers may close on different threads at once: each decides under
+        # the one lock who frees which arenas, and takes them away, so each is freed once.
+        with _HANDOVER:
+            self.closed = True
+            freed = []
+            owner = self.owner
+            if owner is not None and self in owner.sharers:
+                owner.sharers.remove(self)
+                if owner.closed and not owner.sharers:
+                    freed += owner.arenas
+                    owner.arenas = []
+            if not self.sharers:
+                freed += self.arenas
+                self.arenas = []
+        for buffer in freed:
             self.backend.free_buffer(buffer)
-        self.arenas = []
