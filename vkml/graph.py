@@ -91,6 +91,13 @@ class OpDef:
     # loss, a node of it is its first input (compiler/stages.py), so that inference plans are
     # those of the graph without it.
     training_only: bool = False
+    # `layouts`: in an inference (a graph compiled without a loss), the layout ops a node's
+    # kernel reads its inputs through on the target: per input None (as it is) or (op,
+    # attributes) of a one-input op that copies it so, and the node's attributes then; None
+    # where it reads them as they are (compiler/layouts.py inserts the copies).
+    layouts: Callable[[Tensor, Capabilities],
+                      tuple[tuple[tuple[str, dict[str, Any]] | None, ...], dict[str, Any]] | None
+                      ] | None = None
 
 
 class Composition(Protocol):

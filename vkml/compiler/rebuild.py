@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vkml.compiler.rooted import Rooted
-from vkml.graph import Graph, Shape, Tensor
+from vkml.graph import DType, Graph, Shape, Tensor
 
-# emit(op, inputs, shape, attrs, template) -> the new node (dtype, name and source line taken
-# from `template`)
-Emit = Callable[[str, list[Tensor], Shape, dict, Tensor], Tensor]
+# emit(op, inputs, shape, attrs, template, dtype=None) -> the new node (name, source line and,
+# unless given, dtype taken from `template`)
+Emit = Callable[..., Tensor]
 # make(node, its inputs' replacements, emit) -> the node's replacement
 Make = Callable[[Tensor, list[Tensor], Emit], Tensor]
 
@@ -26,8 +26,8 @@ def rebuild(old: Rooted, make: Make) -> Rooted:
     new_of: dict[int, Tensor] = {}
 
     def emit(op: str, inputs: list[Tensor], shape: Shape, attrs: dict,
-             template: Tensor) -> Tensor:
-        t = Tensor(new, len(new.nodes), op, tuple(inputs), shape, template.dtype, attrs,
+             template: Tensor, dtype: DType | None = None) -> Tensor:
+        t = Tensor(new, len(new.nodes), op, tuple(inputs), shape, dtype or template.dtype, attrs,
                    template.name, template.where)
         new.nodes.append(t)
         return t

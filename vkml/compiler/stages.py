@@ -1,9 +1,10 @@
 """The compiler's stages in order, each a function of the previous one's output and the
 compilation's options (compiler/options.py), the device's capabilities their target:
 
-    Graph --autodiff--> Rooted --compose, rewrite--> Rooted --split, scale--> Rooted
-          (compiler/autodiff)  (compiler/compose,           (compiler/split,
-                                compiler/rewrite)            compiler/scale)
+    Graph --autodiff--> Rooted --compose, rewrite, layouts--> Rooted --split, scale--> Rooted
+          (compiler/autodiff)  (compiler/compose,                   (compiler/split,
+                                compiler/rewrite,                    compiler/scale)
+                                compiler/layouts: inference only)
           --schedule--> Plan --codegen--> Plan with kernels
             (compiler/schedule,  (compiler/codegen, vkml/kernels/)
              compiler/memory_plan)
@@ -29,6 +30,7 @@ import numpy as np
 
 from vkml.compiler import autodiff, codegen, plan_cache
 from vkml.compiler.compose import fuse_compositions
+from vkml.compiler.layouts import relayout_operands
 from vkml.compiler.options import CompileOptions
 from vkml.compiler.plan import Plan
 from vkml.compiler.rebuild import rebuild
@@ -263,6 +265,8 @@ def _lower(graph: Graph, caps: Capabilities, options: CompileOptions) -> Stages:
     rewritten = differentiated
     if options.rewrite == "greedy":
         rewritten = fuse(fuse_compositions(differentiated, caps), caps.max_bindings_per_stage - 1)
+    if options.loss is None:
+        rewritten = relayout_operands(rewritten, caps)
     clock.lap("rewrite")
     split = split_sums(rewritten, caps)
     if caps.precision == "f16":

@@ -17,12 +17,17 @@ group (and, for the weight gradient, the split of its long sum).
   store (the rewrite stage moves batch norm's inference form, activations and residual adds
   there); inputs (the convolution's two, *the epilogue's), x0 the accumulator.
 - max_pool2d and its backward, which recomputes each covering window's first maximum.
+- conv2d over channels-last f16 operands (accelerated inference, `channels_last`): the input and
+  the weight each copied by `generate_channels_last` into (N, H, W, C) and (O, KH, KW, C/groups)
+  f16, channels padded to a multiple of 4, so a patch row (ky, kx, ci, ci fastest) runs along
+  memory: the tiles read it four halves a load and stage it with no conversion, where the NCHW
+  gather reads and converts an element at a time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +37,7 @@ from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather, gemm
 from vkml.kernels.common import (
     Buf,
+    assemble,
     body_lines,
     epilogue_reads,
     helper_functions,
@@ -42,9 +48,11 @@ from vkml.kernels.common import (
 
 def buffers(node: Tensor, wide: tuple[bool, ...] = (), wide_out: bool = False) -> list[Buf]:
     """The inputs in order (the convolution's two bound as vec4 arrays where `wide`, see
-    gemm.indexed; the epilogue's in their own dtype), then the output (a vec4 array where
-    `wide_out`)."""
-    return [*[gemm.binding(f"in{k}", k < len(wide) and wide[k]) for k in range(2)],
+    gemm.indexed, as vec4<f16> ones where channels-last; the epilogue's in their own dtype),
+    then the output (a vec4 array where `wide_out`)."""
+    half = is_channels_last(node)
+    return [*[Buf(f"in{k}", "vec4<f16>") if half
+              else gemm.binding(f"in{k}", k < len(wide) and wide[k]) for k in range(2)],
             *[Buf(f"in{k}", x.dtype) for k, x in enumerate(node.inputs[2:], 2)],
             Buf("out", "vec4<f32>" if wide_out else "f32", writable=True)]
 
@@ -106,6 +114,8 @@ def out_extent(size: int, kernel: int, stride: int, pad: int, dilation: int) -> 
 
 def generate_conv2d(node: Tensor, caps: Capabilities,
                     tiling: gemm.Tiling | None = None) -> Kernel:
+    if is_channels_last(node):
+        return _channels_last_conv2d(node, caps, tiling)
     x, w = node.inputs[:2]
     n, c, h, wd = x.shape
     o, cpg, kh, kw = w.shape
@@ -303,25 +313,47 @@ def generate_conv2d_weight_grad(node: Tensor, caps: Capabilities,
                     x.size + d.size, wide)
 
 
+def weight_shape(node: Tensor) -> tuple[int, ...]:
+    """The (out, in/groups, kh, kw) weight of a convolution or its gradients (an attribute where
+    the node does not read it as such: a weight gradient, a channels-last convolution)."""
+    return node.attrs["w_shape"] if "w_shape" in node.attrs else node.inputs[1].shape
+
+
+def input_shape(node: Tensor) -> tuple[int, ...]:
+    """The NCHW input of a convolution (an attribute where it reads it channels-last)."""
+    return node.attrs["x_shape"] if "x_shape" in node.attrs else node.inputs[0].shape
+
+
 def pointwise(node: Tensor) -> bool:
     """Whether a convolution's window is one pixel, unstrided and unpadded: its input is then a
     plain matrix of channels x pixels per image."""
-    kh, kw = (node.attrs["w_shape"] if node.op == "conv2d_weight_grad"
-              else node.inputs[1].shape)[-2:]
+    kh, kw = weight_shape(node)[-2:]
     (sh, sw), (ph, pw), _, _ = params(node)
     return (kh, kw, sh, sw, ph, pw) == (1, 1, 1, 1, 0, 0)
 
 
 def plain(node: Tensor) -> bool:
     """Whether a convolution is a product of plain matrices read four elements a load (a
-    pointwise one over images of a multiple of 4 pixels): tiled as a matmul is (gemm.choose)."""
+    pointwise one over images of a multiple of 4 pixels, or channels-last: pixels x channels):
+    tiled as a matmul is (gemm.choose)."""
+    if is_channels_last(node):
+        return pointwise(node)
     h, w = node.inputs[0].shape[-2:]  # the input, or the input gradient's output gradient
     return pointwise(node) and (h * w) % 4 == 0
 
 
+def coop_min(node: Tensor) -> tuple[int, int] | None:
+    """The sizes from which the node takes f16 tiles in accelerated mode (gemm.choose's
+    `coop_min`): every size for a channels-last convolution, whose operands are f16 already;
+    None (gemm.COOP_MIN) for the others."""
+    return (0, 0) if is_channels_last(node) else None
+
+
 def _chunk(node: Tensor, depth: int) -> int:
-    """The depth each split of the sum covers (all of it unsplit)."""
-    return -(-depth // node.attrs.get("splits", 1))
+    """The depth each split of the sum covers (all of it unsplit; channels-last, a multiple of
+    4, so no split ends inside a quad of channels read at once)."""
+    chunk = -(-depth // node.attrs.get("splits", 1))
+    return -(-chunk // CHANNEL_QUAD) * CHANNEL_QUAD if is_channels_last(node) else chunk
 
 
 @dataclass(frozen=True)
@@ -342,16 +374,19 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
              a: gemm.Operand, b: gemm.Operand, output: Output,
              tiling: gemm.Tiling | None, read: int, wide: tuple[bool, ...],
              setup: list[str] | None = None, k_range: tuple[str, str] | None = None,
-             tiling_layers: int | None = None, flops: int | None = None) -> Kernel:
+             tiling_layers: int | None = None, flops: int | None = None,
+             prelude: Sequence[str] = ()) -> Kernel:
     """The GEMM over grid layers z = group * splits + split (see OpDef.splits): split s sums its
     own range of the depth into slice s of a result with a leading split axis. `wide`: which
     inputs are bound as vec4 arrays. `setup` and `k_range`: lines defining g and s from z, and
     the range a layer sums, where the layers are not just groups and splits of one depth
     (phased input gradients: the sum then has edges); `tiling_layers`: the layers the tiling
-    was planned for (by dims_*) where they are not the groups."""
+    was planned for (by dims_*) where they are not the groups; `prelude`: WGSL the loaders
+    call."""
     pieces = node.attrs.get("splits", 1)
     chunk = depth if k_range else _chunk(node, depth)
-    tiling = tiling or gemm.choose(m, cols, depth, tiling_layers or groups, caps, plain(node))
+    tiling = tiling or gemm.choose(m, cols, depth, tiling_layers or groups, caps, plain(node),
+                                   coop_min(node))
     wide_out = output.run % 4 == 0 and gemm.stores_wide(tiling, chunk)
 
     def index(r: str, col: str) -> list[str]:
@@ -375,18 +410,22 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
         cols, chunk, groups * pieces, a, b, store, tiling,
         setup=setup or [f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
         k_range=k_range or (f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"),
-        depth=depth, ragged=k_range is not None, prelude=helper_functions(epilogue(node)),
+        depth=depth, ragged=k_range is not None,
+        prelude=[*prelude, *helper_functions(epilogue(node))],
         flops=2 * m * cols * depth * groups if flops is None else flops,
         nbytes=4 * (read + node.size + sum(x.size for x in node.inputs[2:])),
         wide_store=gemm.WideStore(output.along, store4) if wide_out else None)
 
 
 def dims_conv2d(node: Tensor, caps: Capabilities) -> tuple[int, int, int, int]:
-    """GEMM shape (m, n, k, grid layers) of a conv2d node."""
-    x, w = node.inputs[:2]
-    o, cpg, kh, kw = w.shape
+    """GEMM shape (m, n, k, grid layers) of a conv2d node (channels-last: k over the padded
+    channels)."""
+    o, cpg, kh, kw = weight_shape(node)
     groups = node.attrs["groups"]
-    return x.shape[0] * node.shape[-2] * node.shape[-1], o // groups, cpg * kh * kw, groups
+    if is_channels_last(node):
+        cpg = padded_channels(cpg)
+    return (input_shape(node)[0] * node.shape[-2] * node.shape[-1], o // groups, cpg * kh * kw,
+            groups)
 
 
 def dims_conv2d_input_grad(node: Tensor, caps: Capabilities) -> tuple[int, int, int, int]:
@@ -408,6 +447,123 @@ def dims_conv2d_weight_grad(node: Tensor, caps: Capabilities) -> tuple[int, int,
     o, cpg, kh, kw = node.attrs["w_shape"]
     groups = node.attrs["groups"]
     return o // groups, cpg * kh * kw, dy.shape[0] * dy.shape[2] * dy.shape[3], groups
+
+
+# Accelerated inference reads a convolution's operands channels-last in f16 (`channels_last`)
+# where its GEMM is at least this large in every dimension; None: never (every convolution reads
+# NCHW f32 as in training). tools/kernel_lab.py --channels-last times both on ResNet-50's shapes.
+CHANNELS_LAST_MIN: int | None = None
+CHANNELS_LAST = "channels_last_f16"  # the layout op (ops/conv.py) and the attribute naming it
+CHANNEL_QUAD = 4  # channels-last operands pad their channels to a multiple of this
+
+
+def padded_channels(c: int) -> int:
+    return -(-c // CHANNEL_QUAD) * CHANNEL_QUAD
+
+
+def is_channels_last(node: Tensor) -> bool:
+    """Whether a convolution reads channels-last f16 operands (`channels_last`'s rewrite)."""
+    return node.attrs.get("operands") == CHANNELS_LAST
+
+
+def channels_last(node: Tensor, caps: Capabilities) -> bool:
+    """Whether a forward convolution of an inference (the rewrite asks only there:
+    compiler/layouts.py) reads its operands channels-last in f16 on this target: at precision
+    "f16" where CHANNELS_LAST_MIN allows (its f16 tiles: cooperative ones, or the staged f16
+    tiles of devices without them), undilated, its groups' channels multiples of 4 (or one
+    group, padded), not already so."""
+    if (CHANNELS_LAST_MIN is None or caps.f16_products is None or caps.scaled_operands
+            or is_channels_last(node) or node.op not in ("conv2d", "fused_conv2d")):
+        return False
+    _, cpg, _, _ = weight_shape(node)
+    (_, _), _, dilation, groups = params(node)
+    if dilation != (1, 1) or (groups > 1 and cpg % CHANNEL_QUAD):
+        return False
+    m, n, k, _ = dims_conv2d(node, caps)
+    return min(m, n, k) >= CHANNELS_LAST_MIN
+
+
+# The channels-last copy's tile: pixels by channels a workgroup moves through workgroup memory,
+# so both its reads (along an NCHW plane's pixels) and its writes (along a pixel's channels)
+# run along memory.
+LAYOUT_PIXELS, LAYOUT_CHANNELS, LAYOUT_THREADS = 64, 64, 256
+
+
+def generate_channels_last(node: Tensor, caps: Capabilities) -> Kernel:
+    """(A, C, H, W) f32 -> (A, H, W, C padded to a multiple of 4) f16, the padding zero: a
+    workgroup reads a LAYOUT_CHANNELS x LAYOUT_PIXELS tile along the pixels into workgroup
+    memory, then writes it four channels (one vec4<f16>) at a time along the channels."""
+    (x,) = node.inputs
+    a, c, h, w = x.shape
+    hw, quads = h * w, padded_channels(c) // CHANNEL_QUAD
+    tp, tc, threads = LAYOUT_PIXELS, LAYOUT_CHANNELS, LAYOUT_THREADS
+    entry = ["fn main(@builtin(local_invocation_index) tid: u32, "
+             "@builtin(workgroup_id) wid: vec3<u32>) {",
+             f"  let p0 = wid.x * {tp}u; let c0 = wid.y * {tc}u; let base = wid.z * {c * hw}u;",
+             f"  for (var e = tid; e < {tp * tc}u; e += {threads}u) {{",
+             f"    let p = p0 + e % {tp}u; let ch = c0 + e / {tp}u; var v = 0.0;",
+             f"    if (p < {hw}u && ch < {c}u) {{ v = in0[base + ch * {hw}u + p]; }}",
+             f"    tile[(e / {tp}u) * {tp + 1}u + e % {tp}u] = v;", "  }",
+             "  workgroupBarrier();",
+             f"  for (var e = tid; e < {tp * tc // CHANNEL_QUAD}u; e += {threads}u) {{",
+             f"    let q = e % {tc // CHANNEL_QUAD}u; let pl = e / {tc // CHANNEL_QUAD}u;",
+             "    let p = p0 + pl; let quad = c0 / 4u + q;",
+             f"    if (p < {hw}u && quad < {quads}u) {{",
+             f"      let at = (q * 4u) * {tp + 1}u + pl;",
+             f"      out[(wid.z * {hw}u + p) * {quads}u + quad] = vec4<f16>(vec4<f32>(tile[at], "
+             f"tile[at + {tp + 1}u], tile[at + {2 * (tp + 1)}u], tile[at + {3 * (tp + 1)}u]));",
+             "    }", "  }", "}"]
+    return assemble(f"{CHANNELS_LAST}_{'x'.join(map(str, x.shape))}", caps,
+                    [Buf("in0"), Buf("out", "vec4<f16>", writable=True)], (threads,), entry,
+                    (-(-hw // tp), -(-padded_channels(c) // tc), a),
+                    prelude=["enable f16;", f"var<workgroup> tile: array<f32, {tc * (tp + 1)}>;"],
+                    nbytes=4 * x.size + 2 * a * hw * quads * CHANNEL_QUAD)
+
+
+def _channels_last_conv2d(node: Tensor, caps: Capabilities, tiling: gemm.Tiling | None
+                          ) -> Kernel:
+    """conv2d over channels-last f16 operands: rows = output pixels (n, oy, ox), columns =
+    output channels of the group, depth = (ky, kx, ci) over the group's channels padded to 4
+    (the padding is zero in both operands). A patch row's four channels are one vec4<f16>
+    (zero in the image's padding), the weight's rows are plain rows."""
+    n, c, h, wd = input_shape(node)
+    o, cpg, kh, kw = weight_shape(node)
+    oh, ow = node.shape[-2:]
+    (sh, sw), (ph, pw), _, groups = params(node)
+    cp, cpgp = padded_channels(c), padded_channels(cpg)
+    opg, depth = o // groups, kh * kw * cpgp
+    m = n * oh * ow
+    # a patch row's quad at pixel row i, depth d (a multiple of 4): its flat quad index and
+    # whether it lies inside the image (pointwise convolutions: always)
+    patch = ["fn patch_quad(i: u32, d: u32) -> vec4<f16> {",
+             "  " + _split("i", (n, oh, ow), ("nb", "oy", "ox")),
+             "  " + _split("d", (kh, kw, cpgp), ("ky", "kx", "ci")),
+             f"  let iy = i32(oy * {sh}u + ky) - {ph}; let ix = i32(ox * {sw}u + kx) - {pw};",
+             f"  if ({inside('iy', 'ix', h, wd)}) {{",
+             f"    return in0[(((nb * {h}u + u32(iy)) * {wd}u + u32(ix)) * {cp}u + g * {cpg}u "
+             f"+ ci) / 4u];",
+             "  }", "  return vec4<f16>();", "}"]
+    # the group g is the grid layer's, passed by the setup line as a module variable
+    a = gemm.Operand(lambda i, d: [f"v = f32(patch_quad({i}, {d} - {d} % 4u)[{d} % 4u]);"], "depth",
+                     lambda i, d: f"patch_quad({i}, {d})", half=True)
+    b = gemm.Operand(
+        lambda j, d: [f"{{ let e = (g * {opg}u + {j}) * {depth}u + {d}; "
+                      f"v = f32(in1[e / 4u][e % 4u]); }}"],
+        "depth", lambda j, d: f"in1[((g * {opg}u + {j}) * {depth}u + {d}) / 4u]", half=True)
+
+    def at(r: str, col: str) -> str:
+        return (f"s * {n * o * oh * ow}u + (({r} / {oh * ow}u) * {o}u + g * {opg}u + {col}) "
+                f"* {oh * ow}u + {r} % {oh * ow}u")
+
+    def index(r: str, col: str) -> list[str]:
+        return pixel_index(r, col, opg, (n, oh, ow))
+
+    pieces = node.attrs.get("splits", 1)
+    return _product(node, caps, m, opg, depth, groups, a, b,
+                    Output(at, "row", oh * ow, index), tiling,
+                    (n * h * wd * cp + o * kh * kw * cpgp) // 2, (True, True),
+                    setup=[f"  g = z / {pieces}u; let s = z % {pieces}u;"],
+                    prelude=["enable f16;", "var<private> g: u32;", *patch])
 
 
 def _window_max(x: Tensor, a: dict) -> str:

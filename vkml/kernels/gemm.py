@@ -81,11 +81,13 @@ class Operand:
     the caller can offer it: (row, depth) -> a WGSL vec4<f32> expression of the four elements
     from there along the contiguous index; the caller guarantees that the contiguous index
     starts at a multiple of 4 there and that its extent (rows, or the ends of every k range) is
-    a multiple of 4, so four elements are all inside or all outside."""
+    a multiple of 4, so four elements are all inside or all outside. `half`: `wide` gives a
+    vec4<f16> (an operand held in memory as f16), staged as it is into f16 tiles."""
 
     load: Loader
     contiguous: Literal["row", "depth"]
     wide: Callable[[str, str], str] | None = None
+    half: bool = False
 
 
 def indexed(buffer: str, wide: bool, at: Callable[[str, str], str],
@@ -359,6 +361,9 @@ def generate(name: str, caps: Capabilities, buffers: Sequence[Buf], m: int, n: i
     backward product's operands, if any."""
     begin, end = k_range or ("0u", f"{k}u")
     grid = (-(-n // tiling.bn), -(-m // tiling.bm), z)
+    # the kernel's own `enable` directives come first, so a caller's prelude need not repeat them
+    prelude = [line for line in prelude if line not in ("enable f16;",)
+               or not (isinstance(tiling, CoopTiling) or tiling.f16)]
     if isinstance(tiling, CoopTiling):
         scaled = any(scales)
         return assemble(f"{name}_{tiling}{'_scaled' if scaled else ''}", caps, buffers,
@@ -415,7 +420,7 @@ def _staged(m: int, n: int, a: Operand, b: Operand, store: Store, t: Tiling, beg
                      write4=lambda tile, at, v: f"{'As' if tile == 'a' else 'Bs'}[{at} / 4u] = "
                                                 f"{half(v, vector=True)};",
                      scale=lambda tile, row: (f"Pow{tile}[{row}]" if scales["ab".index(tile)]
-                                              else None))]
+                                              else None), half=t.f16)]
     comp = "xyzw"
     if t.f16:
         lines += [f"    var h{i}_{j4} = vec4<f16>();"
@@ -469,7 +474,8 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
            begin: str, end: str, edges: Edges, place: Callable[[str, str, str], str],
            write: Callable[[str, str, str], str], fast: tuple[str, str],
            write4: Callable[[str, str, str], str],
-           scale: Callable[[str, str], str | None] | None = None) -> list[str]:
+           scale: Callable[[str, str], str | None] | None = None,
+           half: bool = False) -> list[str]:
     """Lines staging A's BM x BK and B's BN x BK slices: per thread, the elements it loads (so
     neighbouring threads read along each operand's contiguous index; four at a time from an
     operand that offers `wide` reads), a register for each, the first slice's loads, and the
@@ -477,7 +483,8 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
     index there, `write` the store; `fast`: which index runs along workgroup memory for A and
     for B, so `write4` stores the four elements of a wide read along it at once) and loads the
     next slice while the caller's body multiplies this one. `scale(tile, row in the tile)`:
-    the factor each element is multiplied by as it is written (None: none). The caller closes
+    the factor each element is multiplied by as it is written (None: none). `half`: workgroup
+    memory holds f16, so an f16 operand's wide reads stay f16 on the way. The caller closes
     the loop with a barrier."""
     lines: list[str] = []
     loads: list[str] = []
@@ -515,10 +522,12 @@ def _stage(m: int, n: int, a: Operand, b: Operand, bm: int, bn: int, bk: int, th
                 loads.append("    " + _element(op.load, i, f"(kn + {k})", guard, p))
                 fill.append(f"    {write(tile, f'{tile}s{step}', p + factor[0])}")
                 continue
-            lines.append(f"  var {p} = vec4<f32>();")
+            vector = "vec4<f16>" if op.half and half and not scaled else "vec4<f32>"
+            lines.append(f"  var {p} = {vector}();")
             # not select(): it would read the vector past the end too
-            wide = f"{p} = {op.wide(i, f'(kn + {k})')};"
-            loads.append(f"    if ({guard}) {{ {wide} }} else {{ {p} = vec4<f32>(); }}" if guard
+            read = op.wide(i, f"(kn + {k})")
+            wide = f"{p} = {read if op.half == (vector == 'vec4<f16>') else f'{vector}({read})'};"
+            loads.append(f"    if ({guard}) {{ {wide} }} else {{ {p} = {vector}(); }}" if guard
                          else f"    {wide}")
             if op.contiguous == along_shared:
                 fill.append(f"    {write4(tile, f'{tile}s{step}', p + whole)}")
@@ -658,7 +667,7 @@ def _coop(m: int, n: int, a: Operand, b: Operand, store: Store, t: CoopTiling, b
                         f"{'As' if tile == 'a' else 'Bs'}[{at} + {c}u] = h.{'xyzw'[c]};"
                         for c in range(4)) + " }",
                     scale=lambda tile, row: (f"Pow{tile}[{row}]" if scales["ab".index(tile)]
-                                             else None))
+                                             else None), half=True)
     for kk in range(0, t.bk, 16):
         lines.append("    {")
         lines += [f"      let fa{i} = coopLoadT<coop_mat16x16<f16, A>>("

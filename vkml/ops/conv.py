@@ -61,16 +61,43 @@ def by_device(on_gemm, on_cpu, dims, partials=None) -> dict:
     def splits(node: Tensor, caps) -> int:
         if cpu_kernel(node, caps):
             return 1
-        pieces = gemm.splits(*dims(node, caps), caps, plain=kernels.plain(node))
+        pieces = gemm.splits(*dims(node, caps), caps, plain=kernels.plain(node),
+                             coop_min=kernels.coop_min(node))
         return pieces * (partials(node, caps) if partials is not None else 1)
 
     return {"lower": lower, "splits": splits}
 
 
+def channels_last(node: Tensor, caps) -> tuple[tuple[tuple[str, dict] | None, ...], dict] | None:
+    """OpDef.layouts of a forward convolution (and its fused form): both operands copied
+    channels-last in f16 where its kernels read them so on the target (kernels/conv.py
+    `channels_last`); the node keeps its NCHW shapes as attributes."""
+    if not kernels.channels_last(node, caps):
+        return None
+    x, w = node.inputs[:2]
+    copy = (kernels.CHANNELS_LAST, {})
+    return (copy, copy), {**node.attrs, "operands": kernels.CHANNELS_LAST, "x_shape": x.shape,
+                          "w_shape": w.shape}
+
+
 register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad, fusion="product",
-               fused="fused_conv2d",
+               fused="fused_conv2d", layouts=channels_last,
                **by_device(kernels.generate_conv2d, conv_cpu.generate_conv2d,
                            kernels.dims_conv2d)))
+
+
+def _channels_last_copy(inputs, attrs):
+    """(A, C, H, W) f32 -> (A, H, W, C padded to a multiple of 4) f16, two halves an element."""
+    (x,) = inputs
+    if len(x.shape) != 4 or x.dtype != "f32":
+        raise GraphError(f"{kernels.CHANNELS_LAST} takes an f32 4-D tensor, got {x.type}")
+    a, c, h, w = x.shape
+    return (a, h, w, kernels.padded_channels(c) // 2), "i32"
+
+
+# Made only by the layout rewrite (compiler/layouts.py) for inference, so without a gradient.
+register(OpDef(kernels.CHANNELS_LAST, _channels_last_copy, "kernel",
+               lower=kernels.generate_channels_last))
 
 
 @builder

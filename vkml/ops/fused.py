@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from vkml.graph import OpDef, register
 from vkml.kernels import conv, conv_cpu, matmul, reduce
-from vkml.ops.conv import by_device
+from vkml.ops.conv import by_device, channels_last
 
 
 def _stored(inputs, attrs):
@@ -34,7 +34,7 @@ register(OpDef("fused_pointwise", _stored, "pointwise",
 _fused("fused_matmul", "matmul", lower=matmul.generate, splits=matmul.splits,
        scaled=matmul.scaled)
 _fused("fused_sum", "sum", fusion="sum", lower=reduce.generate_fused_sum)
-_fused("fused_conv2d", "conv2d",
+_fused("fused_conv2d", "conv2d", layouts=channels_last,
        **by_device(conv.generate_conv2d, conv_cpu.generate_conv2d, conv.dims_conv2d))
 _fused("fused_conv2d_input_grad", "conv2d_input_grad",
        **by_device(conv.generate_conv2d_input_grad, conv_cpu.generate_conv2d_input_grad,

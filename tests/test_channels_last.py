@@ -1,0 +1,145 @@
+"""Convolutions over channels-last f16 operands (accelerated inference, kernels/conv.py
+`channels_last`, compiler/layouts.py): the layout rewrite, the copy kernel, and the GEMM core's
+variants reading the copies, against float64 torch. Lavapipe has f16 arithmetic without
+cooperative matrices, so the automatic choice here is the staged f16 tiles; the staged f32 and
+direct tiles are forced on the same plan; the cooperative tiles run in tests/gpu (and their
+WGSL is checked through naga here)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import rel_l2
+
+import vkml
+from vkml.compiler.stages import lower
+from vkml.kernels import conv, gemm
+from vkml.session import Session
+
+# name: (x shape, weight shape, stride, padding, groups, epilogue: "" | "bias_relu" | "residual")
+CASES = {
+    "3x3": ((2, 8, 9, 8), (12, 8, 3, 3), 1, 1, 1, "bias_relu"),
+    "3x3_stride_2": ((2, 8, 9, 8), (12, 8, 3, 3), 2, 1, 1, ""),
+    "1x1_residual": ((1, 16, 6, 5), (16, 16, 1, 1), 1, 0, 1, "residual"),
+    "7x7_stem_3_channels": ((1, 3, 13, 12), (8, 3, 7, 7), 2, 3, 1, "bias_relu"),
+    "grouped": ((1, 8, 6, 6), (8, 4, 3, 3), 1, 1, 2, ""),
+    # a sum of 540 split four ways (compiler/split.py): 136 deep each, whole quads of channels
+    "split_sum": ((1, 60, 5, 4), (8, 60, 3, 3), 1, 1, 1, "bias_relu"),
+}
+# the staged f32 tiles and the direct ones, forced on the channels-last plan
+FORCED = {"staged_f32": gemm.Tiling(64, 64, 4, 4, 16, True),
+          "direct": gemm.direct_tiling(64, 64)}
+
+
+def _f16_caps(device):
+    caps = dataclasses.replace(device.caps, precision="f16")
+    if device.backend_name != "vulkan" or caps.f16_products is None:
+        pytest.skip(f"{device.caps.device_name} ({device.backend_name}): no f16 arithmetic on "
+                    "the Vulkan backend here, so channels-last f16 operands were not run")
+    return caps
+
+
+def _case(name: str, rng):
+    x_shape, w_shape, stride, padding, groups, epilogue = CASES[name]
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+    b = rng.standard_normal(w_shape[0]).astype(np.float32)
+    g = vkml.Graph()
+    px = g.param("x", x_shape, init=x)
+    y = g.conv2d(px, g.param("w", w_shape, init=w), stride=stride, padding=padding,
+                 groups=groups)
+    t64 = {k: torch.tensor(v, dtype=torch.float64) for k, v in (("x", x), ("w", w), ("b", b))}
+    want = F.conv2d(t64["x"], t64["w"], stride=stride, padding=padding, groups=groups)
+    if epilogue == "bias_relu":
+        y = g.relu(g.add(y, g.reshape(g.constant(b), (b.size, 1, 1))))
+        want = torch.relu(want + t64["b"].reshape(-1, 1, 1))
+    elif epilogue == "residual":
+        y = g.add(y, px)
+        want = want + t64["x"]
+    g.output("y", y)
+    return g, want.numpy()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_channels_last_convolutions_match_torch(name, device, rng, monkeypatch):
+    caps = _f16_caps(device)
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
+    g, want = _case(name, rng)
+    stages = lower(g, caps, precision="f16")
+    ops = [d.op for d in stages.plan.dispatches]
+    assert ops == ["channels_last_f16", "channels_last_f16", *(
+        ["conv2d", "fused_sum"] if name == "split_sum" else
+        ["conv2d"] if name in ("3x3_stride_2", "grouped") else ["fused_conv2d"])], ops
+    (product,) = [n for n in stages.nodes if n is not None and "conv2d" in n.op]
+    auto = gemm.choose(*conv.dims_conv2d(product, caps), caps, conv.plain(product),
+                       conv.coop_min(product))
+    assert auto.f16 if caps.f16_products == "simt" else isinstance(auto, gemm.CoopTiling)
+    errors = {}
+    for label, tiling in [("auto", None), *FORCED.items()]:
+        plan = stages.plan if tiling is None else dataclasses.replace(
+            stages.plan, dispatches=tuple(
+                dataclasses.replace(d, kernel=conv.generate_conv2d(node, caps, tiling))
+                if node is product else d for d, node in zip(stages.plan.dispatches,
+                                                             stages.nodes)))
+        session = Session(plan, device)
+        session.step()
+        errors[label] = rel_l2(session.read("y"), want)
+        session.close()
+    # f16 operands: within 1% of float64 (PROTOCOL.md's forward gate), above f32's error
+    assert all(1e-5 < e < 1e-2 for e in errors.values()), errors
+
+
+def test_cooperative_tiles_over_channels_last_operands_pass_naga(device, monkeypatch):
+    # the GPU tests run them; here at least their WGSL is valid, with an epilogue and edges
+    _f16_caps(device)
+    from vkml.vk import naga
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
+    caps = dataclasses.replace(device.caps, precision="f16", cooperative_matrix=True,
+                               device_type="discrete")
+    g, _ = _case("7x7_stem_3_channels", np.random.default_rng(0))
+    stages = lower(g, caps, precision="f16")
+    (kernel,) = [d.kernel for d in stages.plan.dispatches if "conv2d" in d.op]
+    assert "_c" in kernel.name and "vec4<f16>" in kernel.wgsl
+    naga.compile_wgsl(kernel.wgsl, kernel.name)
+
+
+def test_channels_last_is_off_by_default_and_never_in_training(device, rng, monkeypatch):
+    caps = _f16_caps(device)
+    g, _ = _case("3x3", rng)
+    assert conv.CHANNELS_LAST_MIN is None  # the lead's switch: off until measured
+    assert not _copies(lower(g, caps, precision="f16"))
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
+    loss = g.sum(g.outputs["y"])
+    assert not _copies(lower(g, caps, loss=loss, precision="f16"))
+    assert not _copies(lower(g, caps, precision="f32"))
+    assert len(_copies(lower(g, caps, precision="f16"))) == 2
+
+
+def _copies(stages) -> list:
+    return [n for n in stages.rewritten.graph.nodes if n.op == conv.CHANNELS_LAST]
+
+
+def test_one_copy_serves_every_convolution_reading_a_tensor(device, monkeypatch):
+    # a bottleneck's first 1x1 convolution and its downsampling one read the same input
+    caps = _f16_caps(device)
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
+    g = vkml.Graph()
+    x = g.param("x", (1, 8, 4, 4))
+    g.output("a", g.conv2d(x, g.param("wa", (4, 8, 1, 1))))
+    g.output("b", g.conv2d(x, g.param("wb", (16, 8, 1, 1))))
+    copies = _copies(lower(g, caps, precision="f16"))
+    assert sorted(n.inputs[0].op for n in copies) == ["param"] * 3  # x once, each weight
+
+
+def test_the_rule_takes_only_products_from_its_threshold(device, monkeypatch):
+    caps = _f16_caps(device)
+    g, _ = _case("3x3", np.random.default_rng(0))  # GEMM 162 x 12 x 72
+    (node,) = [n for n in g.nodes if n.op == "conv2d"]
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 12)
+    assert conv.channels_last(node, caps)
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 13)
+    assert not conv.channels_last(node, caps)
