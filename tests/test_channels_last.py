@@ -44,7 +44,13 @@ def _f16_caps(device):
 
 
 def _case(name: str, rng):
-    x_shape, w_shape, stride, padding, groups, epilogue = CASES[name]
+    return channels_last_case(CASES[name], rng)
+
+
+def channels_last_case(spec: tuple, rng):
+    """A graph of one convolution (x shape, weight shape, stride, padding, groups, epilogue:
+    "" | "bias_relu" | "residual"), its output "y", and float64 torch's."""
+    x_shape, w_shape, stride, padding, groups, epilogue = spec
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
     b = rng.standard_normal(w_shape[0]).astype(np.float32)

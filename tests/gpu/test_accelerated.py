@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_channels_last import channels_last_case
 from test_ops import (
     COOPERATIVE_ATTENTION,
     cooperative_attention_case,
@@ -40,6 +41,7 @@ from test_ops import (
 
 import vkml
 from vkml.compiler.stages import lower
+from vkml.kernels import conv as conv_kernels
 from vkml.session import Session
 
 # PROTOCOL.md
@@ -111,6 +113,7 @@ def case_names() -> set[str]:
     return {f"{kind} {name}" for kind, cases in (
         ("cooperative matmul", MATMULS), ("cooperative matmul backward", BACKWARD),
         ("staged f16 matmul", STAGED), ("cooperative convolution", CONVS),
+        ("cooperative channels-last convolution", CHANNELS_LAST),
         ("cooperative attention", COOPERATIVE_ATTENTION)) for name in cases}
 
 
@@ -347,6 +350,39 @@ def test_cooperative_convolution(name, device, results, rng):
     want = torch.relu(want) if relu else want
     gate(results, f"cooperative convolution {name}", kernels,
          {"y": (session.read("y"), numpy64(want))}, {})
+    session.close()
+
+
+# Accelerated inference's convolutions over channels-last f16 copies of their operands
+# (kernels/conv.py `channels_last`, forced on here whatever CHANNELS_LAST_MIN says): x shape,
+# weight shape, stride, padding, groups, epilogue ("" | "bias_relu" | "residual")
+CHANNELS_LAST = {
+    "3x3_bias_relu": ((2, 64, 28, 28), (64, 64, 3, 3), 1, 1, 1, "bias_relu"),
+    "3x3_stride_2": ((2, 128, 28, 28), (256, 128, 3, 3), 2, 1, 1, ""),
+    "1x1_residual": ((2, 256, 14, 14), (256, 256, 1, 1), 1, 0, 1, "residual"),
+    "7x7_stem_3_channels": ((2, 3, 64, 64), (64, 3, 7, 7), 2, 3, 1, "bias_relu"),
+    "grouped": ((2, 64, 14, 14), (64, 16, 3, 3), 1, 1, 4, ""),
+    "split_sum": ((1, 512, 7, 7), (512, 512, 3, 3), 1, 1, 1, "bias_relu"),
+    "edges_padded_channels": ((1, 38, 13, 11), (40, 38, 3, 3), 1, 1, 1, ""),
+}
+
+
+@pytest.mark.parametrize("name", CHANNELS_LAST)
+def test_cooperative_channels_last_convolution(name, device, results, rng, monkeypatch):
+    needs(device, "cooperative")
+    monkeypatch.setattr(conv_kernels, "CHANNELS_LAST_MIN", 0)
+    g, want = channels_last_case(CHANNELS_LAST[name], rng)
+    # lower, not vkml.compile: the plan cache keys the sources, not the switch set here
+    session = Session(lower(g, device.caps, precision="f16").plan, device)
+    session.step()
+    kernels = [d.kernel.name for d in session.plan.dispatches]
+    copies = [k for k in kernels if k.startswith(conv_kernels.CHANNELS_LAST)]
+    (conv,) = [k for k in kernels if "conv2d" in k]
+    assert len(copies) == 2 and re.search(COOP, conv), kernels
+    if name == "split_sum":
+        assert any(k.startswith("fused_sum") for k in kernels), kernels
+    gate(results, f"cooperative channels-last convolution {name}", kernels,
+         {"y": (session.read("y"), want)}, {})
     session.close()
 
 
