@@ -89,6 +89,10 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     included). On a device with f16 arithmetic but no cooperative matrices, every matrix
     product is computed in f16 instead (f32 across each 8 or 16 terms of a sum), convolutions
     staying f32 (Capabilities.f16_products). "f16" needs shaderFloat16, else a DeviceError.
+    "bf16": as "f16" on cooperative matrices, with bfloat16 inputs (8 significant bits, f32's
+    exponent range: no gradient scaling, so backward products take the cooperative tiles as
+    forward ones do); it needs VK_KHR_shader_bfloat16's cooperative matrices, else a
+    DeviceError.
     `check_finite`: like torch's anomaly detection, a step whose loss is NaN or infinite
     changes nothing (the optimizer's kernels read the loss and skip) and raises
     NonFiniteError; step() then waits for each step to finish, so it costs a sync per step.

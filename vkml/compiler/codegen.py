@@ -92,8 +92,8 @@ def value_key(v: Any) -> Any:
 def phase_target(caps: Capabilities, forward: bool) -> Capabilities:
     """Accelerated (f16) products in the backward pass scale their operands: gradients are
     often far below f16's smallest normal (6e-5) and would be flushed without it
-    (Capabilities.scaled_operands)."""
-    if forward or caps.precision == "f32":
+    (Capabilities.scaled_operands). bfloat16 has f32's exponent range: nothing to scale."""
+    if forward or caps.precision != "f16":
         return caps
     return dataclasses.replace(caps, scaled_operands=True)
 

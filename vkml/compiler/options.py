@@ -17,7 +17,7 @@ from vkml.optim import Optimizer
 # collection of names or a predicate on the name overrides it.
 Trainable = Collection[str] | Callable[[str], bool] | None
 
-PRECISIONS = ("f32", "f16")
+PRECISIONS = ("f32", "f16", "bf16")
 REWRITES = ("greedy", "none")
 
 
@@ -38,9 +38,10 @@ class CompileOptions:
     def __post_init__(self) -> None:
         loss, optimizer, outputs = self.loss, self.optimizer, self.outputs
         if self.precision not in PRECISIONS:
-            raise GraphError(f"unknown precision {self.precision!r}; use 'f32' (strict) or "
+            raise GraphError(f"unknown precision {self.precision!r}; use 'f32' (strict), "
                              "'f16' (matrix products in f16: on cooperative matrices where "
-                             "the device has them, else in f16 arithmetic)")
+                             "the device has them, else in f16 arithmetic) or 'bf16' "
+                             "(matrix products on bfloat16 cooperative matrices)")
         if self.rewrite not in REWRITES:
             raise GraphError(f"unknown rewrite {self.rewrite!r}; use one of {REWRITES}")
         if optimizer is not None:
@@ -132,4 +133,11 @@ class CompileOptions:
             raise DeviceError(f"precision='f16' needs f16 arithmetic (shaderFloat16 with "
                               f"storageBuffer16BitAccess), which {caps.device_name!r} does not "
                               "offer; compile with precision='f32'")
+        if self.precision == "bf16" and target.f16_products is None:
+            instead = "precision='f16' or 'f32'" if caps.shader_f16 else "precision='f32'"
+            raise DeviceError(f"precision='bf16' needs cooperative matrices with bfloat16 "
+                              "operands (VK_KHR_cooperative_matrix, and VK_KHR_shader_bfloat16 "
+                              "with shaderBFloat16CooperativeMatrix and a 16x16x16 bfloat16 "
+                              f"configuration), which {caps.device_name!r} does not offer; "
+                              f"compile with {instead}")
         return target

@@ -22,6 +22,10 @@ class Capabilities:
     subgroup_size: int
     timestamp_period_ns: float  # 0.0 when the queue cannot write timestamps
     cooperative_matrix: bool = False
+    # Cooperative matrices with bfloat16 operands (VK_KHR_shader_bfloat16: its type and
+    # cooperative-matrix features, and a 16 x 16 x 16 bfloat16 x bfloat16 -> f32 subgroup
+    # configuration): what precision "bf16" multiplies on.
+    bf16_cooperative_matrix: bool = False
     shader_f16: bool = False
     extensions: frozenset[str] = field(default_factory=frozenset)
     # Whether a dispatch may start at a base workgroup (hal.Dispatch.base: Vulkan 1.1's
@@ -42,11 +46,12 @@ class Capabilities:
     # an invocation's loops after 65535 in all and returns what it has; kernels split longer work.
     max_loop_iterations: int | None = None
     # The compilation's arithmetic for matrix products and convolutions (vkml.compile's
-    # `precision`): "f32", or "f16" (how: `f16_products`). An option rather than a device
-    # property, carried here because codegen reads it with the rest.
+    # `precision`): "f32", "f16" or "bf16" (how: `f16_products`). An option rather than a
+    # device property, carried here because codegen reads it with the rest.
     precision: str = "f32"
     # Products whose operands may lie far below f16's smallest normal (6e-5), as the backward
-    # pass's gradients do: at precision "f16" their kernels scale each row of such an operand
+    # pass's gradients do: at precision "f16" (bfloat16 has f32's exponent range and needs
+    # none of this) their kernels scale each row of such an operand
     # by a power of two that brings its largest magnitude into f16's range before converting
     # to f16, and undo it exactly as they store (compiler/scale.py, gemm `_scales`).
     scaled_operands: bool = False
@@ -59,7 +64,11 @@ class Capabilities:
         GPUs, whose f16 arithmetic runs at twice the f32 rate): the plain tiled kernels stage
         f16 operands and multiply-add in f16 over each staged slice of the sum, adding each
         slice's sums into f32 accumulators (kernels/gemm.py); None at precision "f32" or
-        without f16 arithmetic."""
+        without f16 arithmetic. At precision "bf16": "cooperative" where the device has
+        `bf16_cooperative_matrix` (the same kernels, their f16 operands made bfloat16 by the
+        backend: hal.kernel.BFLOAT16_MARK), else None (bfloat16 has no arithmetic)."""
+        if self.precision == "bf16":
+            return "cooperative" if self.bf16_cooperative_matrix else None
         if self.precision != "f16" or not self.shader_f16:
             return None
         return "cooperative" if self.cooperative_matrix else "simt"

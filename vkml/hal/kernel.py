@@ -14,6 +14,10 @@ Access = Literal["read", "read_write"]
 # small it is. Only ratios between kernels matter (chunk balancing before anything is measured).
 BYTE_COST = 10.0
 DISPATCH_COST = 5e5
+# WGSL has no bfloat16 type: a kernel compiled for precision "bf16" writes its cooperative
+# operands as f16 and begins with this line, and the backend makes them bfloat16 (Vulkan:
+# vk/spirv.py `to_bfloat16`). In the text, so that every cache keyed by it tells the two apart.
+BFLOAT16_MARK = "// vkml: this kernel's f16 is bfloat16"
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,11 @@ class Kernel:
             return None
         axes = [a for a in range(3) if self.groups[a] > 1]
         return axes[-1] if axes else None
+
+    @property
+    def bfloat16(self) -> bool:
+        """Whether the kernel's f16 values are bfloat16 (BFLOAT16_MARK)."""
+        return self.wgsl.startswith(BFLOAT16_MARK)
 
     @property
     def writable(self) -> tuple[bool, ...]:

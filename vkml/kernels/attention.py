@@ -16,14 +16,15 @@ level with the composed attention's products and softmax, so the composition sta
 default; a register-tiled variant (4 x 2 scores and 4 x 4 outputs a thread, as the GEMM core)
 measured slower still.
 
-At precision "f16" the forward pass runs on cooperative matrices (`_cooperative`): 16 query
-rows a subgroup, keys COOP_KEYS a tile, f16 operands and f32 accumulators, in two passes over
-the keys: the first finds each row's max and sum of exponentials, the second adds P V with P
-already normalized, so the output's fragments never need rescaling (a fragment's elements are
-opaque to the threads that hold it: rescaling rows as the max grows would cost a trip through
-workgroup memory a tile). The scores are computed as S^T = K Q^T, so keys and values are staged
-as they lie in memory and only Q, once, transposed. The compiler's rewrite
-(compiler/compose.py, ops/attention.py) puts the composed attention of an inference on it."""
+At precision "f16" (and "bf16") the forward pass runs on cooperative matrices (`_cooperative`):
+16 query rows a subgroup, keys COOP_KEYS a tile, f16 (bf16) operands and f32 accumulators, in
+two passes over the keys: the first finds each row's max and sum of exponentials, the second
+adds P V with P already normalized, so the output's fragments never need rescaling (a
+fragment's elements are opaque to the threads that hold it: rescaling rows as the max grows
+would cost a trip through workgroup memory a tile). The scores are computed as S^T = K Q^T, so
+keys and values are staged as they lie in memory and only Q, once, transposed. The compiler's
+rewrite (compiler/compose.py, ops/attention.py) puts the composed attention of an inference on
+it."""
 
 from __future__ import annotations
 
@@ -265,9 +266,9 @@ def _coop_layout(dim: int, dv: int) -> dict[str, int]:
 
 def cooperative(dim: int, dv: int, keys: int, caps: Capabilities) -> bool:
     """Whether the forward pass of attention with q/k width `dim`, v width `dv` over `keys`
-    keys runs on cooperative matrices: at precision "f16" on a device with them, 32-wide
-    subgroups (two threads a row of each subgroup's 16), head widths in whole fragments, at
-    most COOP_MAX_KEYS keys, and the tiles within workgroup memory."""
+    keys runs on cooperative matrices: at precision "f16" or "bf16" on a device with them,
+    32-wide subgroups (two threads a row of each subgroup's 16), head widths in whole
+    fragments, at most COOP_MAX_KEYS keys, and the tiles within workgroup memory."""
     return (caps.f16_products == "cooperative"
             and caps.subgroup_size == 32 and dim % 16 == 0 and dv % 16 == 0
             and 32 * COOP_SUBGROUPS <= min(caps.max_workgroup_invocations,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from vkml.errors import GraphError
 from vkml.expr import Body
 from vkml.hal import Capabilities, Kernel
+from vkml.hal.kernel import BFLOAT16_MARK
 
 if TYPE_CHECKING:
     from vkml.graph import Tensor
@@ -47,7 +48,9 @@ def assemble(name: str, caps: Capabilities, buffers: Sequence[Buf],
     `independent_workgroups` (Kernel's): true of every generator here, whose workgroups
     never meet (a kernel that shares work between them through atomics says False).
     Where the target passes a dispatch's base workgroup in a uniform (caps.base_in_uniform),
-    a kernel that may be cut reads it there (`offset_workgroup_id`)."""
+    a kernel that may be cut reads it there (`offset_workgroup_id`). At precision "bf16" a
+    kernel with f16 values (the cooperative ones) is marked as having bfloat16 ones instead
+    (hal.kernel.BFLOAT16_MARK)."""
     declared = [f"@group(0) @binding({i}) var<storage, "
                 f"{'read_write' if b.writable or not caps.read_only_storage else 'read'}> "
                 f"{b.name}: array<{b.dtype}>;" for i, b in enumerate(buffers)]
@@ -59,7 +62,8 @@ def assemble(name: str, caps: Capabilities, buffers: Sequence[Buf],
         declared.append(f"@group(0) @binding({len(buffers)}) var<uniform> {BASE_UNIFORM}: "
                         "vec4<u32>;")
         entry = offset_workgroup_id(entry, kernel.workgroup_size)
-    wgsl = "\n".join([*prelude, *declared,
+    mark = [BFLOAT16_MARK] if caps.precision == "bf16" and "enable f16;" in prelude else []
+    wgsl = "\n".join([*mark, *prelude, *declared,
                       f"@compute @workgroup_size({', '.join(map(str, workgroup))})", *entry])
     if independent_workgroups and "atomic" in wgsl:
         raise ValueError(f"kernel {name!r} uses atomics: say independent_workgroups=False, or "

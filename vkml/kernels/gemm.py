@@ -14,18 +14,19 @@ Four variants, chosen by the device and the product:
   vec4 reads of a warp conflict-free and its stores contiguous.
 - direct (CPU drivers, where staging gains nothing and barriers make the JIT slow): each thread
   reads its operands straight from memory, rows ty + WY * i and columns tx + WX * j.
-- cooperative (precision="f16" on devices with cooperative matrices, for products of at least
-  COOP_MIN in every dimension, for matmuls of COOP_MIN_MATMUL rows and columns and depth, plain
-  ones from a shallower depth: kernels/matmul.py):
-  tensor-core tiles. The operands are read as f32 like the staged variant's and converted to
-  f16 as they are staged, so no f16 copy of any tensor exists; each subgroup multiplies
-  FM x FN 16x16 fragments with f32 accumulators (`coop_mat16x16`, loaded transposed as naga
-  needs for row-major data), and stores each accumulator through workgroup memory, where its
-  lanes apply the store (a product without an epilogue stores its inner tiles' fragments
-  straight to C: `PlainStore`). In the backward pass (Capabilities.scaled_operands) each row of
-  a gradient operand is first scaled by a power of two into f16's range (`_scales`, from the
-  largest magnitudes compiler/scale.py provides), undone as C is stored. Below those the
-  staged f32 kernel is used even in accelerated mode.
+- cooperative (precision="f16" on devices with cooperative matrices, and "bf16" on devices
+  with bfloat16 ones: the same kernels, their f16 made bfloat16 by the backend; for products
+  of at least COOP_MIN in every dimension, for matmuls of COOP_MIN_MATMUL rows and columns and
+  depth, plain ones from a shallower depth: kernels/matmul.py): tensor-core tiles. The
+  operands are read as f32 like the staged variant's and converted to f16 as they are staged,
+  so no f16 copy of any tensor exists; each subgroup multiplies FM x FN 16x16 fragments with
+  f32 accumulators (`coop_mat16x16`, loaded transposed as naga needs for row-major data), and
+  stores each accumulator through workgroup memory, where its lanes apply the store (a product
+  without an epilogue stores its inner tiles' fragments straight to C: `PlainStore`). In the
+  f16 backward pass (Capabilities.scaled_operands) each row of a gradient operand is first
+  scaled by a power of two into f16's range (`_scales`, from the largest magnitudes
+  compiler/scale.py provides), undone as C is stored. Below those the staged f32 kernel is
+  used even in accelerated mode.
   Matmuls take cooperative tiles from a smaller size than convolutions: on transformer matmuls
   they beat f32 (over a short k only where fragments store straight to C), while on
   convolutions they were slower and, in ResNet-50's training, failed the gradient gates (batch
@@ -201,8 +202,9 @@ def in_f16(tiling: Tiling | CoopTiling) -> bool:
 
 
 def on_cpu(caps: Capabilities) -> bool:
-    """Whether kernels for `caps` take the CPU drivers' variants (f16 is for GPUs only)."""
-    return caps.device_type == "cpu" and caps.precision != "f16"
+    """Whether kernels for `caps` take the CPU drivers' variants (f16 and bf16 are for GPUs
+    only)."""
+    return caps.device_type == "cpu" and caps.precision == "f32"
 
 
 def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
@@ -224,8 +226,9 @@ def choose(m: int, n: int, k: int, z: int, caps: Capabilities,
     if on_cpu(caps):
         return direct_tiling(m, n)
     outputs, depth = (COOP_MIN, COOP_MIN) if coop_min is None else coop_min
-    # scaled operands (the backward pass) only in matmuls of many rows: convolutions'
-    # gradients stay f32, see SCALED_MIN_ROWS
+    # scaled operands (the backward pass at precision "f16") only in matmuls of many rows:
+    # convolutions' gradients stay f32, see SCALED_MIN_ROWS. Unscaled (forward, and bf16's
+    # backward pass) by the same rule as any product.
     coop = (caps.f16_products == "cooperative" and min(m, n) >= outputs and k >= depth
             and (not caps.scaled_operands or coop_min is not None and m >= SCALED_MIN_ROWS))
     staged = STAGED_F16 if caps.f16_products == "simt" and coop_min is not None else STAGED
@@ -289,7 +292,10 @@ COOP_MIN_MATMUL = (64, 256)  # rows and columns, depth: matmuls (see the module'
 # larger cooperative tiles or f32 ones.
 # Backward products (scaled operands) take cooperative tiles from this many rows: below it the
 # extra dispatch and level for the largest magnitudes before each product cost more than the
-# tiles gain (SmolLM2's 128-row products).
+# tiles gain (SmolLM2's 128-row products). Only matmuls scale (convolutions have no scaled
+# form), so a convolution's gradients stay f32 at precision "f16". Both rules exist for the
+# scaling alone: at precision "bf16" (f32's exponent range, no scaling) backward products take
+# cooperative tiles as forward ones do.
 SCALED_MIN_ROWS = 256
 THIN = 48  # below this many rows or columns a 64-wide tile is mostly idle
 MIN_STEPS = 8  # k-steps a split keeps at the least

@@ -358,7 +358,8 @@ class VulkanBackend(BackendBase):
         try:
             pipe = create_pipeline(self._dev, self._cache, kernel.name, spirv,
                                    kernel.num_bindings, kernel.writable,
-                                   self.caps.dispatch_base and kernel.cut_axis is not None)
+                                   self.caps.dispatch_base and kernel.cut_axis is not None,
+                                   kernel.bfloat16)
         except DeviceError as exc:
             raise DeviceError(f"{exc}\n--- WGSL of kernel {kernel.name!r} ---\n{kernel.wgsl}"
                               ) from None

@@ -35,10 +35,48 @@ FEATURES_11 = ("storageBuffer16BitAccess",)
 FEATURES_12 = ("timelineSemaphore", "shaderFloat16", "vulkanMemoryModel",
                "vulkanMemoryModelDeviceScope")
 FEATURES_COOP = ("cooperativeMatrix",)
+FEATURES_BFLOAT16 = ("shaderBFloat16Type", "shaderBFloat16CooperativeMatrix")
 FEATURE_STRUCT = {**dict.fromkeys(FEATURES_11, "VkPhysicalDeviceVulkan11Features"),
                   **dict.fromkeys(FEATURES_12, "VkPhysicalDeviceVulkan12Features"),
-                  **dict.fromkeys(FEATURES_COOP, "VkPhysicalDeviceCooperativeMatrixFeaturesKHR")}
-EXTENSIONS = ("VK_KHR_cooperative_matrix",)
+                  **dict.fromkeys(FEATURES_COOP, "VkPhysicalDeviceCooperativeMatrixFeaturesKHR"),
+                  **dict.fromkeys(FEATURES_BFLOAT16, "VkPhysicalDeviceShaderBfloat16FeaturesKHR")}
+EXTENSIONS = ("VK_KHR_cooperative_matrix", "VK_KHR_shader_bfloat16")
+
+# VK_KHR_shader_bfloat16 is newer than the `vulkan` package's headers (1.3.275): its numbers,
+# from the Vulkan registry, and its feature struct, laid out by hand (`Bfloat16Features`).
+# VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_BFLOAT16_FEATURES_KHR
+BFLOAT16_FEATURES_STYPE = 1000141000
+COMPONENT_TYPE_BFLOAT16 = 1000141000  # VK_COMPONENT_TYPE_BFLOAT16_KHR
+# VkPhysicalDeviceShaderBfloat16FeaturesKHR's VkBool32 members in order, from byte 16 (after
+# sType and pNext)
+BFLOAT16_MEMBERS = ("shaderBFloat16Type", "shaderBFloat16DotProduct",
+                    "shaderBFloat16CooperativeMatrix")
+
+
+class Bfloat16Features:
+    """A VkPhysicalDeviceShaderBfloat16FeaturesKHR in memory of its own: sType, pNext (as in
+    VkBaseOutStructure), then the three VkBool32 of BFLOAT16_MEMBERS; 32 bytes, 8-aligned.
+    `pointer` goes into a pNext chain."""
+
+    def __init__(self, ffi: Any, enable: tuple[str, ...] = ()) -> None:
+        self._memory = ffi.new("uint64_t[4]")
+        self.pointer = ffi.cast("void *", self._memory)
+        ffi.cast("VkBaseOutStructure *", self._memory).sType = BFLOAT16_FEATURES_STYPE
+        self._flags = ffi.cast("VkBool32 *", ffi.cast("char *", self._memory) + 16)
+        for name in enable:
+            self._flags[BFLOAT16_MEMBERS.index(name)] = 1
+
+    def __getitem__(self, name: str) -> bool:
+        return bool(self._flags[BFLOAT16_MEMBERS.index(name)])
+
+
+def bfloat16_configuration(configurations: list[tuple[int, ...]], subgroup_scope: int,
+                           float32: int) -> bool:
+    """Whether the cooperative-matrix configurations a device lists (M, N, K, A, B, C, result
+    component types, scope) hold the one the kernels use with bfloat16 operands: 16 x 16 x 16,
+    bfloat16 A and B, f32 C and result, in a subgroup."""
+    return (16, 16, 16, COMPONENT_TYPE_BFLOAT16, COMPONENT_TYPE_BFLOAT16, float32, float32,
+            subgroup_scope) in configurations
 
 
 # Mesa's llvmpipe (lavapipe) ends a shader invocation's loops after this many iterations in all
@@ -441,8 +479,11 @@ class Device:
 
         # Query which optional features exist, then enable exactly those we use.
         coop_ext = "VK_KHR_cooperative_matrix" in extensions
+        bf16_ext = coop_ext and "VK_KHR_shader_bfloat16" in extensions
+        q_bf16 = Bfloat16Features(ffi)
         coop_stype = vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR
-        q_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {"sType": coop_stype})
+        q_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {
+            "sType": coop_stype, "pNext": q_bf16.pointer if bf16_ext else ffi.NULL})
         q12 = ffi.new("VkPhysicalDeviceVulkan12Features*",
                       {"sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
                        "pNext": q_coop if coop_ext else ffi.NULL})
@@ -460,6 +501,8 @@ class Device:
                 for name in names} if modern else {}
             if not coop_ext:
                 supported.update(dict.fromkeys(FEATURES_COOP, False))
+            if modern:
+                supported.update({name: bf16_ext and q_bf16[name] for name in FEATURES_BFLOAT16})
             on = check_declared(self.device_name, supported, extensions, adopt,
                                 vulkan_feature_names(ffi))
             self.enabled_features = frozenset(on)
@@ -468,21 +511,28 @@ class Device:
             memory_model = "vulkanMemoryModel" in on
             coop = bool({"cooperativeMatrix", "VK_KHR_cooperative_matrix"} <= on and f16
                         and memory_model)
+            bf16 = (coop and {*FEATURES_BFLOAT16, "VK_KHR_shader_bfloat16"} <= on
+                    and self._bfloat16_configuration(pd))
             self._finish(pd, device_api, driver_text, subgroup_size, limits, extensions, f16,
-                         coop)
+                         coop, bf16)
             return
         self.timeline = bool(want_timeline and q12.timelineSemaphore)
         f16 = bool(q12.shaderFloat16 and q11.storageBuffer16BitAccess)
         memory_model = bool(q12.vulkanMemoryModel)
         coop = bool(coop_ext and q_coop.cooperativeMatrix and f16 and memory_model)
+        bf16 = (coop and bf16_ext and all(q_bf16[name] for name in FEATURES_BFLOAT16)
+                and self._bfloat16_configuration(pd))
         self.enabled_features = frozenset(
             name for name, on in (("timelineSemaphore", self.timeline), ("shaderFloat16", f16),
                                   ("storageBuffer16BitAccess", f16),
                                   ("vulkanMemoryModel", memory_model),
-                                  ("cooperativeMatrix", coop)) if on)
+                                  ("cooperativeMatrix", coop),
+                                  *((name, bf16) for name in FEATURES_BFLOAT16)) if on)
 
+        e_bf16 = Bfloat16Features(ffi, enable=FEATURES_BFLOAT16)
         e_coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", {
-            "sType": coop_stype, "cooperativeMatrix": vk.VK_TRUE})
+            "sType": coop_stype, "pNext": e_bf16.pointer if bf16 else ffi.NULL,
+            "cooperativeMatrix": vk.VK_TRUE})
         e12 = ffi.new("VkPhysicalDeviceVulkan12Features*", {
             "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES,
             "pNext": e_coop if coop else ffi.NULL,
@@ -492,7 +542,8 @@ class Device:
         e11 = ffi.new("VkPhysicalDeviceVulkan11Features*", {
             "sType": vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES, "pNext": e12,
             "storageBuffer16BitAccess": f16})
-        enabled_exts = ["VK_KHR_cooperative_matrix"] if coop else []
+        enabled_exts = [*(["VK_KHR_cooperative_matrix"] if coop else []),
+                        *(["VK_KHR_shader_bfloat16"] if bf16 else [])]
         ext_strs = [ffi.new("char[]", s.encode()) for s in enabled_exts]
         ext_arr = ffi.new("char*[]", ext_strs) if ext_strs else ffi.NULL
         priority = ffi.new("float[1]", [1.0])
@@ -512,10 +563,32 @@ class Device:
         queue = ffi.new("VkQueue*")
         lib.vkGetDeviceQueue(self.device, self.queue_family, 0, queue)
         self.queue = queue[0]
-        self._finish(pd, device_api, driver_text, subgroup_size, limits, extensions, f16, coop)
+        self._finish(pd, device_api, driver_text, subgroup_size, limits, extensions, f16, coop,
+                     bf16)
+
+    def _bfloat16_configuration(self, pd: Any) -> bool:
+        """Whether the device lists the cooperative-matrix configuration the kernels take with
+        bfloat16 operands (`bfloat16_configuration`). A failed query is a no."""
+        vk, ffi, lib = self.vk, self.ffi, self.lib
+        name = "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"
+        get = ffi.cast(f"PFN_{name}", lib.vkGetInstanceProcAddr(self.instance, name.encode()))
+        if get == ffi.NULL:
+            return False
+        count = ffi.new("uint32_t *")
+        if get(pd, count, ffi.NULL) != vk.VK_SUCCESS:
+            return False
+        listed = ffi.new("VkCooperativeMatrixPropertiesKHR[]", count[0])
+        for entry in listed:
+            entry.sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+        if get(pd, count, listed) not in (vk.VK_SUCCESS, vk.VK_INCOMPLETE):
+            return False
+        return bfloat16_configuration(
+            [(p.MSize, p.NSize, p.KSize, p.AType, p.BType, p.CType, p.ResultType, p.scope)
+             for p in listed[0:count[0]]],
+            vk.VK_SCOPE_SUBGROUP_KHR, vk.VK_COMPONENT_TYPE_FLOAT32_KHR)
 
     def _finish(self, pd: Any, device_api: int, driver_text: str, subgroup_size: int,
-                limits: Any, extensions: set[str], f16: bool, coop: bool) -> None:
+                limits: Any, extensions: set[str], f16: bool, coop: bool, bf16: bool) -> None:
         vk = self.vk
         memory = vk.vkGetPhysicalDeviceMemoryProperties(pd)
         self.memory_types = [(memory.memoryTypes[i].propertyFlags, memory.memoryTypes[i].heapIndex)
@@ -540,6 +613,7 @@ class Device:
             max_loop_iterations=LLVMPIPE_LOOP_LIMIT if _is_llvmpipe(driver_text,
                                                                    self.device_name) else None,
             cooperative_matrix=coop,
+            bf16_cooperative_matrix=bf16,
             shader_f16=f16,
             extensions=frozenset(extensions),
             dispatch_base=device_api >= self.vk.VK_MAKE_VERSION(1, 1, 0),

@@ -7,7 +7,7 @@ from typing import Any
 
 from vkml.cachedir import cache_dir, read_entry, write_entry
 from vkml.errors import DeviceError
-from vkml.vk.spirv import prepare
+from vkml.vk.spirv import prepare, to_bfloat16
 
 # VK_PIPELINE_CREATE_DISPATCH_BASE_BIT (Vulkan 1.1), which the `vulkan` package lacks: its
 # VK_PIPELINE_CREATE_DISPATCH_BASE_KHR alias is None.
@@ -77,9 +77,11 @@ class PipelineCache:
 
 
 def create_pipeline(dev: Any, cache: PipelineCache, name: str, spirv: bytes, num_bindings: int,
-                    writable: Sequence[bool], dispatch_base: bool) -> Pipeline:
+                    writable: Sequence[bool], dispatch_base: bool, bfloat16: bool = False
+                    ) -> Pipeline:
     """`dispatch_base`: the pipeline may be dispatched with a base workgroup
-    (vkCmdDispatchBase, hal.Dispatch.base), which Vulkan allows only where it was made so."""
+    (vkCmdDispatchBase, hal.Dispatch.base), which Vulkan allows only where it was made so.
+    `bfloat16`: the module's f16 type is made bfloat16 first (hal.Kernel.bfloat16)."""
     vk, ffi, lib = dev.vk, dev.ffi, dev.lib
     if len(spirv) == 0 or len(spirv) % 4:
         raise DeviceError(f"kernel {name!r}: SPIR-V must be a non-empty multiple of 4 bytes, "
@@ -91,7 +93,10 @@ def create_pipeline(dev: Any, cache: PipelineCache, name: str, spirv: bytes, num
         raise DeviceError(f"kernel {name!r} uses {num_bindings} storage buffers; the device "
                           f"allows {dev.caps.max_bindings_per_stage} per stage")
     pipe = Pipeline(name, num_bindings, tuple(bool(w) for w in writable), dispatch_base)
-    spirv = prepare(spirv)
+    try:
+        spirv = prepare(to_bfloat16(spirv) if bfloat16 else spirv)
+    except ValueError as exc:  # a module the bfloat16 pass refuses
+        raise DeviceError(f"kernel {name!r}: {exc}") from None
     try:
         code = ffi.from_buffer(spirv)
         module_info = ffi.new("VkShaderModuleCreateInfo*", {
