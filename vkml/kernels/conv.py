@@ -472,8 +472,11 @@ def channels_last(node: Tensor, caps: Capabilities) -> bool:
     "f16" where CHANNELS_LAST_MIN allows (its f16 tiles: cooperative ones, or the staged f16
     tiles of devices without them), undilated, its groups' channels multiples of 4 (or one
     group, padded), not already so."""
-    if (CHANNELS_LAST_MIN is None or caps.f16_products is None or caps.scaled_operands
-            or is_channels_last(node) or node.op not in ("conv2d", "fused_conv2d")):
+    # not at precision "bf16": its copies would be bfloat16 tensors in memory, where the
+    # bfloat16 SPIR-V pass (vk/spirv.py) was checked on workgroup staging only
+    if (CHANNELS_LAST_MIN is None or caps.f16_products is None or caps.precision != "f16"
+            or caps.scaled_operands or is_channels_last(node)
+            or node.op not in ("conv2d", "fused_conv2d")):
         return False
     _, cpg, _, _ = weight_shape(node)
     (_, _), _, dilation, groups = params(node)
