@@ -3,7 +3,10 @@ the cooperative-matrix GEMM (tiles that divide C and edge tiles, fragments store
 and through workgroup memory, each transpose, batched, split sums, the largest tiles, the
 backward pass's scaled operands), the cooperative convolution, the cooperative attention, and
 the staged f16 tiles of devices without cooperative matrices (run here by compiling for this
-GPU's capabilities less its cooperative matrices).
+GPU's capabilities less its cooperative matrices). Also the table of special values
+(tests/special_values.py: NaN, infinities and huge values through every op that compares
+values, forward and backward, in strict f32 and at precision "f16"), which runs everywhere but
+matters here: GPU drivers fold selects into max and min and pick their NaN rule.
 
 Each case asserts that the variant it names is the kernel that ran (a silent fall back to f32
 would otherwise pass), records its kernels and errors, then asserts the gates; the records go
@@ -32,6 +35,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from special_values import run as run_special_values
 from test_channels_last import channels_last_case
 from test_ops import (
     COOPERATIVE_ATTENTION,
@@ -74,7 +78,7 @@ def results(device):
 
 
 # The sources that decide and generate the kernels checked here, and the H200's committed run
-KERNEL_SOURCES = ("vkml/kernels", "vkml/compiler", "vkml/hal/capabilities.py")
+KERNEL_SOURCES = ("vkml/kernels", "vkml/compiler", "vkml/ops", "vkml/hal/capabilities.py")
 COMMITTED = Path(__file__).with_name("results-h200.json")
 
 
@@ -114,7 +118,8 @@ def case_names() -> set[str]:
         ("cooperative matmul", MATMULS), ("cooperative matmul backward", BACKWARD),
         ("staged f16 matmul", STAGED), ("cooperative convolution", CONVS),
         ("cooperative channels-last convolution", CHANNELS_LAST),
-        ("cooperative attention", COOPERATIVE_ATTENTION)) for name in cases}
+        ("cooperative attention", COOPERATIVE_ATTENTION), ("special values", PRECISIONS))
+        for name in cases}
 
 
 def needs(device, variant: str) -> None:
@@ -398,3 +403,18 @@ def test_cooperative_attention(name, device, results, rng):
     gate(results, f"cooperative attention {name}", kernels,
          {"out": (session.read("out"), numpy64(want))}, {})
     session.close()
+
+
+PRECISIONS = ("f32", "f16")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_special_values(precision, device, results):
+    # every op that compares values, at NaN, +-inf and huge values, as float64 torch: NaN,
+    # +inf and -inf exactly where torch's are (tests/special_values.py)
+    if precision == "f16" and device.caps.f16_products is None:
+        pytest.skip(f"NOT CHECKED: {device.caps.device_name} has no f16 products")
+    problems, kernels = run_special_values(device, precision)
+    results.append({"case": f"special values {precision}", "kernels": kernels,
+                    "mismatches": problems, "passed": not problems})
+    assert not problems, "\n".join(problems)

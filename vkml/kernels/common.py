@@ -63,7 +63,10 @@ def assemble(name: str, caps: Capabilities, buffers: Sequence[Buf],
                         "vec4<u32>;")
         entry = offset_workgroup_id(entry, kernel.workgroup_size)
     mark = [BFLOAT16_MARK] if caps.precision == "bf16" and "enable f16;" in prelude else []
-    wgsl = "\n".join([*mark, *prelude, *declared,
+    # each helper once, where a fused body and the generator both bring it (Body.helpers()
+    # strips them)
+    helpers = list({p.strip(): p for p in prelude}.values())
+    wgsl = "\n".join([*mark, *helpers, *declared,
                       f"@compute @workgroup_size({', '.join(map(str, workgroup))})", *entry])
     if independent_workgroups and "atomic" in wgsl:
         raise ValueError(f"kernel {name!r} uses atomics: say independent_workgroups=False, or "
@@ -107,11 +110,13 @@ def grid(workgroups: int, caps: Capabilities) -> tuple[int, int, int]:
 # The only use of num_workgroups a kernel may make and keep independent_workgroups (Kernel's):
 # a dispatch cut along y into ranges keeps nwg.x whole, and one cut along x has wid.y = 0.
 LINEAR_WORKGROUP = "wid.x + wid.y * nwg.x"
-# Maxima and minima as torch takes them: they start from -inf or +inf (so a maximum over -inf is
-# -inf, not the lowest float), and a NaN among the terms makes the result NaN (WGSL leaves max()
-# and min() of a NaN to the driver: lavapipe returns the other operand). NaN is told by its bits:
-# WGSL lets drivers assume that no float compares unequal to itself. WGSL has no infinity
-# literal.
+# NaN as torch (CPU) treats it, in a form no driver can change: WGSL leaves max(), min() and
+# clamp() of a NaN to the driver (lavapipe's return the other operand), drivers fold a select of
+# a comparison into them (on the H200 relu's select gave 0 for NaN), and WGSL lets them assume
+# that no float compares unequal to itself. So a NaN is told by its bits, and where torch passes
+# it through, a select on that test picks it, whatever the rest of the expression became.
+# Maxima and minima start from -inf or +inf (a maximum over -inf is -inf, not the lowest float);
+# WGSL has no infinity literal.
 NEG_INF = "bitcast<f32>(0xff800000u)"
 POS_INF = "bitcast<f32>(0x7f800000u)"
 
@@ -121,16 +126,17 @@ def is_nan(value: str) -> str:
     return f"((bitcast<u32>({value}) & 0x7fffffffu) > 0x7f800000u)"
 
 
-MAX_HELPER = f"""
-fn vkml_max(a: f32, b: f32) -> f32 {{
-  return select(b, a, a > b || {is_nan("a")});
+def unless_nan(value: str, x: str, instead: str | None = None) -> str:
+    """WGSL: `value`, except where `x` is NaN: there `instead` (x itself, NaN, by default)."""
+    return f"select({value}, {x if instead is None else instead}, {is_nan(x)})"
+
+
+# torch's maximum and minimum of two numbers: NaN where either is (a + b is then NaN)
+MAX_HELPER, MIN_HELPER = (f"""
+fn vkml_{name}(a: f32, b: f32) -> f32 {{
+  return select(select(b, a, a {wins} b), a + b, {is_nan("a")} || {is_nan("b")});
 }}
-"""
-MIN_HELPER = f"""
-fn vkml_min(a: f32, b: f32) -> f32 {{
-  return select(b, a, a < b || {is_nan("a")});
-}}
-"""
+""" for name, wins in (("max", ">"), ("min", "<")))
 ENTRY_ARGS = ("@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, "
               "@builtin(local_invocation_index) lid: u32")
 

@@ -582,7 +582,7 @@ def _window_max(x: Tensor, a: dict) -> str:
             lines.append(f"  {{ let y = oy * {sh} + {ki - ph}; let x = ox * {sw} + {kj - pw}; "
                          f"if (y >= 0 && y < {h} && x >= 0 && x < {wd}) {{ "
                          f"let v = in0[base + u32(y * {wd} + x)]; "
-                         f"if (v > best || {is_nan('v')} || at < 0) {{ "
+                         f"if ((v > best && !{is_nan('best')}) || {is_nan('v')} || at < 0) {{ "
                          f"best = v; at = {ki * kw + kj}; }} }} }}")
     return "\n".join([*lines, "  return at;", "}"])
 

@@ -23,6 +23,7 @@ from vkml.graph import (
     builder,
     register,
 )
+from vkml.kernels.common import is_nan, unless_nan
 
 
 def same_f32(inputs, attrs):
@@ -100,24 +101,29 @@ fn vkml_log1p(x: f32) -> f32 {
     + s2 * (1.0 / 11.0 + s2 * (1.0 / 13.0 + s2 * (1.0 / 15.0))))))));
 }
 """
-SIN_COS_HELPER = """
-fn vkml_sin_cos(x: f32) -> vec2<f32> {
+SIN_COS_HELPER = f"""
+fn vkml_sin_cos(x: f32) -> vec2<f32> {{
   // (sin x, cos x). Vulkan only bounds the builtins' absolute error (2^-11 in [-pi, pi]): here
-  // x = q pi/2 + r with pi/2 split into three parts (Cody-Waite; q r exact), |r| <= pi/4,
-  // and Cephes' sinf and cosf polynomials on r, the quadrant q mod 4 choosing the pair.
+  // x = q pi/2 + r with pi/2 split into three parts (Cody-Waite; q r exact while |x| < 2^16
+  // pi/2, 1e-7 from float64 measured to |x| = 1e4), and Cephes' sinf and cosf polynomials on
+  // r, q mod 4 choosing the pair. Farther out the split leaves r inexact and then large: it is
+  // held within [-1, 1], where the polynomials stay in [-1, 1], so a huge x gives a value
+  // there (torch's, in float64, needs x mod 2 pi exactly) instead of overflowing into NaN; an
+  // infinite or NaN x gives a NaN r, and NaN, as torch.
   let q = round(x * 0.63661977236758134);
-  let r = ((x - q * 1.5703125) - q * 4.837512969970703125e-4) - q * 7.54978995489188216e-8;
+  let exact = ((x - q * 1.5703125) - q * 4.837512969970703125e-4) - q * 7.54978995489188216e-8;
+  let r = {unless_nan("clamp(exact, -1.0, 1.0)", "exact")};
   let r2 = r * r;
   let s = r + r * r2 * (-1.6666654611e-1 + r2 * (8.3321608736e-3 + r2 * -1.9515295891e-4));
   let c = 1.0 - 0.5 * r2 + r2 * r2 * (4.166664568298827e-2 + r2 * (-1.388731625493765e-3
     + r2 * 2.443315711809948e-5));
-  switch (i32(q) & 3) {
-    case 0: { return vec2<f32>(s, c); }
-    case 1: { return vec2<f32>(c, -s); }
-    case 2: { return vec2<f32>(-s, -c); }
-    default: { return vec2<f32>(-c, s); }
-  }
-}
+  switch (i32(q - 4.0 * floor(q * 0.25))) {{  // q mod 4, exact (i32(q) may not fit)
+    case 0: {{ return vec2<f32>(s, c); }}
+    case 1: {{ return vec2<f32>(c, -s); }}
+    case 2: {{ return vec2<f32>(-s, -c); }}
+    default: {{ return vec2<f32>(-c, s); }}
+  }}
+}}
 """
 UnaryGrad = Callable[[Graph, Tensor, Tensor, Tensor], Tensor | None]  # (g, x, y, d y) -> d x
 
@@ -131,11 +137,13 @@ def zero_gradient(g: Graph, x: Tensor, y: Tensor, d: Tensor) -> None:
 # (and "tensor": a Tensor method too), or internal: no generated method (made by other ops'
 # gradients, or by a builder written out below))
 UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
-    # select, not max(x, 0): WGSL leaves max of a NaN to the driver (lavapipe gives 0); torch
-    # propagates it, and a NaN that vanishes here would corrupt parameters unnoticed
-    "relu": ("select({0}, 0.0, {0} < 0.0)", "",
+    # NaN through (kernels/common.py unless_nan: a NaN that vanished would corrupt parameters
+    # unnoticed), -0.0 kept, as torch's; torch's gradient passes at NaN too (its elu's and
+    # hardswish's are NaN there: its vectorized kernels', which run on all but the tiniest
+    # tensors, as those here)
+    "relu": (unless_nan("select({0}, 0.0, {0} < 0.0)", "{0}"), "",
              lambda g, x, y, d: g.mul(d, g.apply("step", [x])), "tensor"),
-    "step": ("select(0.0, 1.0, {0} > 0.0)", "", None, "internal"),
+    "step": (unless_nan("select(0.0, 1.0, {0} > 0.0)", "{0}", "1.0"), "", None, "internal"),
     "sigmoid": ("1.0 / (1.0 + exp(-{0}))", "",
                 lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y))), "tensor"),
     "tanh": ("vkml_tanh({0})", TANH_HELPER,
@@ -158,9 +166,9 @@ UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
               lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5)), "graph"),
     "square": ("{0} * {0}", "", lambda g, x, y, d: g.mul(d, g.mul(x, 2.0)), "graph"),
     "abs": ("abs({0})", "", lambda g, x, y, d: g.mul(d, g.apply("sign", [x])), "tensor"),
-    # selects: torch's sign of NaN is 0, WGSL's is the driver's
-    "sign": ("select(select(0.0, -1.0, {0} < 0.0), 1.0, {0} > 0.0)", "", zero_gradient,
-             "tensor"),
+    # torch's sign of NaN is 0, WGSL's is the driver's
+    "sign": (unless_nan("select(select(0.0, -1.0, {0} < 0.0), 1.0, {0} > 0.0)", "{0}", "0.0"),
+             "", zero_gradient, "tensor"),
     # vkml_erf's error is absolute (1.2e-7): below 0.5 in magnitude, Taylor's series keeps
     # erf's relative precision near 0 (the erf's of GELU are unchanged)
     "erf": ("select(vkml_erf({0}), {0} * 1.1283791670955126 * (1.0 + {0} * {0} * (-1.0 / 3.0 + "
@@ -172,19 +180,22 @@ UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
     "gelu_tanh": ("0.5 * {0} * (1.0 + vkml_tanh(0.79788456080286536 * ({0} + 0.044715 * {0} * "
                   "{0} * {0})))", TANH_HELPER,
                   lambda g, x, y, d: g.mul(d, g.apply("gelu_tanh_deriv", [x])), "internal"),
-    "gelu_tanh_deriv": ("0.5 * (1.0 + vkml_tanh(0.79788456080286536 * ({0} + 0.044715 * {0} * "
-                        "{0} * {0}))) + 0.5 * {0} * (1.0 - vkml_tanh(0.79788456080286536 * ({0} "
-                        "+ 0.044715 * {0} * {0} * {0})) * vkml_tanh(0.79788456080286536 * ({0} + "
-                        "0.044715 * {0} * {0} * {0}))) * 0.79788456080286536 * (1.0 + 0.134145 "
-                        "* {0} * {0})", TANH_HELPER, None, "internal"),
-    # torch's: x (x + 3) / 6 between -3 and 3; the selects keep NaN (-inf gives NaN, as torch)
+    # past |x| = 10 the tanh is +-1 in f32 and the derivative 1 or 0, where 0 * x^2 would be
+    # NaN once x^2 overflows (torch's, in float64, is finite there; NaN at +-inf)
+    "gelu_tanh_deriv": ("select(0.5 * (1.0 + vkml_tanh(0.79788456080286536 * ({0} + 0.044715 * "
+                        "{0} * {0} * {0}))) + 0.5 * {0} * (1.0 - vkml_tanh(0.79788456080286536 "
+                        "* ({0} + 0.044715 * {0} * {0} * {0})) * vkml_tanh(0.79788456080286536 "
+                        "* ({0} + 0.044715 * {0} * {0} * {0}))) * 0.79788456080286536 * (1.0 + "
+                        "0.134145 * {0} * {0}), select(0.0, 1.0, {0} > 0.0), abs({0}) > 10.0 && "
+                        "abs({0}) <= 3.4028235e38)", TANH_HELPER, None, "internal"),
+    # torch's: x (x + 3) / 6 between -3 and 3; x * NaN keeps NaN (-inf gives NaN, as torch)
     "hardswish": ("{0} * select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, "
                   "{0} + 3.0 > 6.0)", "",
                   lambda g, x, y, d: g.mul(d, g.apply("hardswish_deriv", [x])), "tensor"),
     "hardswish_deriv": ("select(select({0} / 3.0 + 0.5, 1.0, {0} >= 3.0), 0.0, {0} <= -3.0)", "",
                         None, "internal"),
-    "hardsigmoid": ("select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, "
-                    "{0} + 3.0 > 6.0)", "",
+    "hardsigmoid": (unless_nan("select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, "
+                               "{0} + 3.0 > 6.0)", "{0}"), "",
                     lambda g, x, y, d: g.mul(d, g.apply("hardsigmoid_deriv", [x])), "tensor"),
     "hardsigmoid_deriv": ("select(0.0, 1.0 / 6.0, {0} > -3.0 && {0} < 3.0)", "", None,
                           "internal"),
@@ -270,14 +281,13 @@ for _name, _rule in PARAMETRIC.items():
 
 # ---- clamp: scalar bounds as attributes, so no constant tensors are made -----------------------
 def _clamped(node: Tensor) -> Expr:
-    # select() rather than min/max: a NaN element stays NaN, as in torch (WGSL leaves min and
-    # max of a NaN to the implementation).
+    # a NaN element stays NaN and -0.0 stays, as torch's std::min(std::max(x, min), max)
     e: Expr = Arg(0)
     if node.attrs["min"] is not None:
         e = call("select({0}, {1}, {0} < {1})", e, Lit(node.attrs["min"]))
     if node.attrs["max"] is not None:
         e = call("select({0}, {1}, {0} > {1})", e, Lit(node.attrs["max"]))
-    return e
+    return call(unless_nan("{1}", "{0}"), Arg(0), e)
 
 
 def _within(node: Tensor) -> Expr:
@@ -425,11 +435,10 @@ def _lifted(g: Graph, *operands: Operand) -> list[Tensor]:
     return [g.lift(x, dtype) for x in operands]
 
 
-ISNAN_HELPER = """
-fn vkml_isnan(x: f32) -> bool {
-  // by its bits: WGSL lets a driver assume that no float compares unequal to itself
-  return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
-}
+ISNAN_HELPER = f"""
+fn vkml_isnan(x: f32) -> bool {{
+  return {is_nan("x")};
+}}
 """
 
 

@@ -128,7 +128,7 @@ def _arg_extreme_kernel(node: Tensor, caps: Capabilities) -> Kernel:
         f"  var j = 0u; var best = in0[{at}]; var found = 0u;",
         f"  for (j = 1u; j < {n}u; j++) {{",
         f"    let v = in0[{at}];",
-        f"    if (v {better} best || ({is_nan('v')} && !{is_nan('best')})) {{ best = v; "
+        f"    if (!{is_nan('best')} && (v {better} best || {is_nan('v')})) {{ best = v; "
         "found = j; }",
         "  }",
         "  out[idx] = i32(found);"], flops=node.size * n)
@@ -247,8 +247,9 @@ def _argsort_kernel(node: Tensor, caps: Capabilities) -> Kernel:
     axis, descending = node.attrs["axis"], node.attrs["descending"]
     n, stride = node.shape[axis], contiguous_strides(node.shape)[axis]
     check_loop(node, caps, n, "argsort over a shorter axis")
-    before = (f"a > b || ({is_nan('a')} && !{is_nan('b')})" if descending
-              else f"a < b || ({is_nan('b')} && !{is_nan('a')})")
+    # NaN tests around each comparison: a driver may not assume how a NaN compares
+    before = (f"!{is_nan('b')} && (a > b || {is_nan('a')})" if descending
+              else f"!{is_nan('a')} && (a < b || {is_nan('b')})")
     return gather.generate(node, caps, [
         f"  let base = idx - i{axis} * {stride}u;", "  let v = in0[idx];", "  var rank = 0u;",
         f"  for (var j = 0u; j < {n}u; j++) {{",
