@@ -215,3 +215,23 @@ def test_ncnn_bench_runs_both_engines_on_one_model(tmp_path):
     assert rows["vkml", "f16"]["status"] == "ok" or rows["vkml", "f16"]["reason"]
     text = (tmp_path / "ncnn_bench-tiny.md").read_text()
     assert text.count("| squeezenet1_1 |") == 5
+
+
+def test_kernel_lab_channels_last_checks_every_variant_against_float64(tmp_path):
+    # tools/kernel_lab.py --channels-last: a convolution of the tiny ResNet in every variant the
+    # device runs, each checked against float64 torch, into one table and one JSON; cooperative
+    # variants say they were not measured where the device has none
+    lab = [sys.executable, str(REPO / "tools" / "kernel_lab.py"), "--channels-last", "--quick",
+           "--reps", "1", "--cases", "32x4x4 -> 16 1x1", "--out", str(tmp_path)]
+    proc = subprocess.run(lab, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "channels_last.json").read_text())["rows"]
+    variants = {r["variant"] for r in rows}
+    assert {"f32", "chlast"} <= variants and all(r["err"] < r["limit"] for r in rows), rows
+    table = (tmp_path / "channels_last.txt").read_text()
+    assert "chlast" in table
+    chlast = next(r for r in rows if r["variant"] == "chlast")
+    assert chlast["copies_ms"] > 0, chlast  # the copies ran and were timed apart
+    if "coop-nchw" not in variants:
+        assert "NOT MEASURED HERE: no cooperative matrices" in table

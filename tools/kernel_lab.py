@@ -10,6 +10,8 @@ kernel: half the bytes read; checked against float64 of the f16-rounded operands
     python tools/kernel_lab.py --tilings c128x256k32f4x4,s64x64k32r4x4   # any tiling by name
     python tools/kernel_lab.py --f16-operands ...   # also each tiling reading f16 from memory
     python tools/kernel_lab.py --tilings s128x128k8r8x8,s128x128k8r8x8h   # f32 and f16 staged
+    python tools/kernel_lab.py --channels-last --out DIR   # ResNet-50 inference's convolutions
+                                                           # over channels-last f16 operands
 
 Each case is a graph of one matmul or convolution (of the kind the models' forward and backward
 passes make) compiled as usual, whose kernel is then regenerated with each forced tiling; the
@@ -19,11 +21,18 @@ matrices take, Capabilities.f16_products "simt"), timed again last ("auto-again"
 more than 10% is printed as drift, the GPU's clocks having moved while the case ran). A row
 reports the median GPU ms over --reps steps (the profile's timestamps), TFLOP/s and the
 relative L2 error against float64.
+
+`--channels-last` runs another lab (CHANNELS_LAST_VARIANTS says which variants): every
+distinct convolution of ResNet-50's 4 x 224^2 inference and the whole network's inference, f32
+against f16 as today against cooperative tiles on NCHW operands against channels-last f16
+copies, into DIR/channels_last.txt and .json, so kernels/conv.py CHANNELS_LAST_MIN is set from
+numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -176,10 +185,13 @@ def run(device: vkml.Device, g: vkml.Graph, loss, tiling, reps: int, caps,
     return session, times, profile.source
 
 
-def profiled(device: vkml.Device, plan, reps: int) -> tuple[Session, object]:
+def profiled(device: vkml.Device, plan, reps: int, feed=None) -> tuple[Session, object]:
     """A session of `plan` after one step, a moment of steps to bring the GPU's clocks up, and
-    `reps` timestamped steps: the session and its profile."""
+    `reps` timestamped steps: the session and its profile. `feed(session)`: sets its inputs
+    (and parameters) first."""
     session = Session(plan, device)
+    if feed is not None:
+        feed(session)
     session.step()
     start = time.perf_counter()
     while time.perf_counter() - start < WARM_S:
@@ -302,6 +314,235 @@ def rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
 
+
+# --channels-last: accelerated inference's convolutions over channels-last f16 operands
+# (kernels/conv.py `channels_last`) against today's choices, on every distinct convolution of
+# ResNet-50's 4 x 224^2 inference and on the whole network. The variants, each checked against
+# float64 torch:
+#   f32         precision="f32" (strict)
+#   f16-today   precision="f16" with today's rule (CHANNELS_LAST_MIN as committed)
+#   coop-nchw   precision="f16", cooperative tiles forced on every convolution, NCHW f32
+#               operands gathered and converted as they are staged (devices with cooperative
+#               matrices only)
+#   chlast      precision="f16", every convolution over channels-last f16 copies
+#               (CHANNELS_LAST_MIN = 0): cooperative tiles, or staged f16 ones where the device
+#               has no cooperative matrices; its rows add the copies' time ("copies")
+CHANNELS_LAST_VARIANTS = ("f32", "f16-today", "coop-nchw", "chlast")
+
+
+@contextlib.contextmanager
+def convolution_rule(variant: str):
+    """The convolution rules of `variant` while a plan is lowered."""
+    saved = conv.CHANNELS_LAST_MIN, conv.coop_min
+    if variant == "chlast":
+        conv.CHANNELS_LAST_MIN = 0
+    if variant == "coop-nchw":
+        conv.CHANNELS_LAST_MIN = None
+        conv.coop_min = lambda node: (0, 0)
+    try:
+        yield
+    finally:
+        conv.CHANNELS_LAST_MIN, conv.coop_min = saved
+
+
+def resnet_convolutions(cfg) -> list[tuple]:
+    """Every distinct convolution of the ResNet `cfg`'s inference: (x shape, weight shape,
+    stride, padding, groups, how many times the network runs it)."""
+    from vkml.models import resnet
+    seen: dict[tuple, int] = {}
+    for node in resnet.build(cfg).graph.nodes:
+        if node.op == "conv2d":
+            a = node.attrs
+            key = (node.inputs[0].shape, node.inputs[1].shape, a["stride"], a["padding"],
+                   a["groups"])
+            seen[key] = seen.get(key, 0) + 1
+    return [(*key, count) for key, count in seen.items()]
+
+
+def timed_variant(device: vkml.Device, g: vkml.Graph, variant: str, reps: int,
+                  outputs: dict | None = None, feed=None) -> dict:
+    """`g` lowered for `variant` (inference), fed (`profiled`), stepped, timed: the session's
+    kernels, its
+    timestamped GPU ms per step (median), split into the convolutions (with their partial
+    sums), the channels-last copies and the rest, and the host's step-and-wait ms (median)."""
+    caps = dataclasses.replace(device.caps, precision="f32" if variant == "f32" else "f16")
+    with convolution_rule(variant):
+        stages = lower(g, caps, outputs=outputs, precision=caps.precision)
+    session, profile = profiled(device, stages.plan, reps, feed)
+    parts = {"conv": 0.0, "copies": 0.0, "other": 0.0}
+    summed = {n.inputs[0].id for n in stages.nodes if n is not None and n.op == "fused_sum"
+              and "conv2d" in n.inputs[0].op}
+    for node, ms in zip(stages.nodes, profile.dispatch_ms):
+        part = ("other" if node is None else "copies" if node.op == conv.CHANNELS_LAST
+                else "conv" if "conv2d" in node.op or (node.op == "fused_sum"
+                                                       and node.inputs[0].id in summed)
+                else "other")
+        parts[part] += ms
+    wall = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        session.step()
+        session.wait()
+        wall.append(1e3 * (time.perf_counter() - start))
+    kernels = [d.kernel.name for d in stages.plan.dispatches]
+    return {"session": session, "kernels": kernels, "gpu_ms": float(np.median(profile.step_ms)),
+            "wall_ms": float(np.median(wall)), "source": profile.source,
+            **{f"{k}_ms": v for k, v in parts.items()}}
+
+
+def channels_last_lab(device: vkml.Device, opts) -> int:
+    """The --channels-last lab (see CHANNELS_LAST_VARIANTS): one table and channels_last.json."""
+    import torch
+    import torch.nn.functional as F
+
+    from vkml.models import resnet
+    coop = device.caps.cooperative_matrix and device.caps.shader_f16
+    f16 = dataclasses.replace(device.caps, precision="f16").f16_products is not None
+    variants = [v for v in CHANNELS_LAST_VARIANTS
+                if v == "f32" or f16 and (v != "coop-nchw" or coop)]
+    notes = [f"device: {device.name} ({device.caps.device_type}); CHANNELS_LAST_MIN as "
+             f"committed: {conv.CHANNELS_LAST_MIN}"]
+    if not coop:
+        notes.append("NOT MEASURED HERE: no cooperative matrices, so coop-nchw is skipped and "
+                     "chlast runs the staged f16 tiles (correctness only; time it on a GPU "
+                     "that has them)")
+    if not f16:
+        notes.append("NOT MEASURED HERE: no f16 arithmetic: only f32 runs")
+    cfg = dataclasses.replace(resnet.tiny("bottleneck") if opts.quick else resnet.resnet50(),
+                              bn="eval")
+    ref = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rng = np.random.default_rng(0)
+    rows: list = []
+    lines = [*notes, f"{'CxHxW -> out kxk/stride pad groups count':46} {'variant':9} "
+             f"{'conv ms':>8} {'copies':>7} {'total':>8} {'vs f32':>6} {'rel err':>9}  kernel"]
+    print("\n".join(lines), flush=True)
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if "error" in row:
+            line = f"{row['case'][:46]:46} {row['variant']:9} failed: {row['error'][:70]}"
+        else:
+            base = next((r for r in rows if r["case"] == row["case"] and r["variant"] == "f32"
+                         and "error" not in r), None)
+            ratio = base["total_ms"] / row["total_ms"] if base and row["total_ms"] else 0.0
+            line = (f"{row['case'][:46]:46} {row['variant']:9} {row['conv_ms']:8.4f} "
+                    f"{row['copies_ms']:7.4f} {row['total_ms']:8.4f} {ratio:5.2f}x "
+                    f"{row['err']:9.2e}  {row['kernel']}")
+        lines.append(line)
+        print(line, flush=True)
+
+    def chosen(label: str) -> bool:  # --cases
+        return not opts.cases or any(w in label for w in opts.cases.split(","))
+
+    # the whole network first: a run cut short by a time limit keeps it
+    label = f"resnet{'-tiny' if opts.quick else '-50'} {cfg.batch}x{cfg.image_size}^2 inference"
+    if chosen(label):
+        network(device, opts, cfg, variants, ref, rng, rows, lines)
+        if opts.out:
+            _write_channels_last(opts.out, device, notes, rows, lines)
+    for x_shape, w_shape, stride, padding, groups, count in resnet_convolutions(cfg):
+        case = (f"{'x'.join(map(str, x_shape[1:]))} -> {w_shape[0]} "
+                f"{w_shape[2]}x{w_shape[3]}/s{stride[0]} p{padding[0]} g{groups} x{count}")
+        if not chosen(case):
+            continue
+        x = rng.standard_normal(x_shape).astype(np.float32)
+        w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
+        g = vkml.Graph()
+        g.output("y", g.conv2d(g.param("x", x_shape, init=x), g.param("w", w_shape, init=w),
+                               stride=stride, padding=padding, groups=groups))
+        want = F.conv2d(torch.tensor(x, dtype=torch.float64, device=ref),
+                        torch.tensor(w, dtype=torch.float64, device=ref), stride=stride,
+                        padding=padding, groups=groups).cpu().numpy()
+        for variant in variants:
+            try:
+                got = timed_variant(device, g, variant, opts.reps)
+                err = rel(got["session"].read("y"), want)
+                got["session"].close()
+            except Exception as exc:  # a variant the device refuses is a result too
+                emit({"case": case, "variant": variant, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            (kernel,) = [k for k in got["kernels"] if "conv2d" in k]
+            emit({"case": case, "variant": variant, "kernel": kernel, "err": err,
+                  "limit": 1e-5 if variant == "f32" else 1e-2, "count": count,
+                  "conv_ms": got["conv_ms"], "copies_ms": got["copies_ms"],
+                  "total_ms": got["conv_ms"] + got["copies_ms"]})
+        if opts.out:
+            _write_channels_last(opts.out, device, notes, rows, lines)
+
+    bad = [r for r in rows if "error" in r or r["err"] > r["limit"]]
+    print(f"{len(rows)} runs, {len(bad)} failed or over their limit (f32 1e-5, f16 1e-2)")
+    return 1 if bad else 0
+
+
+def network(device: vkml.Device, opts, cfg, variants: list, ref, rng, rows: list,
+            lines: list) -> None:
+    """The whole ResNet `cfg`'s inference in each variant: GPU ms (timestamped, split into
+    convolutions, copies and the rest), wall ms, and the logits against float64 torch with the
+    same weights and running statistics (set away from 0 and 1, so batch norm's inference
+    form is not the identity)."""
+    import torch
+
+    from vkml.models import resnet
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import torch_reference
+    built = resnet.build(cfg)
+    params = {}
+    for name, t in built.graph.params.items():
+        shape = t.shape
+        params[name] = (rng.uniform(0.5, 2.0, shape) if name.endswith("running_var") else
+                        rng.standard_normal(shape) * 0.1 if name.endswith(("running_mean", "bias"))
+                        else 1.0 + 0.1 * rng.standard_normal(shape) if ".bn" in name
+                        or name.startswith("bn") or "downsample.1" in name
+                        else rng.standard_normal(shape) * np.sqrt(2.0 / np.prod(shape[1:])))
+        params[name] = params[name].astype(np.float32)
+    images = rng.standard_normal(built.inputs["x"].shape).astype(np.float32)
+    module = torch_reference.ResNet(cfg).double().to(ref)
+    module.load_state_dict({k: torch.tensor(v, dtype=torch.float64) for k, v in params.items()},
+                           strict=False)
+    with torch.no_grad():
+        want, _ = module.eval()(torch.tensor(images, dtype=torch.float64, device=ref),
+                                torch.zeros(cfg.batch, dtype=torch.int64, device=ref))
+    want_logits = want["logits"].cpu().numpy()
+    label = f"resnet{'-tiny' if opts.quick else '-50'} {cfg.batch}x{cfg.image_size}^2 inference"
+    lines.append(f"{label}: {'variant':9} {'gpu ms':>8} {'conv':>8} {'copies':>7} "
+                 f"{'wall ms':>8} {'rel err':>9}  kernels (convolutions: cooperative / all)")
+    print(lines[-1], flush=True)
+    def feed(session: Session) -> None:
+        for name, value in params.items():
+            session.set_param(name, value)
+        session.set_input("x", images)
+
+    for variant in variants:
+        try:
+            got = timed_variant(device, built.graph, variant, opts.reps, built.outputs, feed)
+            session = got.pop("session")
+            err = rel(session.read("logits"), want_logits)
+            session.close()
+        except Exception as exc:
+            rows.append({"case": label, "variant": variant,
+                         "error": f"{type(exc).__name__}: {exc}"[:300]})
+            lines.append(f"{label}: {variant:9} failed: {rows[-1]['error'][:70]}")
+            print(lines[-1], flush=True)
+            continue
+        convs = [k for k in got["kernels"] if "conv2d" in k and "input_grad" not in k]
+        cooperative = sum(bool(re.search(r"_c\d+x\d+k\d+f\d+x\d+", k)) for k in convs)
+        rows.append({"case": label, "variant": variant, "err": err, "limit": 1e-2,
+                     "kernels": got["kernels"], "total_ms": got["gpu_ms"],
+                     **{k: got[k] for k in ("gpu_ms", "wall_ms", "conv_ms", "copies_ms",
+                                            "other_ms", "source")}})
+        lines.append(f"{label}: {variant:9} {got['gpu_ms']:8.3f} {got['conv_ms']:8.3f} "
+                     f"{got['copies_ms']:7.3f} {got['wall_ms']:8.3f} {err:9.2e}  "
+                     f"{len(got['kernels'])} dispatches, {cooperative} / {len(convs)}")
+        print(lines[-1], flush=True)
+
+
+def _write_channels_last(out: Path, device: vkml.Device, notes: list, rows: list,
+                         lines: list) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "channels_last.json").write_text(json.dumps(
+        {"device": device.name, "notes": notes, "rows": rows}, indent=1))
+    (out / "channels_last.txt").write_text("\n".join(lines) + "\n")
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -319,8 +560,14 @@ def main() -> int:
     parser.add_argument("--f16-operands", action="store_true",
                         help="also each tiling with the operands in memory as f16 (2-D matmuls "
                              "whose dimensions are multiples of 4; unsplit)")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="the channels-last lab instead: ResNet-50's inference convolutions "
+                             "and the whole network, f32 vs f16 today vs cooperative NCHW vs "
+                             "channels-last f16 operands (--quick: the tiny ResNet)")
     opts = parser.parse_args()
     device = vkml.Device()
+    if opts.channels_last:
+        return channels_last_lab(device, opts)
     staged_caps = (dataclasses.replace(device.caps, device_type="discrete")
                    if opts.quick else device.caps)
     tilings: list = [t for t in gemm.STAGED if gemm._fits(t, staged_caps)]
