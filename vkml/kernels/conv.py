@@ -50,8 +50,8 @@ def buffers(node: Tensor, wide: tuple[bool, ...] = (), wide_out: bool = False) -
     """The inputs in order (the convolution's two bound as vec4 arrays where `wide`, see
     gemm.indexed, as vec4<f16> ones where channels-last; the epilogue's in their own dtype),
     then the output (a vec4 array where `wide_out`)."""
-    half = is_channels_last(node)
-    return [*[Buf(f"in{k}", "vec4<f16>") if half
+    half = [is_channels_last(node) and x.dtype == "i32" for x in node.inputs[:2]]  # copies
+    return [*[Buf(f"in{k}", "vec4<f16>") if half[k]
               else gemm.binding(f"in{k}", k < len(wide) and wide[k]) for k in range(2)],
             *[Buf(f"in{k}", x.dtype) for k, x in enumerate(node.inputs[2:], 2)],
             Buf("out", "vec4<f32>" if wide_out else "f32", writable=True)]
@@ -486,6 +486,14 @@ def channels_last(node: Tensor, caps: Capabilities) -> bool:
     return min(m, n, k) >= CHANNELS_LAST_MIN
 
 
+def weight_copied(node: Tensor) -> bool:
+    """Whether a channels-last convolution reads its weight through a copy too: not where the
+    f32 weight's rows are already a patch row's order (a 1 x 1 window) over whole quads of
+    channels, which the tiles read four at a time and convert as they stage them."""
+    _, cpg, kh, kw = weight_shape(node)
+    return (kh, kw) != (1, 1) or cpg % CHANNEL_QUAD != 0
+
+
 # The channels-last copy's tile: pixels by channels a workgroup moves through workgroup memory,
 # so both its reads (along an NCHW plane's pixels) and its writes (along a pixel's channels)
 # run along memory.
@@ -549,10 +557,14 @@ def _channels_last_conv2d(node: Tensor, caps: Capabilities, tiling: gemm.Tiling 
     # the group g is the grid layer's, passed by the setup line as a module variable
     a = gemm.Operand(lambda i, d: [f"v = f32(patch_quad({i}, {d} - {d} % 4u)[{d} % 4u]);"], "depth",
                      lambda i, d: f"patch_quad({i}, {d})", half=True)
+    # the weight's rows: its copy's, or the f32 weight itself where its rows are already
+    # (ky, kx, ci) with ci fastest, unpadded (pointwise convolutions: `weight_copied`)
     b = gemm.Operand(
         lambda j, d: [f"{{ let e = (g * {opg}u + {j}) * {depth}u + {d}; "
                       f"v = f32(in1[e / 4u][e % 4u]); }}"],
-        "depth", lambda j, d: f"in1[((g * {opg}u + {j}) * {depth}u + {d}) / 4u]", half=True)
+        "depth", lambda j, d: f"in1[((g * {opg}u + {j}) * {depth}u + {d}) / 4u]", half=True
+    ) if node.inputs[1].dtype == "i32" else gemm.indexed(
+        "in1", True, lambda j, d: f"(g * {opg}u + {j}) * {depth}u + {d}", "depth")
 
     def at(r: str, col: str) -> str:
         return (f"s * {n * o * oh * ow}u + (({r} / {oh * ow}u) * {o}u + g * {opg}u + {col}) "
@@ -566,7 +578,7 @@ def _channels_last_conv2d(node: Tensor, caps: Capabilities, tiling: gemm.Tiling 
                     Output(at, "row", oh * ow, index), tiling,
                     (n * h * wd * cp + o * kh * kw * cpgp) // 2, (True, True),
                     setup=[f"  g = z / {pieces}u; let s = z % {pieces}u;"],
-                    prelude=["enable f16;", "var<private> g: u32;", *patch])
+                    prelude=["enable f16;", "var<private> g: u32;", "\n".join(patch)])
 
 
 def _window_max(x: Tensor, a: dict) -> str:

@@ -69,15 +69,16 @@ def by_device(on_gemm, on_cpu, dims, partials=None) -> dict:
 
 
 def channels_last(node: Tensor, caps) -> tuple[tuple[tuple[str, dict] | None, ...], dict] | None:
-    """OpDef.layouts of a forward convolution (and its fused form): both operands copied
+    """OpDef.layouts of a forward convolution (and its fused form): its operands copied
     channels-last in f16 where its kernels read them so on the target (kernels/conv.py
-    `channels_last`); the node keeps its NCHW shapes as attributes."""
+    `channels_last`; a pointwise one's weight is read as it is, `weight_copied`); the node
+    keeps its NCHW shapes as attributes."""
     if not kernels.channels_last(node, caps):
         return None
     x, w = node.inputs[:2]
     copy = (kernels.CHANNELS_LAST, {})
-    return (copy, copy), {**node.attrs, "operands": kernels.CHANNELS_LAST, "x_shape": x.shape,
-                          "w_shape": w.shape}
+    return (copy, copy if kernels.weight_copied(node) else None), {
+        **node.attrs, "operands": kernels.CHANNELS_LAST, "x_shape": x.shape, "w_shape": w.shape}
 
 
 register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad, fusion="product",
