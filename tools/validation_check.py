@@ -2,10 +2,11 @@
 
 The tests run under the validation layer on lavapipe, which has no cooperative matrices, so the
 accelerated kernels (f16, `VK_KHR_cooperative_matrix`) are only ever checked on a real GPU. This
-runs, with the layer on: one matmul in each precision (checked against float64), then a step of
-the workloads' training and inference graphs (tools/bench.py; Whisper and SmolVLA at their full
-configs, the others tiny) in accelerated mode where the device has cooperative matrices, and
-prints every message, counted.
+runs, with the layer on: one matmul in each precision (checked against float64; "bf16" where
+the device has bfloat16 cooperative matrices), then a step of the workloads' training and
+inference graphs (tools/bench.py; Whisper and SmolVLA at their full configs, the others tiny)
+in each accelerated precision where the device has cooperative matrices, and prints every
+message, counted.
 
     VKML_VALIDATION=1 python tools/validation_check.py
 
@@ -44,7 +45,8 @@ def main() -> int:
     coop = device.caps.cooperative_matrix and device.caps.shader_f16
     print(f"{device}: cooperative matrices {coop}", flush=True)
     rng = np.random.default_rng(0)
-    precisions = ("f32", "f16") if coop else ("f32",)
+    precisions = ("f32", *(["f16"] if coop else []),
+                  *(["bf16"] if device.caps.bf16_cooperative_matrix else []))
     for precision in precisions:
         a = rng.standard_normal((512, 384)).astype(np.float32)
         b = rng.standard_normal((384, 256)).astype(np.float32)
@@ -58,17 +60,18 @@ def main() -> int:
         print(f"matmul {precision}: {kernels}, largest error {error:.2e}", flush=True)
         session.close()
     for name, workload in WORKLOADS.items():
-        for phase in ("train", "infer"):
+        for phase, precision in [(p, q) for p in ("train", "infer")
+                                 for q in precisions[1:] or precisions]:
             built = workload.build(name not in FULL, phase)
-            session = vkml.compile(built.graph, device=device, precision=precisions[-1],
+            session = vkml.compile(built.graph, device=device, precision=precision,
                                    **session_args(vkml, built, phase))
             for key, value in built.sample_inputs(np.random.default_rng(0)).items():
                 session.set_input(key, value)
             session.step()
             session.wait()
             session.close()
-            print(f"{name} {phase}: messages so far {len(device.backend.validation_messages)}",
-                  flush=True)
+            print(f"{name} {phase} {precision}: messages so far "
+                  f"{len(device.backend.validation_messages)}", flush=True)
     messages = device.backend.validation_messages
     print(f"{len(messages)} messages")
     for text, count in collections.Counter(m[:400] for m in messages).most_common():

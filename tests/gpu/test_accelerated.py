@@ -3,8 +3,10 @@ the cooperative-matrix GEMM (tiles that divide C and edge tiles, fragments store
 and through workgroup memory, each transpose, batched, split sums, the largest tiles, the
 backward pass's scaled operands), the cooperative convolution, the cooperative attention, and
 the staged f16 tiles of devices without cooperative matrices (run here by compiling for this
-GPU's capabilities less its cooperative matrices). Also the table of special values
-(tests/special_values.py: NaN, infinities and huge values through every op that compares
+GPU's capabilities less its cooperative matrices); and at precision "bf16", the same GEMM,
+convolution (its weight gradient too) and attention kernels with bfloat16 operands, each also
+matched to its arithmetic emulated in float64 (see BF16_MODEL_TOL). Also the table of special
+values (tests/special_values.py: NaN, infinities and huge values through every op that compares
 values, forward and backward, in strict f32 and at precision "f16"), which runs everywhere but
 matters here: GPU drivers fold selects into max and min and pick their NaN rule.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -39,6 +42,8 @@ from special_values import run as run_special_values
 from test_channels_last import channels_last_case
 from test_ops import (
     COOPERATIVE_ATTENTION,
+    HEADS_INNER,
+    SWAP_HEADS,
     cooperative_attention_case,
     cooperative_attention_reference,
 )
@@ -74,6 +79,7 @@ def results(device):
         Path(path).write_text(json.dumps({
             "device": caps.device_name, "driver": caps.driver, "api": caps.api_version,
             "cooperative_matrix": caps.cooperative_matrix, "shader_f16": caps.shader_f16,
+            "bf16_cooperative_matrix": caps.bf16_cooperative_matrix,
             "kernel_sources": kernel_sources(), "cases": cases}, indent=1) + "\n")
 
 
@@ -118,8 +124,10 @@ def case_names() -> set[str]:
         ("cooperative matmul", MATMULS), ("cooperative matmul backward", BACKWARD),
         ("staged f16 matmul", STAGED), ("cooperative convolution", CONVS),
         ("cooperative channels-last convolution", CHANNELS_LAST),
-        ("cooperative attention", COOPERATIVE_ATTENTION), ("special values", PRECISIONS))
-        for name in cases}
+        ("cooperative attention", COOPERATIVE_ATTENTION), ("special values", PRECISIONS),
+        ("bf16 matmul", MATMULS), ("bf16 matmul backward", BF16_BACKWARD),
+        ("bf16 convolution", CONVS), ("bf16 attention", COOPERATIVE_ATTENTION))
+        for name in cases} | {"bf16 convolution weight gradient"}
 
 
 def needs(device, variant: str) -> None:
@@ -129,6 +137,10 @@ def needs(device, variant: str) -> None:
         pytest.skip(f"NOT CHECKED: {caps.device_name} has no cooperative matrices "
                     "(VK_KHR_cooperative_matrix), so no cooperative GEMM, convolution or "
                     "attention kernel ran; run tests/gpu on a GPU that has them")
+    if variant == "bf16" and not caps.bf16_cooperative_matrix:
+        pytest.skip(f"NOT CHECKED: {caps.device_name} has no bfloat16 cooperative matrices "
+                    "(VK_KHR_shader_bfloat16 with a 16x16x16 bfloat16 configuration), so no "
+                    "precision='bf16' kernel ran; run tests/gpu on a GPU that has them")
     if variant == "staged_f16" and not caps.shader_f16:
         pytest.skip(f"NOT CHECKED: {caps.device_name} has no shaderFloat16: the staged f16 "
                     "tiles did not run")
@@ -145,9 +157,14 @@ def numpy64(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def gate(results: list, case: str, kernels: list[str], forward: dict, grads: dict) -> None:
+def gate(results: list, case: str, kernels: list[str], forward: dict, grads: dict,
+         models: dict[str, dict[str, np.ndarray]] | None = None,
+         model_tolerance: float = 0.0) -> None:
     """Records then asserts PROTOCOL.md's gates: `forward` and `grads` map names to (vkml's
-    array, the float64 reference)."""
+    array, the float64 reference). `models` (bf16 cases): for each rounding a conversion may
+    take (ROUNDINGS), each name's array as the kernels' arithmetic gives it, emulated in
+    float64; under one of the roundings, every array must lie within `model_tolerance` of
+    its model (relative L2)."""
     pairs = [*forward.values(), *grads.values()]
     finite = all(bool(np.all(np.isfinite(a))) for a, _ in pairs)
     errors: dict[str, float] = {}
@@ -163,19 +180,35 @@ def gate(results: list, case: str, kernels: list[str], forward: dict, grads: dic
             errors[f"gradient norm {name}"] = float(abs(np.linalg.norm(a) - norm) / norm)
             errors[f"gradient cosine {name}"] = float(a @ want / (np.linalg.norm(a) * norm))
             errors[f"gradient rel_l2 {name}"] = _rel(a, want)
-    passed = finite and all(_passes(k, v) for k, v in errors.items())
+    chosen = {}
+    if models:
+        arrays = {name: pair for name, pair in (*forward.items(), *grads.items())}
+        mismatch = {rounding: {name: _rel(arrays[name][0], model)
+                               for name, model in named.items()}
+                    for rounding, named in models.items()}
+        rounding = min(mismatch, key=lambda r: max(mismatch[r].values()))
+        for name, value in mismatch[rounding].items():
+            errors[f"bf16 model {name}"] = value
+            # the model's own error against float64: what bfloat16 operands cost (reported)
+            errors[f"bf16 model rel_l2 {name}"] = _rel(models[rounding][name], arrays[name][1])
+        chosen = {"rounding": rounding}
+    passed = finite and all(_passes(k, v, model_tolerance) for k, v in errors.items())
     results.append({"case": case, "kernels": kernels, "errors": errors, "finite": finite,
                     "gates": {"forward": FORWARD_GATE, "gradient norm": GRAD_GATE,
-                              "cosine": COSINE_GATE}, "passed": passed})
+                              "cosine": COSINE_GATE,
+                              **({"bf16 model": model_tolerance} if models else {})},
+                    **chosen, "passed": passed})
     assert finite, f"{case}: NaN or Inf"
     assert passed, (case, errors)
 
 
-def _passes(key: str, value: float) -> bool:
+def _passes(key: str, value: float, model_tolerance: float) -> bool:
     if "cosine" in key:
         return value > COSINE_GATE
     if "rel_l2" in key:  # reported, not a gate
         return True
+    if key.startswith("bf16 model"):
+        return value < model_tolerance
     return value < (FORWARD_GATE if key.startswith("forward") else GRAD_GATE)
 
 
@@ -185,9 +218,9 @@ def _rel(a: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(a - want) / np.linalg.norm(want))
 
 
-def infer(g: vkml.Graph, device) -> tuple[Session, list[str]]:
-    """An inference of `g` at precision "f16" on the device, stepped once, and its kernels."""
-    session = vkml.compile(g, precision="f16", device=device)
+def infer(g: vkml.Graph, device, precision: str = "f16") -> tuple[Session, list[str]]:
+    """An inference of `g` at `precision` on the device, stepped once, and its kernels."""
+    session = vkml.compile(g, precision=precision, device=device)
     session.step()
     return session, [d.kernel.name for d in session.plan.dispatches]
 
@@ -265,14 +298,14 @@ def _read_twice_graph(rng):
 
 def _train(rng, g, y, session_of, refs, want):
     """One gradient step of sum(y * w), w about 1e-7 (gradients below f16's smallest
-    normal, as a loss's often are): the session, and the forward and gradient pairs."""
+    normal, as a loss's often are): the session, the forward and gradient pairs, and w."""
     weights = (rng.standard_normal(y.shape) * 1e-7).astype(np.float32)
     session = session_of(g.sum(g.mul(y, g.constant(weights))))
     session.step()
     (want * torch.tensor(weights, dtype=torch.float64, device=REF)).sum().backward()
     forward = {"y": (session.read("y"), numpy64(want))}
     grads = {n: (session.grad(n), numpy64(r.grad)) for n, r in refs.items()}
-    return session, forward, grads
+    return session, forward, grads, weights
 
 
 def products_in_f16(session: Session, variant: str) -> list[str]:
@@ -305,7 +338,7 @@ def test_cooperative_matmul(name, device, results, rng):
 def test_cooperative_matmul_backward_scaled(name, device, results, rng):
     needs(device, "cooperative")
     g, y, refs, want = _case_graph(BACKWARD, name, rng)
-    session, forward, grads = _train(rng, g, y, lambda loss: vkml.compile(
+    session, forward, grads, _ = _train(rng, g, y, lambda loss: vkml.compile(
         g, loss=loss, keep_grads=True, precision="f16", device=device), refs, want)
     backward = products_in_f16(session, COOP)
     if name == "read_twice":
@@ -320,7 +353,7 @@ def test_staged_f16_matmul_forward_and_backward(name, device, results, rng):
     needs(device, "staged_f16")
     caps = dataclasses.replace(device.caps, cooperative_matrix=False)
     g, y, refs, want = _case_graph(STAGED, name, rng)
-    session, forward, grads = _train(rng, g, y, lambda loss: Session(lower(
+    session, forward, grads, _ = _train(rng, g, y, lambda loss: Session(lower(
         g, caps, loss=loss, keep_grads=True, precision="f16").plan, device), refs, want)
     products_in_f16(session, STAGED_F16)
     gate(results, f"staged f16 matmul {name}", [d.kernel.name for d in session.plan.dispatches],
@@ -337,9 +370,8 @@ CONVS = {
 }
 
 
-@pytest.mark.parametrize("name", CONVS)
-def test_cooperative_convolution(name, device, results, rng):
-    needs(device, "cooperative")
+def _conv_case(name: str, rng) -> tuple[vkml.Graph, np.ndarray, np.ndarray]:
+    """CONVS[name]'s graph (output "y") and its x and w."""
     x_shape, w_shape, stride, padding, relu = CONVS[name]
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
@@ -347,12 +379,28 @@ def test_cooperative_convolution(name, device, results, rng):
     y = g.conv2d(g.param("x", x_shape, init=x), g.param("w", w_shape, init=w), stride=stride,
                  padding=padding)
     g.output("y", g.relu(y) if relu else y)
-    session, kernels = infer(g, device)
+    return g, x, w
+
+
+def _conv_reference(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    _, _, stride, padding, relu = CONVS[name]
+    want = F.conv2d(x, w, stride=stride, padding=padding)
+    return torch.relu(want) if relu else want
+
+
+def _conv_kernel(name: str, kernels: list[str]) -> None:
     (conv,) = kernels  # the ReLU in its epilogue
-    assert conv.startswith("fused_conv2d" if relu else "conv2d") and re.search(COOP, conv), \
-        kernels
-    want = F.conv2d(tensor64(x), tensor64(w), stride=stride, padding=padding)
-    want = torch.relu(want) if relu else want
+    assert conv.startswith("fused_conv2d" if CONVS[name][4] else "conv2d") \
+        and re.search(COOP, conv), kernels
+
+
+@pytest.mark.parametrize("name", CONVS)
+def test_cooperative_convolution(name, device, results, rng):
+    needs(device, "cooperative")
+    g, x, w = _conv_case(name, rng)
+    session, kernels = infer(g, device)
+    _conv_kernel(name, kernels)
+    want = _conv_reference(name, tensor64(x), tensor64(w))
     gate(results, f"cooperative convolution {name}", kernels,
          {"y": (session.read("y"), numpy64(want))}, {})
     session.close()
@@ -420,3 +468,185 @@ def test_special_values(precision, device, results):
     results.append({"case": f"special values {precision}", "kernels": kernels,
                     "mismatches": problems, "passed": not problems})
     assert not problems, "\n".join(problems)
+
+
+# ---- precision="bf16": the cooperative kernels with bfloat16 operands ------------------------
+# Each case meets PROTOCOL.md's gates against float64 torch and, more tightly, the kernels'
+# arithmetic emulated in float64: every operand of every product rounded to bfloat16 as it is
+# staged (8 significant bits), products and sums exact. Vulkan leaves OpFConvert's rounding to
+# the implementation (to nearest even, or toward zero), so the case must match the emulation
+# under one of them. What is left is the f32 summation: at most about k 2^-24 relative for k
+# terms (4.9e-4 at the deepest product here, k = 8192), about sqrt(k) 2^-24 for sums of
+# random signs as these are (5e-6). BF16_MODEL_TOL sits between, and 20 times below what
+# bfloat16 rounding costs (8 times the f16 runs' 2.9e-4: three fewer bits), so f16 or f32
+# operands would fail it as surely as wrong ones. Attention rounds its probabilities too,
+# computed in f32 in the kernel and in float64 here: those within f32's error of a rounding
+# boundary round the other way (about 1e-6 / 4e-3 of them, one bfloat16 step each), which
+# adds about 1e-4; BF16_ATTENTION_MODEL_TOL allows five times that.
+BF16_MODEL_TOL, BF16_ATTENTION_MODEL_TOL = 1e-4, 5e-4
+ROUNDINGS = ("nearest", "zero")
+# The backward pass's products take cooperative tiles unscaled (bfloat16 has f32's exponent
+# range), also below gemm.SCALED_MIN_ROWS rows, where f16 keeps f32 tiles
+BF16_BACKWARD = {**BACKWARD, "below_scaled_min_rows": ((128, 384), (384, 640), False, False)}
+
+
+def bf16(x: torch.Tensor, rounding: str) -> torch.Tensor:
+    """x's f32 values converted to bfloat16, to the nearest (even; torch's own conversion) or
+    toward zero (the f32's low 16 bits cut), as float64."""
+    single = x.detach().to(torch.float32)
+    rounded = (single.to(torch.bfloat16).to(torch.float32) if rounding == "nearest"
+               else (single.view(torch.int32) & -65536).view(torch.float32))
+    return rounded.to(torch.float64)
+
+
+def bf16_matmul(rounding: str):
+    """torch.matmul as the bf16 kernels compute it, forward and backward: each product's two
+    operands rounded to bfloat16 (`bf16`), the sums exact."""
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return bf16(a, rounding) @ bf16(b, rounding)
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            ga = bf16(grad, rounding) @ bf16(b, rounding).transpose(-1, -2)
+            gb = bf16(a, rounding).transpose(-1, -2) @ bf16(grad, rounding)
+            return ga.sum_to_size(a.shape), gb.sum_to_size(b.shape)
+
+    return Product.apply
+
+
+def _products(cases: dict, name: str, ops: dict[str, torch.Tensor], mm=torch.matmul):
+    """The products of case `name` of MATMULS or a backward dict, from `ops` by `mm` (y less
+    its bias)."""
+    if cases[name] is None:  # _read_twice_graph
+        return mm(ops["x"], ops["w1"]) + mm(ops["x"], ops["w2"])
+    a, b, (ta, tb) = ops["a"], ops["b"], cases[name][2:4]
+    return mm(a.transpose(-1, -2) if ta else a, b.transpose(-1, -2) if tb else b)
+
+
+@pytest.mark.parametrize("name", MATMULS)
+def test_bf16_matmul(name, device, results, rng):
+    needs(device, "bf16")
+    a_shape, b_shape, ta, tb, bias = MATMULS[name]
+    g, _, refs, want = _matmul_graph(rng, a_shape, b_shape, ta, tb, bias)
+    session, kernels = infer(g, device, "bf16")
+    (product,) = products(session, "forward")
+    assert re.search(COOP + "$", product), kernels
+    exact = _products(MATMULS, name, refs)
+    models = {r: {"y": numpy64(want - exact + _products(MATMULS, name, refs, bf16_matmul(r)))}
+              for r in ROUNDINGS}
+    gate(results, f"bf16 matmul {name}", kernels, {"y": (session.read("y"), numpy64(want))},
+         {}, models, BF16_MODEL_TOL)
+    session.close()
+
+
+@pytest.mark.parametrize("name", BF16_BACKWARD)
+def test_bf16_matmul_backward_unscaled(name, device, results, rng):
+    needs(device, "bf16")
+    g, y, refs, want = _case_graph(BF16_BACKWARD, name, rng)
+    session, forward, grads, weights = _train(rng, g, y, lambda loss: vkml.compile(
+        g, loss=loss, keep_grads=True, precision="bf16", device=device), refs, want)
+    backward, forward_products = products(session, "backward"), products(session, "forward")
+    assert len(backward) == 2 * len(forward_products) and all(
+        re.search(COOP + "$", k) for k in [*backward, *forward_products]), (backward,
+                                                                            forward_products)
+    assert not any(d.op == "abs_max" for d in session.plan.dispatches)  # nothing scaled
+    models = {}
+    for rounding in ROUNDINGS:
+        ops = {n: tensor64(numpy64(r)) for n, r in refs.items()}
+        model = (want.detach() - _products(BF16_BACKWARD, name, refs).detach()
+                 + _products(BF16_BACKWARD, name, ops, bf16_matmul(rounding)))
+        (model * torch.tensor(weights, dtype=torch.float64, device=REF)).sum().backward()
+        models[rounding] = {"y": numpy64(model), **{n: numpy64(o.grad) for n, o in ops.items()}}
+    gate(results, f"bf16 matmul backward {name}",
+         [d.kernel.name for d in session.plan.dispatches], forward, grads, models,
+         BF16_MODEL_TOL)
+    session.close()
+
+
+@pytest.mark.parametrize("name", CONVS)
+def test_bf16_convolution(name, device, results, rng):
+    needs(device, "bf16")
+    g, x, w = _conv_case(name, rng)
+    session, kernels = infer(g, device, "bf16")
+    _conv_kernel(name, kernels)
+    x64, w64 = tensor64(x), tensor64(w)
+    models = {r: {"y": numpy64(_conv_reference(name, bf16(x64, r), bf16(w64, r)))}
+              for r in ROUNDINGS}
+    gate(results, f"bf16 convolution {name}", kernels,
+         {"y": (session.read("y"), numpy64(_conv_reference(name, x64, w64)))}, {}, models,
+         BF16_MODEL_TOL)
+    session.close()
+
+
+def test_bf16_convolution_weight_gradient(device, results, rng):
+    # unscaled, a convolution's weight gradient takes cooperative tiles at precision "bf16"
+    # (at "f16" convolutions' gradients stay f32: they have no scaled form)
+    needs(device, "bf16")
+    x = rng.standard_normal((1, 256, 48, 48)).astype(np.float32)
+    w = (rng.standard_normal((2048, 256, 3, 3)) / np.sqrt(256 * 9)).astype(np.float32)
+    g = vkml.Graph()
+    y = g.output("y", g.conv2d(g.param("x", x.shape, init=x), g.param("w", w.shape, init=w),
+                               padding=1))
+    weights = (rng.standard_normal(y.shape) * 1e-7).astype(np.float32)
+    session = vkml.compile(g, loss=g.sum(g.mul(y, g.constant(weights))), keep_grads=True,
+                           trainable=["w"], precision="bf16", device=device)
+    session.step()
+    kernels = [d.kernel.name for d in session.plan.dispatches]
+    assert any(re.search(r"^conv2d_weight_grad.*" + COOP + "$", k) for k in kernels), kernels
+    assert any(re.search(r"^conv2d_\d.*" + COOP + "$", k) for k in kernels), kernels
+    x64, w64, dy = tensor64(x), tensor64(w), torch.tensor(weights, dtype=torch.float64,
+                                                         device=REF)
+
+    def outcome(round_=lambda t: t):
+        return (numpy64(F.conv2d(round_(x64), round_(w64), padding=1)),
+                numpy64(torch.nn.grad.conv2d_weight(round_(x64), w.shape, round_(dy),
+                                                    padding=1)))
+    want_y, want_w = outcome()
+    models = {}
+    for rounding in ROUNDINGS:
+        model_y, model_w = outcome(lambda t, r=rounding: bf16(t, r))
+        models[rounding] = {"y": model_y, "w": model_w}
+    gate(results, "bf16 convolution weight gradient", kernels,
+         {"y": (session.read("y"), want_y)}, {"w": (session.grad("w"), want_w)}, models,
+         BF16_MODEL_TOL)
+    session.close()
+
+
+def _bf16_attention_model(name: str, operands: list[np.ndarray], rounding: str
+                          ) -> torch.Tensor:
+    """The cooperative attention kernel's arithmetic in float64 (kernels/attention.py
+    `_cooperative`): Q times the scale in f32, then rounded to bfloat16, K and V rounded, the
+    scores exact, the probabilities normalized then rounded, their product with V exact."""
+    causal, inner = COOPERATIVE_ATTENTION[name][1], name in HEADS_INNER
+    q, k, v = (torch.tensor(x, device=REF) for x in operands)  # float32, as held
+    if inner:
+        q, k, v = (x.permute(SWAP_HEADS) for x in (q, k, v))
+    scale = torch.tensor(1.0 / math.sqrt(q.shape[-1]), dtype=torch.float32, device=REF)
+    rep = q.shape[1] // k.shape[1]  # query heads per key head
+    q = bf16(q * scale, rounding)
+    k, v = (bf16(x, rounding).repeat_interleave(rep, dim=1) for x in (k, v))
+    scores = q @ k.transpose(-1, -2)
+    if causal:  # top-left aligned: query i sees keys j <= i
+        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=REF).triu(diagonal=1)
+        scores = scores.masked_fill(above, -math.inf)
+    out = bf16(torch.softmax(scores, dim=-1), rounding) @ v
+    return out.permute(SWAP_HEADS) if inner else out
+
+
+@pytest.mark.parametrize("name", COOPERATIVE_ATTENTION)
+def test_bf16_attention(name, device, results, rng):
+    needs(device, "bf16")
+    g, operands = cooperative_attention_case(name, rng)
+    session, kernels = infer(g, device, "bf16")
+    assert len(kernels) == 1 and kernels[0].startswith("flash_attention") \
+        and kernels[0].endswith("_c"), kernels
+    want = cooperative_attention_reference(name, [tensor64(x) for x in operands])
+    models = {r: {"out": numpy64(_bf16_attention_model(name, operands, r))} for r in ROUNDINGS}
+    gate(results, f"bf16 attention {name}", kernels,
+         {"out": (session.read("out"), numpy64(want))}, {}, models, BF16_ATTENTION_MODEL_TOL)
+    session.close()
