@@ -35,6 +35,10 @@ SIN_EXACT = 1e4
 ROWS = np.array([[-INF, -INF, -INF, -INF], [NAN, 1.0, 2.0, -INF], [1.0, 2.0, 3.0, NAN],
                  [1.0, NAN, 2.0, 0.0], [INF, 0.0, -INF, 1.0], [-INF, 0.0, -INF, -INF],
                  [0.5, -1.0, 2.0, 1.5], [INF, INF, INF, INF]], np.float32)
+LABELS = np.array([0, 1, 2, 3, 0, 1, 2, 3], np.int32)  # a class for each row
+# ROWS with -inf only where no label is (a masked class), NaN and +inf made numbers
+MASKED_LOGITS = np.where(np.isnan(ROWS) | np.isposinf(ROWS), 0.5, ROWS)
+MASKED_LOGITS[np.arange(len(ROWS)), LABELS] = 1.0
 
 # torch's function for each public unary op, the parametric ones at torch's defaults (a new op
 # must add its own here)
@@ -123,6 +127,25 @@ def table() -> dict[str, Entry]:
         "amax_all": Entry(lambda g, x: g.amax(x), lambda x: x.amax(), (ROWS,), False),
         "argmax": Entry(lambda g, x: g.argmax(x, -1), lambda x: x.argmax(-1), (ROWS,), False),
         "argmin": Entry(lambda g, x: g.argmin(x, -1), lambda x: x.argmin(-1), (-ROWS,), False),
+        "logsumexp": Entry(lambda g, x: g.logsumexp(x, -1), lambda x: x.logsumexp(-1), (ROWS,)),
+        # -inf logits of other classes than the label's: torch's loss is finite
+        "cross_entropy": Entry(lambda g, x: g.cross_entropy(x, g.constant(LABELS, "i32")),
+                               lambda x: F.cross_entropy(x, torch.from_numpy(LABELS).long()),
+                               (MASKED_LOGITS,)),
+        "cross_entropy_probabilities": Entry(
+            lambda g, x: g.cross_entropy(x, g.constant(np.eye(4, dtype=np.float32)[LABELS])),
+            lambda x: F.cross_entropy(x, torch.eye(4, dtype=torch.float64)[LABELS]),
+            (MASKED_LOGITS,)),
+        "cross_entropy_nan": Entry(lambda g, x: g.cross_entropy(x, g.constant(LABELS, "i32")),
+                                   lambda x: F.cross_entropy(x, torch.from_numpy(LABELS).long()),
+                                   (ROWS,)),
+        "sort": Entry(lambda g, x: g.sort(x)[0], lambda x: x.sort(dim=-1, stable=True)[0], (ROWS,)),
+        "sort_indices": Entry(lambda g, x: g.sort(x, descending=True)[1],
+                              lambda x: x.sort(dim=-1, descending=True, stable=True)[1], (ROWS,),
+                              False),
+        # rows without ties in their top two, where torch's choice of index is its own
+        "topk": Entry(lambda g, x: g.topk(x, 2)[0], lambda x: x.topk(2, -1)[0],
+                      (ROWS[[1, 2, 3, 4, 6]],)),
         "softmax": Entry(lambda g, x: g.softmax(x), lambda x: x.softmax(-1), (ROWS,)),
         "log_softmax": Entry(lambda g, x: g.log_softmax(x), lambda x: x.log_softmax(-1),
                              (ROWS,)),
@@ -177,7 +200,7 @@ def differences(name: str, actual: np.ndarray, expected: np.ndarray, precision: 
     """Where `actual` is not torch's `expected`: NaN, +inf and -inf exactly at torch's, the
     finite values within f32 rounding (1e-2 at precision "f16", whose products are f16);
     with `argument` (sin, cos), only bounded in [-1, 1] where |argument| > SIN_EXACT."""
-    actual = np.asarray(actual)
+    actual, expected = np.atleast_1d(actual), np.atleast_1d(expected)
     with np.errstate(over="ignore"):  # torch's float64 rounded to f32, as vkml's is
         expected = expected.astype(actual.dtype)
     if actual.shape != expected.shape:

@@ -33,7 +33,9 @@ def mean(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
 @builder
 def cross_entropy(g: Graph, logits: Tensor, labels: Tensor) -> Tensor:
     """Mean cross-entropy over the rows of 2-D `logits`. `labels`: class indices (i32, shape
-    (rows,)) or target probabilities / one-hot rows (f32, same shape as logits)."""
+    (rows,)) or target probabilities / one-hot rows (f32, same shape as logits). As torch's:
+    with class indices a -inf logit of another class changes nothing (its log-probability is
+    picked out, not multiplied by 0: 0 * -inf is NaN); with probabilities it is NaN."""
     if len(logits.shape) != 2:
         raise GraphError(f"cross_entropy: logits {logits.label} must be 2-D (rows, classes)")
     rows, classes = logits.shape
@@ -41,12 +43,17 @@ def cross_entropy(g: Graph, logits: Tensor, labels: Tensor) -> Tensor:
         if labels.shape != (rows,):
             raise GraphError(f"cross_entropy: class-index labels {labels.label} must have "
                              f"shape ({rows},) to match logits {logits.label}")
-        labels = g.one_hot(labels, classes)
-    elif labels.shape != logits.shape:
+        return g.mul(g.sum(picked_log_probabilities(g, logits, labels)), -1.0 / rows)
+    if labels.shape != logits.shape:
         raise GraphError(f"cross_entropy: labels {labels.label} must have shape "
                          f"{logits.shape} like logits {logits.label}, or be i32 indices of "
                          f"shape ({rows},)")
     return g.mul(g.sum(g.mul(labels, g.log_softmax(logits))), -1.0 / rows)
+
+
+def picked_log_probabilities(g: Graph, logits: Tensor, labels: Tensor) -> Tensor:
+    """(rows, classes): each row's log-softmax at its i32 label, 0 elsewhere."""
+    return g.where(g.one_hot(labels, logits.shape[-1]), g.log_softmax(logits), 0.0)
 
 
 @builder

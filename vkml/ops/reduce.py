@@ -93,9 +93,11 @@ def amin(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
 def logsumexp(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
               keepdims: bool = False) -> Tensor:
     """torch.logsumexp / ONNX ReduceLogSumExp over `axis`: log(sum(exp(x - m))) + m with m the
-    maximum, so no exponential overflows."""
+    maximum, so no exponential overflows; as torch, m = 0 where the maximum is infinite, so
+    a +inf gives +inf and all -inf gives -inf (not inf - inf = NaN)."""
     axes = normalize_axes(x, axis)
     top = g.amax(x, axes, keepdims=True)
+    top = g.where(g.isinf(top), 0.0, top)
     out = g.add(g.log(g.sum(g.exp(g.sub(x, top)), axes, keepdims=True)), top)
     return out if keepdims else g.reshape(out, [n for i, n in enumerate(x.shape) if i not in axes])
 
