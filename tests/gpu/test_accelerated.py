@@ -455,7 +455,7 @@ def test_cooperative_attention(name, device, results, rng):
     session.close()
 
 
-PRECISIONS = ("f32", "f16")
+PRECISIONS = ("f32", "f16", "bf16")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -464,6 +464,8 @@ def test_special_values(precision, device, results):
     # +inf and -inf exactly where torch's are (tests/special_values.py)
     if precision == "f16" and device.caps.f16_products is None:
         pytest.skip(f"NOT CHECKED: {device.caps.device_name} has no f16 products")
+    if precision == "bf16":
+        needs(device, "bf16")
     problems, kernels = run_special_values(device, precision)
     results.append({"case": f"special values {precision}", "kernels": kernels,
                     "mismatches": problems, "passed": not problems})
