@@ -11,8 +11,8 @@
 
 Engines, per (workload, phase, mode):
 - vkml: `vkml.compile(...)` (strict: the default precision, f32; accelerated: `precision="f16"`,
-  or `--vkml-accel`). A build without the keyword, or a device that cannot run it, gives a row
-  marked "not available" with the reason.
+  or `--vkml-accel bf16` for bfloat16 cooperative matrices). A build without the keyword, or
+  a device that cannot run it, gives a row marked "not available" with the reason.
 - torch-eager: the plain-PyTorch twin of tests/torch_reference.py, torch.optim.Adam defaults.
 - torch-graphs: the same step captured whole in one CUDA graph (Adam capturable=True, warm-up on a
   side stream, zero_grad(set_to_none=True), then forward + backward + opt.step() captured;
@@ -60,7 +60,7 @@ Figures per row:
 - ratios (markdown, JSON "ratios"): vkml's median wall time over each PyTorch engine's.
 - --matmul: C = A @ B with A, B (n x n, random normal) as vkml parameters, so a step is the
   product alone (inputs would be copied from staging memory every step); GPU time from
-  profile(); PyTorch torch.mm at fp32 (TF32 off), TF32 and f16, CUDA events; TFLOP/s at the
+  profile(); PyTorch torch.mm at fp32 (TF32 off), TF32, f16 and bf16, CUDA events; TFLOP/s at the
   median (and best) time, relative error against float64.
 
 --session-order (a run of its own): per workload, the sessions f32 train, f16 train, f16 infer,
@@ -803,8 +803,9 @@ class TorchSide:
                                f"the {self.device.type} here)")
         self.set_mode("accelerated" if precision == "tf32" else "strict")
         ta, tb = self.inputs({"a": a, "b": b}).values()
-        if precision == "f16":
-            ta, tb = ta.half(), tb.half()
+        if precision in ("f16", "bf16"):
+            dtype = torch.float16 if precision == "f16" else torch.bfloat16
+            ta, tb = ta.to(dtype), tb.to(dtype)
         c = torch.empty((a.shape[0], b.shape[1]), dtype=ta.dtype, device=self.device)
         out = self.timed(lambda: torch.mm(ta, tb, out=c), warmup, reps)
         out["result"] = c.double().cpu().numpy()
@@ -1449,7 +1450,7 @@ class Bench:
             ({"engine": self.engine, "precision": "f32" if m == "strict" else opts.vkml_accel},
              functools.partial(run_vkml, m)) for m in opts.modes]
         runs += [({"engine": "torch (cuBLAS)" if t.cuda else "torch (CPU)", "precision": p},
-                  functools.partial(run_torch, p)) for p in ("fp32", "tf32", "f16")]
+                  functools.partial(run_torch, p)) for p in ("fp32", "tf32", "f16", "bf16")]
         for base, run in runs:
             base = {"size": n, **base}
             if skip:
@@ -1602,7 +1603,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--backend", choices=("vulkan", "wgpu"), default="vulkan",
                    help="vkml's backend for the vkml rows")
-    p.add_argument("--vkml-accel", default="f16", help="vkml precision= in accelerated mode")
+    p.add_argument("--vkml-accel", choices=("f16", "bf16"), default="f16",
+                   help="vkml precision= in accelerated mode (bf16: where the device has "
+                        "bfloat16 cooperative matrices, else its rows say not available)")
     p.add_argument("--torch-autocast", type=names(AUTOCASTS), default=["none", "bf16"],
                    help="accelerated PyTorch's rows: TF32, then each again with autocast to "
                    "these types (engines named '+bf16'); default none,bf16")

@@ -16,8 +16,9 @@ kernel: half the bytes read; checked against float64 of the f16-rounded operands
 Each case is a graph of one matmul or convolution (of the kind the models' forward and backward
 passes make) compiled as usual, whose kernel is then regenerated with each forced tiling; the
 "auto" row is what codegen chooses ("auto-f16" at precision="f16" on cooperative matrices,
-"auto-f16-staged" on the staged f16 tiles that devices with f16 arithmetic but no cooperative
-matrices take, Capabilities.f16_products "simt"), timed again last ("auto-again": a change of
+"auto-bf16" at precision="bf16" where they take bfloat16, "auto-f16-staged" on the staged f16
+tiles that devices with f16 arithmetic but no cooperative matrices take,
+Capabilities.f16_products "simt"), timed again last ("auto-again": a change of
 more than 10% is printed as drift, the GPU's clocks having moved while the case ran). A row
 reports the median GPU ms over --reps steps (the profile's timestamps), TFLOP/s and the
 relative L2 error against float64.
@@ -553,6 +554,7 @@ def main() -> int:
                              "s64x64k16r4x4h (f16 staged), c128x256k32f4x4, listed or not "
                              "(codegen's own choice always runs first: 'auto', 'auto-f16' for "
                              "precision='f16' where the device has cooperative matrices, "
+                             "'auto-bf16' where they take bfloat16, "
                              "'auto-f16-staged' on matmuls where it has shaderFloat16)")
     parser.add_argument("--splits", default="auto",
                         help="'auto' (the split stage's choice) or counts like 1,2,4,8")
@@ -601,6 +603,7 @@ def main() -> int:
         # matrices (matmuls only: convolutions stay f32 there)
         staged_f16 = device.caps.shader_f16 and kind == "matmul"
         variants = [(None, "f32"), *([(None, "f16")] if coop else []),
+                    *([(None, "bf16")] if device.caps.bf16_cooperative_matrix else []),
                     *([(None, "f16-staged")] if staged_f16 else []),
                     *[(t, "f16" if isinstance(t, gemm.CoopTiling) else
                        "f16-staged" if t.f16 else "f32") for t in tilings],
@@ -611,7 +614,9 @@ def main() -> int:
                                        precision=precision.removesuffix("-staged"))
             if precision == "f16-staged":
                 caps = dataclasses.replace(caps, cooperative_matrix=False)
-            limit = 5e-3 if precision != "f32" else 1e-5
+            # bfloat16 operands: ~2.4e-3 on these random products rounded to nearest, ~6e-3
+            # toward zero (tests/gpu/test_accelerated.py BF16_MODEL_TOL)
+            limit = 1e-2 if precision == "bf16" else 5e-3 if precision != "f32" else 1e-5
             name = str(tiling) if tiling is not None else (
                 f"auto-{precision}" if precision != "f32" else
                 "auto-again" if i >= len(runs) - len(split_counts) and tilings else "auto")

@@ -33,10 +33,11 @@ def parse(argv: list[str] | None = None) -> Options:
                     "Dinov2Model state dict (DINOv2-small's; either spelling of the names), or "
                     "the encoder itself, an ONNX export of Dinov2Backbone with four stages "
                     "(README); without it the encoder is seeded at random")
-    ap.add_argument("--precision", choices=("f32", "f16"), default=d.precision,
+    ap.add_argument("--precision", choices=("f32", "f16", "bf16"), default=d.precision,
                     help="f16: matrix products in f16, on the device's cooperative matrices "
                     "(tensor cores) where it has them, else in f16 arithmetic where it has "
-                    "shaderFloat16 (vkml.compile's precision)")
+                    "shaderFloat16; bf16: on bfloat16 cooperative matrices where the device "
+                    "has them (vkml.compile's precision)")
     ap.add_argument("--frames", type=int, default=d.frames)
     ap.add_argument("--hz", type=float, default=d.hz,
                     help="frame rate the headless and window loops are paced at (0: unpaced); "

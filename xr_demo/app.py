@@ -67,7 +67,7 @@ class Options:
     model: str = "small"  # small | vits14 (xr_demo/model.py)
     resolution: int = 64  # the model's input and output size (vits14: a multiple of 14)
     encoder_weights: str | None = None  # vits14: a Dinov2Model safetensors file
-    precision: str = "f32"  # f32 | f16 (vkml.compile's precision)
+    precision: str = "f32"  # f32 | f16 | bf16 (vkml.compile's precision)
     frames: int = 900
     hz: float = 72.0  # the frame rate the loop is paced at (0: as fast as it goes)
     train_every: int = 1  # a training sample every N frames (0: no training)
