@@ -36,6 +36,8 @@ ROWS = np.array([[-INF, -INF, -INF, -INF], [NAN, 1.0, 2.0, -INF], [1.0, 2.0, 3.0
                  [1.0, NAN, 2.0, 0.0], [INF, 0.0, -INF, 1.0], [-INF, 0.0, -INF, -INF],
                  [0.5, -1.0, 2.0, 1.5], [INF, INF, INF, INF]], np.float32)
 LABELS = np.array([0, 1, 2, 3, 0, 1, 2, 3], np.int32)  # a class for each row
+PRODUCT = np.linspace(-2.0, 2.0, 24, dtype=np.float32).reshape(4, 6)
+PRODUCT[0, 1], PRODUCT[2, 3], PRODUCT[3, 0] = INF, NAN, -INF
 # ROWS with -inf only where no label is (a masked class), NaN and +inf made numbers
 MASKED_LOGITS = np.where(np.isnan(ROWS) | np.isposinf(ROWS), 0.5, ROWS)
 MASKED_LOGITS[np.arange(len(ROWS)), LABELS] = 1.0
@@ -151,6 +153,10 @@ def table() -> dict[str, Entry]:
                              (ROWS,)),
         "max_pool2d": Entry(lambda g, x: g.max_pool2d(x, 2), lambda x: F.max_pool2d(x, 2),
                             (pool,)),
+        # a product whose operands hold NaN and +-inf beside ordinary numbers: at precision
+        # "f16" its backward products scale each operand by powers of two chosen from their
+        # magnitudes, which the NaN and infinities must not decide
+        "matmul": Entry(lambda g, a, b: g.matmul(a, b), torch.matmul, (PRODUCT, PRODUCT.T)),
         # composed (matmuls and a softmax) with an additive mask; fused: flash attention
         "attention_masked_row": _attention(rng, masked),
         "attention_plus_inf_mask": _attention(rng, plus_inf),

@@ -3,8 +3,8 @@ scheduling): gradients often lie far below f16's smallest normal (6e-5), Whisper
 gradients around 1e-7, and converting them to f16 as they are would flush them to zero. So each
 matrix product of the backward pass that takes f16 tiles gets, for each operand that
 is not a forward-pass tensor (every operand, where products compute in f16 arithmetic:
-Capabilities.f16_products "simt"), the largest magnitude of each of its rows in memory (one
-`abs_max` over its last axis, read along memory, shared by every product that reads the same
+Capabilities.f16_products "simt"), the largest finite magnitude of each of its rows in memory
+(one `abs_max` over its last axis, read along memory, shared by every product that reads the same
 tensor) as an extra input, attribute "scales" saying how the kernel reads them: "rows" where
 the operand's rows in memory are the product's rows (A) or columns (B), so each gets a power
 of two of its own; "depth" where they run along the sum, so the kernel takes the largest over

@@ -126,6 +126,11 @@ def is_nan(value: str) -> str:
     return f"((bitcast<u32>({value}) & 0x7fffffffu) > 0x7f800000u)"
 
 
+def is_finite(value: str) -> str:
+    """WGSL: whether the f32 `value` is neither infinite nor NaN (exponent not all ones)."""
+    return f"((bitcast<u32>({value}) & 0x7fffffffu) < 0x7f800000u)"
+
+
 def unless_nan(value: str, x: str, instead: str | None = None) -> str:
     """WGSL: `value`, except where `x` is NaN: there `instead` (x itself, NaN, by default)."""
     return f"select({value}, {x if instead is None else instead}, {is_nan(x)})"

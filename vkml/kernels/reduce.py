@@ -24,6 +24,7 @@ from vkml.kernels.common import (
     epilogue_reads,
     grid,
     helper_functions,
+    is_finite,
     offset,
     tree_reduce,
     unflatten,
@@ -108,9 +109,12 @@ def generate_fused_sum(node: Tensor, caps: Capabilities) -> Kernel:
 
 
 def generate_amax(node: Tensor, caps: Capabilities, magnitude: bool = False) -> Kernel:
-    """The maximum, or with `magnitude` the largest absolute value, over the node's axes."""
+    """The maximum, or with `magnitude` the largest finite absolute value (the powers of two
+    of compiler/scale.py: an infinity or NaN stays what it is under any power of two, and
+    one that chose the power would flush or overflow the numbers that share it), over the
+    node's axes."""
     (x,) = node.inputs
-    term = call("abs({0})", Arg(0)) if magnitude else Arg(0)
+    term = call(f"select(0.0, abs({{0}}), {is_finite('{0}')})", Arg(0)) if magnitude else Arg(0)
     return _reduction(node, caps, x.shape, node.attrs["axes"],
                       Body(term, (contiguous_strides(x.shape),)), Body(Arg(0), ((),)), 1, "max")
 

@@ -69,8 +69,8 @@ def _extreme_grad(g, node, d):
 
 register(OpDef("amax", _reduced, "kernel", grad=_extreme_grad, lower=kernels.generate_amax))
 register(OpDef("amin", _reduced, "kernel", grad=_extreme_grad, lower=kernels.generate_amin))
-# The largest magnitude, which the backward pass's f16 products scale by (compiler/scale.py);
-# made after differentiation, so it has no gradient.
+# The largest finite magnitude, which the backward pass's f16 products scale by
+# (compiler/scale.py); made after differentiation, so it has no gradient.
 register(OpDef("abs_max", _reduced, "kernel",
                lower=lambda node, caps: kernels.generate_amax(node, caps, magnitude=True)))
 
