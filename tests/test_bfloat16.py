@@ -295,3 +295,45 @@ def test_bf16_convolutions_keep_their_operands_f32_in_memory(monkeypatch):
     for precision, copies in (("f16", 2), ("bf16", 0)):
         ops = [d.op for d in lower(g, GPU, precision=precision).plan.dispatches]
         assert ops.count(conv.CHANNELS_LAST) == copies, (precision, ops)
+
+
+def test_bfloat16_probe_reads_the_device_cooperative_matrix_configurations(device,
+                                                                          monkeypatch):
+    # vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR as the probe calls it (a count, then
+    # the array with each sType set), answered here by a stand-in: lavapipe has no such
+    # function (its address is NULL, which the probe takes for no)
+    if device.backend_name != "vulkan":
+        pytest.skip("a Vulkan device query; the vulkan parameter runs it")
+    from vkml.vk.context import COMPONENT_TYPE_BFLOAT16
+    vk = pytest.importorskip("vulkan")
+    ffi, context = vk.ffi, device.backend._dev
+    name = "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"
+    assert context.lib.vkGetInstanceProcAddr(context.instance, name.encode()) == ffi.NULL
+    assert not context._bfloat16_configuration(context.physical)
+    f16, f32, subgroup = vk.VK_COMPONENT_TYPE_FLOAT16_KHR, vk.VK_COMPONENT_TYPE_FLOAT32_KHR, 3
+    listed = [(16, 16, 16, f16, f16, f32, f32, subgroup),
+              (16, 16, 16, COMPONENT_TYPE_BFLOAT16, COMPONENT_TYPE_BFLOAT16, f32, f32, subgroup)]
+    seen = []
+
+    @ffi.callback(f"PFN_{name}")
+    def properties(physical, count, out):
+        if out == ffi.NULL:
+            count[0] = len(listed)
+            return vk.VK_SUCCESS
+        for i, values in enumerate(listed[:count[0]]):
+            seen.append(out[i].sType)
+            (out[i].MSize, out[i].NSize, out[i].KSize, out[i].AType, out[i].BType,
+             out[i].CType, out[i].ResultType, out[i].scope) = values
+        return vk.VK_SUCCESS
+
+    class Lib:
+        @staticmethod
+        def vkGetInstanceProcAddr(instance, wanted):
+            assert wanted == name.encode()
+            return ffi.cast("PFN_vkVoidFunction", properties)
+
+    monkeypatch.setattr(context, "lib", Lib())
+    assert context._bfloat16_configuration(context.physical)
+    assert seen == [vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR] * 2
+    listed.pop()
+    assert not context._bfloat16_configuration(context.physical)
