@@ -337,3 +337,15 @@ def test_bfloat16_probe_reads_the_device_cooperative_matrix_configurations(devic
     assert seen == [vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR] * 2
     listed.pop()
     assert not context._bfloat16_configuration(context.physical)
+
+
+def test_the_spirv_dump_shows_bfloat16_kernels_retyped():
+    # `python -m vkml dump --stage spirv` writes what the driver gets, bfloat16 included
+    from vkml import dump
+    g, loss = conv_then_matmul()
+    stages = lower(g, GPU, loss=loss, precision="bf16")
+    modules = dump.spirv(stages)
+    for name, wgsl in stages.kernels().items():
+        code, found = parsed(modules[name])
+        capabilities = {code[at + 1] for op, at, _ in found if op == OP_CAPABILITY}
+        assert (BFLOAT16_TYPE in capabilities) == wgsl.startswith(BFLOAT16_MARK), name

@@ -52,10 +52,15 @@ def stages_of(target: str, argv: list[str]) -> Stages:
 
 
 def spirv(stages: Stages) -> dict[str, bytes]:
-    """Each kernel's SPIR-V, as the Vulkan backend translates it (naga)."""
+    """Each kernel's SPIR-V, as the Vulkan backend translates it (naga; a bfloat16 kernel's
+    f16 then made bfloat16, vk/spirv.py)."""
+    from vkml.hal.kernel import BFLOAT16_MARK
     from vkml.vk import compile_wgsl
+    from vkml.vk.spirv import to_bfloat16
 
-    return {name: compile_wgsl(wgsl, name) for name, wgsl in stages.kernels().items()}
+    translated = {name: compile_wgsl(wgsl, name) for name, wgsl in stages.kernels().items()}
+    return {name: to_bfloat16(code) if stages.kernels()[name].startswith(BFLOAT16_MARK)
+            else code for name, code in translated.items()}
 
 
 def show(stages: Stages, stage: str) -> str:
