@@ -98,6 +98,10 @@ class OpDef:
     layouts: Callable[[Tensor, Capabilities],
                       tuple[tuple[tuple[str, dict[str, Any]] | None, ...], dict[str, Any]] | None
                       ] | None = None
+    # `stores`: whether a node's kernel can write its result in the layout that the layout op
+    # named makes, in place of such a copy of it as its only reader (node attribute "store";
+    # compiler/layouts.py `store_layouts`).
+    stores: Callable[[Tensor, str], bool] | None = None
 
 
 class Composition(Protocol):

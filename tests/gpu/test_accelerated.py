@@ -39,7 +39,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from special_values import run as run_special_values
-from test_channels_last import channels_last_case
+from test_channels_last import chain_case, channels_last_case
 from test_ops import (
     COOPERATIVE_ATTENTION,
     HEADS_INNER,
@@ -124,6 +124,7 @@ def case_names() -> set[str]:
         ("cooperative matmul", MATMULS), ("cooperative matmul backward", BACKWARD),
         ("staged f16 matmul", STAGED), ("cooperative convolution", CONVS),
         ("cooperative channels-last convolution", CHANNELS_LAST),
+        ("cooperative channels-last store", CHANNELS_LAST_STORES),
         ("cooperative attention", COOPERATIVE_ATTENTION), ("special values", PRECISIONS),
         ("bf16 matmul", MATMULS), ("bf16 matmul backward", BF16_BACKWARD),
         ("bf16 convolution", CONVS), ("bf16 attention", COOPERATIVE_ATTENTION))
@@ -437,6 +438,33 @@ def test_cooperative_channels_last_convolution(name, device, results, rng, monke
     if name == "split_sum":
         assert any(k.startswith("fused_sum") for k in kernels), kernels
     gate(results, f"cooperative channels-last convolution {name}", kernels,
+         {"y": (session.read("y"), want)}, {})
+    session.close()
+
+
+# conv -> bias + ReLU -> conv, the first writing the second's channels-last f16 copy itself
+# (compiler/layouts.py store_layouts): its store, or the sum of its split partial sums.
+# x shape, middle channels, out channels
+CHANNELS_LAST_STORES = {
+    "conv_store": ((8, 64, 56, 56), 64, 64),  # tiles enough to fill the GPU unsplit
+    "split_sum_store": ((1, 512, 7, 7), 512, 256),
+}
+
+
+@pytest.mark.parametrize("name", CHANNELS_LAST_STORES)
+def test_cooperative_channels_last_store(name, device, results, rng, monkeypatch):
+    needs(device, "cooperative")
+    monkeypatch.setattr(conv_kernels, "CHANNELS_LAST_MIN", 0)
+    g, want = chain_case(*CHANNELS_LAST_STORES[name], rng)
+    stages = lower(g, device.caps, precision="f16")
+    stored = [n.op for n in stages.nodes if n is not None and "store" in n.attrs]
+    assert stored == ["fused_sum" if name.startswith("split") else "fused_conv2d"], stored
+    session = Session(stages.plan, device)
+    session.step()
+    kernels = [d.kernel.name for d in session.plan.dispatches]
+    convs = [k for k in kernels if "conv2d" in k]
+    assert len(convs) == 2 and all(re.search(COOP, k) for k in convs), kernels
+    gate(results, f"cooperative channels-last store {name}", kernels,
          {"y": (session.read("y"), want)}, {})
     session.close()
 

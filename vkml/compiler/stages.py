@@ -1,11 +1,11 @@
 """The compiler's stages in order, each a function of the previous one's output and the
 compilation's options (compiler/options.py), the device's capabilities their target:
 
-    Graph --autodiff--> Rooted --compose, rewrite, layouts--> Rooted --split, scale--> Rooted
+    Graph --autodiff--> Rooted --compose, rewrite, layouts--> Rooted --split, scale, stores-->
           (compiler/autodiff)  (compiler/compose,                   (compiler/split,
-                                compiler/rewrite,                    compiler/scale)
-                                compiler/layouts: inference only)
-          --schedule--> Plan --codegen--> Plan with kernels
+                                compiler/rewrite,                    compiler/scale,
+                                compiler/layouts: inference only)    compiler/layouts)
+          Rooted --schedule--> Plan --codegen--> Plan with kernels
             (compiler/schedule,  (compiler/codegen, vkml/kernels/)
              compiler/memory_plan)
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from vkml.compiler import autodiff, codegen, plan_cache
 from vkml.compiler.compose import fuse_compositions
-from vkml.compiler.layouts import relayout_operands
+from vkml.compiler.layouts import relayout_operands, store_layouts
 from vkml.compiler.options import CompileOptions
 from vkml.compiler.plan import Plan
 from vkml.compiler.rebuild import rebuild
@@ -271,6 +271,8 @@ def _lower(graph: Graph, caps: Capabilities, options: CompileOptions) -> Stages:
     split = split_sums(rewritten, caps)
     if caps.precision == "f16":
         split = scale_operands(split, caps)
+    if options.loss is None:
+        split = store_layouts(split)
     clock.lap("split")
     scheduled = make_plan(split, options, caps, index_ranges(differentiated), timings=timings)
     clock.last = time.perf_counter()  # make_plan timed schedule and memory

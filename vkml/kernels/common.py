@@ -26,6 +26,25 @@ class Buf:
     writable: bool = False
 
 
+# The layout a kernel may write its 4-D (N, C, H, W) result in instead of NCHW f32 (node attribute
+# "store", set by compiler/layouts.py `store_layouts` where a channels-last copy would be its
+# only reader): (N, H, W, C) f16, the copy's layout (ops/conv.py), in the first half of the
+# node's slot.
+CHANNELS_LAST = "channels_last_f16"
+
+
+def result_store(node: Tensor, target: str) -> tuple[str, list[str], Buf]:
+    """How a kernel whose store is the assignment `target` (e.g. "out[o] =") writes the node's
+    result: the assignment to write the value with, the lines after it, and the output binding.
+    Where the node stores channels-last (attribute "store") the value goes to a `let`, then to
+    its (N, H, W, C) place as f16: the lines need i0..i3, the NCHW indices, in scope."""
+    if node.attrs.get("store") != CHANNELS_LAST:
+        return target, [], Buf("out", writable=True)
+    _, c, h, w = node.shape
+    return "let stored =", [f"out[((i0 * {h}u + i2) * {w}u + i3) * {c}u + i1] = f16(stored);"], \
+        Buf("out", "f16", writable=True)
+
+
 def check_loop(node: Tensor, caps: Capabilities, trips: int, fix: str) -> None:
     """Refuse a kernel whose threads would loop more than the device runs: lavapipe stops an
     invocation's loops after 65535 trips in all and keeps what it has, a silent wrong number.

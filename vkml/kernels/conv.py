@@ -36,12 +36,14 @@ from vkml.graph import Tensor
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather, gemm
 from vkml.kernels.common import (
+    CHANNELS_LAST,
     Buf,
     assemble,
     body_lines,
     epilogue_reads,
     helper_functions,
     is_nan,
+    result_store,
     split_index,
 )
 
@@ -54,7 +56,7 @@ def buffers(node: Tensor, wide: tuple[bool, ...] = (), wide_out: bool = False) -
     return [*[Buf(f"in{k}", "vec4<f16>") if half[k]
               else gemm.binding(f"in{k}", k < len(wide) and wide[k]) for k in range(2)],
             *[Buf(f"in{k}", x.dtype) for k, x in enumerate(node.inputs[2:], 2)],
-            Buf("out", "vec4<f32>" if wide_out else "f32", writable=True)]
+            Buf("out", "vec4<f32>", writable=True) if wide_out else result_store(node, "")[2]]
 
 
 def base_op(node: Tensor) -> str:
@@ -387,12 +389,17 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
     chunk = depth if k_range else _chunk(node, depth)
     tiling = tiling or gemm.choose(m, cols, depth, tiling_layers or groups, caps, plain(node),
                                    coop_min(node))
-    wide_out = output.run % 4 == 0 and gemm.stores_wide(tiling, chunk)
+    target, after, _ = result_store(node, "")
+    # a result stored channels-last goes an element at a time
+    wide_out = output.run % 4 == 0 and gemm.stores_wide(tiling, chunk) and not after
 
     def index(r: str, col: str) -> list[str]:
         return output.index(r, col) if output.index is not None else []
 
     def store(r: str, col: str, acc: str) -> list[str]:
+        if after:  # result_store's lines read the output's indices
+            return [*("      " + line for line in index(r, col)),
+                    *epilogue_store(node, [], acc, target), *("      " + a for a in after)]
         return epilogue_store(node, index(r, col), acc, f"out[{output.at(r, col)}] =")
 
     def store4(r: str, col: str, accs: list[str]) -> list[str]:
@@ -411,7 +418,8 @@ def _product(node: Tensor, caps: Capabilities, m: int, cols: int, depth: int, gr
         setup=setup or [f"  let g = z / {pieces}u; let s = z % {pieces}u;"],
         k_range=k_range or (f"s * {chunk}u", f"min(s * {chunk}u + {chunk}u, {depth}u)"),
         depth=depth, ragged=k_range is not None,
-        prelude=[*prelude, *helper_functions(epilogue(node))],
+        prelude=[*(["enable f16;"] if after else []), *prelude,
+                 *helper_functions(epilogue(node))],
         flops=2 * m * cols * depth * groups if flops is None else flops,
         nbytes=4 * (read + node.size + sum(x.size for x in node.inputs[2:])),
         wide_store=gemm.WideStore(output.along, store4) if wide_out else None)
@@ -453,7 +461,6 @@ def dims_conv2d_weight_grad(node: Tensor, caps: Capabilities) -> tuple[int, int,
 # where its GEMM is at least this large in every dimension; None: never (every convolution reads
 # NCHW f32 as in training). tools/kernel_lab.py --channels-last times both on ResNet-50's shapes.
 CHANNELS_LAST_MIN: int | None = None
-CHANNELS_LAST = "channels_last_f16"  # the layout op (ops/conv.py) and the attribute naming it
 CHANNEL_QUAD = 4  # channels-last operands pad their channels to a multiple of this
 
 

@@ -26,6 +26,7 @@ from vkml.kernels.common import (
     helper_functions,
     is_finite,
     offset,
+    result_store,
     tree_reduce,
     unflatten,
 )
@@ -173,11 +174,11 @@ def _reduction(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
              *tree_reduce("partial", threads, merge, kept=columns),
              f"  if ({'lid == 0u' if columns == 1 else f'lid < {columns}u'} && o < {outputs}u) {{",
              *unflatten("o", node.shape, "i"),
-             *body_lines(epilogue, epilogue_reads, "    ", "out[o] ="), "  }", "}"]
+             *_store(node, epilogue, epilogue_reads, "    "), "  }", "}"]
     total = outputs * reduced
     return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
                     caps, buffers, (threads,), entry, grid(-(-outputs // columns), caps),
-                    prelude=[*helper_functions(prologue, epilogue), *helper,
+                    prelude=[*_enables(node), *helper_functions(prologue, epilogue), *helper,
                              f"var<workgroup> partial: array<f32, {threads}>;"],
                     flops=2 * total, nbytes=4 * (total * n_prologue + outputs))
 
@@ -267,7 +268,18 @@ def _parts(node: Tensor, prologue: Body, epilogue: Body, n_prologue: int,
     fold_lines = (body_lines(prologue, terms, indent, fold) if fold.endswith("+=")
                   else [*body_lines(prologue, terms, indent, "let term ="), f"{indent}{fold}"])
     return reads, fold_lines, [*[Buf(f"in{k}", x.dtype) for k, x in enumerate(node.inputs)],
-                               Buf("out", writable=True)]
+                               result_store(node, "")[2]]
+
+
+def _store(node: Tensor, epilogue: Body, reads: dict[int, str], indent: str) -> list[str]:
+    """The epilogue's result stored at output o (indices i0... in scope), in the node's layout
+    (common.result_store)."""
+    target, after, _ = result_store(node, "out[o] =")
+    return [*body_lines(epilogue, reads, indent, target), *(indent + line for line in after)]
+
+
+def _enables(node: Tensor) -> list[str]:
+    return ["enable f16;"] if result_store(node, "")[2].dtype == "f16" else []
 
 
 def _per_thread(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
@@ -290,11 +302,12 @@ def _per_thread(node: Tensor, caps: Capabilities, in_shape: tuple[int, ...],
              *["  " + line for line in per_term],
              f"    let at = {at};", *term, "  }",
              *unflatten("o", node.shape, "i"),
-             *body_lines(epilogue, epilogue_reads, "  ", "out[o] ="), "}"]
+             *_store(node, epilogue, epilogue_reads, "  "), "}"]
     total = node.size * reduced
     return assemble(f"{node.op}_{'x'.join(map(str, in_shape))}_axes{''.join(map(str, axes))}",
                     caps, buffers, (WORKGROUP,), entry, grid(-(-node.size // WORKGROUP), caps),
-                    prelude=[*helper_functions(prologue, epilogue), *helper], flops=2 * total,
+                    prelude=[*_enables(node), *helper_functions(prologue, epilogue), *helper],
+                    flops=2 * total,
                     nbytes=4 * (total * n_prologue + node.size))
 
 

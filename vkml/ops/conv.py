@@ -81,8 +81,16 @@ def channels_last(node: Tensor, caps) -> tuple[tuple[tuple[str, dict] | None, ..
         **node.attrs, "operands": kernels.CHANNELS_LAST, "x_shape": x.shape, "w_shape": w.shape}
 
 
+def stores_channels_last(node: Tensor, layout: str) -> bool:
+    """OpDef.stores of a forward convolution (and of a sum, the split ones' last step): its
+    kernel writes a channels-last copy's layout itself where the copy would pad nothing."""
+    return (layout == kernels.CHANNELS_LAST and len(node.shape) == 4 and node.dtype == "f32"
+            and node.shape[1] % kernels.CHANNEL_QUAD == 0 and "splits" not in node.attrs
+            and "store" not in node.attrs)
+
+
 register(OpDef("conv2d", _conv2d, "kernel", grad=_conv2d_grad, fusion="product",
-               fused="fused_conv2d", layouts=channels_last,
+               fused="fused_conv2d", layouts=channels_last, stores=stores_channels_last,
                **by_device(kernels.generate_conv2d, conv_cpu.generate_conv2d,
                            kernels.dims_conv2d)))
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from vkml.graph import OpDef, register
 from vkml.kernels import conv, conv_cpu, matmul, reduce
-from vkml.ops.conv import by_device, channels_last
+from vkml.ops.conv import by_device, channels_last, stores_channels_last
 
 
 def _stored(inputs, attrs):
@@ -33,8 +33,9 @@ register(OpDef("fused_pointwise", _stored, "pointwise",
                expr=lambda node: node.attrs["body"].result))
 _fused("fused_matmul", "matmul", lower=matmul.generate, splits=matmul.splits,
        scaled=matmul.scaled)
-_fused("fused_sum", "sum", fusion="sum", lower=reduce.generate_fused_sum)
-_fused("fused_conv2d", "conv2d", layouts=channels_last,
+_fused("fused_sum", "sum", fusion="sum", lower=reduce.generate_fused_sum,
+       stores=stores_channels_last)
+_fused("fused_conv2d", "conv2d", layouts=channels_last, stores=stores_channels_last,
        **by_device(conv.generate_conv2d, conv_cpu.generate_conv2d, conv.dims_conv2d))
 _fused("fused_conv2d_input_grad", "conv2d_input_grad",
        **by_device(conv.generate_conv2d_input_grad, conv_cpu.generate_conv2d_input_grad,
