@@ -31,6 +31,9 @@ X = np.array([INF, -INF, NAN, 0.0, -0.0, 1.0, -1.0, 0.5, 3.0, -3.0, 100.0, -100.
               12345.678, 1e30, -1e30, 3.4e38], np.float32)
 Y = np.roll(X, 5)  # the second operand: NaN and infinities against every kind of value
 SIN_EXACT = 1e4
+# exponents: special, and whole and fractional numbers of both signs
+SMALL = np.array([INF, -INF, NAN, 0.0, -0.0, 1.0, -1.0, 0.5, 2.0, -2.0, 3.0, -3.0, 0.25, 1e-3,
+                  -0.5, 40.0, -40.0, 7.0], np.float32)
 # Rows that decide a maximum: all -inf, a NaN first, last or between, +inf, ordinary, all +inf
 ROWS = np.array([[-INF, -INF, -INF, -INF], [NAN, 1.0, 2.0, -INF], [1.0, 2.0, 3.0, NAN],
                  [1.0, NAN, 2.0, 0.0], [INF, 0.0, -INF, 1.0], [-INF, 0.0, -INF, -INF],
@@ -132,6 +135,7 @@ def table() -> dict[str, Entry]:
                                      lambda x: x.clamp(1.0, -1.0), (X,)),
         "clamp_tensor": Entry(lambda g, x, lo: g.clamp(x, lo, g.add(lo, 2.0)),
                               lambda x, lo: x.clamp(lo, lo + 2.0), (X, Y)),
+        "pow": Entry(lambda g, a, b: g.pow(a, b), torch.pow, (X, np.roll(SMALL, 3))),
         "maximum": Entry(lambda g, a, b: g.maximum(a, b), torch.maximum, (X, Y)),
         "minimum": Entry(lambda g, a, b: g.minimum(a, b), torch.minimum, (X, Y)),
         "where": Entry(lambda g, a, b: g.where(g.constant(X), a, b),  # NaN is true

@@ -150,6 +150,11 @@ def is_finite(value: str) -> str:
     return f"((bitcast<u32>({value}) & 0x7fffffffu) < 0x7f800000u)"
 
 
+def is_infinite(value: str) -> str:
+    """WGSL: whether the f32 `value` is +inf or -inf (exponent all ones, mantissa zero)."""
+    return f"((bitcast<u32>({value}) & 0x7fffffffu) == 0x7f800000u)"
+
+
 def unless_nan(value: str, x: str, instead: str | None = None) -> str:
     """WGSL: `value`, except where `x` is NaN: there `instead` (x itself, NaN, by default)."""
     return f"select({value}, {x if instead is None else instead}, {is_nan(x)})"

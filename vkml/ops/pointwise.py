@@ -23,7 +23,7 @@ from vkml.graph import (
     builder,
     register,
 )
-from vkml.kernels.common import is_nan, unless_nan
+from vkml.kernels.common import is_infinite, is_nan, unless_nan
 
 
 def same_f32(inputs, attrs):
@@ -471,8 +471,7 @@ PREDICATES: dict[str, Callable[[Tensor], str]] = {
     "logical_or": lambda n: f"{_nonzero(n, 0)} || {_nonzero(n, 1)}",
     "logical_xor": lambda n: f"({_nonzero(n, 0)}) != ({_nonzero(n, 1)})",
     "logical_not": lambda n: f"!({_nonzero(n, 0)})",
-    # exponent all ones: infinite with a zero mantissa, NaN with any other (no WGSL builtin)
-    "isinf": lambda n: "(bitcast<u32>({0}) & 0x7fffffffu) == 0x7f800000u",
+    "isinf": lambda n: is_infinite("{0}"),  # no WGSL builtin for either
     "isnan": lambda n: "vkml_isnan({0})",
 }
 UNARY_PREDICATES = ("logical_not", "isinf", "isnan")
@@ -587,10 +586,8 @@ fn vkml_pow(x: f32, y: f32, log_near_one: f32) -> f32 {
   // only accurate to 2^-21 absolute: there exp(y log1p(|x| - 1)) (|x| - 1 is exact).
   let ax = abs(x);
   if (y == 0.0 || x == 1.0 || (ax == 1.0 && abs(y) > 3.4028235e38)) { return 1.0; }
-  // NaN told by its bits (WGSL lets a driver assume none compares unequal to itself);
   // lavapipe's pow(NaN, y) is 0
-  if ((bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u
-      || (bitcast<u32>(y) & 0x7fffffffu) > 0x7f800000u) { return bitcast<f32>(0x7fc00000u); }
+  if (X_IS_NAN || Y_IS_NAN) { return bitcast<f32>(0x7fc00000u); }
   let whole = floor(y) == y;
   var m = select(pow(ax, y), exp(y * log_near_one), abs(ax - 1.0) < 0.5);
   if (whole && abs(y) < 2147483648.0) {
@@ -612,7 +609,7 @@ fn vkml_pow(x: f32, y: f32, log_near_one: f32) -> f32 {
   let odd = whole && floor(y * 0.5) != y * 0.5;
   return select(m, -m, odd && bitcast<u32>(x) >= 0x80000000u);
 }
-"""
+""".replace("X_IS_NAN", is_nan("x")).replace("Y_IS_NAN", is_nan("y"))
 
 
 def _pow_expr(node: Tensor) -> Expr:
