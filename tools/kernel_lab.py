@@ -414,19 +414,20 @@ def channels_last_lab(device: vkml.Device, opts) -> int:
     ref = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rng = np.random.default_rng(0)
     rows: list = []
-    lines = [*notes, f"{'CxHxW -> out kxk/stride pad groups count':46} {'variant':9} "
+    lines = [*notes, f"{'CxHxW -> out kxk/stride pad groups count [m x n x k]':60} "
+             f"{'variant':9} "
              f"{'conv ms':>8} {'copies':>7} {'total':>8} {'vs f32':>6} {'rel err':>9}  kernel"]
     print("\n".join(lines), flush=True)
 
     def emit(row: dict) -> None:
         rows.append(row)
         if "error" in row:
-            line = f"{row['case'][:46]:46} {row['variant']:9} failed: {row['error'][:70]}"
+            line = f"{row['case'][:60]:60} {row['variant']:9} failed: {row['error'][:70]}"
         else:
             base = next((r for r in rows if r["case"] == row["case"] and r["variant"] == "f32"
                          and "error" not in r), None)
             ratio = base["total_ms"] / row["total_ms"] if base and row["total_ms"] else 0.0
-            line = (f"{row['case'][:46]:46} {row['variant']:9} {row['conv_ms']:8.4f} "
+            line = (f"{row['case'][:60]:60} {row['variant']:9} {row['conv_ms']:8.4f} "
                     f"{row['copies_ms']:7.4f} {row['total_ms']:8.4f} {ratio:5.2f}x "
                     f"{row['err']:9.2e}  {row['kernel']}")
         lines.append(line)
@@ -446,6 +447,12 @@ def channels_last_lab(device: vkml.Device, opts) -> int:
                 f"{w_shape[2]}x{w_shape[3]}/s{stride[0]} p{padding[0]} g{groups} x{count}")
         if not chosen(case):
             continue
+        # the implicit GEMM's m, n, k (what CHANNELS_LAST_MIN bounds; k before padding)
+        out_hw = [conv.out_extent(x_shape[a], w_shape[a], stride[a - 2], padding[a - 2], 1)
+                  for a in (2, 3)]
+        gemm_mnk = (x_shape[0] * out_hw[0] * out_hw[1], w_shape[0] // groups,
+                    int(np.prod(w_shape[1:])))
+        case += f" [{'x'.join(map(str, gemm_mnk))}]"
         x = rng.standard_normal(x_shape).astype(np.float32)
         w = (rng.standard_normal(w_shape) / np.sqrt(np.prod(w_shape[1:]))).astype(np.float32)
         g = vkml.Graph()
@@ -463,7 +470,7 @@ def channels_last_lab(device: vkml.Device, opts) -> int:
                 emit({"case": case, "variant": variant, "error": f"{type(exc).__name__}: {exc}"})
                 continue
             (kernel,) = [k for k in got["kernels"] if "conv2d" in k]
-            emit({"case": case, "variant": variant, "kernel": kernel, "err": err,
+            emit({"case": case, "variant": variant, "kernel": kernel, "err": err, "gemm": gemm_mnk,
                   "limit": 1e-5 if variant == "f32" else 1e-2, "count": count,
                   "conv_ms": got["conv_ms"], "copies_ms": got["copies_ms"],
                   "total_ms": got["conv_ms"] + got["copies_ms"]})
