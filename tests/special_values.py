@@ -1,15 +1,20 @@
 """The table of special values (NaN, +-inf, -0.0, huge) through every op whose kernel decides
 something by comparing values (max, min, clamp, select, NaN tests) or reduces its argument
 (sin, cos), with torch's float64 result on the same values. One training graph holds every
-entry (each on parameters of its own, so each gradient is its entry's alone); tests/
-test_nonfinite.py runs it on lavapipe, tests/gpu/test_accelerated.py on the H200, where drivers
-fold selects into max and min and decide their NaN rule.
+entry (each on parameters of its own, so each gradient is its entry's alone), then an
+inference of it; tests/test_nonfinite.py runs it on lavapipe, tests/gpu/test_accelerated.py on
+the H200 in f32, f16 and bf16, where drivers fold selects into max and min and decide their NaN
+rule. Signed zeros are not compared (sign(+-0) is -0.0, sin(-0.0) and tanh(-0.0) +0.0 on
+lavapipe, where torch's are +0, -0 and -0).
 
 What torch gives, which the table asserts: relu, clamp, maximum, amax, softmax, max pooling
-and argmax propagate or pick a NaN; sign of NaN is 0; relu's, hardswish's and elu's gradients
-pass at NaN, clamp's and hardsigmoid's do not; softmax of a row holding +inf or only -inf is NaN;
-scaled_dot_product_attention gives 0 for a query that sees no key, NaN for a row whose scores
-hold +inf or NaN."""
+and argmax propagate or pick a NaN; sign of NaN is 0; relu's gradient passes at NaN, clamp's
+and hardsigmoid's do not, elu's and hardswish's are NaN there (torch's vectorized kernels; its
+scalar loop, on tensors of a few elements, passes them); softmax of a row holding +inf or only
+-inf is NaN, logsumexp +inf and -inf; cross_entropy with class indices is finite where another
+class's logit is -inf, with probabilities NaN; scaled_dot_product_attention gives 0 for a query
+that sees no key, NaN for a row whose scores hold +inf or NaN (its math kernel; torch's default
+CPU kernel gives 0 for a NaN query's row)."""
 
 from __future__ import annotations
 
