@@ -7,8 +7,9 @@ GPU's capabilities less its cooperative matrices); and at precision "bf16", the 
 convolution (its weight gradient too) and attention kernels with bfloat16 operands, each also
 matched to its arithmetic emulated in float64 (see BF16_MODEL_TOL). Also the table of special
 values (tests/special_values.py: NaN, infinities and huge values through every op that compares
-values, forward and backward, in strict f32 and at precision "f16"), which runs everywhere but
-matters here: GPU drivers fold selects into max and min and pick their NaN rule.
+values, forward and backward, training and inference, in strict f32 and at precision "f16"
+and "bf16"), which runs wherever the precision does, lavapipe too, but matters here: GPU
+drivers fold selects into max and min and pick their NaN rule.
 
 Each case asserts that the variant it names is the kernel that ran (a silent fall back to f32
 would otherwise pass), records its kernels and errors, then asserts the gates; the records go
