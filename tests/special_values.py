@@ -173,6 +173,10 @@ def table() -> dict[str, Entry]:
         # rows without ties in their top two, where torch's choice of index is its own
         "topk": Entry(lambda g, x: g.topk(x, 2)[0], lambda x: x.topk(2, -1)[0],
                       (ROWS[[1, 2, 3, 4, 6]],)),
+        "layer_norm": Entry(lambda g, x: g.layer_norm(x, 4), lambda x: F.layer_norm(x, (4,)),
+                            (ROWS,)),
+        "rms_norm": Entry(lambda g, x: g.rms_norm(x, eps=1e-6),
+                          lambda x: F.rms_norm(x, (4,), eps=1e-6), (ROWS,)),
         "softmax": Entry(lambda g, x: g.softmax(x), lambda x: x.softmax(-1), (ROWS,)),
         "log_softmax": Entry(lambda g, x: g.log_softmax(x), lambda x: x.log_softmax(-1),
                              (ROWS,)),
