@@ -551,9 +551,11 @@ def _channels_last_conv2d(node: Tensor, caps: Capabilities, tiling: gemm.Tiling 
     cp, cpgp = padded_channels(c), padded_channels(cpg)
     opg, depth = o // groups, kh * kw * cpgp
     m = n * oh * ow
-    # a patch row's quad at pixel row i, depth d (a multiple of 4): its flat quad index and
-    # whether it lies inside the image (pointwise convolutions: always)
+    # a patch row's quad at pixel row i, depth d (a multiple of 4), zero in the image's padding
+    # (a pointwise convolution's rows are its input's pixels)
     patch = ["fn patch_quad(i: u32, d: u32) -> vec4<f16> {",
+             f"  return in0[(i * {cp}u + g * {cpg}u + d) / 4u];", "}"] if pointwise(node) else [
+             "fn patch_quad(i: u32, d: u32) -> vec4<f16> {",
              "  " + _split("i", (n, oh, ow), ("nb", "oy", "ox")),
              "  " + _split("d", (kh, kw, cpgp), ("ky", "kx", "ci")),
              f"  let iy = i32(oy * {sh}u + ky) - {ph}; let ix = i32(ox * {sw}u + kx) - {pw};",
