@@ -22,7 +22,13 @@ from vkml.hal import Capabilities
 
 
 def relayout_operands(rooted: Rooted, caps: Capabilities) -> Rooted:
-    """The graph with each node's wanted operand layouts (OpDef.layouts) on `caps`."""
+    """The graph with each node's wanted operand layouts (OpDef.layouts) on `caps`; the graph
+    itself where no node wants any."""
+    wants = {node.id: wanted for node in rooted.graph.reachable(rooted.roots)
+             if (rule := OPS[node.op].layouts) is not None
+             and (wanted := rule(node, caps)) is not None}
+    if not wants:
+        return rooted
     copies: dict[tuple, Tensor] = {}  # (input's new id, layout op, its attributes) -> the copy
 
     def copy(x: Tensor, op: str, attrs: dict, emit: Emit) -> Tensor:
@@ -33,11 +39,9 @@ def relayout_operands(rooted: Rooted, caps: Capabilities) -> Rooted:
         return copies[key]
 
     def make(node: Tensor, inputs: list[Tensor], emit: Emit) -> Tensor:
-        rule = OPS[node.op].layouts
-        wanted = rule(node, caps) if rule is not None else None
-        if wanted is None:
+        if node.id not in wants:
             return emit(node.op, inputs, node.shape, node.attrs, node)
-        layouts, attrs = wanted
+        layouts, attrs = wants[node.id]
         moved = [x if k >= len(layouts) or layouts[k] is None
                  else copy(x, *layouts[k], emit) for k, x in enumerate(inputs)]
         return emit(node.op, moved, node.shape, attrs, node)
@@ -56,17 +60,22 @@ def store_layouts(rooted: Rooted) -> Rooted:
         for x in node.inputs:
             readers[x.id].append(node)
     kept = {t.id for t in rooted.roots}
-    stored: dict[int, Tensor] = {}  # copy's id -> the producer storing it
+    stored: dict[int, Tensor] = {}  # producer's id -> the copy it writes
+    for node in nodes:
+        after = readers[node.id]
+        rule = OPS[node.op].stores
+        if (len(after) == 1 and node.id not in kept and rule is not None
+                and [x.id for x in after[0].inputs] == [node.id] and rule(node, after[0].op)):
+            stored[node.id] = after[0]
+    if not stored:
+        return rooted
+    copies = {copy.id for copy in stored.values()}
 
     def make(node: Tensor, inputs: list[Tensor], emit: Emit) -> Tensor:
-        if node.id in stored:  # the copy: its producer wrote it
+        if node.id in copies:  # its producer wrote it
             return inputs[0]
-        after = readers[node.id]
-        copy = after[0] if len(after) == 1 else None
-        rule = OPS[node.op].stores
-        if (copy is not None and node.id not in kept and rule is not None
-                and [x.id for x in copy.inputs] == [node.id] and rule(node, copy.op)):
-            stored[copy.id] = node
+        if node.id in stored:
+            copy = stored[node.id]
             return emit(node.op, inputs, node.shape, {**node.attrs, "store": copy.op}, node,
                         copy.dtype)
         return emit(node.op, inputs, node.shape, node.attrs, node)
