@@ -328,6 +328,8 @@ def rel(got: np.ndarray, want: np.ndarray) -> float:
 #   chlast      precision="f16", every convolution over channels-last f16 copies
 #               (CHANNELS_LAST_MIN = 0): cooperative tiles, or staged f16 ones where the device
 #               has no cooperative matrices; its rows add the copies' time ("copies")
+# and last the whole network at the threshold the convolutions' rows suggest ("chlast>=T",
+# `suggest_threshold`), where that is neither every convolution nor none.
 CHANNELS_LAST_VARIANTS = ("f32", "f16-today", "coop-nchw", "chlast")
 
 
@@ -335,8 +337,8 @@ CHANNELS_LAST_VARIANTS = ("f32", "f16-today", "coop-nchw", "chlast")
 def convolution_rule(variant: str):
     """The convolution rules of `variant` while a plan is lowered."""
     saved = conv.CHANNELS_LAST_MIN, conv.coop_min
-    if variant == "chlast":
-        conv.CHANNELS_LAST_MIN = 0
+    if variant.startswith("chlast"):  # "chlast": every convolution; "chlast>=T": from T on
+        conv.CHANNELS_LAST_MIN = int(variant.partition(">=")[2] or 0)
     if variant == "coop-nchw":
         conv.CHANNELS_LAST_MIN = None
         conv.coop_min = lambda node: (0, 0)
@@ -477,9 +479,42 @@ def channels_last_lab(device: vkml.Device, opts) -> int:
         if opts.out:
             _write_channels_last(opts.out, device, notes, rows, lines)
 
+    best, estimates = suggest_threshold(rows)
+    lines += estimates
+    print("\n".join(estimates), flush=True)
+    smallest = min((min(r["gemm"]) for r in rows if "gemm" in r), default=None)
+    if best is not None and best != smallest and chosen(label):
+        network(device, opts, cfg, [f"chlast>={best}"], ref, rng, rows, lines)
+    if opts.out:
+        _write_channels_last(opts.out, device, notes, rows, lines)
     bad = [r for r in rows if "error" in r or r["err"] > r["limit"]]
     print(f"{len(rows)} runs, {len(bad)} failed or over their limit (f32 1e-5, f16 1e-2)")
     return 1 if bad else 0
+
+
+def suggest_threshold(rows: list) -> tuple[int | None, list[str]]:
+    """The CHANNELS_LAST_MIN (None: off) under which the convolutions' rows add up to the
+    least time a step: each distinct convolution its count times its chlast time (copies
+    included: in the network a convolution writes most of them itself, so this leans against
+    chlast) where its GEMM's smallest dimension reaches the threshold, else its f16-today time;
+    and lines giving the estimate at each candidate."""
+    by_case: dict[str, dict] = {}
+    for r in rows:
+        if "gemm" in r and "error" not in r:
+            by_case.setdefault(r["case"], {})[r["variant"]] = r
+    shapes = [(min(v["chlast"]["gemm"]), v["chlast"]["count"], v["chlast"]["total_ms"],
+               v["f16-today"]["total_ms"]) for v in by_case.values()
+              if "chlast" in v and "f16-today" in v]
+    if not shapes:
+        return None, []
+    candidates: list[int | None] = [*sorted({s[0] for s in shapes}), None]
+    estimate = {t: sum(count * (new if t is not None and low >= t else today)
+                       for low, count, new, today in shapes) for t in candidates}
+    best = min(candidates, key=lambda t: estimate[t])
+    return best, ["estimated convolution ms a step, by CHANNELS_LAST_MIN (the smallest of "
+                  "m, n, k that takes channels-last; off: none): " + ", ".join(
+                      f"{'off' if t is None else t} {ms:.3f}" for t, ms in estimate.items()),
+                  f"suggested CHANNELS_LAST_MIN: {best}"]
 
 
 def network(device: vkml.Device, opts, cfg, variants: list, ref, rng, rows: list,
