@@ -135,7 +135,11 @@ def table() -> dict[str, Entry]:
                                lambda x: F.softplus(x, 2.0, 10.0), (X,)),
         "clamp": Entry(lambda g, x: g.clamp(x, -2.0, 3.0), lambda x: x.clamp(-2.0, 3.0), (X,)),
         "clamp_min": Entry(lambda g, x: g.clamp(x, min=0.0), lambda x: x.clamp(min=0.0), (X,)),
-        "relu6": Entry(lambda g, x: g.clamp(x, 0.0, 6.0), lambda x: x.clamp(0.0, 6.0), (X,)),
+        "clamp_0_6": Entry(lambda g, x: g.clamp(x, 0.0, 6.0), lambda x: x.clamp(0.0, 6.0),
+                           (X,)),
+        # clamp's values, but no gradient at the bounds
+        "hardtanh": Entry(lambda g, x: g.hardtanh(x), F.hardtanh, (X,)),
+        "relu6": Entry(lambda g, x: g.relu6(x), F.relu6, (np.append(X, 6.0),)),
         "clamp_max_below_min": Entry(lambda g, x: g.clamp(x, 1.0, -1.0),
                                      lambda x: x.clamp(1.0, -1.0), (X,)),
         "clamp_tensor": Entry(lambda g, x, lo: g.clamp(x, lo, g.add(lo, 2.0)),

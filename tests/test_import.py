@@ -240,6 +240,34 @@ def test_torch_transformer_block_trains_as_pytorch(device):
     check_training(imp, module, x, labels, device)
 
 
+class Bounded(torch.nn.Module):
+    """ReLU6 and Hardtanh on values that sit exactly on their bounds (x w, w = 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return torch.nn.functional.relu6(x * self.w) + torch.nn.Hardtanh(-1.0, 2.0)(x * self.w)
+
+
+@vulkan_only
+def test_torch_hardtanh_and_relu6_import_with_torchs_gradient(device):
+    # torch's hardtanh passes no gradient at its bounds, where clamp's does: imported as
+    # clamp, an exported ReLU6 trained differently wherever its input was exactly 0 or 6
+    module = Bounded()
+    x = torch.tensor([-2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 6.0, 7.0])
+    imp = vkml.import_torch(module, (x,))
+    g = imp.graph
+    (y,) = imp.outputs.values()
+    session = vkml.compile(g, loss=g.sum(y), outputs=imp.outputs, device=device)
+    session.set_input(next(iter(imp.inputs)), x.numpy())
+    session.step()
+    module(x).sum().backward()
+    np.testing.assert_array_equal(session.grad("w"), module.w.grad.numpy())
+    session.close()
+
+
 @vulkan_only
 def test_onnx_transformer_block_matches_onnxruntime(device, tmp_path):
     torch.manual_seed(0)

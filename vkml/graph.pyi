@@ -39,6 +39,8 @@ class OpDef:
     scaled: Callable[[Tensor, Capabilities], bool] | None = None
     composes: Callable[[Tensor, dict[int, np.ndarray], Capabilities], Composition | None] | None = None
     training_only: bool = False
+    layouts: Callable[[Tensor, Capabilities], tuple[tuple[tuple[str, dict[str, Any]] | None, ...], dict[str, Any]] | None] | None = None
+    stores: Callable[[Tensor, str], bool] | None = None
 
 class Composition(Protocol):
     interior: tuple[Tensor, ...]
@@ -210,10 +212,14 @@ class Tensor:
         """torch's F.gelu: x Phi(x) with erf (`approximate="none"`) or its tanh form ("tanh")."""
         ...
     def hardsigmoid(self) -> Tensor:
-        """Elementwise hardsigmoid: WGSL select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, {0} + 3.0 > 6.0)"""
+        """Elementwise hardsigmoid: WGSL select(select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, {0} + 3.0 > 6.0), {0}, ((bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u))"""
         ...
     def hardswish(self) -> Tensor:
         """Elementwise hardswish: WGSL {0} * select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, {0} + 3.0 > 6.0)"""
+        ...
+    def hardtanh(self, min_val: float = ..., max_val: float = ...) -> Tensor:
+        """F.hardtanh: clamp's values, and torch's gradient, which passes where
+        min_val < x < max_val (clamp's passes at the bounds too)."""
         ...
     def isinf(self) -> Tensor:
         """torch.isinf elementwise as an f32 mask (1 true, 0 false), numpy broadcasting; numbers become constants of the other operand's dtype"""
@@ -246,7 +252,10 @@ class Tensor:
         """Elementwise reciprocal: WGSL 1.0 / {0}"""
         ...
     def relu(self) -> Tensor:
-        """Elementwise relu: WGSL select({0}, 0.0, {0} < 0.0)"""
+        """Elementwise relu: WGSL select(select({0}, 0.0, {0} < 0.0), {0}, ((bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u))"""
+        ...
+    def relu6(self) -> Tensor:
+        """F.relu6: hardtanh(x, 0, 6), with its gradient."""
         ...
     def reshape(self, *shape) -> Tensor:
         ...
@@ -263,7 +272,7 @@ class Tensor:
         """Elementwise sigmoid: WGSL 1.0 / (1.0 + exp(-{0}))"""
         ...
     def sign(self) -> Tensor:
-        """Elementwise sign: WGSL select(select(0.0, -1.0, {0} < 0.0), 1.0, {0} > 0.0)"""
+        """Elementwise sign: WGSL select(select(select(0.0, -1.0, {0} < 0.0), 1.0, {0} > 0.0), 0.0, ((bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u))"""
         ...
     def silu(self) -> Tensor:
         """Elementwise silu: WGSL {0} / (1.0 + exp(-{0}))"""
@@ -441,7 +450,9 @@ class Graph:
         ...
     def cross_entropy(self, logits: Tensor, labels: Tensor) -> Tensor:
         """Mean cross-entropy over the rows of 2-D `logits`. `labels`: class indices (i32, shape
-        (rows,)) or target probabilities / one-hot rows (f32, same shape as logits)."""
+        (rows,)) or target probabilities / one-hot rows (f32, same shape as logits). As torch's:
+        with class indices a -inf logit of another class changes nothing (its log-probability is
+        picked out, not multiplied by 0: 0 * -inf is NaN); with probabilities it is NaN."""
         ...
     def cumsum(self, x: Tensor, axis: int = ..., reverse: bool = ..., exclusive: bool = ...) -> Tensor:
         """torch.cumsum along `axis`; `reverse`: sums from the end (the gradient of cumsum);
@@ -522,10 +533,14 @@ class Graph:
     def group_norm(self, x: Tensor, num_groups: int, weight = ..., bias = ..., eps: float = ...) -> Tensor:
         ...
     def hardsigmoid(self, x: Tensor) -> Tensor:
-        """Elementwise hardsigmoid: WGSL select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, {0} + 3.0 > 6.0)"""
+        """Elementwise hardsigmoid: WGSL select(select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, {0} + 3.0 > 6.0), {0}, ((bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u))"""
         ...
     def hardswish(self, x: Tensor) -> Tensor:
         """Elementwise hardswish: WGSL {0} * select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, {0} + 3.0 > 6.0)"""
+        ...
+    def hardtanh(self, x: Tensor, min_val: float = ..., max_val: float = ...) -> Tensor:
+        """F.hardtanh: clamp's values, and torch's gradient, which passes where
+        min_val < x < max_val (clamp's passes at the bounds too)."""
         ...
     def index(self, x: Tensor, indices: Sequence[Tensor | None]) -> Tensor:
         """torch's advanced indexing x[i0, i1, ...] (aten.index; ONNX GatherND over leading axes):
@@ -587,7 +602,8 @@ class Graph:
         ...
     def logsumexp(self, x: Tensor, axis: int | Sequence[int] | None = ..., keepdims: bool = ...) -> Tensor:
         """torch.logsumexp / ONNX ReduceLogSumExp over `axis`: log(sum(exp(x - m))) + m with m the
-        maximum, so no exponential overflows."""
+        maximum, so no exponential overflows; as torch, m = 0 where the maximum is infinite, so
+        a +inf gives +inf and all -inf gives -inf (not inf - inf = NaN)."""
         ...
     def matmul(self, a: Tensor, b: Tensor, transpose_a: bool = ..., transpose_b: bool = ...) -> Tensor:
         """op(a) @ op(b), op transposing the last two axes when asked (no copy is made); operands
@@ -645,7 +661,10 @@ class Graph:
         """ONNX ReduceL2 (torch.linalg.vector_norm of order 2) over `axis`: sqrt(sum(x^2))."""
         ...
     def relu(self, x: Tensor) -> Tensor:
-        """Elementwise relu: WGSL select({0}, 0.0, {0} < 0.0)"""
+        """Elementwise relu: WGSL select(select({0}, 0.0, {0} < 0.0), {0}, ((bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u))"""
+        ...
+    def relu6(self, x: Tensor) -> Tensor:
+        """F.relu6: hardtanh(x, 0, 6), with its gradient."""
         ...
     def remainder(self, a: Operand, b: Operand) -> Tensor:
         """torch's a % b, ONNX Mod: the remainder with b's sign; i32 operands, numpy broadcasting"""
@@ -698,7 +717,7 @@ class Graph:
         """Elementwise sigmoid: WGSL 1.0 / (1.0 + exp(-{0}))"""
         ...
     def sign(self, x: Tensor) -> Tensor:
-        """Elementwise sign: WGSL select(select(0.0, -1.0, {0} < 0.0), 1.0, {0} > 0.0)"""
+        """Elementwise sign: WGSL select(select(select(0.0, -1.0, {0} < 0.0), 1.0, {0} > 0.0), 0.0, ((bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u))"""
         ...
     def silu(self, x: Tensor) -> Tensor:
         """Elementwise silu: WGSL {0} / (1.0 + exp(-{0}))"""

@@ -613,9 +613,14 @@ def _softplus(b, x, beta=1.0, threshold=20.0):
     return b.g.softplus(b.device(x), float(beta), float(threshold))
 
 
-@aten("hardtanh", "clamp")
+@aten("clamp")
 def _clamp(b, x, low=None, high=None):
     return b.g.clamp(b.device(x), low, high)
+
+
+@aten("hardtanh")
+def _hardtanh(b, x, low=-1.0, high=1.0):
+    return b.g.hardtanh(b.device(x), float(low), float(high))
 
 
 @aten("pow")

@@ -291,7 +291,11 @@ def _clamped(node: Tensor) -> Expr:
 
 
 def _within(node: Tensor) -> Expr:
-    """1 where min <= x <= max (where the gradient passes), else 0."""
+    """1 where the gradient passes, else 0: where min <= x <= max (clamp's), or with `open`
+    (hardtanh's) where min < x < max."""
+    if node.attrs.get("open"):
+        return call(f"select(0.0, 1.0, {{0}} > {{1}} && {{0}} < {{2}} && !{is_nan('{0}')})",
+                    Arg(0), Lit(node.attrs["min"]), Lit(node.attrs["max"]))
     tests, args = [], [Arg(0)]
     for bound, op in (("min", ">="), ("max", "<=")):
         if node.attrs[bound] is not None:
@@ -344,6 +348,21 @@ def clamp(g: Graph, x: Tensor, min: Operand | None = None,  # noqa: A002  (torch
                                         g.lift(math.inf if max is None else max)])
     return g.apply("clamp", [x], min=None if min is None else float(min),
                    max=None if max is None else float(max))
+
+
+@builder(tensor=True)
+def hardtanh(g: Graph, x: Tensor, min_val: float = -1.0, max_val: float = 1.0) -> Tensor:
+    """F.hardtanh: clamp's values, and torch's gradient, which passes where
+    min_val < x < max_val (clamp's passes at the bounds too)."""
+    if not min_val < max_val:
+        raise GraphError(f"hardtanh: min_val ({min_val}) must be below max_val ({max_val})")
+    return g.apply("clamp", [x], min=float(min_val), max=float(max_val), open=True)
+
+
+@builder(tensor=True)
+def relu6(g: Graph, x: Tensor) -> Tensor:
+    """F.relu6: hardtanh(x, 0, 6), with its gradient."""
+    return g.hardtanh(x, 0.0, 6.0)
 
 
 # ---- binary ops with numpy broadcasting -------------------------------------------------------
