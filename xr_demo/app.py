@@ -61,6 +61,8 @@ EVAL_FRAMES = (101, 917, 1733, 2549)  # fixed views for the held-out depth error
 RECENT_FRAMES = 256  # zero_copy: frames kept on the host for the metrics of the inference
 
 
+WARM_S = 0.6  # seconds of GPU work before a measurement (Demo.warm_gpu)
+
 @dataclass
 class Options:
     mode: str = "headless"
@@ -440,6 +442,22 @@ class Demo:
             errors.append(abs_rel(self.predict_now(rgb), depth))
         return float(np.mean(errors))
 
+    def warm_gpu(self, seconds: float = WARM_S) -> None:
+        """Keep the GPU busy for `seconds` (the inference session, back to back) so its clock is
+        up before anything is measured: a GPU left idle through the compile runs at its lowest
+        clock for a while (on the H200 345 against 1980 MHz, a session's first 0.15-0.4 s of
+        steps 3-4x slower: tools/clock_lab.py), and a schedule planned from those times would
+        cut the steps for a slower device. CPU drivers have no such state: one step there."""
+        end = time.perf_counter() + (0.0 if self.device.caps.device_type == "cpu" else seconds)
+        rgb, _ = self.render_now(0)  # what the inference reads: zero-copy binds the target
+        if not self.opts.zero_copy:
+            self.infer.set_input("image", self.to_input(rgb))
+        while True:
+            self.infer.step()
+            self.infer.wait()
+            if time.perf_counter() >= end:
+                break
+
     def prepare(self, period_ms: float, render_ms: float) -> dict[str, Any]:
         """Measure each session's dispatches (profile) and build the jobs for a frame of
         `period_ms` whose render takes `render_ms` (measured by the mode)."""
@@ -456,6 +474,7 @@ class Demo:
             if self.train is not None:
                 self.train.set_input("image", self.to_input(rgb))
                 self.train.set_input("target", to_target(depth))
+        self.warm_gpu()
         for name, s in sessions:
             # update=False: the profiled steps leave the training session's state as it was,
             # so the run does not depend on them. The first one warms the driver up.

@@ -283,6 +283,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
             panels = [DepthPanel(host, r) for _ in xs.eyes]
         log(f"device: {host.device_name}; eyes {[(w, h) for _, w, h, _ in xs.eyes]}, "
             f"format {xs.format}")
+        demo.warm_gpu()  # the calibration below measures at the GPU's running clock
         render_ms, render_source, _ = calibrate(host, renderers[0])
         render_ms *= len(xs.eyes)
         cb = host.command_buffers(1)[0]
