@@ -14,23 +14,24 @@ Four variants, chosen by the device and the product:
   vec4 reads of a warp conflict-free and its stores contiguous.
 - direct (CPU drivers, where staging gains nothing and barriers make the JIT slow): each thread
   reads its operands straight from memory, rows ty + WY * i and columns tx + WX * j.
-- cooperative (precision="f16" on devices with cooperative matrices, and "bf16" on devices
-  with bfloat16 ones: the same kernels, their f16 made bfloat16 by the backend; for products
-  of at least COOP_MIN in every dimension, for matmuls of COOP_MIN_MATMUL rows and columns and
-  depth, plain ones from a shallower depth: kernels/matmul.py): tensor-core tiles. The
-  operands are read as f32 like the staged variant's and converted to f16 as they are staged,
-  so no f16 copy of any tensor exists; each subgroup multiplies FM x FN 16x16 fragments with
-  f32 accumulators (`coop_mat16x16`, loaded transposed as naga needs for row-major data), and
-  stores each accumulator through workgroup memory, where its lanes apply the store (a product
-  without an epilogue stores its inner tiles' fragments straight to C: `PlainStore`). In the
-  f16 backward pass (Capabilities.scaled_operands) each row of a gradient operand is first
+- cooperative (precision="f16" on devices with cooperative matrices, and "bf16" on devices with
+  bfloat16 ones: the same kernels, their f16 made bfloat16 by the backend; for products of at
+  least COOP_MIN in every dimension, for matmuls of COOP_MIN_MATMUL rows and columns and depth,
+  plain ones from a shallower depth: kernels/matmul.py): tensor-core tiles. The operands are
+  read as f32 like the staged variant's and converted to f16 as they are staged (but for the f16
+  copies channels-last convolutions read, `Operand.half`, kernels/conv.py `channels_last`, which
+  are staged as they are, from every size); each subgroup multiplies FM x FN 16x16 fragments
+  with f32 accumulators (`coop_mat16x16`, loaded transposed as naga needs for row-major data),
+  and stores each accumulator through workgroup memory, where its lanes apply the store (a
+  product without an epilogue stores its inner tiles' fragments straight to C: `PlainStore`). In
+  the f16 backward pass (Capabilities.scaled_operands) each row of a gradient operand is first
   scaled by a power of two into f16's range (`_scales`, from the largest magnitudes
-  compiler/scale.py provides), undone as C is stored. Below those the staged f32 kernel is
-  used even in accelerated mode.
+  compiler/scale.py provides), undone as C is stored. Below those the staged f32 kernel is used
+  even in accelerated mode.
   Matmuls take cooperative tiles from a smaller size than convolutions: on transformer matmuls
   they beat f32 (over a short k only where fragments store straight to C), while on
-  convolutions they were slower and, in ResNet-50's training, failed the gradient gates (batch
-  norm over f16 convolutions).
+  convolutions they were slower on NCHW f32 operands and, in ResNet-50's training, failed the
+  gradient gates (batch norm over f16 convolutions; tools/f16_conv_gradients.py).
 - staged in f16 (precision="f16" on devices with f16 arithmetic but no cooperative matrices,
   Capabilities.f16_products "simt"; matmuls only, every size): the staged variant with its
   slices held as f16 in workgroup memory (half the bytes) and multiplied in f16, four columns
