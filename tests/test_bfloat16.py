@@ -293,7 +293,8 @@ def test_bf16_convolutions_keep_their_operands_f32_in_memory(monkeypatch):
     g.output("y", g.conv2d(g.input("x", (1, 256, 48, 48)), g.param("w", (2048, 256, 3, 3)),
                            padding=1))
     for precision, copies in (("f16", 2), ("bf16", 0)):
-        ops = [d.op for d in lower(g, GPU, precision=precision).plan.dispatches]
+        plan = lower(g, GPU, precision=precision).plan
+        ops = [d.op for d in (*plan.prologue, *plan.dispatches)]  # the weight's: the prologue
         assert ops.count(conv.CHANNELS_LAST) == copies, (precision, ops)
 
 

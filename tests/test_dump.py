@@ -26,7 +26,9 @@ EXPECTED = {
     "rewritten": ["fused_matmul(", "fused_sum(", "epilogue={"],
     "split": ["fused_matmul(", "# train.py:"],
     "plan": ["-- barrier --", "[update  ] sgd_update_24", "# update fc.bias .. fc.weight (2)",
-             "arena 0"],
+             "arena 0",
+             # the loss gradient's seed, of constants alone: computed once, not every step
+             "(and 1 in the prologue)", "prologue: 1 dispatches", "step:", " hoisted "],
     "memory": ["pinned", "levels", "bytes allocated"],
     "wgsl": ["// ---- kernel fused_matmul", "@compute @workgroup_size"],
     "spirv": ["bytes of SPIR-V"],

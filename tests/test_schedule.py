@@ -52,7 +52,8 @@ def test_tensors_sharing_memory_never_live_at_the_same_time(plan):
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     by_target = {target: out for out, target in plan.aliases.items()}
-    for d in plan.dispatches:
+    assert plan.prologue  # the loss gradient's seed: constants alone
+    for d in (*plan.prologue, *plan.dispatches):  # the prologue's levels come first
         for s in d.writes:
             first.setdefault(s, d.level)
             if "_inplace" in d.kernel.name:  # it also produces the tensor it aliases
@@ -65,7 +66,7 @@ def test_tensors_sharing_memory_never_live_at_the_same_time(plan):
     packed_in = {s: pack for pack, held in plan.packs.items() for s, _ in held}
 
     def span(slot):
-        if slot.role in ("param", "constant", "optimizer_state", "hyperparams"):
+        if slot.role in ("param", "constant", "optimizer_state", "hyperparams", "hoisted"):
             return -1, forever
         if slot.role == "pack":  # its bytes are its slots': their spans count
             return forever, -1
@@ -155,8 +156,9 @@ if drop_barriers:  # the control: the same work recorded without barriers must b
     # are a command buffer of their own, so the control puts them back in front of every
     # program's dispatches, with no barrier between.
     commands = vkml.runtime.bound.BoundPlan.commands
-    vkml.runtime.bound.BoundPlan.commands = lambda self, indices: (
-        (self.uploads(0) if self.staging_buffers else []) + commands(self, indices))
+    vkml.runtime.bound.BoundPlan.commands = lambda self, indices, dispatches=None: (
+        (self.uploads(0) if self.staging_buffers else [])
+        + commands(self, indices, dispatches))
     import vkml.vk
     record = vkml.vk.VulkanBackend._record
     vkml.vk.VulkanBackend._record = lambda self, cmds, label, timestamps: record(

@@ -63,7 +63,8 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
             device: Device | None = None, outputs: Mapping[str, Tensor] | None = None,
             rewrite: str = "greedy", keep_grads: bool | None = None,
             trainable: Trainable = None, precision: str = "f32",
-            check_finite: bool = False, share_params_with: Session | None = None) -> Session:
+            check_finite: bool = False, share_params_with: Session | None = None,
+            hoist: bool = True) -> Session:
     """Compile `graph` into a runnable session.
 
     - no `loss`: an inference session; `step()` computes the graph's outputs.
@@ -103,9 +104,16 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     part-way through a chunked step's updates (`owner.updating`) raises InputError, and so do
     the owner's pieces that update parameters while this session's chunked step is
     part-way. The owner's memory stays allocated until both are closed (or dropped).
+    `hoist`: what the step reads that depends on parameters and constants alone, never on
+    inputs or on what a step writes (a transposed or f16 copy of a weight, a position table
+    resized from a parameter) is computed by a prologue, run before a step only when a
+    parameter it reads was written since it last ran (set_param, load, the owner's updates
+    where parameters are shared), its results kept between steps; the same kernels, the same
+    values, fewer dispatches a step (compiler/schedule.py `hoisted`). False computes
+    everything every step, for comparison.
     """
     options = CompileOptions(loss, optimizer, {} if outputs is None else outputs, rewrite,
-                             keep_grads, trainable, precision, check_finite)
+                             keep_grads, trainable, precision, check_finite, hoist)
     if _stopping_at_compile.get():
         owner = share_params_with
         raise CompileCalled(graph, device or (owner.device if isinstance(owner, Session) else None),
@@ -189,6 +197,7 @@ class Session:
                                                                  self._chunker))
         self._profiler = Profiler(self._bound)
         self._external: object | None = None  # the step prepared for record()
+        self._external_prologue: object | None = None  # and its prologue
         # The bound inputs' and outputs' programs prepared for record() (None: not yet).
         self._external_frames: tuple[object | None, object | None] | None = None
         # What a submitted step or forward pass has computed so far: device memory starts
@@ -553,6 +562,17 @@ class Session:
         bind_in, bind_out = self._external_frames
         if bind_in is not None:
             recording.record_into(command_buffer, bind_in)
+        # The prologue goes where a parameter it reads was written since it last ran (or was
+        # last recorded: the host submits what it records in the order recorded, before the
+        # steps it records later)
+        prologue = bound.prologue_due()
+        if prologue is not None:
+            if self._external_prologue is None:
+                self._external_prologue = bound.keep(recording.prepare(
+                    bound.commands(range(len(self.plan.prologue)), self.plan.prologue),
+                    "prologue (host)"))
+            recording.record_into(command_buffer, self._external_prologue)
+            bound.prologue_recorded(prologue)
         recording.record_into(command_buffer, self._external)
         if bind_out is not None:
             recording.record_into(command_buffer, bind_out)
@@ -561,6 +581,8 @@ class Session:
                 self._external_download = bound.keep(recording.prepare(
                     bound.downloads(), "outputs (host)"))
             recording.record_into(command_buffer, self._external_download)
+        if bound.step_writes_params:  # sharing sessions' prologues follow the update
+            bound.step_updates += 1
         self._computed_now("outputs", "grads")  # once the host submits it; read() after that
 
     @_serialized

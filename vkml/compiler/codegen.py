@@ -27,12 +27,12 @@ from vkml.kernels import optimizer, pointwise
 
 
 def generate(scheduled: Scheduled, caps: Capabilities) -> Plan:
-    """The scheduled plan with a kernel for every dispatch."""
+    """The scheduled plan with a kernel for every dispatch, the prologue's included."""
     plan = scheduled.plan
     targets = {True: phase_target(caps, True), False: phase_target(caps, False)}
     made: dict[tuple, Kernel] = {}
     dispatches = []
-    for d, node in zip(plan.dispatches, scheduled.nodes):
+    for d, node in zip((*plan.prologue, *plan.dispatches), scheduled.nodes):
         target = targets[d.phase == "forward"]
         key = dispatch_key(d, node, target)
         kernel = made.get(key) if key is not None else None
@@ -44,7 +44,9 @@ def generate(scheduled: Scheduled, caps: Capabilities) -> Plan:
             if key is not None:
                 made[key] = kernel
         dispatches.append(dataclasses.replace(d, kernel=kernel))
-    return dataclasses.replace(plan, dispatches=tuple(dispatches))
+    hoisted = len(plan.prologue)
+    return dataclasses.replace(plan, prologue=tuple(dispatches[:hoisted]),
+                               dispatches=tuple(dispatches[hoisted:]))
 
 
 def dispatch_key(d: PlannedDispatch, node: Tensor | None, caps: Capabilities) -> tuple | None:

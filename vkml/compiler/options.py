@@ -34,6 +34,7 @@ class CompileOptions:
     trainable: Trainable = None
     precision: str = "f32"
     check_finite: bool = False
+    hoist: bool = True
 
     def __post_init__(self) -> None:
         loss, optimizer, outputs = self.loss, self.optimizer, self.outputs

@@ -20,7 +20,7 @@ from vkml.optim import Optimizer
 ELSEWHERE = -1  # the arena index of a slot held in another plan's memory (shared parameters)
 
 Role = Literal["input", "param", "constant", "activation", "gradient", "optimizer_state",
-               "hyperparams", "pack"]
+               "hyperparams", "pack", "hoisted"]
 Phase = Literal["forward", "backward", "update"]
 
 
@@ -122,6 +122,11 @@ class Plan:
     # The index checks' results (vkml/ops/indexing.py index_check: i32 (found, operand, value,
     # position)), each with what its operands are, read by the session after a step
     index_checks: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    # What the step reads that depends on parameters and constants alone (compiler/schedule.py
+    # `hoisted`): dispatches run before a step only when a parameter they read was written
+    # since they last ran, at levels before the step's; their results the step reads are
+    # slots of role "hoisted", kept between steps
+    prologue: tuple[PlannedDispatch, ...] = ()
 
     def without(self, elsewhere: Collection[int], caps: Capabilities) -> Plan:
         """This plan with the slots `elsewhere` held in another plan's memory (a session that
@@ -162,6 +167,13 @@ class Plan:
                  f"by role: {by_role}",
                  "kernels: " + ", ".join(f"{k}" + (f" x{n}" if n > 1 else "")
                                          for k, n in kernels.items())]
+        if self.prologue:
+            hoisted = Counter(d.name for d in self.prologue)
+            lines.append(f"prologue (run when a parameter it reads changes): "
+                         f"{len(self.prologue)} dispatches hoisted out of every step, "
+                         f"{len({d.level for d in self.prologue})} levels: "
+                         + ", ".join(f"{k}" + (f" x{n}" if n > 1 else "")
+                                     for k, n in hoisted.items()))
         return "\n".join(lines)
 
     def dump_memory(self) -> str:
@@ -177,19 +189,31 @@ class Plan:
         return "\n".join(lines)
 
     def dump(self) -> str:
-        lines = [f"plan: {len(self.dispatches)} dispatches, {self.barrier_count} barriers, "
-                 f"{len(self.slots)} tensors, {self.memory.physical_bytes} bytes in "
+        hoisted = f" (and {len(self.prologue)} in the prologue)" if self.prologue else ""
+        lines = [f"plan: {len(self.dispatches)} dispatches{hoisted}, {self.barrier_count} "
+                 f"barriers, {len(self.slots)} tensors, {self.memory.physical_bytes} bytes in "
                  f"{len(self.memory.arena_bytes)} arena(s)"]
         for s in self.slots:
             arena, offset = self.memory.placement[s.id]
             lines.append(f"  t{s.id}: {s.dtype}[{','.join(map(str, s.shape))}] {s.role:15} "
                          f"arena {arena} +{offset:<10} {s.label}")
-        for previous, d in zip([None, *self.dispatches], self.dispatches):
-            if previous is not None and previous.level != d.level:
-                lines.append("  -- barrier --")
-            bindings = ", ".join(f"t{s}" for s in d.slots)
-            groups = f" groups={d.kernel.groups}" if d.kernel is not None else ""
-            lines.append(f"  [{d.phase:8}] {d.name}{groups} ({bindings})  # {d.label}")
+        if self.prologue:
+            lines.append(f"prologue: {len(self.prologue)} dispatches, run before a step only "
+                         "when a parameter they read was written since they last ran")
+            lines += _dispatch_lines(self.prologue)
+            lines.append("step:")
+        lines += _dispatch_lines(self.dispatches)
         return "\n".join(lines)
 
     __str__ = dump
+
+
+def _dispatch_lines(dispatches: tuple[PlannedDispatch, ...]) -> list[str]:
+    lines = []
+    for previous, d in zip([None, *dispatches], dispatches):
+        if previous is not None and previous.level != d.level:
+            lines.append("  -- barrier --")
+        bindings = ", ".join(f"t{s}" for s in d.slots)
+        groups = f" groups={d.kernel.groups}" if d.kernel is not None else ""
+        lines.append(f"  [{d.phase:8}] {d.name}{groups} ({bindings})  # {d.label}")
+    return lines

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,8 +33,8 @@ from vkml.optim import Optimizer
 
 @dataclass(frozen=True)
 class Scheduled:
-    """A plan before codegen, and per dispatch the node it computes (None: an optimizer
-    dispatch), which codegen lowers."""
+    """A plan before codegen, and per dispatch (the prologue's, then the step's) the node it
+    computes (None: an optimizer dispatch), which codegen lowers."""
 
     plan: Plan
     nodes: tuple[Tensor | None, ...]
@@ -115,9 +116,11 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
         _add_optimizer(draft, optimizer, {n: v.slot for n, v in grad_views.items()}, guard,
                        tuple(s for s, _ in index_checks), alignment(caps),
                        min(PACK_BYTES, caps.max_storage_buffer_range))
-    _schedule(draft)
     readable = {v.slot for v in (*output_views.values(), *kept_grads.values())} | {
         s for s, _ in index_checks}
+    prologue = hoisted(draft) if options.hoist else set()
+    _keep_between_steps(draft, prologue, readable)
+    _schedule(draft, prologue)
     aliases = _write_in_place(draft, readable)
     lifetimes = _lifetimes(draft, aliases, readable)
     scheduled = time.perf_counter()
@@ -130,14 +133,14 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
         timings["schedule"] = scheduled - started
         timings["memory"] = time.perf_counter() - scheduled
     plan = Plan(
-        tuple(draft.slots), tuple(draft.dispatches), memory,
+        tuple(draft.slots), tuple(draft.dispatches[len(prologue):]), memory,
         inputs={n: slot_of[t.id] for n, t in graph.inputs.items() if t.id in slot_of},
         outputs=output_views, params=draft.params, grads=kept_grads, optimizer=optimizer,
         optimizer_state=draft.optimizer_state, hyperparams_slot=draft.hyperparams_slot,
         optimizer_tables=draft.optimizer_tables, initial_values=draft.initial_values,
         lifetimes=lifetimes, aliases=aliases, trainable=tuple(grads) if has_loss else None,
         hyperparams=draft.hyperparams, input_ranges=input_ranges, packs=draft.packs,
-        index_checks=index_checks)
+        index_checks=index_checks, prologue=tuple(draft.dispatches[:len(prologue)]))
     return Scheduled(plan, tuple(draft.nodes))
 
 
@@ -236,23 +239,71 @@ def _padded(nbytes: int, align: int) -> int:
     return -(-nbytes // align) * align
 
 
-def _schedule(plan: _Draft) -> None:
+def hoisted(plan: _Draft) -> set[int]:
+    """The dispatches (indices) of the prologue: those whose transitive inputs are only
+    constants and parameters no dispatch writes (in a training step, the frozen ones), and
+    whose result the step reads, directly or through others of them. What they compute is the
+    same every step until the host writes a parameter (or, where parameters are shared, the
+    owner's step updates one), so the session runs them only then (runtime/bound.py). A result
+    nothing else reads (an output) stays in the step: hoisting it saves nothing, and a graph
+    of parameters alone (no inputs) keeps its step."""
+    written = {s for d in plan.dispatches for s in d.writes}
+    static = {s.id for s in plan.slots
+              if s.role in ("param", "constant") and s.id not in written}
+    candidates = set()
+    for i, (d, node) in enumerate(zip(plan.dispatches, plan.nodes)):
+        if node is not None and d.reads - d.writes <= static:
+            candidates.add(i)
+            static |= d.writes
+    read_by_step = {s for i, d in enumerate(plan.dispatches) if i not in candidates
+                    for s in d.reads}
+    writer = {s: i for i in candidates for s in plan.dispatches[i].writes}
+    chosen: set[int] = set()
+    pending = [writer[s] for s in read_by_step if s in writer]
+    while pending:
+        i = pending.pop()
+        if i not in chosen:
+            chosen.add(i)
+            pending += [writer[s] for s in plan.dispatches[i].reads if s in writer]
+    return chosen
+
+
+def _keep_between_steps(plan: _Draft, prologue: set[int], readable: set[int]) -> None:
+    """The prologue's results that the step (or the host) reads take the role "hoisted":
+    pinned in memory, as parameters are, since later steps read them without the prologue
+    running again, and never overwritten in place. Its other results are temporaries of the
+    prologue's own levels."""
+    outside = readable | {s for i, d in enumerate(plan.dispatches) if i not in prologue
+                          for s in d.reads}
+    for i in prologue:
+        for s in plan.dispatches[i].writes & outside:
+            plan.slots[s] = dataclasses.replace(plan.slots[s], role="hoisted")
+
+
+def _schedule(plan: _Draft, prologue: Collection[int] = ()) -> None:
     """Levels as soon as possible, then the dispatches (and their nodes) sorted by level
-    (stable)."""
+    (stable). The `prologue`'s dispatches come first, at levels of their own before every
+    level of the step's."""
+    first = [i for i in range(len(plan.dispatches)) if i in prologue]
+    order = first + [i for i in range(len(plan.dispatches)) if i not in prologue]
     written_at: dict[int, int] = {}  # slot -> level of its latest writer
     read_at: dict[int, int] = {}  # slot -> highest level reading it
     leveled = []
-    for d in plan.dispatches:
+    floor = 0
+    for k, i in enumerate(order):
+        if k == len(first):
+            floor = max([d.level + 1 for d in leveled] + [0])
+        d = plan.dispatches[i]
         level = max([written_at[s] + 1 for s in d.reads if s in written_at]
-                    + [read_at[s] + 1 for s in d.writes if s in read_at] + [0])
+                    + [read_at[s] + 1 for s in d.writes if s in read_at] + [floor])
         for s in d.writes:
             written_at[s] = level
         for s in d.reads:
             read_at[s] = max(read_at.get(s, -1), level)
         leveled.append(dataclasses.replace(d, level=level))
-    order = sorted(range(len(leveled)), key=lambda i: leveled[i].level)
-    plan.dispatches = [leveled[i] for i in order]
-    plan.nodes = [plan.nodes[i] for i in order]
+    ranked = sorted(range(len(leveled)), key=lambda k: leveled[k].level)
+    plan.dispatches = [leveled[k] for k in ranked]
+    plan.nodes = [plan.nodes[order[k]] for k in ranked]
 
 
 def _write_in_place(plan: _Draft, readable: set[int]) -> dict[int, int]:
@@ -302,7 +353,7 @@ def _lifetimes(plan: _Draft, aliases: dict[int, int], readable: set[int]
         first.setdefault(out, last[target])
     lifetimes = {}
     for s in plan.slots:
-        if s.role in ("param", "constant", "optimizer_state", "hyperparams"):
+        if s.role in ("param", "constant", "optimizer_state", "hyperparams", "hoisted"):
             start, end = -1, FOREVER
         else:
             start = -1 if s.role == "input" else first.get(s.id, -1)

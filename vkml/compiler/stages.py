@@ -55,12 +55,14 @@ class Stages:
     split: Rooted
     plan: Plan
     nodes: tuple[Tensor | None, ...]  # per dispatch of the plan, the node it computes
+    prologue_nodes: tuple[Tensor | None, ...]  # and per dispatch of its prologue
     # Seconds per stage of this lowering: autodiff, rewrite, split, schedule, memory, codegen
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def kernels(self) -> dict[str, str]:
         """Each distinct kernel's WGSL, by kernel name."""
-        return {d.kernel.name: d.kernel.wgsl for d in self.plan.dispatches}
+        return {d.kernel.name: d.kernel.wgsl
+                for d in (*self.plan.prologue, *self.plan.dispatches)}
 
     def dump(self, stage: str) -> str:
         if stage in ("graph", "rewritten", "split"):
@@ -223,7 +225,7 @@ def _cache_key(graph: Graph, caps: Capabilities, options: CompileOptions) -> str
         named = {**options.outputs, **({"loss": loss} if loss is not None else {})}
         trained = tuple(options.trained(graph)) if loss is not None else None
         keyed = (options.rewrite, options.keep_grads, options.precision,
-                 options.optimizer is not None, options.check_finite)
+                 options.optimizer is not None, options.check_finite, options.hoist)
         return plan_cache.key(graph, options.target(caps), named, loss, options.optimizer,
                               keyed, trained)
     except VkmlError:  # bad arguments: lowering says what is wrong
@@ -278,4 +280,6 @@ def _lower(graph: Graph, caps: Capabilities, options: CompileOptions) -> Stages:
     clock.last = time.perf_counter()  # make_plan timed schedule and memory
     plan = codegen.generate(scheduled, caps)
     clock.lap("codegen")
-    return Stages(differentiated, rewritten, split, plan, scheduled.nodes, timings)
+    hoisted = len(plan.prologue)
+    return Stages(differentiated, rewritten, split, plan, scheduled.nodes[hoisted:],
+                  scheduled.nodes[:hoisted], timings)

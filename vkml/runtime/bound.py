@@ -26,6 +26,15 @@ outputs; the uploads leave bound inputs out.
 
 A plan may take its parameters from another plan (`owner`, see runtime/sharing.py): those slots
 live in the owner's arenas, and the submissions check that a step never sees half an update.
+
+A plan's prologue (Plan.prologue: what the step reads that depends on parameters and constants
+alone) is a program of its own, put before the first program of a step's submission when a
+parameter it may read was written since it last ran. Two counters per plan say so: `host_writes`
+(the host's writes of its parameters: set_param, load) and `step_updates` (its submissions that
+update parameters); the prologue of a plan that shares its owner's parameters follows the
+owner's counters too, and the owner's `step_updates` only where it reads a parameter the owner's
+step writes (a training session's frozen parameters never move with its steps). Comparing a
+tuple of counters is all a step costs when nothing moved.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vkml.compiler.plan import Plan, Slot
+from vkml.compiler.plan import Plan, PlannedDispatch, Slot
 from vkml.errors import DeviceError, InputError
 from vkml.graph import TRAINING_STEP
 from vkml.hal import Barrier, Binding, Command, Copy, Dispatch, HostWrite
@@ -107,7 +116,8 @@ class BoundPlan:
         self.shared = dict(shared or {})
         self.sharers: list[BoundPlan] = []  # plans that read this plan's parameters
         self._programs: list[object] = []
-        self._kernels = list({d.kernel.wgsl: d.kernel for d in plan.dispatches}.values())
+        self._kernels = list({d.kernel.wgsl: d.kernel
+                              for d in (*plan.prologue, *plan.dispatches)}.values())
         self._pipelines: dict[str, object] = {}
         self.arenas: list[object] = []
         self._staging: list[object] = []
@@ -133,6 +143,14 @@ class BoundPlan:
         self.updated_some = False  # one of its pieces that write parameters was submitted
         params = {s for s in plan.params.values()}
         self.step_writes_params = any(s in params for d in plan.dispatches for s in d.writes)
+        self.host_writes = 0  # bumped by every host write of this plan's parameters
+        self.step_updates = 0  # bumped by every submission that updates them
+        self.prologue_program: object | None = None
+        self._prologue_ran: tuple[int, ...] | None = None  # the counters when it last ran
+        # whether the prologue reads a parameter the owner's steps update
+        read = {shared[s] for d in plan.prologue for s in d.reads if s in (shared or {})}
+        self._follows_updates = owner is not None and any(
+            read & d.writes for d in owner.plan.dispatches)
         check_fits(plan, device)
         try:
             for i, n in enumerate(plan.memory.arena_bytes):  # one by one: close() frees them
@@ -156,6 +174,9 @@ class BoundPlan:
             downloads = self.downloads()
             if downloads:
                 self.download_program = self.record_commands(downloads, "outputs")
+            if plan.prologue:
+                self.prologue_program = self.record_commands(
+                    self.commands(range(len(plan.prologue)), plan.prologue), "prologue")
             phases = {d.phase for d in plan.dispatches}
             self.step_program = self.record(self.indices(phases), "step")
             self.forward_program = (self.record(self.indices({"forward"}), "forward")
@@ -215,16 +236,19 @@ class BoundPlan:
         return [Copy(*self.place(s), self._readback, at, self.plan.slots[s].nbytes)
                 for s, at in self.download_offsets.items()]
 
-    def commands(self, indices: Iterable[int | Part]) -> list[Command]:
+    def commands(self, indices: Iterable[int | Part],
+                 dispatches: Sequence[PlannedDispatch] | None = None) -> list[Command]:
         """The commands of the dispatches at `indices` (in plan order; a Part for a range of
-        one's workgroups), with a barrier wherever the level changes. The inputs' copies are a
-        program of their own (upload())."""
+        one's workgroups) of the step's (or of `dispatches`: the prologue's), with a barrier
+        wherever the level changes. The inputs' copies are a program of their own
+        (upload())."""
         plan = self.plan
+        dispatches = plan.dispatches if dispatches is None else dispatches
         commands: list[Command] = []
         level = None
         for item in indices:
             i = item.dispatch if isinstance(item, Part) else item
-            d = plan.dispatches[i]
+            d = dispatches[i]
             if level is not None and d.level != level:
                 commands.append(Barrier())
             level = d.level
@@ -340,6 +364,10 @@ class BoundPlan:
             staging = self.upload(forward_only)
             first = [] if staging is None else [self._upload_programs[staging]]
             batch[:0] = first + ([self.input_program] if self.input_program is not None else [])
+        prologue = self.prologue_due() if begins else None
+        if prologue is not None:
+            assert self.prologue_program is not None
+            batch.insert(0, self.prologue_program)
         if ends:
             batch += [p for p in (self.output_program, self.download_program) if p is not None]
         wait, self.host_wait = (self.host_wait, None) if begins else (None, self.host_wait)
@@ -351,6 +379,10 @@ class BoundPlan:
         else:
             self.backend.submit_batch(batch)
         self.last, self.in_flight = batch[-1], True
+        if prologue is not None:
+            self._prologue_ran = prologue
+        if updates:
+            self.step_updates += 1
         if begins:
             self.mid_step, self.updated_some = True, False
             self.updates_left = total_updates
@@ -358,6 +390,22 @@ class BoundPlan:
         self.updated_some = self.updated_some or updates > 0
         if ends:
             self.mid_step, self.updates_left = False, 0
+
+    def prologue_due(self) -> tuple[int, ...] | None:
+        """The parameter counters the prologue would run at, where it must run before the
+        next step (it never ran, or a parameter it may read was written since); else None."""
+        if self.prologue_program is None:
+            return None
+        owner = self.owner
+        now = (self.host_writes,) if owner is None else (
+            self.host_writes, owner.host_writes,
+            owner.step_updates if self._follows_updates else 0)
+        return None if now == self._prologue_ran else now
+
+    def prologue_recorded(self, counters: tuple[int, ...]) -> None:
+        """The prologue, recorded into a host's command buffer (Session.record), runs before
+        the step recorded after it, at these counters."""
+        self._prologue_ran = counters
 
     @property
     def updating(self) -> bool:
@@ -424,6 +472,8 @@ class BoundPlan:
                                  "sharing it is part-way through a chunked step")
             for s in self.sharers:  # their submitted steps read the old values
                 s.wait()
+        if params:
+            self.host_writes += 1
         self.backend.write_buffers([HostWrite.of(*self.place(slot.id), self._bytes(slot, array))
                                     for slot, array in values])
 

@@ -238,6 +238,9 @@ def _restore_state(bound: BoundPlan, saved: tuple[object, list[tuple[Slot, int]]
         bound.wait()
         backend.run_now([Copy(backup, at, *bound.place(slot.id), slot.nbytes)
                          for slot, at in layout])
+        # what the steps write, written back: the prologues of sessions sharing these
+        # parameters run again, as after an update (this plan's own reads none of it)
+        bound.step_updates += 1
     finally:
         backend.free_buffer(backup)
 
