@@ -34,7 +34,10 @@ parameter it may read was written since it last ran. Two counters per plan say s
 update parameters); the prologue of a plan that shares its owner's parameters follows the
 owner's counters too, and the owner's `step_updates` only where it reads a parameter the owner's
 step writes (a training session's frozen parameters never move with its steps). Comparing a
-tuple of counters is all a step costs when nothing moved.
+tuple of counters is all a step costs when nothing moved. A chunked step's prologue goes with
+its first piece, outside the pieces' measured costs (profile() times the step alone): where it
+runs before most steps (a session reading what a trainer updates every step) that first piece
+takes longer than its budget by the prologue's time.
 """
 
 from __future__ import annotations
