@@ -186,6 +186,10 @@ def test_a_session_sharing_a_trainers_parameters_follows_its_updates(device):
         _as_fresh(follower, trainer, graph, x, device)
     follower.step()  # no update since: the prologue's results as they were
     _as_fresh(follower, trainer, graph, x, device)
+    for update in (True, False):  # timed steps; update=False puts the parameters back after
+        trainer.profile(steps=1, update=update)
+        follower.step()
+        _as_fresh(follower, trainer, graph, x, device)
     follower.close()
     trainer.close()
 

@@ -178,6 +178,7 @@ class Profiler:
                     remaining = 1
                 continue
             host_runs.append(self._host_timed_step())
+            bound.step_updates += bound.step_writes_params  # sharing sessions' prologues follow
             remaining -= 1
         return _summarise(dispatches, gpu_runs, host_runs, note)
 
