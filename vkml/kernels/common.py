@@ -82,6 +82,8 @@ def assemble(name: str, caps: Capabilities, buffers: Sequence[Buf],
                         "vec4<u32>;")
         entry = offset_workgroup_id(entry, kernel.workgroup_size)
     mark = [BFLOAT16_MARK] if caps.precision == "bf16" and "enable f16;" in prelude else []
+    if mark:
+        entry, prelude = to_bfloat16_rounded(entry), [*prelude, *BF16_ROUNDING]
     # each helper once, where a fused body and the generator both bring it (Body.helpers()
     # strips them)
     helpers = list({p.strip(): p for p in prelude}.values())
@@ -235,3 +237,43 @@ def body_lines(body: Body, reads: dict[int, str], indent: str, target: str) -> l
     """Bind each input k of `body` to the WGSL expression `reads[k]`, compute it and assign the
     result to `target` (`acc +=` style targets work too)."""
     return body.render(reads, indent, target)
+
+
+# f32 to bfloat16 rounded to nearest, ties to even, in f32 arithmetic: the kernel's f16
+# conversions become these at precision "bf16", so the conversion the backend retypes
+# (vk/spirv.py) meets a value bfloat16 holds exactly, whatever rounding the driver's applies
+# (the H200's rounds toward zero: every probability of an attention row rounded down, 1.2% off
+# its output). NaN stays NaN (rounding would carry a small payload into the exponent).
+BF16_ROUNDED = "\n".join([
+    "fn vkml_bf16_f32(x: f32) -> f32 {",
+    "  let b = bitcast<u32>(x);",
+    "  let r = bitcast<f32>((b + 0x7fffu + ((b >> 16u) & 1u)) & 0xffff0000u);",
+    f"  return select(r, x, {is_nan('x')});",
+    "}"])
+# prelude entries, each a whole function (assemble writes each entry once); they return f32,
+# since the SPIR-V pass allows bfloat16 values only in conversions, memory and composites
+BF16_ROUNDING = [
+    BF16_ROUNDED,
+    "fn vkml_bf16x4_f32(v: vec4<f32>) -> vec4<f32> {\n  return vec4<f32>(vkml_bf16_f32(v.x), "
+    "vkml_bf16_f32(v.y), vkml_bf16_f32(v.z), vkml_bf16_f32(v.w));\n}"]
+_F16_CONVERSION = re.compile(r"(?<![\w<])f16\(|vec4<f16>\(")
+
+
+def to_bfloat16_rounded(entry: Sequence[str]) -> list[str]:
+    """`entry` with the argument of each conversion to f16 (`f16(x)`, `vec4<f16>(v)`) rounded
+    first (BF16_ROUNDING): `f16(vkml_bf16_f32(x))`."""
+    def line(text: str) -> str:
+        out, at = [], 0
+        for m in _F16_CONVERSION.finditer(text):
+            if m.start() < at:
+                continue
+            depth, end = 1, m.end()
+            while depth:  # the conversion's closing parenthesis
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                end += 1
+            rounding = "vkml_bf16x4_f32(" if m.group(0).startswith("vec4") else "vkml_bf16_f32("
+            inner = line(text[m.end():end - 1])
+            out += [text[at:m.end()], rounding, inner, "))"]
+            at = end
+        return "".join([*out, text[at:]])
+    return [line(text) for text in entry]
