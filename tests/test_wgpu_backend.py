@@ -16,7 +16,7 @@ from test_vk_backend import NBYTES, N, axpb_kernel, check_workgroup_ranges
 
 import vkml
 from vkml.errors import DeviceError, NagaError
-from vkml.hal import Barrier, Binding, Copy, Dispatch, Fill, Kernel
+from vkml.hal import WAIT_POLL_S, Barrier, Binding, Copy, Dispatch, Fill, Kernel
 
 pytest.importorskip("wgpu", reason="the wgpu backend needs `pip install vkml[wgpu]`")
 
@@ -259,3 +259,38 @@ def test_profile_of_more_dispatches_than_one_query_set_holds(pair):
     assert len(profile.dispatch_ms) == len(session.plan.dispatches) >= 2100
     np.testing.assert_array_equal(session.read("y"), np.full(4, 2100, np.float32))
     assert_quiet(pair)
+
+
+@pytest.mark.parametrize("poll_s", [30.0, 1e-9])
+def test_polled_wait(backend, poll_s, monkeypatch):
+    """A wait polls for the queue to empty (GPUs; forced here) and sleeps in the driver once
+    the polling time is up; either way the work is complete when it returns."""
+    assert backend._poll_s == (0 if backend.caps.device_type == "cpu" else WAIT_POLL_S)
+    pipe = backend.create_pipeline(axpb_kernel(backend.caps))
+    stride = -(-NBYTES // 256) * 256
+    arena = backend.create_buffer(3 * stride, "device", "arena")
+    x = np.arange(N, dtype=np.float32)
+    backend.write_buffer(arena, 0, x.tobytes())
+    backend.write_buffer(arena, stride, x.tobytes())
+    bindings = (Binding(arena, 0, NBYTES, False), Binding(arena, stride, NBYTES, False),
+                Binding(arena, 2 * stride, NBYTES, True))
+    program = backend.record([Dispatch(pipe, bindings, (-(-N // 64), 1, 1))] * 1024, "polled")
+    device_class = type(backend._device)
+    blocking = []
+
+    def counted_poll_wait(device):
+        blocking.append(device)
+        return sleeping(device)
+
+    sleeping = device_class._poll_wait
+    monkeypatch.setattr(device_class, "_poll_wait", counted_poll_wait)
+    monkeypatch.setattr(backend, "_poll_s", poll_s)
+    backend.submit(program)
+    backend.wait()
+    assert backend._queue_empty()
+    assert (not blocking) == (poll_s > 1)
+    got = np.frombuffer(backend.read_buffer(arena, 2 * stride, NBYTES), np.float32)
+    np.testing.assert_array_equal(got, 3 * x)
+    backend.free_program(program)
+    backend.free_buffer(arena)
+    backend.free_pipeline(pipe)

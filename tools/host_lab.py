@@ -4,7 +4,7 @@
 
 Per workload and phase, two sessions of the same plan: inputs staged in system memory and where
 vkml stages them (mappable VRAM on a GPU whose VRAM is all mappable); each timed with the wait
-sleeping in the driver at once and with vkml's polling first (vk/context.py WAIT_POLL_S),
+sleeping in the driver at once and with vkml's polling first (hal/base.py WAIT_POLL_S),
 interleaved in rounds so drift hits all four alike. Medians and minima of step(); wait() in ms,
 with the GPU time of the step's dispatches (profile()).
 """

@@ -3,7 +3,9 @@ Python protocol methods. Backends subclass it and implement the rest of `hal.Bac
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,12 @@ from vkml.hal.kernel import Kernel
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self needs 3.11; the project targets 3.10
+
+# How long a wait polls for the work's completion before it sleeps in the driver: waking from
+# the driver's blocking wait costs a GPU step about as much as a small model's kernels. The host
+# thread is busy meanwhile, as CUDA's default synchronisation keeps it. 0 never polls; CPU
+# drivers never do (their work runs on the cores polling would take).
+WAIT_POLL_S = float(os.environ.get("VKML_WAIT_POLL", "0.02"))
 
 
 class BackendTimestamps:
@@ -45,6 +53,8 @@ class BackendBase:
     # How many pipelines create_pipelines makes at once: more than one only where the driver's
     # compiler runs outside Python's lock and may be called from several threads.
     pipeline_threads = 1
+    # How long wait() polls before it sleeps in the driver: WAIT_POLL_S on a GPU, 0 on a CPU.
+    _poll_s = 0.0
 
     def __init__(self, queue_lock: Any = None) -> None:
         self._closed = False
@@ -61,6 +71,16 @@ class BackendBase:
 
     def wait(self) -> None:
         raise NotImplementedError
+
+    def _polled(self, done: Callable[[], Any]) -> bool:
+        """Whether `done()` turned true within the polling time (see WAIT_POLL_S)."""
+        if self._poll_s <= 0:
+            return False
+        deadline = time.perf_counter() + self._poll_s
+        while not done():
+            if time.perf_counter() > deadline:
+                return False
+        return True
 
     @staticmethod
     def check_transfer(kind: str, buffer: Any, offset: int, nbytes: int) -> None:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vkml.errors import DeviceError
 from vkml.hal import (
+    WAIT_POLL_S,
     BackendBase,
     BackendTimestamps,
     BufferKind,
@@ -31,7 +31,6 @@ from vkml.threads import compile_threads
 from vkml.vk import naga
 from vkml.vk.buffers import Buffer, allocate_buffer, device_heap, free_buffer
 from vkml.vk.context import (
-    WAIT_POLL_S,
     WAIT_TIMEOUT_NS,
     Adopted,
     Device,
@@ -606,16 +605,6 @@ class VulkanBackend(BackendBase):
                 "hung or far too slow for this device (try smaller chunks)")
         name = getattr(vk.exception_codes.get(result), "__name__", str(result))
         raise DeviceError(f"{what} failed with {name}")
-
-    def _polled(self, done: Any) -> bool:
-        """Whether `done()` turned true within the polling time (see WAIT_POLL_S)."""
-        if self._poll_s <= 0:
-            return False
-        deadline = time.perf_counter() + self._poll_s
-        while not done():
-            if time.perf_counter() > deadline:
-                return False
-        return True
 
     def _wait_value(self, value: int) -> None:
         ffi = self._ffi

@@ -23,11 +23,6 @@ VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 # How long a wait may last before the work is declared hung. Generous by default: a CPU driver on
 # a loaded machine can take tens of seconds for what a GPU does in milliseconds.
 WAIT_TIMEOUT_NS = int(float(os.environ.get("VKML_WAIT_TIMEOUT", "300")) * 10**9)
-# How long a wait polls for the work's completion before it sleeps in the driver: waking from
-# the driver's blocking wait costs a GPU step about as much as a small model's kernels. The host
-# thread is busy meanwhile, as CUDA's default synchronisation keeps it. 0 never polls; CPU
-# drivers never do (their work runs on the cores polling would take).
-WAIT_POLL_S = float(os.environ.get("VKML_WAIT_POLL", "0.02"))
 
 
 # Features vkml can use, by their member names in the Vulkan feature structs.

@@ -41,6 +41,7 @@ from typing import Any
 
 from vkml.errors import DeviceError, NagaError
 from vkml.hal import (
+    WAIT_POLL_S,
     BackendBase,
     BackendTimestamps,
     BufferKind,
@@ -264,6 +265,7 @@ class WgpuBackend(BackendBase):
             # wgpu over Mesa's llvmpipe inherits its loop limit (see vkml/vk/context.py)
             max_loop_iterations=65535 if "llvmpipe" in info["device"].lower() else None,
         )
+        self._poll_s = 0.0 if self.caps.device_type == "cpu" else WAIT_POLL_S
         if "timestamp-query" in features:
             self.timestamps = BackendTimestamps(functools.partial(self._record, timestamps=True),
                                                 self._timings)
@@ -561,16 +563,25 @@ class WgpuBackend(BackendBase):
         return encoder.finish()
 
     def wait(self) -> None:
-        """Block until everything submitted so far has finished.
+        """Block until everything submitted so far has finished: on a GPU, polling first
+        (wgpu's device.poll(wait=False), for up to WAIT_POLL_S) as the Vulkan backend does, then
+        sleeping in the driver (device.poll(wait=True)).
 
-        This is wgpu's device.poll(wait=True). wgpu-py 0.32.0's public route to it,
-        queue.on_submitted_work_done_sync(), raises a TypeError (its callback's C signature
-        no longer matches the bundled wgpu-native 29), so the device's own poll is called.
-        VKML_WAIT_TIMEOUT is not applied: wgpu's poll has no timeout.
+        wgpu-py 0.32.0's public route to the blocking poll, queue.on_submitted_work_done_sync(),
+        raises a TypeError (its callback's C signature no longer matches the bundled wgpu-native
+        29), so the device's own poll is called. VKML_WAIT_TIMEOUT is not applied: wgpu's poll
+        has no timeout.
         """
         if self._pending:
-            self._device._poll_wait()
+            if not self._polled(self._queue_empty):
+                self._device._poll_wait()
             self._pending = False
+
+    def _queue_empty(self) -> bool:
+        """A non-blocking poll: whether no submission is still running. wgpu-native returns a
+        Rust bool where its header declares a 32-bit WGPUBool, so only the low byte is set."""
+        return bool(self._api.libf.wgpuDevicePoll(self._device._internal, False, self._null)
+                    & 0xFF)
 
     def _timings(self, program: Program) -> list[float]:
         """Milliseconds per dispatch of the latest run of a program recorded with timestamps."""
