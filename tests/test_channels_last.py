@@ -73,7 +73,7 @@ def channels_last_case(spec: tuple, rng):
 @pytest.mark.parametrize("name", CASES)
 def test_channels_last_convolutions_match_torch(name, device, rng, monkeypatch):
     caps = _f16_caps(device)
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", {"cooperative": 0, "simt": 0})
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
     g, want = _case(name, rng)
     stages = lower(g, caps, precision="f16")
     ops = [d.op for d in stages.plan.dispatches]
@@ -104,7 +104,7 @@ def test_cooperative_tiles_over_channels_last_operands_pass_naga(device, monkeyp
     # the GPU tests run them; here at least their WGSL is valid, with an epilogue and edges
     _f16_caps(device)
     from vkml.vk import naga
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", {"cooperative": 0, "simt": 0})
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
     caps = dataclasses.replace(device.caps, precision="f16", cooperative_matrix=True,
                                device_type="discrete")
     g, _ = _case("7x7_stem_3_channels", np.random.default_rng(0))
@@ -114,18 +114,12 @@ def test_cooperative_tiles_over_channels_last_operands_pass_naga(device, monkeyp
     naga.compile_wgsl(kernel.wgsl, kernel.name)
 
 
-def test_channels_last_by_default_only_on_cooperative_tiles_never_in_training(device, rng,
-                                                                              monkeypatch):
-    # the committed rule (kernels/conv.py, from the H200's lab): every convolution of an f16
-    # inference on cooperative tiles; none on staged f16 tiles (not timed on such a GPU)
+def test_channels_last_is_off_by_default_and_never_in_training(device, rng, monkeypatch):
     caps = _f16_caps(device)
     g, _ = _case("3x3", rng)
-    assert conv.CHANNELS_LAST_MIN == {"cooperative": 0, "simt": None}
-    assert caps.f16_products == "simt" and not _copies(lower(g, caps, precision="f16"))
-    cooperative = dataclasses.replace(caps, cooperative_matrix=True, device_type="discrete")
-    assert len(_copies(lower(g, cooperative, precision="f16"))) == 2
-    assert not _copies(lower(g, cooperative, loss=g.sum(g.outputs["y"]), precision="f16"))
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", {"cooperative": 0, "simt": 0})
+    assert conv.CHANNELS_LAST_MIN is None  # the lead's switch: off until measured
+    assert not _copies(lower(g, caps, precision="f16"))
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
     loss = g.sum(g.outputs["y"])
     assert not _copies(lower(g, caps, loss=loss, precision="f16"))
     assert not _copies(lower(g, caps, precision="f32"))
@@ -140,7 +134,7 @@ def test_one_copy_serves_every_convolution_reading_a_tensor(device, monkeypatch)
     # as a bottleneck's first convolution and its downsampling one read the same input; the
     # pointwise one reads its f32 weight as it is (its rows are patch rows already)
     caps = _f16_caps(device)
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", {"cooperative": 0, "simt": 0})
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
     g = vkml.Graph()
     x = g.param("x", (1, 8, 4, 4))
     g.output("a", g.conv2d(x, g.param("wa", (4, 8, 3, 3)), padding=1))
@@ -153,9 +147,9 @@ def test_the_rule_takes_only_products_from_its_threshold(device, monkeypatch):
     caps = _f16_caps(device)
     g, _ = _case("3x3", np.random.default_rng(0))  # GEMM 162 x 12 x 72
     (node,) = [n for n in g.nodes if n.op == "conv2d"]
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", {"cooperative": 12, "simt": 12})
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 12)
     assert conv.channels_last(node, caps)
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", {"cooperative": 13, "simt": 13})
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 13)
     assert not conv.channels_last(node, caps)
 
 
@@ -165,7 +159,7 @@ def test_a_convolution_read_only_by_another_stores_channels_last_itself(split, d
     # conv -> bias + ReLU -> conv: the first writes the second's f16 copy itself (its store,
     # or where it is split, the sum of its partial sums), so that copy is gone
     caps = _f16_caps(device)
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", {"cooperative": 0, "simt": 0})
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
     # a sum of 540 split four ways on lavapipe
     g, want = chain_case((1, 60, 5, 4) if split else (1, 8, 5, 4), 8, 12, rng)
     stages = lower(g, caps, precision="f16")
@@ -204,7 +198,7 @@ def test_tiny_resnet_inference_on_channels_last_operands_matches_torch(device, r
 
     from vkml.models import resnet
     caps = _f16_caps(device)
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", {"cooperative": 0, "simt": 0})
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
     cfg = dataclasses.replace(resnet.tiny("bottleneck"), bn="eval")
     built = resnet.build(cfg)
     stages = lower(built.graph, caps, outputs=built.outputs, precision="f16")

@@ -338,10 +338,9 @@ def convolution_rule(variant: str):
     """The convolution rules of `variant` while a plan is lowered."""
     saved = conv.CHANNELS_LAST_MIN, conv.coop_min
     if variant.startswith("chlast"):  # "chlast": every convolution; "chlast>=T": from T on
-        least = int(variant.partition(">=")[2] or 0)
-        conv.CHANNELS_LAST_MIN = {"cooperative": least, "simt": least}
+        conv.CHANNELS_LAST_MIN = int(variant.partition(">=")[2] or 0)
     if variant == "coop-nchw":
-        conv.CHANNELS_LAST_MIN = {"cooperative": None, "simt": None}
+        conv.CHANNELS_LAST_MIN = None
         conv.coop_min = lambda node: (0, 0)
     try:
         yield
@@ -497,15 +496,15 @@ def suggest_threshold(rows: list) -> tuple[int | None, list[str]]:
     """The CHANNELS_LAST_MIN (None: off) under which the convolutions' rows add up to the
     least time a step: each distinct convolution its count times its chlast time (copies
     included: in the network a convolution writes most of them itself, so this leans against
-    chlast) where its GEMM's smallest dimension reaches the threshold, else its f32 time (what
-    an f16 inference's convolutions run below the threshold); and lines giving the estimate at
-    each candidate."""
+    chlast) where its GEMM's smallest dimension reaches the threshold, else its f16-today time;
+    and lines giving the estimate at each candidate."""
     by_case: dict[str, dict] = {}
     for r in rows:
         if "gemm" in r and "error" not in r:
             by_case.setdefault(r["case"], {})[r["variant"]] = r
     shapes = [(min(v["chlast"]["gemm"]), v["chlast"]["count"], v["chlast"]["total_ms"],
-               v["f32"]["total_ms"]) for v in by_case.values() if "chlast" in v and "f32" in v]
+               v["f16-today"]["total_ms"]) for v in by_case.values()
+              if "chlast" in v and "f16-today" in v]
     if not shapes:
         return None, []
     candidates: list[int | None] = [*sorted({s[0] for s in shapes}), None]

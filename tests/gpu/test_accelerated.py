@@ -425,7 +425,7 @@ CHANNELS_LAST = {
 @pytest.mark.parametrize("name", CHANNELS_LAST)
 def test_cooperative_channels_last_convolution(name, device, results, rng, monkeypatch):
     needs(device, "cooperative")
-    monkeypatch.setattr(conv_kernels, "CHANNELS_LAST_MIN", {"cooperative": 0, "simt": 0})
+    monkeypatch.setattr(conv_kernels, "CHANNELS_LAST_MIN", 0)
     g, want = channels_last_case(CHANNELS_LAST[name], rng)
     # lower, not vkml.compile: the plan cache keys the sources, not the switch set here
     session = Session(lower(g, device.caps, precision="f16").plan, device)
@@ -455,7 +455,7 @@ CHANNELS_LAST_STORES = {
 @pytest.mark.parametrize("name", CHANNELS_LAST_STORES)
 def test_cooperative_channels_last_store(name, device, results, rng, monkeypatch):
     needs(device, "cooperative")
-    monkeypatch.setattr(conv_kernels, "CHANNELS_LAST_MIN", {"cooperative": 0, "simt": 0})
+    monkeypatch.setattr(conv_kernels, "CHANNELS_LAST_MIN", 0)
     g, want = chain_case(*CHANNELS_LAST_STORES[name], rng)
     stages = lower(g, device.caps, precision="f16")
     stored = [n.op for n in stages.nodes if n is not None and "store" in n.attrs]

@@ -458,15 +458,9 @@ def dims_conv2d_weight_grad(node: Tensor, caps: Capabilities) -> tuple[int, int,
 
 
 # Accelerated inference reads a convolution's operands channels-last in f16 (`channels_last`)
-# where its GEMM is at least this large in every dimension, by the device's f16 tiles
-# (Capabilities.f16_products); None: never (every convolution reads NCHW f32 as in training).
-# Cooperative: every convolution, from `tools/kernel_lab.py --channels-last` on the H200
-# (tools/results/lab-20261203-h200-channels-last.txt): ResNet-50 4x224 inference 2.218 ms wall
-# (2.288 GPU) in f32, 1.994 (2.076) with every convolution channels-last, its weight copies
-# hoisted; with a threshold its convolutions' rows suggested (512, which charges each
-# convolution its weights' copy) 2.244. Staged f16 tiles (devices without cooperative matrices):
-# not timed on such a GPU, so their convolutions stay f32.
-CHANNELS_LAST_MIN: dict[str, int | None] = {"cooperative": 0, "simt": None}
+# where its GEMM is at least this large in every dimension; None: never (every convolution reads
+# NCHW f32 as in training). tools/kernel_lab.py --channels-last times both on ResNet-50's shapes.
+CHANNELS_LAST_MIN: int | None = None
 CHANNEL_QUAD = 4  # channels-last operands pad their channels to a multiple of this
 
 
@@ -482,13 +476,13 @@ def is_channels_last(node: Tensor) -> bool:
 def channels_last(node: Tensor, caps: Capabilities) -> bool:
     """Whether a forward convolution of an inference (the rewrite asks only there:
     compiler/layouts.py) reads its operands channels-last in f16 on this target: at precision
-    "f16" where CHANNELS_LAST_MIN allows for its f16 tiles (cooperative ones, or the staged f16
+    "f16" where CHANNELS_LAST_MIN allows (its f16 tiles: cooperative ones, or the staged f16
     tiles of devices without them), undilated, its groups' channels multiples of 4 (or one
     group, padded), not already so."""
     # not at precision "bf16": its copies would be bfloat16 tensors in memory, where the
     # bfloat16 SPIR-V pass (vk/spirv.py) was checked on workgroup staging only
-    least = CHANNELS_LAST_MIN.get(caps.f16_products or "", None)
-    if (least is None or caps.precision != "f16" or caps.scaled_operands or is_channels_last(node)
+    if (CHANNELS_LAST_MIN is None or caps.f16_products is None or caps.precision != "f16"
+            or caps.scaled_operands or is_channels_last(node)
             or node.op not in ("conv2d", "fused_conv2d")):
         return False
     _, cpg, _, _ = weight_shape(node)
@@ -496,7 +490,7 @@ def channels_last(node: Tensor, caps: Capabilities) -> bool:
     if dilation != (1, 1) or (groups > 1 and cpg % CHANNEL_QUAD):
         return False
     m, n, k, _ = dims_conv2d(node, caps)
-    return min(m, n, k) >= least
+    return min(m, n, k) >= CHANNELS_LAST_MIN
 
 
 def weight_copied(node: Tensor) -> bool:
