@@ -676,3 +676,106 @@ def test_torch_grad_free_blocks_are_inlined(device):
     s.set_input("x", x.numpy())
     s.forward()
     assert rel_l2(s.read("output"), module(x).detach().numpy()) < FORWARD_TOL
+
+
+# ---- single ONNX ops against onnxruntime, and their gradients against PyTorch ----------------
+def _f(*shape, low=-2.0, high=2.0, seed=0):
+    return np.random.default_rng(seed + len(shape)).uniform(low, high, shape).astype(np.float32)
+
+
+def _i(values):
+    return np.asarray(values, np.int64)
+
+
+# (id, op type, inputs in order (None for an omitted one), attributes, PyTorch's function of the
+# float inputs or None where the op is not differentiable, opset). Float inputs of more than one
+# element become initializers (vkml's parameters, so their gradients are checked); integer ones
+# and scalars are fed at run time, so the node is built on the device rather than folded.
+ONNX_OP_CASES = [
+    ("prelu_channels", "PRelu", [_f(2, 3, 4), _f(3, 1, seed=1)], {},
+     lambda x, s: torch.where(x > 0, x, x * s), 17),
+    ("celu", "Celu", [_f(3, 5)], {"alpha": 0.7},
+     lambda x: torch.nn.functional.celu(x, 0.7), 17),
+    ("thresholded_relu", "ThresholdedRelu", [_f(3, 5)], {"alpha": 0.4},
+     lambda x: torch.where(x > 0.4, x, 0.0), 17),
+    ("shrink_hard", "Shrink", [_f(3, 5)], {"lambd": 0.6},
+     lambda x: torch.nn.functional.hardshrink(x, 0.6), 17),
+    ("shrink_soft", "Shrink", [_f(3, 5)], {"lambd": 0.6, "bias": 0.6},
+     lambda x: torch.nn.functional.softshrink(x, 0.6), 17),
+    ("softsign", "Softsign", [_f(3, 5)], {}, torch.nn.functional.softsign, 17),
+    ("swish_alpha", "Swish", [_f(3, 5)], {"alpha": 1.5},
+     lambda x: x * torch.sigmoid(1.5 * x), 24),
+    ("tan", "Tan", [_f(3, 5, low=-1.2, high=1.2)], {}, torch.tan, 17),
+    ("sinh", "Sinh", [_f(3, 5)], {}, torch.sinh, 17),
+    ("cosh", "Cosh", [_f(3, 5)], {}, torch.cosh, 17),
+    ("sum_broadcast", "Sum", [_f(2, 3), _f(3, seed=1), _f(2, 1, seed=2)], {},
+     lambda a, b, c: a + b + c, 17),
+    ("mean_broadcast", "Mean", [_f(2, 3), _f(3, seed=1)], {}, lambda a, b: (a + b) / 2, 17),
+    ("mod_float_fmod", "Mod", [_f(3, 5, low=-5, high=5), _f(3, 5, low=0.5, high=2, seed=1)],
+     {"fmod": 1}, torch.fmod, 17),
+    ("mod_int", "Mod", [_i([[7, -7, 5], [-5, 0, 9]]), _i([3, 3, -2])], {}, None, 17),
+    ("mod_int_fmod", "Mod", [_i([[7, -7, 5], [-5, 0, 9]]), _i([3, 3, -2])], {"fmod": 1}, None,
+     17),
+]
+
+
+def _single_op_model(op, inputs, attrs, outputs, opset):
+    from onnx import TensorProto, helper, numpy_helper
+    names = [f"in{k}" if v is not None else "" for k, v in enumerate(inputs)]
+    feeds, inits, graph_inputs = {}, [], []
+    for name, value in zip(names, inputs):
+        if value is None:
+            continue
+        if value.dtype.kind == "f" and value.size > 1:
+            inits.append(numpy_helper.from_array(value, name))
+        else:
+            feeds[name] = value
+            elem = TensorProto.FLOAT if value.dtype.kind == "f" else TensorProto.INT64
+            graph_inputs.append(helper.make_tensor_value_info(name, elem, value.shape))
+    node = helper.make_node(op, names, list(outputs), **attrs)
+    graph = helper.make_graph([node], op, graph_inputs,
+                              [onnx.ValueInfoProto(name=o) for o in outputs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return onnx.shape_inference.infer_shapes(model), feeds  # the outputs' types
+
+
+def check_single_op(device, op, inputs, attrs, reference, opset, outputs=("y",)):
+    """One ONNX node through onnxruntime and through vkml (forward); where `reference` is
+    given, the gradient of sum(y * w) for each float initializer against PyTorch in float64."""
+    model, feeds = _single_op_model(op, inputs, attrs, outputs, opset)
+    wants = ort.InferenceSession(model.SerializeToString(),
+                                 providers=["CPUExecutionProvider"]).run(None, feeds)
+    imp = vkml.import_onnx(model)
+    g = imp.graph
+    y = imp.outputs[outputs[0]]
+    weights = np.random.default_rng(7).standard_normal(y.shape).astype(np.float32)
+    loss = g.sum(g.mul(y, g.constant(weights))) if reference is not None else None
+    s = vkml.compile(g, loss=loss, outputs=imp.outputs, device=device)
+    for name, value in feeds.items():
+        s.set_input(name, value)
+    s.step() if loss is not None else s.forward()
+    for name, want in zip(outputs, wants):
+        got = s.read(name)
+        if want.dtype.kind in "iub":
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        else:
+            assert rel_l2(got, want) < FORWARD_TOL, name
+    if reference is None:
+        return
+    params = [f"in{k}" for k, v in enumerate(inputs) if v is not None and v.dtype.kind == "f"
+              and v.size > 1]
+    tensors = [torch.tensor(v, dtype=torch.float64, requires_grad=f"in{k}" in params)
+               if v is not None else None for k, v in enumerate(inputs)]
+    out = reference(*[t for t in tensors if t is not None])
+    (out * torch.tensor(weights, dtype=torch.float64)).sum().backward()
+    for name in params:
+        want = tensors[int(name[2:])].grad.numpy()
+        assert rel_l2(s.grad(name), want) < GRAD_TOL, name
+
+
+@vulkan_only
+@pytest.mark.parametrize("name, op, inputs, attrs, reference, opset", ONNX_OP_CASES,
+                         ids=[c[0] for c in ONNX_OP_CASES])
+def test_onnx_op_matches_onnxruntime_and_torch(device, name, op, inputs, attrs, reference,
+                                               opset):
+    check_single_op(device, op, inputs, attrs, reference, opset)

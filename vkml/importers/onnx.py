@@ -466,6 +466,59 @@ def _parametric(b, node, ins, attrs):
     return getattr(b.g, name)(b.device(ins[0]), *values)
 
 
+@onnx_op("PRelu")
+def _prelu(b, node, ins, attrs):
+    # torch's form (x where x > 0), so x = 0 takes the slope's gradient as torch's prelu does
+    x = b.device(ins[0])
+    return b.g.where(b.g.greater(x, 0.0), x, b.g.mul(x, b.operand(ins[1])))
+
+
+@onnx_op("Celu")
+def _celu(b, node, ins, attrs):
+    alpha = float(attrs.get("alpha", 1.0))
+    return b.g.mul(b.g.elu(b.g.mul(b.device(ins[0]), 1.0 / alpha), 1.0), alpha)
+
+
+@onnx_op("ThresholdedRelu")
+def _thresholded_relu(b, node, ins, attrs):
+    x = b.device(ins[0])
+    return b.g.where(b.g.greater(x, float(attrs.get("alpha", 1.0))), x, 0.0)
+
+
+@onnx_op("Shrink")
+def _shrink(b, node, ins, attrs):
+    """torch's hardshrink (bias 0) and softshrink (bias = lambd)."""
+    x = b.device(ins[0])
+    lambd, bias = float(attrs.get("lambd", 0.5)), float(attrs.get("bias", 0.0))
+    above = b.g.where(b.g.greater(x, lambd), b.g.sub(x, bias), 0.0)
+    return b.g.where(b.g.less(x, -lambd), b.g.add(x, bias), above)
+
+
+@onnx_op("Softsign")
+def _softsign(b, node, ins, attrs):
+    x = b.device(ins[0])
+    return b.g.div(x, b.g.add(b.g.abs(x), 1.0))
+
+
+@onnx_op("Swish")
+def _swish(b, node, ins, attrs):
+    x, alpha = b.device(ins[0]), float(attrs.get("alpha", 1.0))
+    return b.g.silu(x) if alpha == 1.0 else b.g.mul(x, b.g.sigmoid(b.g.mul(x, alpha)))
+
+
+@onnx_op("Tan")
+def _tan(b, node, ins, attrs):
+    x = b.device(ins[0])
+    return b.g.div(b.g.sin(x), b.g.cos(x))
+
+
+@onnx_op("Sinh", "Cosh")
+def _hyperbolic(b, node, ins, attrs):
+    x = b.device(ins[0])
+    half = b.g.mul(b.g.exp(x), 0.5), b.g.mul(b.g.exp(b.g.neg(x)), 0.5)
+    return b.g.sub(*half) if node.op_type == "Sinh" else b.g.add(*half)
+
+
 @onnx_op("Softplus")
 def _softplus(b, node, ins, attrs):
     # ONNX's softplus is log(1 + exp(x)) without torch's linear tail above the threshold,
@@ -517,6 +570,30 @@ def _extremum(b, node, ins, attrs):
     for v in ins[1:]:
         out = fn(out, b.operand(v))
     return out
+
+
+@onnx_op("Sum", "Mean")
+def _variadic_sum(b, node, ins, attrs):
+    out = b.device(ins[0])
+    for v in ins[1:]:
+        out = b.g.add(out, b.operand(v))
+    return b.g.mul(out, 1.0 / len(ins)) if node.op_type == "Mean" else out
+
+
+@onnx_op("Mod")
+def _mod(b, node, ins, attrs):
+    x, y = ins
+    truncating = bool(attrs.get("fmod", 0))
+    if _is_int(x) or _is_int(y):
+        fn = b.g.fmod if truncating else b.g.remainder
+        return fn(b.g.cast(b.device(x), "i32"), b.g.cast(b.device(y), "i32"))
+    if not truncating:
+        raise Refuse("Mod of floats needs fmod=1 (the ONNX standard's rule)")
+    # a - b * trunc(a / b), trunc rounding toward zero
+    a, d = b.device(x), b.operand(y)
+    q = b.g.div(a, d)
+    whole = b.g.where(b.g.less(q, 0.0), b.g.ceil(q), b.g.floor(q))
+    return b.g.sub(a, b.g.mul(whole, d))
 
 
 def _is_int(v: Value) -> bool:
