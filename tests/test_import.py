@@ -687,6 +687,24 @@ def _i(values):
     return np.asarray(values, np.int64)
 
 
+class Known(np.ndarray):
+    """An input stored as an initializer even where it is an integer (axes, k, a shape): known
+    at import, as exporters write them."""
+
+
+def _known(values):
+    return np.asarray(values, np.int64).view(Known)
+
+
+def _lp(x, p, axis):
+    return x / x.abs().pow(p).sum(axis, keepdim=True).pow(1 / p)
+
+
+def _mvn(x, axes):
+    centred = x - x.mean(axes, keepdim=True)
+    return centred / (centred.square().mean(axes, keepdim=True).sqrt() + 1e-9)
+
+
 # (id, op type, inputs in order (None for an omitted one), attributes, PyTorch's function of the
 # float inputs or None where the op is not differentiable, opset). Float inputs of more than one
 # element become initializers (vkml's parameters, so their gradients are checked); integer ones
@@ -716,18 +734,52 @@ ONNX_OP_CASES = [
     ("mod_int", "Mod", [_i([[7, -7, 5], [-5, 0, 9]]), _i([3, 3, -2])], {}, None, 17),
     ("mod_int_fmod", "Mod", [_i([[7, -7, 5], [-5, 0, 9]]), _i([3, 3, -2])], {"fmod": 1}, None,
      17),
+    ("reduce_l1_axes_input", "ReduceL1", [_f(2, 3, 4), _known([1])], {"keepdims": 0},
+     lambda x: x.abs().sum(1), 18),
+    ("reduce_sum_square_axes_attribute", "ReduceSumSquare", [_f(2, 3, 4)], {"axes": [0, 2]},
+     lambda x: x.square().sum((0, 2), keepdim=True), 13),
+    ("reduce_log_sum", "ReduceLogSum", [_f(2, 3, 4, low=0.1), _known([-1])], {},
+     lambda x: x.sum(-1, keepdim=True).log(), 18),
+    ("reduce_log_sum_all_axes", "ReduceLogSum", [_f(2, 3, low=0.1)], {"keepdims": 0},
+     lambda x: x.sum().log(), 18),
+    ("argmax_last_index", "ArgMax", [np.round(_f(3, 6, low=-1.5, high=1.5))],
+     {"axis": 1, "keepdims": 0, "select_last_index": 1}, None, 13),
+    ("argmin_last_index", "ArgMin", [np.round(_f(4, 3, 5, low=-1.5, high=1.5))],
+     {"axis": -2, "select_last_index": 1}, None, 13),
+    ("cumsum_exclusive", "CumSum", [_f(3, 5), _known(1)], {"exclusive": 1},
+     lambda x: x.cumsum(1) - x, 14),
+    ("cumsum_exclusive_reverse", "CumSum", [_f(3, 5), _known(0)], {"exclusive": 1, "reverse": 1},
+     lambda x: x.flip(0).cumsum(0).flip(0) - x, 14),
+    ("lp_normalization_l2", "LpNormalization", [_f(2, 3, 4)], {"axis": 1},
+     lambda x: _lp(x, 2, 1), 13),
+    ("lp_normalization_l1", "LpNormalization", [_f(2, 3, 4)], {"p": 1},
+     lambda x: _lp(x, 1, -1), 13),
+    ("mean_variance_normalization", "MeanVarianceNormalization", [_f(2, 3, 4, 5)], {},
+     lambda x: _mvn(x, (0, 2, 3)), 13),
+    ("mean_variance_normalization_axes", "MeanVarianceNormalization", [_f(2, 3, 4)],
+     {"axes": [1, 2]}, lambda x: _mvn(x, (1, 2)), 13),
+    ("lrn_odd", "LRN", [_f(2, 5, 3, 2)], {"size": 3, "alpha": 0.5, "beta": 0.6, "bias": 2.0},
+     lambda x: torch.nn.functional.local_response_norm(x, 3, 0.5, 0.6, 2.0), 13),
+    ("group_norm_per_channel_scale", "GroupNormalization",
+     [_f(2, 4, 3, 3), _f(4, seed=1), _f(4, seed=2)], {"num_groups": 2},
+     lambda x, w, b: torch.nn.functional.group_norm(x, 2, w, b), 21),
+    ("rms_normalization", "RMSNormalization", [_f(2, 3, 4), _f(4, seed=1)], {"epsilon": 1e-3},
+     lambda x, w: torch.nn.functional.rms_norm(x, (4,), w, 1e-3), 23),
+    ("rms_normalization_two_axes", "RMSNormalization", [_f(2, 3, 4), _f(3, 4, seed=1)],
+     {"axis": 1}, lambda x, w: torch.nn.functional.rms_norm(x, (3, 4), w, 1e-5), 23),
 ]
 
 
 def _single_op_model(op, inputs, attrs, outputs, opset):
     from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
     names = [f"in{k}" if v is not None else "" for k, v in enumerate(inputs)]
     feeds, inits, graph_inputs = {}, [], []
     for name, value in zip(names, inputs):
         if value is None:
             continue
-        if value.dtype.kind == "f" and value.size > 1:
-            inits.append(numpy_helper.from_array(value, name))
+        if isinstance(value, Known) or value.dtype.kind == "f" and value.size > 1:
+            inits.append(numpy_helper.from_array(np.asarray(value), name))
         else:
             feeds[name] = value
             elem = TensorProto.FLOAT if value.dtype.kind == "f" else TensorProto.INT64
@@ -736,7 +788,12 @@ def _single_op_model(op, inputs, attrs, outputs, opset):
     graph = helper.make_graph([node], op, graph_inputs,
                               [onnx.ValueInfoProto(name=o) for o in outputs], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    return onnx.shape_inference.infer_shapes(model), feeds  # the outputs' types
+    # the outputs' types and shapes, from onnx's reference implementation
+    values = ReferenceEvaluator(model).run(None, feeds)
+    model.graph.ClearField("output")
+    model.graph.output.extend(helper.make_tensor_value_info(
+        o, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for o, v in zip(outputs, values))
+    return model, feeds
 
 
 def check_single_op(device, op, inputs, attrs, reference, opset, outputs=("y",)):
@@ -765,7 +822,7 @@ def check_single_op(device, op, inputs, attrs, reference, opset, outputs=("y",))
     params = [f"in{k}" for k, v in enumerate(inputs) if v is not None and v.dtype.kind == "f"
               and v.size > 1]
     tensors = [torch.tensor(v, dtype=torch.float64, requires_grad=f"in{k}" in params)
-               if v is not None else None for k, v in enumerate(inputs)]
+               if v is not None and v.dtype.kind == "f" else None for k, v in enumerate(inputs)]
     out = reference(*[t for t in tensors if t is not None])
     (out * torch.tensor(weights, dtype=torch.float64)).sum().backward()
     for name in params:

@@ -762,6 +762,22 @@ def _group_norm(b, node, ins, attrs):
     return b.g.group_norm(x, groups, scale, bias, float(attrs.get("epsilon", 1e-5)))
 
 
+@onnx_op("RMSNormalization")
+def _rms_norm(b, node, ins, attrs):
+    """Over the axes from `axis` on, flattened into one where there are several."""
+    x = b.device(ins[0])
+    axis = int(attrs.get("axis", -1)) % len(x.shape)
+    width = math.prod(x.shape[axis:])
+    scale = b.device(ins[1])
+    if scale.shape != x.shape[axis:]:
+        scale = b.g.broadcast_to(scale, x.shape[axis:])
+    if axis == len(x.shape) - 1:
+        return b.g.rms_norm(x, scale, float(attrs.get("epsilon", 1e-5)))
+    flat = b.g.rms_norm(b.g.reshape(x, (*x.shape[:axis], width)), b.g.reshape(scale, (width,)),
+                        float(attrs.get("epsilon", 1e-5)))
+    return b.g.reshape(flat, x.shape)
+
+
 @onnx_op("Softmax", "LogSoftmax")
 def _softmax(b, node, ins, attrs):
     fn = b.g.softmax if node.op_type == "Softmax" else b.g.log_softmax
@@ -801,8 +817,18 @@ def _axes(b: _Builder, node, ins, attrs, rank: int) -> list[int] | None:
     return None if axes is None else [int(a) % rank for a in axes]
 
 
-REDUCTIONS = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "amax", "ReduceMin": "amin",
-              "ReduceL2": "reduce_l2", "ReduceLogSumExp": "logsumexp"}
+# ONNX reduction -> (graph, x, axes, keepdims) -> its composition of vkml ops
+REDUCTIONS: dict[str, Callable[[Graph, Tensor, list[int], bool], Tensor]] = {
+    "ReduceMean": lambda g, x, axes, keep: g.mean(x, axes, keepdims=keep),
+    "ReduceSum": lambda g, x, axes, keep: g.sum(x, axes, keepdims=keep),
+    "ReduceMax": lambda g, x, axes, keep: g.amax(x, axes, keepdims=keep),
+    "ReduceMin": lambda g, x, axes, keep: g.amin(x, axes, keepdims=keep),
+    "ReduceL2": lambda g, x, axes, keep: g.reduce_l2(x, axes, keepdims=keep),
+    "ReduceLogSumExp": lambda g, x, axes, keep: g.logsumexp(x, axes, keepdims=keep),
+    "ReduceL1": lambda g, x, axes, keep: g.sum(g.abs(x), axes, keepdims=keep),
+    "ReduceSumSquare": lambda g, x, axes, keep: g.sum(g.square(x), axes, keepdims=keep),
+    "ReduceLogSum": lambda g, x, axes, keep: g.log(g.sum(x, axes, keepdims=keep)),
+}
 
 
 @onnx_op(*REDUCTIONS)
@@ -813,24 +839,61 @@ def _reduce(b, node, ins, attrs):
         if attrs.get("noop_with_empty_axes", 0):
             return x
         axes = list(range(len(x.shape)))
-    keep = bool(attrs.get("keepdims", 1))
-    return getattr(b.g, REDUCTIONS[node.op_type])(x, axes, keepdims=keep)
+    return REDUCTIONS[node.op_type](b.g, x, axes, bool(attrs.get("keepdims", 1)))
 
 
 @onnx_op("ArgMax", "ArgMin")
 def _arg(b, node, ins, attrs):
-    if attrs.get("select_last_index", 0):
-        raise Refuse("select_last_index=1 is not supported (the first index is)")
+    x = b.device(ins[0])
+    axis, keep = int(attrs.get("axis", 0)) % len(x.shape), bool(attrs.get("keepdims", 1))
     fn = b.g.argmax if node.op_type == "ArgMax" else b.g.argmin
-    return fn(b.device(ins[0]), int(attrs.get("axis", 0)), bool(attrs.get("keepdims", 1)))
+    if not attrs.get("select_last_index", 0):
+        return fn(x, axis, keep)
+    # the last extreme is the first one of the flipped axis
+    last = b.g.constant(np.array(x.shape[axis] - 1, np.int32), "i32")
+    return b.g.sub(last, fn(b.g.flip(x, (axis,)), axis, keep))
 
 
 @onnx_op("CumSum")
 def _cumsum(b, node, ins, attrs):
-    if attrs.get("exclusive", 0):
-        raise Refuse("exclusive cumulative sums are not supported")
     return b.g.cumsum(b.device(ins[0]), int(b.host(ins[1], "axis").reshape(())),
-                      bool(attrs.get("reverse", 0)))
+                      bool(attrs.get("reverse", 0)), bool(attrs.get("exclusive", 0)))
+
+
+@onnx_op("LpNormalization")
+def _lp_normalization(b, node, ins, attrs):
+    """x over its L1 or L2 norm along `axis` (no epsilon: a zero norm gives NaN, as ONNX's)."""
+    x = b.device(ins[0])
+    axis, p = int(attrs.get("axis", -1)) % len(x.shape), int(attrs.get("p", 2))
+    if p not in (1, 2):
+        raise Refuse(f"p={p} is not a norm ONNX defines here (1 or 2)")
+    norm = REDUCTIONS["ReduceL1" if p == 1 else "ReduceL2"](b.g, x, [axis], True)
+    return b.g.div(x, norm)
+
+
+@onnx_op("MeanVarianceNormalization")
+def _mean_variance_normalization(b, node, ins, attrs):
+    """(x - mean) / (std + 1e-9) over `axes`, the biased deviation, as ONNX's function body."""
+    x = b.device(ins[0])
+    axes = [int(a) % len(x.shape) for a in attrs.get("axes", [0, 2, 3])]
+    centred = b.g.sub(x, b.g.mean(x, axes, keepdims=True))
+    std = b.g.sqrt(b.g.mean(b.g.square(centred), axes, keepdims=True))
+    return b.g.div(centred, b.g.add(std, 1e-9))
+
+
+@onnx_op("LRN")
+def _lrn(b, node, ins, attrs):
+    """AlexNet's local response normalization across channels: x over (bias + alpha / size *
+    the sum of squares of a window of `size` channels around it) ** beta."""
+    x = b.device(ins[0])
+    size = int(attrs["size"])
+    alpha, beta = float(attrs.get("alpha", 1e-4)), float(attrs.get("beta", 0.75))
+    squares = b.g.pad(b.g.square(x), 1, (size - 1) // 2, size // 2)
+    window = b.g.slice(squares, 1, 0, x.shape[1])
+    for shift in range(1, size):
+        window = b.g.add(window, b.g.slice(squares, 1, shift, shift + x.shape[1]))
+    base = b.g.add(b.g.mul(window, alpha / size), float(attrs.get("bias", 1.0)))
+    return b.g.mul(x, power(b.g, base, -beta))
 
 
 @onnx_op("Reshape")
