@@ -700,6 +700,27 @@ def _lp(x, p, axis):
     return x / x.abs().pow(p).sum(axis, keepdim=True).pow(1 / p)
 
 
+def _space_to_depth(x, k):
+    n, c, h, w = x.shape
+    return x.reshape(n, c, h // k, k, w // k, k).permute(0, 3, 5, 1, 2, 4).reshape(
+        n, c * k * k, h // k, w // k)
+
+
+def _depth_to_space_dcr(x, k):
+    n, c, h, w = x.shape
+    return x.reshape(n, k, k, c // k // k, h, w).permute(0, 3, 4, 1, 5, 2).reshape(
+        n, c // k // k, h * k, w * k)
+
+
+def _index_put(x, indices, updates):
+    return x.index_put(tuple(torch.tensor(indices).reshape(-1, indices.shape[-1]).T),
+                       updates.reshape(-1, *x.shape[indices.shape[-1]:]))
+
+
+SCATTER_ND = np.array([[[1, 0]], [[0, 2]], [[1, -1]]], np.int64)  # (3, 1, 2): rows of (2, 4, 3)
+SCATTER_ELEMENTS = np.array([[2, 0, -1], [0, 1, 2]], np.int64)  # along axis 1 of (2, 4)
+
+
 def _mvn(x, axes):
     centred = x - x.mean(axes, keepdim=True)
     return centred / (centred.square().mean(axes, keepdim=True).sqrt() + 1e-9)
@@ -767,6 +788,31 @@ ONNX_OP_CASES = [
      lambda x, w: torch.nn.functional.rms_norm(x, (4,), w, 1e-3), 23),
     ("rms_normalization_two_axes", "RMSNormalization", [_f(2, 3, 4), _f(3, 4, seed=1)],
      {"axis": 1}, lambda x, w: torch.nn.functional.rms_norm(x, (3, 4), w, 1e-5), 23),
+    ("topk_largest", "TopK", [_f(3, 6), _known([2])], {},
+     lambda x: torch.topk(x, 2, -1).values, 13),
+    ("topk_smallest_axis0", "TopK", [_f(5, 3), _known([3])], {"axis": 0, "largest": 0},
+     lambda x: torch.topk(x, 3, 0, largest=False).values, 13),
+    ("trilu_upper", "Trilu", [_f(2, 3, 4)], {}, torch.triu, 14),
+    ("trilu_lower_k", "Trilu", [_f(2, 4, 3), _known(-1)], {"upper": 0},
+     lambda x: torch.tril(x, -1), 14),
+    ("one_hot", "OneHot", [_i([[1, -1], [0, 3]]), _known(3), np.array([0, 1], np.float32)], {},
+     None, 13),
+    ("one_hot_axis_values", "OneHot", [_i([2, -3, 1]), _known(3),
+                                       np.array([-0.5, 2], np.float32)], {"axis": 0}, None, 13),
+    ("hardmax", "Hardmax", [np.round(_f(3, 4, 2))], {"axis": 1}, None, 13),
+    ("eye_like", "EyeLike", [_f(3, 5)], {"k": 1}, None, 13),
+    ("depth_to_space_dcr", "DepthToSpace", [_f(1, 8, 2, 3)], {"blocksize": 2},
+     lambda x: _depth_to_space_dcr(x, 2), 13),
+    ("depth_to_space_crd", "DepthToSpace", [_f(2, 8, 2, 3)], {"blocksize": 2, "mode": "CRD"},
+     lambda x: torch.nn.functional.pixel_shuffle(x, 2), 13),
+    ("space_to_depth", "SpaceToDepth", [_f(1, 2, 4, 6)], {"blocksize": 2},
+     lambda x: _space_to_depth(x, 2), 13),
+    ("scatter_nd_rows", "ScatterND",
+     [_f(2, 4, 3), SCATTER_ND.view(Known), _f(3, 1, 3, seed=1)], {},
+     lambda x, u: _index_put(x, SCATTER_ND % [[[2, 4]]], u), 16),
+    ("scatter_elements", "ScatterElements",
+     [_f(2, 4), SCATTER_ELEMENTS.view(Known), _f(2, 3, seed=1)], {"axis": 1},
+     lambda x, u: x.scatter(1, torch.tensor(SCATTER_ELEMENTS % 4), u), 16),
 ]
 
 
@@ -796,9 +842,10 @@ def _single_op_model(op, inputs, attrs, outputs, opset):
     return model, feeds
 
 
-def check_single_op(device, op, inputs, attrs, reference, opset, outputs=("y",)):
+def check_single_op(device, op, inputs, attrs, reference, opset):
     """One ONNX node through onnxruntime and through vkml (forward); where `reference` is
     given, the gradient of sum(y * w) for each float initializer against PyTorch in float64."""
+    outputs = ("y", "indices") if op == "TopK" else ("y",)
     model, feeds = _single_op_model(op, inputs, attrs, outputs, opset)
     wants = ort.InferenceSession(model.SerializeToString(),
                                  providers=["CPUExecutionProvider"]).run(None, feeds)

@@ -55,7 +55,6 @@ DATA_DEPENDENT = {
     "Loop": "loops are not unrolled (a trip count or condition computed at run time)",
     "Scan": "scans are not unrolled",
     "If": "the branch taken depends on a value computed at run time",
-    "TopK": "k must be known at import",
 }
 # Never computed at import even when their inputs are known.
 NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
@@ -994,6 +993,130 @@ def _gather_elements(b, node, ins, attrs):
     x = b.device(ins[0])
     return b.g.gather_elements(x, b.g.cast(b.device(ins[1]), "i32"),
                                int(attrs.get("axis", 0)) % len(x.shape))
+
+
+@onnx_op("TopK")
+def _topk(b, node, ins, attrs):
+    # sorted=0 leaves the order to the engine: the sorted one serves
+    k = int(b.host(ins[1], "k").reshape(()))
+    return list(b.g.topk(b.device(ins[0]), k, int(attrs.get("axis", -1)),
+                         bool(attrs.get("largest", 1))))
+
+
+@onnx_op("Trilu")
+def _trilu(b, node, ins, attrs):
+    x = b.device(ins[0])
+    k = int(b.host(ins[1], "k").reshape(())) if len(ins) > 1 and ins[1] is not None else 0
+    keep = (np.triu if attrs.get("upper", 1) else np.tril)(np.ones(x.shape[-2:], bool), k)
+    return b.g.where(b.g.constant(keep.astype(np.float32)), x, 0.0)
+
+
+def _along(axis: int, rank: int, n: int) -> np.ndarray:
+    """0 .. n-1 as i32 along `axis` of a `rank`-D array, every other axis of length 1."""
+    return np.arange(n, dtype=np.int32).reshape([n if a == axis else 1 for a in range(rank)])
+
+
+@onnx_op("OneHot")
+def _one_hot(b, node, ins, attrs):
+    g = b.g
+    indices = g.cast(b.device(ins[0]), "i32")
+    depth = int(b.host(ins[1], "depth").reshape(()))
+    off, on = (float(v) for v in b.host(ins[2], "values").reshape(-1))
+    rank = len(indices.shape) + 1
+    axis = int(attrs.get("axis", -1)) % rank
+    # a negative index counts from the end; one out of range matches no class
+    zero, size = (g.constant(np.array(v, np.int32), "i32") for v in (0, depth))
+    indices = g.where(g.less(indices, zero), g.add(indices, size), indices)
+    wide = g.reshape(indices, [1 if a == axis else d for a, d in
+                               enumerate([*indices.shape[:axis], 1, *indices.shape[axis:]])])
+    mask = g.equal(wide, g.constant(_along(axis, rank, depth), "i32"))
+    return mask if (off, on) == (0.0, 1.0) else g.add(g.mul(mask, on - off), off)
+
+
+@onnx_op("Hardmax")
+def _hardmax(b, node, ins, attrs):
+    """1 at the first maximum along `axis`, 0 elsewhere."""
+    x = b.device(ins[0])
+    axis = int(attrs.get("axis", -1)) % len(x.shape)
+    first = b.g.argmax(x, axis, True)
+    return b.g.equal(first, b.g.constant(_along(axis, len(x.shape), x.shape[axis]), "i32"))
+
+
+@onnx_op("EyeLike")
+def _eye_like(b, node, ins, attrs):
+    """A constant: only the input's shape is read."""
+    shape = ins[0].shape if not isinstance(ins[0], Initializer) else ins[0].array.shape
+    return np.eye(*shape, k=int(attrs.get("k", 0)), dtype=np.float32)
+
+
+@onnx_op("DepthToSpace", "SpaceToDepth")
+def _depth_space(b, node, ins, attrs):
+    """torch's pixel_shuffle (DepthToSpace CRD) and its inverse, and DepthToSpace's DCR:
+    reshapes around one transpose."""
+    x = b.device(ins[0])
+    if len(x.shape) != 4:
+        raise Refuse(f"{node.op_type} of a {len(x.shape)}-D input (4-D is defined)")
+    n, c, h, w = x.shape
+    k = int(attrs["blocksize"])
+    if node.op_type == "SpaceToDepth":
+        split, order, out = (n, c, h // k, k, w // k, k), (0, 3, 5, 1, 2, 4), (n, c * k * k,
+                                                                              h // k, w // k)
+    elif attrs.get("mode", "DCR") == "DCR":
+        split, order, out = (n, k, k, c // (k * k), h, w), (0, 3, 4, 1, 5, 2), (n, c // (k * k),
+                                                                               h * k, w * k)
+    else:
+        split, order, out = (n, c // (k * k), k, k, h, w), (0, 1, 4, 2, 5, 3), (n, c // (k * k),
+                                                                               h * k, w * k)
+    return b.g.reshape(b.g.transpose(b.g.reshape(x, split), order), out)
+
+
+def _scatter(b, data: Tensor, updates: Tensor, targets: np.ndarray, rows: int) -> Tensor:
+    """data (rows, ...) with row targets[q] replaced by updates' row q (the last one where
+    targets repeat): a gather of the updates where a row is written, the data elsewhere."""
+    source = np.zeros(rows, np.int32)
+    source[targets] = np.arange(len(targets), dtype=np.int32)
+    written = np.zeros((rows,) + (1,) * (len(data.shape) - 1), np.float32)
+    written[targets] = 1.0
+    picked = b.g.gather(updates, b.g.constant(source, "i32"), 0)
+    return b.g.where(b.g.constant(written), picked, data)
+
+
+def _scatter_reduction(attrs: dict) -> None:
+    if attrs.get("reduction", "none") != "none":
+        raise Refuse(f"reduction '{attrs['reduction']}' is not supported (none is)")
+
+
+@onnx_op("ScatterND")
+def _scatter_nd(b, node, ins, attrs):
+    """Indices known at import (an exporter's `x[..., idx] = y`): the indexed leading axes
+    merged into rows."""
+    _scatter_reduction(attrs)
+    data, updates = b.device(ins[0]), b.device(ins[2])
+    indices = b.host(ins[1], "indices (ScatterND's, when computed at run time)")
+    k = indices.shape[-1]
+    lead, rest = data.shape[:k], data.shape[k:]
+    points = indices.reshape(-1, k) % np.array(lead)
+    targets = np.ravel_multi_index(tuple(points.T), lead) if len(points) else points[:, 0]
+    rows = math.prod(lead)
+    out = _scatter(b, b.g.reshape(data, (rows, *rest)),
+                   b.g.reshape(updates, (len(points), *rest)), targets, rows)
+    return b.g.reshape(out, data.shape)
+
+
+@onnx_op("ScatterElements")
+def _scatter_elements(b, node, ins, attrs):
+    """Indices known at import: every element a row of one."""
+    _scatter_reduction(attrs)
+    data, updates = b.device(ins[0]), b.device(ins[2])
+    indices = b.host(ins[1], "indices (ScatterElements', when computed at run time)")
+    axis = int(attrs.get("axis", 0)) % len(data.shape)
+    where = list(np.indices(indices.shape))
+    where[axis] = indices % data.shape[axis]
+    targets = np.ravel_multi_index(tuple(w.reshape(-1) for w in where), data.shape)
+    size = math.prod(data.shape)
+    out = _scatter(b, b.g.reshape(data, (size,)), b.g.reshape(updates, (indices.size,)),
+                   targets, size)
+    return b.g.reshape(out, data.shape)
 
 
 @onnx_op("GatherND")
