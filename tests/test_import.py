@@ -721,6 +721,17 @@ SCATTER_ND = np.array([[[1, 0]], [[0, 2]], [[1, -1]]], np.int64)  # (3, 1, 2): r
 SCATTER_ELEMENTS = np.array([[2, 0, -1], [0, 1, 2]], np.int64)  # along axis 1 of (2, 4)
 
 
+def _window_sums(x, pads, kernel, stride):
+    return torch.nn.functional.avg_pool2d(torch.nn.functional.pad(x, pads), kernel, stride,
+                                          divisor_override=1)
+
+
+def _mean_of_input(x, pads, kernel, stride):
+    """Average pooling over each window's elements of the input alone."""
+    return _window_sums(x, pads, kernel, stride) / _window_sums(torch.ones_like(x), pads,
+                                                                kernel, stride)
+
+
 def _mvn(x, axes):
     centred = x - x.mean(axes, keepdim=True)
     return centred / (centred.square().mean(axes, keepdim=True).sqrt() + 1e-9)
@@ -813,6 +824,38 @@ ONNX_OP_CASES = [
     ("scatter_elements", "ScatterElements",
      [_f(2, 4), SCATTER_ELEMENTS.view(Known), _f(2, 3, seed=1)], {"axis": 1},
      lambda x, u: x.scatter(1, torch.tensor(SCATTER_ELEMENTS % 4), u), 16),
+    ("max_pool_1d", "MaxPool", [_f(2, 3, 9)], {"kernel_shape": [3], "strides": [2],
+                                               "pads": [1, 1]},
+     lambda x: torch.nn.functional.max_pool1d(x, 3, 2, 1), 13),
+    ("max_pool_same_upper_negative", "MaxPool", [_f(1, 2, 6, 6, low=-3, high=-1)],
+     {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"},
+     lambda x: torch.nn.functional.max_pool2d(
+         torch.nn.functional.pad(x, (0, 1, 0, 1), value=-np.inf), 3, 2), 13),
+    ("max_pool_dilated", "MaxPool", [_f(1, 2, 7, 8)],
+     {"kernel_shape": [2, 3], "strides": [1, 2], "pads": [1, 0, 1, 0], "dilations": [2, 1]},
+     lambda x: torch.nn.functional.max_pool2d(x, (2, 3), (1, 2), (1, 0), (2, 1)), 13),
+    ("max_pool_dilated_ceil", "MaxPool", [_f(1, 1, 7, 6)],
+     {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 2], "ceil_mode": 1},
+     lambda x: torch.nn.functional.max_pool2d(x, 2, 2, 0, 2, ceil_mode=True), 13),
+    ("avg_pool_1d_counted", "AveragePool", [_f(2, 3, 8)],
+     {"kernel_shape": [3], "strides": [2], "pads": [1, 1], "count_include_pad": 1},
+     lambda x: torch.nn.functional.avg_pool1d(x, 3, 2, 1, count_include_pad=True), 13),
+    ("avg_pool_same_upper_uncounted", "AveragePool", [_f(1, 2, 6, 5)],
+     {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"},
+     lambda x: _mean_of_input(x, (1, 1, 0, 1), 3, 2), 13),
+    ("conv_transpose_1d", "ConvTranspose", [_f(2, 4, 5), _f(4, 3, 3, seed=1)],
+     {"strides": [2], "pads": [1, 1], "output_padding": [1]},
+     lambda x, w: torch.nn.functional.conv_transpose1d(x, w, stride=2, padding=1,
+                                                       output_padding=1), 13),
+    ("conv_transpose_asymmetric_pads", "ConvTranspose", [_f(1, 2, 3, 4), _f(2, 3, 3, 3, seed=1)],
+     {"strides": [2, 2], "pads": [0, 1, 1, 2]},
+     lambda x, w: torch.nn.functional.conv_transpose2d(x, w, stride=2)[..., :-1, 1:-2], 13),
+    ("conv_transpose_output_shape", "ConvTranspose", [_f(1, 2, 3, 3), _f(2, 2, 3, 3, seed=1)],
+     {"strides": [2, 2], "output_shape": [6, 6]},
+     lambda x, w: torch.nn.functional.conv_transpose2d(x, w, stride=2)[..., 1:, 1:], 13),
+    ("conv_transpose_same_upper", "ConvTranspose", [_f(1, 2, 3, 3), _f(2, 2, 3, 3, seed=1)],
+     {"strides": [2, 2], "auto_pad": "SAME_UPPER"},
+     lambda x, w: torch.nn.functional.conv_transpose2d(x, w, stride=2)[..., :-1, :-1], 13),
 ]
 
 
@@ -834,7 +877,11 @@ def _single_op_model(op, inputs, attrs, outputs, opset):
     graph = helper.make_graph([node], op, graph_inputs,
                               [onnx.ValueInfoProto(name=o) for o in outputs], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    # the outputs' types and shapes, from onnx's reference implementation
+    # the outputs' types and shapes: onnx's shape inference, or where it gives none (a function
+    # op such as MeanVarianceNormalization), onnx's reference implementation
+    inferred = onnx.shape_inference.infer_shapes(model)
+    if all(o.type.tensor_type.HasField("shape") for o in inferred.graph.output):
+        return inferred, feeds
     values = ReferenceEvaluator(model).run(None, feeds)
     model.graph.ClearField("output")
     model.graph.output.extend(helper.make_tensor_value_info(

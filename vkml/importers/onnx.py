@@ -635,35 +635,63 @@ def _spatial(attrs: dict, name: str, rank: int, default: int) -> list[int]:
     return list(attrs.get(name, [default] * rank))
 
 
-def _pads(b: _Builder, x: Tensor, attrs: dict, kernel: Sequence[int], strides: Sequence[int],
-          dilations: Sequence[int]) -> tuple[Tensor, list[int]]:
-    """Symmetric padding per spatial axis, with any asymmetric part (SAME_UPPER/LOWER, or
-    explicit pads) applied first as zero padding."""
+def _pad_amounts(shape: Sequence[int], attrs: dict, kernel: Sequence[int],
+                 strides: Sequence[int], dilations: Sequence[int]) -> list[int]:
+    """ONNX's pads, (begins..., ends...) per spatial axis, from auto_pad or the attribute."""
     rank = len(kernel)
     auto = attrs.get("auto_pad", "NOTSET")
     if auto in ("SAME_UPPER", "SAME_LOWER"):
-        pads = []
         begins, ends = [], []
         for i in range(rank):
-            size = x.shape[2 + i]
+            size = shape[2 + i]
             out = -(-size // strides[i])
             total = max(0, (out - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - size)
             small = total // 2
             begins.append(small if auto == "SAME_UPPER" else total - small)
             ends.append(total - begins[-1])
-        pads = begins + ends
-    elif auto == "VALID":
-        pads = [0] * (2 * rank)
-    else:
-        pads = list(attrs.get("pads", [0] * (2 * rank)))
+        return begins + ends
+    if auto == "VALID":
+        return [0] * (2 * rank)
+    return list(attrs.get("pads", [0] * (2 * rank)))
+
+
+def _pads(b: _Builder, x: Tensor, attrs: dict, kernel: Sequence[int], strides: Sequence[int],
+          dilations: Sequence[int], value: float = 0.0) -> tuple[Tensor, list[int]]:
+    """Symmetric padding per spatial axis, with any asymmetric part (SAME_UPPER/LOWER, or
+    explicit pads) applied first, filled with `value`."""
+    rank = len(kernel)
+    pads = _pad_amounts(x.shape, attrs, kernel, strides, dilations)
     symmetric = []
     for i in range(rank):
         lo, hi = pads[i], pads[i + rank]
         common = min(lo, hi)
         if lo != hi:
-            x = b.g.pad(x, 2 + i, lo - common, hi - common)
+            x = b.g.pad(x, 2 + i, lo - common, hi - common, value=value)
         symmetric.append(common)
     return x, symmetric
+
+
+def _lift_1d(handler: Handler) -> Handler:
+    """A 2-D handler that also takes 1-D inputs (N, C, L): as (N, C, 1, L), every spatial
+    attribute given a leading height of its neutral value."""
+    neutral = {"kernel_shape": 1, "strides": 1, "dilations": 1, "output_padding": 0}
+
+    def handle(b, node, ins, attrs):
+        x = b.device(ins[0])
+        if len(x.shape) != 3:
+            return handler(b, node, ins, attrs)
+        lifted = {k: [neutral[k], *v] if k in neutral else v for k, v in attrs.items()}
+        if "pads" in attrs:
+            lifted["pads"] = [0, attrs["pads"][0], 0, attrs["pads"][1]]
+        if "output_shape" in attrs:
+            lifted["output_shape"] = [1, *attrs["output_shape"][-1:]]
+        ins = [b.g.reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2])), *ins[1:]]
+        if len(ins) > 1 and ins[1] is not None and node.op_type == "ConvTranspose":
+            w = b.device(ins[1])
+            ins[1] = b.g.reshape(w, (w.shape[0], w.shape[1], 1, w.shape[2]))
+        y = handler(b, node, ins, lifted)
+        return b.g.reshape(y, (y.shape[0], y.shape[1], y.shape[3]))
+    return handle
 
 
 @onnx_op("Conv")
@@ -683,32 +711,74 @@ def _conv(b, node, ins, attrs):
     return g.conv2d(x, w, bias, tuple(strides), tuple(pads), tuple(dilations), groups)
 
 
-def _pool_geometry(b, x, attrs):
+def _pool_geometry(attrs: dict) -> tuple[list[int], list[int], list[int]]:
     kernel = list(attrs["kernel_shape"])
     if len(kernel) != 2:
-        raise Refuse(f"{len(kernel)}-D pooling is not supported (2-D is)")
-    if any(d != 1 for d in attrs.get("dilations", [1, 1])):
-        raise Refuse("dilated pooling is not supported")
-    strides = _spatial(attrs, "strides", 2, 1)
-    x, pads = _pads(b, x, attrs, kernel, strides, [1, 1])
-    return x, kernel, strides, pads
+        raise Refuse(f"{len(kernel)}-D pooling is not supported (1-D and 2-D are)")
+    return kernel, _spatial(attrs, "strides", 2, 1), _spatial(attrs, "dilations", 2, 1)
 
 
 @onnx_op("MaxPool")
+@_lift_1d
 def _max_pool(b, node, ins, attrs):
-    x, kernel, strides, pads = _pool_geometry(b, b.device(ins[0]), attrs)
+    kernel, strides, dilations = _pool_geometry(attrs)
     if attrs.get("storage_order", 0):
         raise Refuse("storage_order=1 is not supported")
-    return b.g.max_pool2d(x, tuple(kernel), tuple(strides), tuple(pads),
-                          ceil_mode=bool(attrs.get("ceil_mode", 0)))
+    x, pads = _pads(b, b.device(ins[0]), attrs, kernel, strides, dilations, -math.inf)
+    ceil = bool(attrs.get("ceil_mode", 0))
+    if dilations == [1, 1]:
+        return b.g.max_pool2d(x, tuple(kernel), tuple(strides), tuple(pads), ceil_mode=ceil)
+    return _dilated_max_pool(b.g, x, kernel, strides, pads, dilations, ceil)
+
+
+def _dilated_max_pool(g: Graph, x: Tensor, kernel, strides, pads, dilations,
+                      ceil: bool) -> Tensor:
+    """The maximum of the kernel's strided slices of the input padded with -inf (ceil_mode's
+    last window, as torch's, starting inside the input or its leading pad)."""
+    extents = []
+    for axis, (k, s, p, d) in enumerate(zip(kernel, strides, pads, dilations), 2):
+        span, n = d * (k - 1) + 1, x.shape[axis] + 2 * p
+        out = (n - span) // s + 1
+        if ceil and (n - span) % s and (out * s) < x.shape[axis] + p:
+            out += 1
+        x = g.pad(x, axis, p, p + max(0, (out - 1) * s + span - n), value=-math.inf)
+        extents.append(out)
+    best = None
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            window = x
+            for axis, offset, out, s in zip((2, 3), (i * dilations[0], j * dilations[1]),
+                                            extents, strides):
+                window = g.slice(window, axis, offset, offset + (out - 1) * s + 1, s)
+            best = window if best is None else g.maximum(best, window)
+    return best
 
 
 @onnx_op("AveragePool")
+@_lift_1d
 def _avg_pool(b, node, ins, attrs):
-    x, kernel, strides, pads = _pool_geometry(b, b.device(ins[0]), attrs)
-    return b.g.avg_pool2d(x, tuple(kernel), tuple(strides), tuple(pads),
-                          ceil_mode=bool(attrs.get("ceil_mode", 0)),
-                          count_include_pad=bool(attrs.get("count_include_pad", 0)))
+    kernel, strides, dilations = _pool_geometry(attrs)
+    if dilations != [1, 1]:
+        raise Refuse("dilated average pooling is not supported")
+    x, counted = b.device(ins[0]), bool(attrs.get("count_include_pad", 0))
+    ceil = bool(attrs.get("ceil_mode", 0))
+    pads = _pad_amounts(x.shape, attrs, kernel, strides, dilations)
+    if counted or pads[:2] == pads[2:]:
+        x, pads = _pads(b, x, attrs, kernel, strides, dilations)
+        return b.g.avg_pool2d(x, tuple(kernel), tuple(strides), tuple(pads), ceil_mode=ceil,
+                              count_include_pad=counted)
+    if ceil:
+        raise Refuse("ceil_mode with asymmetric pads not counted in the average is not "
+                     "supported")
+    # the sums over the zero-padded input, each over its count of the input's own elements
+    counts = []
+    for axis, (k, s) in enumerate(zip(kernel, strides)):
+        n, lo, hi = x.shape[2 + axis], pads[axis], pads[axis + 2]
+        starts = np.arange((n + lo + hi - k) // s + 1) * s - lo
+        counts.append(np.minimum(starts + k, n) - np.maximum(starts, 0))
+        x = b.g.pad(x, 2 + axis, lo, hi)
+    sums = b.g.avg_pool2d(x, tuple(kernel), tuple(strides), divisor_override=1)
+    return b.g.div(sums, b.g.constant(np.outer(*counts).astype(np.float32)))
 
 
 @onnx_op("GlobalAveragePool")
@@ -1134,20 +1204,41 @@ def _einsum(b, node, ins, attrs):
 
 
 @onnx_op("ConvTranspose")
+@_lift_1d
 def _conv_transpose(b, node, ins, attrs):
     x, w = b.device(ins[0]), b.device(ins[1])
     bias = b.device(ins[2]) if len(ins) > 2 and ins[2] is not None else None
     if len(w.shape) != 4:
-        raise Refuse(f"{len(w.shape) - 2}-D transposed convolutions are not supported (2-D is)")
-    if attrs.get("auto_pad", "NOTSET") != "NOTSET" or "output_shape" in attrs:
-        raise Refuse("auto_pad and output_shape in ConvTranspose are not supported (pads are)")
+        raise Refuse(f"{len(w.shape) - 2}-D transposed convolutions are not supported (1-D "
+                     "and 2-D are)")
+    strides = _spatial(attrs, "strides", 2, 1)
+    extra = _spatial(attrs, "output_padding", 2, 0)
+    dilations = _spatial(attrs, "dilations", 2, 1)
     pads = list(attrs.get("pads", [0] * 4))
-    if pads[:2] != pads[2:]:
-        raise Refuse("asymmetric pads in ConvTranspose are not supported")
-    return b.g.conv_transpose2d(x, w, bias, tuple(_spatial(attrs, "strides", 2, 1)),
-                                tuple(pads[:2]), tuple(_spatial(attrs, "output_padding", 2, 0)),
-                                tuple(_spatial(attrs, "dilations", 2, 1)),
-                                int(attrs.get("group", 1)))
+    auto = attrs.get("auto_pad", "NOTSET")
+    if "output_shape" in attrs or auto in ("SAME_UPPER", "SAME_LOWER"):
+        # ONNX's rule: the padding that gives output_shape (the input's times the stride)
+        shape = list(attrs.get("output_shape", [n * s for n, s in zip(x.shape[2:], strides)]))
+        total = [s * (n - 1) + e + (k - 1) * d + 1 - o for s, n, e, k, d, o in
+                 zip(strides, x.shape[2:], extra, w.shape[2:], dilations, shape[-2:])]
+        if min(total) < 0:
+            raise Refuse(f"output_shape {shape} is larger than the full transposed "
+                         "convolution")
+        small = [t // 2 for t in total]
+        upper = auto == "SAME_UPPER"
+        pads = [*(s if upper else t - s for s, t in zip(small, total)),
+                *(t - s if upper else s for s, t in zip(small, total))]
+    elif auto == "VALID":
+        pads = [0] * 4
+    # each axis padded by its smaller side in the product, the rest cropped from its output
+    common = [min(pads[i], pads[i + 2]) for i in range(2)]
+    y = b.g.conv_transpose2d(x, w, bias, tuple(strides), tuple(common), tuple(extra),
+                             tuple(dilations), int(attrs.get("group", 1)))
+    for i in range(2):
+        lo, hi = pads[i] - common[i], pads[i + 2] - common[i]
+        if lo or hi:
+            y = b.g.slice(y, 2 + i, lo, y.shape[2 + i] - hi)
+    return y
 
 
 @onnx_op("Expand")
