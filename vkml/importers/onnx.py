@@ -5,9 +5,9 @@ symbolic dimensions of the inputs come from `shapes=`, and every node whose inpu
 on the host (shape arithmetic: Shape, Gather, Concat, Range, ConstantOfShape, ...) is computed
 there by onnx's reference implementation of the op and becomes a constant. The other nodes become
 vkml ops through the table below (one function an op type). Float initializers that computations
-read become parameters under their own names (trainable; batch-norm running statistics frozen);
-integer initializers, one-element ones (an exporter's scalars) and those read only where a value
-must be known at import (a Reshape's shape) stay host constants.
+read become parameters under their own names (trainable; batch-norm running statistics and a
+loss's class weights frozen); integer initializers, one-element ones (an exporter's scalars) and
+those read only where a value must be known at import (a Reshape's shape) stay host constants.
 
 `training=True` keeps the training behaviour the export recorded: a Dropout whose training_mode
 input is true drops, a BatchNormalization with training_mode=1 normalises by the batch's
@@ -963,6 +963,39 @@ def _lrn(b, node, ins, attrs):
         window = b.g.add(window, b.g.slice(squares, 1, shift, shift + x.shape[1]))
     base = b.g.add(b.g.mul(window, alpha / size), float(attrs.get("bias", 1.0)))
     return b.g.mul(x, power(b.g, base, -beta))
+
+
+@onnx_op("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+def _class_loss(b, node, ins, attrs):
+    """torch's F.cross_entropy and F.nll_loss over classes on axis 1: per-class weights,
+    ignore_index, reductions none, sum and mean (weighted: over the kept labels' weights)."""
+    g = b.g
+    scores, labels = b.device(ins[0]), g.cast(b.device(ins[1]), "i32")
+    # class weights are a constant of the loss, as torch's (not differentiable there)
+    weights = b.device(ins[2], trainable=False) if len(ins) > 2 and ins[2] is not None else None
+    log_probs = (last_axis(g, scores, 1, g.log_softmax)
+                 if node.op_type == "SoftmaxCrossEntropyLoss" else scores)
+    kept = None
+    if "ignore_index" in attrs:
+        ignored = g.constant(np.array(attrs["ignore_index"], np.int32), "i32")
+        kept = g.not_equal(labels, ignored)
+        labels = g.where(kept, labels, g.constant(np.array(0, np.int32), "i32"))
+    wide = g.reshape(labels, (labels.shape[0], 1, *labels.shape[1:]))
+    losses = g.neg(g.reshape(g.gather_elements(log_probs, wide, 1), labels.shape))
+    counts = kept
+    if weights is not None:
+        weight = g.gather(weights, labels, 0)
+        counts = weight if kept is None else g.mul(weight, kept)
+    if counts is not None:
+        losses = g.mul(losses, counts)
+    reduction = attrs.get("reduction", "mean")
+    if reduction == "none":
+        loss = losses
+    elif reduction == "sum":
+        loss = g.sum(losses)
+    else:
+        loss = g.mean(losses) if counts is None else g.div(g.sum(losses), g.sum(counts))
+    return [loss, log_probs]
 
 
 @onnx_op("Reshape")
