@@ -196,6 +196,9 @@ CASES = [
          lambda a: F.max_pool2d(a, 2)),
     Case("avg_pool2d", [(2, 3, 6, 6)], lambda g, a: g.avg_pool2d(a, 3, 2, 1),
          lambda a: F.avg_pool2d(a, 3, 2, 1)),
+    Case("max_pool2d_ceil_window_longer_than_axis", [(1, 2, 1, 5)],
+         lambda g, a: g.max_pool2d(a, (3, 2), ceil_mode=True),
+         lambda a: F.max_pool2d(a, (3, 2), ceil_mode=True)),
     Case("global_avg_pool2d", [(2, 3, 4, 5)], lambda g, a: g.global_avg_pool2d(a),
          lambda a: F.adaptive_avg_pool2d(a, 1)),
     Case("attention_cross", [(2, 2, 4, 8), (2, 2, 5, 8), (2, 2, 5, 6)],
@@ -405,6 +408,32 @@ def test_mixed_dtypes_are_refused_naming_the_fix():
         g.less(ids, 0.5)
     with pytest.raises(vkml.GraphError, match="cast"):
         g.where(x > 0, x, ids)
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+@pytest.mark.parametrize("shape, kernel, stride, padding, ceil", [
+    ((1, 1, 1, 5), (3, 2), None, 0, False),  # found by tools/fuzz.py: max_pool2d gave (1,1,0,2)
+    ((1, 1, 15, 1), (2, 3), 1, (1, 0), True),  # max_pool2d (1,1,16,-1), avg_pool2d IndexError
+    ((1, 1, 1, 5), (3, 2), None, 0, True),
+    ((1, 1, 4, 4), 3, 2, 1, True),
+])
+def test_pooling_windows_refused_where_torch_refuses_them(pool, shape, kernel, stride,
+                                                          padding, ceil):
+    """A window that leaves no output position is a GraphError, as PyTorch's RuntimeError;
+    one that fits gives torch's output shape."""
+    ref = getattr(F, f"{pool}_pool2d")
+    try:
+        want = ref(torch.zeros(shape), kernel, stride, padding, ceil_mode=ceil).shape
+    except RuntimeError:
+        want = None
+    g = vkml.Graph()
+    x = g.input("x", shape)
+    build = getattr(g, f"{pool}_pool2d")
+    if want is None:
+        with pytest.raises(vkml.GraphError, match="does not fit an input axis"):
+            build(x, kernel, stride, padding, ceil_mode=ceil)
+    else:
+        assert build(x, kernel, stride, padding, ceil_mode=ceil).shape == tuple(want)
 
 
 def test_batch_norm_backward_sums_twice(device):

@@ -197,9 +197,15 @@ def pool_extent(size: int, kernel: int, stride: int, pad: int, ceil_mode: bool) 
     """Pooling windows along an axis; with ceil_mode a last partial window too, if it starts
     inside the input or its left padding (PyTorch's rule; its taps outside are skipped)."""
     if not ceil_mode:
-        return kernels.out_extent(size, kernel, stride, pad, 1)
-    out = -(-(size + 2 * pad - kernel) // stride) + 1
-    return out - 1 if (out - 1) * stride >= size + pad else out
+        out = kernels.out_extent(size, kernel, stride, pad, 1)
+    else:
+        out = -(-(size + 2 * pad - kernel) // stride) + 1
+        out = out - 1 if (out - 1) * stride >= size + pad else out
+    if out < 1:  # PyTorch refuses too ("Output size is too small")
+        raise GraphError(f"pooling: a window of {kernel} (stride {stride}, padding {pad}"
+                         f"{', ceil_mode' if ceil_mode else ''}) does not fit an input axis of "
+                         f"{size}: no output position; use a smaller kernel or more padding")
+    return out
 
 
 def _max_pool2d_grad(g, node, d):
