@@ -701,6 +701,9 @@ class Demo:
         n = self.run.frames[-1].frame + 1 if self.run.frames else 0
         while True:
             self._finish_jobs()
+            # an inference begun but not yet submitted when the loop ended reads the last frame
+            # rendered: noted, so its prediction (the one left drawn) is recorded and shown
+            self._note_inference_frame(n - 1)
             self.begin_frame(n, start_inference=False)
             if not any(j.pieces_left for j in self.jobs) and not self.samples and \
                     self._train_harvested and self._infer_harvested:
