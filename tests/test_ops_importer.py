@@ -69,6 +69,10 @@ CASES = [
          lambda x: F.pad(x, (2, 1), mode="reflect")),
     Case("pad_replicate", [(2, 3, 5)], lambda g, x: g.pad(x, 1, 1, 2, mode="replicate"),
          lambda x: F.pad(x, (0, 0, 1, 2), mode="replicate")),
+    # found by tools/fuzz.py: amounts past the axis's length were refused; torch repeats the edge
+    Case("pad_replicate_past_length", [(2, 2, 3)],
+         lambda g, x: g.pad(x, 1, 3, 5, mode="replicate"),
+         lambda x: F.pad(x, (0, 0, 3, 5), mode="replicate")),
     Case("pad_circular", [(2, 3, 5)], lambda g, x: g.pad(x, 2, 1, 3, mode="circular"),
          lambda x: F.pad(x, (1, 3), mode="circular")),
     Case("pad_value", [(2, 3)], lambda g, x: g.pad(x, 1, 1, 2, value=1.5),

@@ -139,9 +139,12 @@ def pad(g: Graph, x: Tensor, axis: int, before: int, after: int, stride: int = 1
         attrs = ({"stride": int(stride)} if stride != 1 else {}) | (
             {"value": float(value)} if value != 0 else {})
         return g.apply("pad", [x], axis=axis, before=before, after=after, **attrs)
-    if max(before, after) > (n - 1 if mode == "reflect" else n):
+    # reflect mirrors x without its edge, circular wraps around once (PyTorch's limits);
+    # replicate repeats the edge element, as many times as asked
+    if mode != "replicate" and max(before, after) > (n - 1 if mode == "reflect" else n):
+        limit = f"below its length {n}" if mode == "reflect" else f"of at most its length {n}"
         raise GraphError(f"pad: {mode} padding by ({before}, {after}) along axis {axis} of "
-                         f"{x.label} needs amounts below its length {n}")
+                         f"{x.label} needs amounts {limit}")
 
     def edge(start: int, count: int) -> Tensor:  # element `start` repeated `count` times
         shape = tuple(count if a == axis else d for a, d in enumerate(x.shape))
