@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import vkml
 
 TOL = 1e-4
-MAX_ELEMENTS = 6000  # a step whose result is larger is not taken: lavapipe is slow
+MAX_ELEMENTS = 20000  # a step whose result is larger is not taken: lavapipe is slow
 DIMS = (1, 1, 2, 3, 3, 4, 5, 7, 8, 17)
 
 
@@ -49,6 +49,8 @@ class Applied:
     extras: list[np.ndarray]
     vk: Callable  # (graph, x, *extras as vkml tensors) -> Tensor
     th: Callable  # (x, *extras as torch tensors) -> torch.Tensor
+    # torch leaves the choice among equal values open (topk): not drawn for data with ties
+    tie_sensitive: bool = False
 
 
 Gen = Callable[[np.random.Generator, tuple], "Applied | None"]
@@ -309,7 +311,7 @@ def gen_sort(rng, shape):
     largest = bool(rng.random() < 0.5)
     return Applied(f"topk(k={k}, axis={axis}, largest={largest}) values", [],
                    lambda g, x: g.topk(x, k, axis, largest=largest)[0],
-                   lambda x: torch.topk(x, k, axis, largest=largest)[0])
+                   lambda x: torch.topk(x, k, axis, largest=largest)[0], tie_sensitive=True)
 
 
 # ---- layout and indexing -----------------------------------------------------------------
@@ -523,6 +525,171 @@ def gen_matmul(rng, shape):
                    lambda x, w: x @ (w.transpose(-1, -2) if tb else w))
 
 
+@op
+def gen_einsum(rng, shape):
+    if len(shape) == 2:
+        m, k = shape
+        n = int(pick(rng, (1, 3, 5)))
+        choices = [("ij,jk->ik", (k, n)), ("ij,kj->ki", (n, k)), ("ij->ji", None),
+                   ("ij->j", None), ("ij,ij->i", (m, k))]
+        if m == k:
+            choices += [("ii->i", None), ("ii", None)]
+    elif len(shape) == 3:
+        b, m, k = shape
+        choices = [("bij,bjk->bik", (b, k, 2)), ("bij,bkj->bik", (b, 3, k)),
+                   ("...ij,jk", (k, 4)), ("bij->jb", None)]
+    else:
+        return None
+    eq, other = pick(rng, choices)
+    if other is None:
+        return Applied(f"einsum({eq!r})", [], lambda g, x: g.einsum(eq, x),
+                       lambda x: torch.einsum(eq, x))
+    return Applied(f"einsum({eq!r}, x, p{other})", [normal(rng, other)],
+                   lambda g, x, p: g.einsum(eq, x, p), lambda x, p: torch.einsum(eq, x, p))
+
+
+@op
+def gen_attention(rng, shape):
+    if len(shape) != 4 or shape[-1] > 17:
+        return None
+    b, h, length, d = shape
+    hkv = pick(rng, [k for k in range(1, h + 1) if h % k == 0])
+    s = int(pick(rng, (1, 3, length, 7)))
+    dv = int(pick(rng, (d, 2, 5)))
+    causal = bool(rng.random() < 0.4)
+    fused = bool(rng.random() < 0.4)
+    masked = not fused and rng.random() < 0.3
+    scale = float(pick(rng, (0.3, 1.0))) if rng.random() < 0.3 else None
+    extras = [normal(rng, (b, hkv, s, d)), normal(rng, (b, hkv, s, dv))]
+    if masked:
+        extras.append(normal(rng, (1, 1, length, s)))
+
+    def th(q, k, v, *mask):  # by hand: vkml takes a mask and causal=True together
+        rep = h // hkv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = q @ k.transpose(-1, -2) * (scale if scale is not None else d ** -0.5)
+        if mask:
+            scores = scores + mask[0]
+        if causal:
+            keep = torch.ones(length, s, dtype=torch.bool).tril()
+            scores = scores.masked_fill(~keep, -math.inf)
+        return scores.softmax(-1) @ v
+    return Applied(f"sdpa(q=x, k{extras[0].shape}, v{extras[1].shape}, mask={masked}, "
+                   f"causal={causal}, fused={fused}, scale={scale})", extras,
+                   lambda g, x, k, v, *m: g.scaled_dot_product_attention(
+                       x, k, v, m[0] if m else None, causal=causal, scale=scale, fused=fused),
+                   th)
+
+
+@op
+def gen_interpolate(rng, shape):
+    if len(shape) not in (3, 4):
+        return None
+    spatial = len(shape) - 2
+    mode = pick(rng, ("nearest", "nearest-exact", "linear" if spatial == 1 else "bilinear")
+                + (("bicubic",) if spatial == 2 else ()))
+    align = bool(rng.random() < 0.5) if mode in ("linear", "bilinear", "bicubic") else None
+    if rng.random() < 0.5:
+        size = tuple(int(rng.integers(1, 2 * n + 3)) for n in shape[2:])
+        kw = {"size": size}
+    else:
+        kw = {"scale_factor": tuple(float(pick(rng, (0.5, 1.5, 2.0, 3.0))) for _ in shape[2:])}
+    return Applied(f"interpolate({kw}, {mode}, align_corners={align})", [],
+                   lambda g, x: g.interpolate(x, mode=mode, align_corners=align, **kw),
+                   lambda x: F.interpolate(x, mode=mode, align_corners=align, **kw))
+
+
+@op
+def gen_index(rng, shape):
+    if not shape:
+        return None
+    kind = pick(rng, ("index", "embedding"))
+    if kind == "embedding":
+        if len(shape) != 2:
+            return None
+        ids = rng.integers(0, shape[0], tuple(int(pick(rng, (1, 2, 3)))
+                                              for _ in range(int(rng.integers(1, 3)))))
+        return Applied(f"embedding(ids{ids.tolist()}, x)", [ids],
+                       lambda g, x, i: g.embedding(i, x), lambda x, i: F.embedding(i, x))
+    lead = int(rng.integers(1, min(len(shape), 3) + 1))
+    bshape = tuple(int(pick(rng, (1, 2, 3))) for _ in range(int(rng.integers(1, 3))))
+    which = [rng.random() < 0.7 for _ in range(lead)]
+    if not any(which):
+        which[0] = True
+    arrays = []
+    for a in range(lead):
+        if which[a]:
+            sub = tuple(d if rng.random() < 0.7 else 1 for d in bshape)
+            arrays.append(rng.integers(-shape[a], shape[a], sub))
+    it = iter(range(len(arrays)))
+    slots = [next(it) if w else None for w in which]
+
+    def vk(g, x, *ts):
+        return g.index(x, [None if s is None else ts[s] for s in slots])
+
+    def th(x, *ts):
+        return x[tuple(slice(None) if s is None else ts[s] for s in slots)]
+    return Applied(f"index(x, {[None if s is None else arrays[s].tolist() for s in slots]})",
+                   arrays, vk, th)
+
+
+@op
+def gen_special(rng, shape):
+    """Ops with a fixed contract on the last axes: rope, swiglu, batch/instance norm, losses."""
+    kind = pick(rng, ("rope", "swiglu", "batch_norm", "instance_norm", "cross_entropy", "mse"))
+    if kind == "rope":
+        if len(shape) < 2 or shape[-1] % 2:
+            return None
+        theta = float(pick(rng, (10000.0, 100.0)))
+        offset = int(pick(rng, (0, 3)))
+
+        def th(x):
+            length, dim = x.shape[-2:]
+            inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+            ang = torch.outer(torch.arange(offset, offset + length, dtype=torch.float64), inv)
+            cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+            half = dim // 2
+            rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+            return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
+        return Applied(f"rope(theta={theta}, offset={offset})", [],
+                       lambda g, x: g.rope(x, theta, offset), th)
+    if kind == "swiglu":
+        other = broadcast_partner(rng, shape)
+        return Applied(f"swiglu(x, p{other})", [normal(rng, other)],
+                       lambda g, x, b: g.swiglu(x, b), lambda x, b: F.silu(x) * b)
+    if kind == "batch_norm":
+        if len(shape) < 2:
+            return None
+        c = shape[1]
+        w, b = normal(rng, (c,)), normal(rng, (c,))
+        return Applied("batch_norm(training)", [w, b],
+                       lambda g, x, w, b: g.batch_norm(x, None, None, w, b, training=True),
+                       lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True))
+    if kind == "instance_norm":
+        if len(shape) not in (3, 4):
+            return None
+        c = shape[1]
+        w, b = normal(rng, (c,)), normal(rng, (c,))
+        return Applied("instance_norm", [w, b],
+                       lambda g, x, w, b: g.instance_norm(x, w, b),
+                       lambda x, w, b: F.instance_norm(x, weight=w, bias=b))
+    if kind == "cross_entropy":
+        if len(shape) != 2:
+            return None
+        if rng.random() < 0.5:
+            labels = rng.integers(0, shape[1], shape[0])
+            return Applied(f"cross_entropy(x, labels{labels.tolist()})", [labels],
+                           lambda g, x, t: g.cross_entropy(x, t),
+                           lambda x, t: F.cross_entropy(x, t))
+        target = rng.random(shape).astype(np.float32)
+        target /= target.sum(-1, keepdims=True)
+        return Applied("cross_entropy(x, probabilities)", [target],
+                       lambda g, x, t: g.cross_entropy(x, t),
+                       lambda x, t: F.cross_entropy(x, t))
+    target = normal(rng, shape)
+    return Applied("mse(x, p)", [target], lambda g, x, t: g.mse(x, t), F.mse_loss)
+
+
 # ---- convolution and pooling -------------------------------------------------------------
 
 def as_nchw(shape):
@@ -610,7 +777,8 @@ def gen_pool(rng, shape):
 WEIGHTS = {"unary": 3, "binary": 4, "scalar": 1, "reduce": 3, "arg_extreme": 1, "softmax": 2,
            "norm": 2, "cumsum": 1, "sort": 1, "reshape": 2, "permute": 2, "slice": 2,
            "concat": 1, "split": 1, "gather": 3, "expand": 2, "pad": 2, "matmul": 3,
-           "conv": 3, "pool": 2}
+           "conv": 3, "pool": 2, "einsum": 1, "attention": 2, "interpolate": 1, "index": 2,
+           "special": 2}
 
 
 @dataclass
@@ -619,8 +787,15 @@ class Case:
     shape: tuple
     steps: list[tuple[str, int]]  # (op family, step seed)
 
+    @property
+    def ties(self) -> bool:
+        """A quarter of the cases draw their data on a grid of halves: ties for the maxima,
+        sorts and comparisons, exact zeros at the kinks of relu, abs, clamp."""
+        return bool(np.random.default_rng(self.seed + 7).random() < 0.25)
+
     def describe(self) -> str:
-        return f"seed={self.seed} shape={self.shape} steps={self.steps}"
+        return (f"seed={self.seed} shape={self.shape} steps={self.steps}"
+                + (" ties" if self.ties else ""))
 
 
 @dataclass
@@ -635,11 +810,11 @@ class Realized:
 def input_shape(rng) -> tuple:
     rank = pick(rng, (1, 2, 2, 3, 3, 4, 4, 4))
     shape = [int(pick(rng, DIMS)) for _ in range(rank)]
-    if rng.random() < 0.05:
-        shape[int(rng.integers(rank))] = 65
+    if rng.random() < 0.12:  # past a workgroup's width, a tile, a register row
+        shape[int(rng.integers(rank))] = int(pick(rng, (33, 65, 130, 257)))
     if rng.random() < 0.03:
         shape[int(rng.integers(rank))] = 0
-    while math.prod(shape) > 2000:
+    while math.prod(shape) > 6000:
         shape[int(np.argmax(shape))] //= 2
     return tuple(shape)
 
@@ -661,9 +836,15 @@ def reference(applied: list[Applied], x0: np.ndarray, dtype) -> tuple:
     return y, params
 
 
+def on_grid(a: np.ndarray, ties: bool) -> np.ndarray:
+    if not ties or a.dtype.kind != "f":
+        return a
+    return (np.round(a * 2) / 2).astype(np.float32)
+
+
 def realize(case: Case) -> Realized:
     rng = np.random.default_rng(case.seed)
-    real = Realized(case, normal(rng, case.shape))
+    real = Realized(case, on_grid(normal(rng, case.shape), case.ties))
     shape = case.shape
     for family, seed in case.steps:
         try:
@@ -672,8 +853,9 @@ def realize(case: Case) -> Realized:
             if 0 not in shape:
                 raise
             a = None
-        if a is None:
+        if a is None or (a.tie_sensitive and case.ties):
             continue
+        a.extras = [on_grid(e, case.ties) for e in a.extras]
         try:
             with torch.no_grad():
                 y, _ = reference([*real.applied, a], real.x0, torch.float64)
