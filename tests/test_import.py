@@ -732,6 +732,40 @@ def _mean_of_input(x, pads, kernel, stride):
                                                                 kernel, stride)
 
 
+# ONNX's gate blocks in torch's order: LSTM iofc -> ifgo, GRU zrh -> rzn
+TORCH_GATES = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2], "RNN": [0]}
+
+
+def _torch_recurrent(op, x, w, r, bias, state=(), reverse=False, batch_first=False):
+    """torch's own recurrent kernels (torch.lstm, torch.gru, torch.rnn_tanh; GRU's is ONNX's
+    linear_before_reset=1) on ONNX's weights reordered, as ONNX's Y (steps, directions, batch,
+    hidden) or, batch first, (batch, steps, directions, hidden)."""
+    order = TORCH_GATES[op]
+    directions, hidden = w.shape[0], r.shape[-1]
+
+    def blocks(v):
+        return torch.cat([v.reshape(len(order), -1, *v.shape[1:])[k].reshape(-1, *v.shape[1:])
+                          for k in order])
+    params = []
+    for d in range(directions):
+        params += [blocks(w[d]), blocks(r[d]), blocks(bias[d][:len(order) * hidden]),
+                   blocks(bias[d][len(order) * hidden:])]
+    time = 1 if batch_first else 0
+    if reverse:
+        x = x.flip(time)
+    batch = x.shape[1 - time]
+    zeros = torch.zeros(directions, batch, hidden, dtype=x.dtype)
+    state = list(state) + [zeros] * (2 - len(state))
+    fn = {"LSTM": torch.lstm, "GRU": torch.gru, "RNN": torch.rnn_tanh}[op]
+    args = (state[:2] if op == "LSTM" else state[0], params, True, 1, 0.0, False,
+            directions == 2, batch_first)
+    out = fn(x, *args)[0]
+    if reverse:
+        out = out.flip(time)
+    out = out.unflatten(-1, (directions, hidden))
+    return out.transpose(1, 2) if not batch_first else out
+
+
 def _mvn(x, axes):
     centred = x - x.mean(axes, keepdim=True)
     return centred / (centred.square().mean(axes, keepdim=True).sqrt() + 1e-9)
@@ -870,6 +904,24 @@ ONNX_OP_CASES = [
     ("negative_log_likelihood_mean", "NegativeLogLikelihoodLoss",
      [_f(4, 3), _i([2, 0, 1, 2])], {},
      lambda x: torch.nn.functional.nll_loss(x, torch.tensor([2, 0, 1, 2])), 13),
+    ("lstm_bidirectional", "LSTM",
+     [_f(4, 2, 3), _f(2, 16, 3, seed=1), _f(2, 16, 4, seed=2), _f(2, 32, seed=3)],
+     {"hidden_size": 4, "direction": "bidirectional"},
+     lambda *a: _torch_recurrent("LSTM", *a), 14),
+    ("lstm_reverse_initial_state", "LSTM",
+     [_f(3, 2, 3), _f(1, 16, 3, seed=1), _f(1, 16, 4, seed=2), _f(1, 32, seed=3), None,
+      _f(1, 2, 4, seed=4), _f(1, 2, 4, seed=5)], {"hidden_size": 4, "direction": "reverse"},
+     lambda x, w, r, b, h, c: _torch_recurrent("LSTM", x, w, r, b, (h, c), reverse=True), 14),
+    ("gru_linear_before_reset", "GRU",
+     [_f(4, 2, 3), _f(1, 12, 3, seed=1), _f(1, 12, 4, seed=2), _f(1, 24, seed=3), None,
+      _f(1, 2, 4, seed=4)], {"hidden_size": 4, "linear_before_reset": 1},
+     lambda x, w, r, b, h: _torch_recurrent("GRU", x, w, r, b, (h,)), 14),
+    # the reset before the product: no torch kernel computes it (forward only)
+    ("gru_bidirectional_reset_first", "GRU",
+     [_f(3, 2, 3), _f(2, 12, 3, seed=1), _f(2, 12, 4, seed=2), _f(2, 24, seed=3)],
+     {"hidden_size": 4, "direction": "bidirectional"}, None, 14),
+    ("rnn", "RNN", [_f(4, 2, 3), _f(1, 4, 3, seed=1), _f(1, 4, 4, seed=2), _f(1, 8, seed=3)],
+     {"hidden_size": 4}, lambda *a: _torch_recurrent("RNN", *a), 14),
 ]
 
 
@@ -906,7 +958,8 @@ def _single_op_model(op, inputs, attrs, outputs, opset):
 def check_single_op(device, op, inputs, attrs, reference, opset):
     """One ONNX node through onnxruntime and through vkml (forward); where `reference` is
     given, the gradient of sum(y * w) for each float initializer against PyTorch in float64."""
-    outputs = ("y", "indices") if op == "TopK" else ("y",)
+    outputs = {"TopK": ("y", "indices"), "LSTM": ("y", "y_h", "y_c"), "GRU": ("y", "y_h"),
+               "RNN": ("y", "y_h")}.get(op, ("y",))
     model, feeds = _single_op_model(op, inputs, attrs, outputs, opset)
     wants = ort.InferenceSession(model.SerializeToString(),
                                  providers=["CPUExecutionProvider"]).run(None, feeds)
@@ -947,3 +1000,39 @@ def check_single_op(device, op, inputs, attrs, reference, opset):
 def test_onnx_op_matches_onnxruntime_and_torch(device, name, op, inputs, attrs, reference,
                                                opset):
     check_single_op(device, op, inputs, attrs, reference, opset)
+
+
+class Recurrent(torch.nn.Module):
+    """A two-layer bidirectional batch-first LSTM, then a GRU, as torch.onnx writes them (a node
+    per layer, the states between them from shape arithmetic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = torch.nn.GRU(8, 5, batch_first=True)
+        self.head = torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        y, _ = self.lstm(x)
+        y, h = self.gru(y)
+        return self.head(y[:, -1]) + h[0]
+
+
+@vulkan_only
+def test_onnx_recurrent_export_trains_as_pytorch(device, tmp_path):
+    torch.manual_seed(0)
+    module, x = Recurrent(), torch.randn(2, 4, 3)
+    path = export_onnx(module, (x,), tmp_path / "recurrent.onnx", ["x"])
+    imp = vkml.import_onnx(path)
+    assert onnxruntime_error(path, x, device) < FORWARD_TOL
+    g = imp.graph
+    loss = g.sum(g.square(imp.outputs["logits"]))
+    s = vkml.compile(g, loss=loss, outputs=imp.outputs, device=device)
+    s.set_input("x", x.numpy())
+    s.step()
+    module(x).square().sum().backward()
+    # the exporter reorders the gates into new initializers: their norms together
+    ours = np.sqrt(sum(np.sum(s.grad(n).astype(np.float64) ** 2) for n in g.params))
+    ref = np.sqrt(sum(float(p.grad.double().square().sum()) for p in module.parameters()))
+    assert abs(ours - ref) / ref < GRAD_TOL
+    assert rel_l2(s.grad("head.weight"), module.head.weight.grad.numpy()) < GRAD_TOL

@@ -1274,6 +1274,107 @@ def _conv_transpose(b, node, ins, attrs):
     return y
 
 
+# gates a step computes: RNN's one, GRU's update, reset and candidate, LSTM's input, output,
+# forget and candidate (ONNX's order)
+RECURRENT_GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
+RECURRENT_ACTIVATIONS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"],
+                         "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
+
+
+@onnx_op(*RECURRENT_GATES)
+def _recurrent(b, node, ins, attrs):
+    """RNN, GRU and LSTM (torch's nn.RNN, nn.GRU, nn.LSTM as torch.onnx writes them, a node
+    per layer) unrolled over the sequence's fixed length: the input's products for every step
+    in one matmul, then a product of the hidden state a step."""
+    g, op = b.g, node.op_type
+    ins = ins + [None] * (8 - len(ins))
+    direction = attrs.get("direction", "forward")
+    directions = 2 if direction == "bidirectional" else 1
+    activations = [a.lower() for a in attrs.get("activations", [])]
+    if activations not in ([], [a.lower() for a in RECURRENT_ACTIVATIONS[op]] * directions) \
+            or "clip" in attrs or attrs.get("input_forget", 0) or ins[7] is not None:
+        raise Refuse("only the default activations, without clip, input_forget or peepholes, "
+                     "are supported")
+    x = b.device(ins[0])
+    batch_first = bool(attrs.get("layout", 0))
+    if batch_first:
+        x = g.transpose(x, (1, 0, 2))
+    steps, batch, width = x.shape
+    if ins[4] is not None:
+        lengths = b.host(ins[4], "sequence_lens")
+        if np.any(lengths != steps):
+            raise Refuse("sequences of different lengths (sequence_lens) are not supported")
+    hidden, gates = int(attrs["hidden_size"]), RECURRENT_GATES[op]
+    reset_after = op == "GRU" and bool(attrs.get("linear_before_reset", 0))
+    w, r = b.device(ins[1]), b.device(ins[2])
+    ys, finals, cells = [], [], []
+    for d in range(directions):
+        wd, rd = _direction(g, w, d), _direction(g, r, d)
+        xw = g.matmul(g.reshape(x, (steps * batch, width)), wd, transpose_b=True)
+        candidate_bias = None
+        if ins[3] is not None:
+            bias = g.reshape(_direction(g, b.device(ins[3]), d), (2, gates * hidden))
+            wb, rb = (g.reshape(g.slice(bias, 0, k, k + 1), (gates * hidden,)) for k in (0, 1))
+            if reset_after:  # the candidate's recurrent bias is inside the reset gate's product
+                candidate_bias = g.slice(rb, 0, 2 * hidden, 3 * hidden)
+                rb = g.concat([g.slice(rb, 0, 0, 2 * hidden),
+                               g.constant(np.zeros(hidden, np.float32))], 0)
+            xw = g.bias_add(xw, g.add(wb, rb))
+        xw = g.reshape(xw, (steps, batch, gates * hidden))
+        h, c = (None if v is None else _direction(g, b.device(v), d) for v in (ins[5], ins[6]))
+        if op == "LSTM" and c is None:
+            c = g.constant(np.zeros((batch, hidden), np.float32))
+        order = range(steps - 1, -1, -1) if direction == "reverse" or d == 1 else range(steps)
+        outs: list[Tensor] = [None] * steps  # type: ignore[list-item]
+        for t in order:
+            xt = g.reshape(g.slice(xw, 0, t, t + 1), (batch, gates * hidden))
+            if op == "GRU":
+                h = _gru_step(g, xt, h, rd, hidden, reset_after, candidate_bias)
+            else:
+                z = xt if h is None else g.add(xt, g.matmul(h, rd, transpose_b=True))
+                if op == "RNN":
+                    h = g.tanh(z)
+                else:
+                    i, o, f, cand = g.split(z, [hidden] * 4, 1)
+                    c = g.add(g.mul(g.sigmoid(f), c), g.mul(g.sigmoid(i), g.tanh(cand)))
+                    h = g.mul(g.sigmoid(o), g.tanh(c))
+            outs[t] = g.reshape(h, (1, 1, batch, hidden))
+        ys.append(g.concat(outs, 0))
+        finals.append(g.reshape(h, (1, batch, hidden)))
+        cells.append(g.reshape(c, (1, batch, hidden)) if c is not None else None)
+    y, y_h = g.concat(ys, 1), g.concat(finals, 0)
+    y_c = g.concat(cells, 0) if op == "LSTM" else None
+    if batch_first:
+        y, y_h = g.transpose(y, (2, 0, 1, 3)), g.transpose(y_h, (1, 0, 2))
+        y_c = g.transpose(y_c, (1, 0, 2)) if y_c is not None else None
+    return [y, y_h] + ([y_c] if y_c is not None else [])
+
+
+def _direction(g: Graph, v: Tensor, d: int) -> Tensor:
+    """A recurrent node's weights or state for direction `d` (its leading axis)."""
+    return g.reshape(g.slice(v, 0, d, d + 1), v.shape[1:])
+
+
+def _gru_step(g: Graph, xt: Tensor, h: Tensor | None, r: Tensor, hidden: int,
+              reset_after: bool, candidate_bias: Tensor | None) -> Tensor:
+    """One GRU step: xt holds the input's products (with the biases outside the reset)."""
+    xz, xr, xn = g.split(xt, [hidden] * 3, 1)
+    if h is None:  # a zero initial state
+        h = g.constant(np.zeros((xt.shape[0], hidden), np.float32))
+    hz, hr = g.split(g.matmul(h, g.slice(r, 0, 0, 2 * hidden), transpose_b=True), [hidden] * 2,
+                     1)
+    update, reset = g.sigmoid(g.add(xz, hz)), g.sigmoid(g.add(xr, hr))
+    rn = g.slice(r, 0, 2 * hidden, 3 * hidden)
+    if reset_after:
+        hn = g.matmul(h, rn, transpose_b=True)
+        if candidate_bias is not None:
+            hn = g.bias_add(hn, candidate_bias)
+        n = g.tanh(g.add(xn, g.mul(reset, hn)))
+    else:
+        n = g.tanh(g.add(xn, g.matmul(g.mul(reset, h), rn, transpose_b=True)))
+    return g.add(n, g.mul(update, g.sub(h, n)))
+
+
 @onnx_op("Expand")
 def _expand(b, node, ins, attrs):
     x = b.device(ins[0])
