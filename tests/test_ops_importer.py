@@ -14,6 +14,8 @@ from test_ops import Case, case_tests, check_against_torch, check_finite_differe
 
 import vkml
 
+ZERO_ROWS = np.array([[1.0], [0.0], [1.0], [0.0]], np.float32)
+
 
 def ids(low: int, high: int, shape: tuple[int, ...]):
     """i32 indices drawn from [low, high) (negative ones count from the end)."""
@@ -193,6 +195,11 @@ CASES = [
          lambda x: x.flip(0).cumsum(0).flip(0) - x),
     Case("reduce_l2_keepdims", [(3, 4, 5)], lambda g, x: g.reduce_l2(x, -1, keepdims=True),
          lambda x: torch.linalg.vector_norm(x, 2, -1, keepdim=True)),
+    # found by tools/fuzz.py: a norm of zeros had a NaN gradient (sqrt's inf times 2x = 0);
+    # torch's is 0. Rows 1 and 3 are zeros.
+    Case("reduce_l2_zero_rows", [(4, 5)],
+         lambda g, x: g.reduce_l2(g.mul(x, g.constant(ZERO_ROWS)), -1),
+         lambda x: torch.linalg.vector_norm(x * torch.tensor(ZERO_ROWS, dtype=x.dtype), 2, -1)),
 ]
 
 

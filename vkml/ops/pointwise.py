@@ -161,6 +161,12 @@ UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
     "log": ("log({0})", "", lambda g, x, y, d: g.div(d, x), "tensor"),
     "neg": ("-{0}", "", lambda g, x, y, d: g.neg(d), "graph"),
     "sqrt": ("sqrt({0})", "", lambda g, x, y, d: g.div(g.mul(d, 0.5), y), "graph"),
+    # the square root of a sum of squares (reduce_l2): a zero norm passes no gradient, as
+    # torch's vector_norm's (sqrt's own, inf, times the squares' 2x = 0 would be NaN)
+    "norm_sqrt": ("sqrt({0})", "",
+                  lambda g, x, y, d: g.mul(g.mul(d, 0.5), g.apply("reciprocal_or_zero", [y])),
+                  "internal"),
+    "reciprocal_or_zero": ("select(1.0 / {0}, 0.0, {0} == 0.0)", "", None, "internal"),
     # WGSL's inverseSqrt may be a fast approximation on some drivers; 1/sqrt is exact to an ulp.
     "rsqrt": ("1.0 / sqrt({0})", "",
               lambda g, x, y, d: g.mul(d, g.mul(g.mul(y, g.mul(y, y)), -0.5)), "graph"),

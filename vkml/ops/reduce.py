@@ -106,7 +106,7 @@ def logsumexp(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
 def reduce_l2(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
               keepdims: bool = False) -> Tensor:
     """ONNX ReduceL2 (torch.linalg.vector_norm of order 2) over `axis`: sqrt(sum(x^2))."""
-    return g.sqrt(g.sum(g.square(x), axis, keepdims))
+    return g.apply("norm_sqrt", [g.sum(g.square(x), axis, keepdims)])
 
 
 def _arg_extreme(inputs, attrs):
