@@ -766,6 +766,21 @@ def _torch_recurrent(op, x, w, r, bias, state=(), reverse=False, batch_first=Fal
     return out.transpose(1, 2) if not batch_first else out
 
 
+ATTENTION_MASK = np.array([[[[1, 0, 1, 1, 0], [0, 1, 0, 0, 0], [1, 1, 1, 1, 1]]]], bool)
+
+
+def _sdpa(q, k, v, **kw):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+
+
+def _packed_sdpa(q, k, v, mask, heads, scale):
+    """ONNX Attention's 3-D form: (batch, length, heads x size) in and out."""
+    def split(x):
+        return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+    y = _sdpa(split(q), split(k), split(v), attn_mask=mask, scale=scale)
+    return y.transpose(1, 2).flatten(2)
+
+
 def _mvn(x, axes):
     centred = x - x.mean(axes, keepdim=True)
     return centred / (centred.square().mean(axes, keepdim=True).sqrt() + 1e-9)
@@ -922,11 +937,25 @@ ONNX_OP_CASES = [
      {"hidden_size": 4, "direction": "bidirectional"}, None, 14),
     ("rnn", "RNN", [_f(4, 2, 3), _f(1, 4, 3, seed=1), _f(1, 4, 4, seed=2), _f(1, 8, seed=3)],
      {"hidden_size": 4}, lambda *a: _torch_recurrent("RNN", *a), 14),
+    ("attention_causal_grouped_heads", "Attention",
+     [_f(1, 4, 4, 8), _f(1, 2, 4, 8, seed=1), _f(1, 2, 4, 8, seed=2)], {"is_causal": 1},
+     lambda q, k, v: _sdpa(q, k, v, is_causal=True), 23),
+    ("attention_packed_additive_mask", "Attention",
+     [_f(2, 3, 12), _f(2, 5, 12, seed=1), _f(2, 5, 12, seed=2), _f(3, 5, seed=3)],
+     {"q_num_heads": 3, "kv_num_heads": 3, "scale": 0.3},
+     lambda q, k, v, m: _packed_sdpa(q, k, v, m, 3, 0.3), 23),
+    ("attention_boolean_mask", "Attention",
+     [_f(1, 2, 3, 4), _f(1, 2, 5, 4, seed=1), _f(1, 2, 5, 4, seed=2), ATTENTION_MASK], {},
+     lambda q, k, v: _sdpa(q, k, v, attn_mask=torch.tensor(ATTENTION_MASK)), 23),
+    ("attention_cache", "Attention",
+     [_f(1, 2, 2, 4), _f(1, 2, 2, 4, seed=1), _f(1, 2, 2, 4, seed=2), None,
+      _f(1, 2, 3, 4, seed=3), _f(1, 2, 3, 4, seed=4)], {},
+     lambda q, k, v, pk, pv: _sdpa(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2)), 23),
 ]
 
 
 def _single_op_model(op, inputs, attrs, outputs, opset):
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
     from onnx.reference import ReferenceEvaluator
     names = [f"in{k}" if v is not None else "" for k, v in enumerate(inputs)]
     feeds, inits, graph_inputs = {}, [], []
@@ -937,8 +966,8 @@ def _single_op_model(op, inputs, attrs, outputs, opset):
             inits.append(numpy_helper.from_array(np.asarray(value), name))
         else:
             feeds[name] = value
-            elem = TensorProto.FLOAT if value.dtype.kind == "f" else TensorProto.INT64
-            graph_inputs.append(helper.make_tensor_value_info(name, elem, value.shape))
+            graph_inputs.append(helper.make_tensor_value_info(
+                name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape))
     node = helper.make_node(op, names, list(outputs), **attrs)
     graph = helper.make_graph([node], op, graph_inputs,
                               [onnx.ValueInfoProto(name=o) for o in outputs], inits)
@@ -960,6 +989,8 @@ def check_single_op(device, op, inputs, attrs, reference, opset):
     given, the gradient of sum(y * w) for each float initializer against PyTorch in float64."""
     outputs = {"TopK": ("y", "indices"), "LSTM": ("y", "y_h", "y_c"), "GRU": ("y", "y_h"),
                "RNN": ("y", "y_h")}.get(op, ("y",))
+    if op == "Attention" and len(inputs) > 4:  # the cache: its outputs too
+        outputs = ("y", "present_key", "present_value")
     model, feeds = _single_op_model(op, inputs, attrs, outputs, opset)
     wants = ort.InferenceSession(model.SerializeToString(),
                                  providers=["CPUExecutionProvider"]).run(None, feeds)
@@ -969,8 +1000,8 @@ def check_single_op(device, op, inputs, attrs, reference, opset):
     weights = np.random.default_rng(7).standard_normal(y.shape).astype(np.float32)
     loss = g.sum(g.mul(y, g.constant(weights))) if reference is not None else None
     s = vkml.compile(g, loss=loss, outputs=imp.outputs, device=device)
-    for name, value in feeds.items():
-        s.set_input(name, value)
+    for name, value in feeds.items():  # vkml's boolean inputs are i32
+        s.set_input(name, value.astype(np.int32) if value.dtype == bool else value)
     s.step() if loss is not None else s.forward()
     for name, want in zip(outputs, wants):
         got = s.read(name)
@@ -1036,3 +1067,39 @@ def test_onnx_recurrent_export_trains_as_pytorch(device, tmp_path):
     ref = np.sqrt(sum(float(p.grad.double().square().sum()) for p in module.parameters()))
     assert abs(ours - ref) / ref < GRAD_TOL
     assert rel_l2(s.grad("head.weight"), module.head.weight.grad.numpy()) < GRAD_TOL
+
+
+class AttentionBlock(torch.nn.Module):
+    """scaled_dot_product_attention under a boolean mask computed in the model, and RMSNorm:
+    torch.onnx's dynamo exporter writes them as Attention and RMSNormalization at opset 23."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(8)
+
+    def forward(self, q, k, v, lengths):
+        mask = torch.arange(k.shape[2])[None, None, None, :] < lengths[:, None, None, None]
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.norm(y + torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True))
+
+
+@vulkan_only
+def test_onnx_opset_23_attention_export_matches_torch(device, tmp_path):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 8) for _ in range(3))
+    lengths = torch.tensor([3, 5])
+    module = AttentionBlock()
+    path = str(tmp_path / "attention.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (q, k, v, lengths), path, dynamo=True, opset_version=23,
+                          input_names=["q", "k", "v", "lengths"], output_names=["y"])
+    assert {"Attention", "RMSNormalization"} <= {n.op_type for n in onnx.load(path).graph.node}
+    imp = vkml.import_onnx(path)
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    for name, value in zip(("q", "k", "v"), (q, k, v)):
+        s.set_input(name, value.numpy())
+    s.set_input("lengths", lengths.numpy().astype(np.int32))
+    s.forward()
+    assert rel_l2(s.read("y"), module(q, k, v, lengths).detach().numpy()) < FORWARD_TOL

@@ -39,6 +39,7 @@ from vkml.importers.common import (
     slice_along,
     take,
 )
+from vkml.ops.composite import MASKED
 
 MIN_OPSET = 13
 # save_onnx writes the tensors of a larger model to an external-data file beside it
@@ -194,6 +195,7 @@ class _Builder:
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
         self.consumers = _consumers(proto.graph)
+        self._elem_types: dict[str, int] | None = None  # filled where a type must be known
 
     # -- values ----
     def device(self, value: Value, trainable: bool = True) -> Tensor:
@@ -214,6 +216,27 @@ class _Builder:
         if array.dtype.kind in "iu":
             return self.g.constant(array, "i32")
         raise Refuse(f"a constant of dtype {array.dtype} cannot be used on the device")
+
+    def is_bool(self, name: str, value: Value) -> bool:
+        """Whether the ONNX value `name` is boolean (vkml holds booleans as f32 masks, or i32
+        where they are the graph's inputs): its array's dtype where known at import, else its
+        declared type, else the type onnx's shape inference gives it."""
+        if isinstance(value, Initializer):
+            return False  # float
+        if not isinstance(value, Tensor):
+            return np.asarray(value).dtype == bool
+        if self._elem_types is None:
+            graph = self.proto.graph
+            try:
+                graph = self.onnx.shape_inference.infer_shapes(self.proto).graph
+            except Exception:  # a model too large for inference in memory: the declared types
+                pass
+            self._elem_types = {v.name: v.type.tensor_type.elem_type for v in
+                                [*graph.input, *graph.value_info, *graph.output]}
+        if name not in self._elem_types:
+            raise Refuse(f"the type of '{name}' is unknown (onnx's shape inference gives none); "
+                         "declare it in the graph's value_info")
+        return self._elem_types[name] == self.onnx.TensorProto.BOOL
 
     @staticmethod
     def host(value: Value, what: str) -> np.ndarray:
@@ -996,6 +1019,48 @@ def _class_loss(b, node, ins, attrs):
     else:
         loss = g.mean(losses) if counts is None else g.div(g.sum(losses), g.sum(counts))
     return [loss, log_probs]
+
+
+@onnx_op("Attention")
+def _attention(b, node, ins, attrs):
+    """ONNX's Attention (opset 23, what torch.onnx writes for scaled_dot_product_attention
+    there): 4-D (batch, heads, length, head size) or 3-D (batch, length, heads x head size)
+    inputs, grouped key/value heads, a boolean or additive mask, a key/value cache without
+    causality. A row whose every key is masked averages the values (ONNX's gives zeros)."""
+    g = b.g
+    ins = ins + [None] * (7 - len(ins))
+    if attrs.get("softcap", 0.0) or ins[6] is not None:
+        raise Refuse("softcap and nonpad_kv_seqlen are not supported")
+    if attrs.get("softmax_precision") is not None and attrs["softmax_precision"] not in (
+            b.onnx.TensorProto.FLOAT, b.onnx.TensorProto.DOUBLE):
+        raise Refuse("a softmax in a precision below f32 is not supported (vkml's is f32)")
+    q, k, v = (b.device(x) for x in ins[:3])
+    packed = len(q.shape) == 3
+    if packed:
+        q = _heads(g, q, int(attrs["q_num_heads"]))
+        k, v = (_heads(g, x, int(attrs["kv_num_heads"])) for x in (k, v))
+    causal = bool(attrs.get("is_causal", 0))
+    if ins[4] is not None or ins[5] is not None:
+        if causal:
+            raise Refuse("is_causal with a key/value cache is not supported")
+        k, v = (g.concat([b.device(past), x], 2) for past, x in ((ins[4], k), (ins[5], v)))
+    mask = ins[3]
+    if mask is not None:
+        if b.is_bool(node.input[3], mask):
+            mask = (np.where(mask, 0.0, MASKED).astype(np.float32) if isinstance(mask, np.ndarray)
+                    else g.where(b.device(mask), 0.0, MASKED))
+        mask = b.device(mask)
+    y = g.scaled_dot_product_attention(q, k, v, mask, causal, attrs.get("scale"))
+    if packed:
+        y = g.transpose(y, (0, 2, 1, 3))
+        y = g.reshape(y, (*y.shape[:2], y.shape[2] * y.shape[3]))
+    return [y, k, v]
+
+
+def _heads(g: Graph, x: Tensor, heads: int) -> Tensor:
+    """(batch, length, heads x size) -> (batch, heads, length, size)."""
+    batch, length, width = x.shape
+    return g.transpose(g.reshape(x, (batch, length, heads, width // heads)), (0, 2, 1, 3))
 
 
 @onnx_op("Reshape")
