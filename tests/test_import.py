@@ -781,6 +781,10 @@ def _packed_sdpa(q, k, v, mask, heads, scale):
     return y.transpose(1, 2).flatten(2)
 
 
+def _grid_sample(mode, padding, corners):
+    return lambda x, grid: torch.nn.functional.grid_sample(x, grid, mode, padding, corners)
+
+
 def _mvn(x, axes):
     centred = x - x.mean(axes, keepdim=True)
     return centred / (centred.square().mean(axes, keepdim=True).sqrt() + 1e-9)
@@ -951,6 +955,17 @@ ONNX_OP_CASES = [
      [_f(1, 2, 2, 4), _f(1, 2, 2, 4, seed=1), _f(1, 2, 2, 4, seed=2), None,
       _f(1, 2, 3, 4, seed=3), _f(1, 2, 3, 4, seed=4)], {},
      lambda q, k, v, pk, pv: _sdpa(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2)), 23),
+    # grids reaching past the image (zeros / border padding)
+    ("grid_sample_bilinear_zeros", "GridSample", [_f(2, 3, 4, 5), _f(2, 3, 2, 2, low=-1.2,
+                                                                      high=1.2, seed=1)],
+     {"mode": "linear"}, _grid_sample("bilinear", "zeros", False), 20),
+    ("grid_sample_bilinear_border_corners", "GridSample",
+     [_f(1, 2, 3, 4), _f(1, 2, 3, 2, low=-1.3, high=1.3, seed=1)],
+     {"mode": "bilinear", "padding_mode": "border", "align_corners": 1},
+     _grid_sample("bilinear", "border", True), 16),
+    ("grid_sample_nearest", "GridSample", [_f(1, 2, 4, 4), _f(1, 3, 3, 2, low=-1.1, high=1.1,
+                                                               seed=1)],
+     {"mode": "nearest"}, None, 20),  # the grid's gradient is zero, none to check
 ]
 
 

@@ -1505,6 +1505,51 @@ def _resize(b, node, ins, attrs):
     return b.g.resize(x, scale=scales[2:], **common)
 
 
+@onnx_op("GridSample")
+def _grid_sample(b, node, ins, attrs):
+    """torch's F.grid_sample on 4-D inputs, bilinear or nearest, zeros or border padding: each
+    corner a gather along the flattened pixels at indices computed from the grid, weighted;
+    the gradient to the input through the gathers, to the grid through the weights."""
+    g = b.g
+    x, grid = b.device(ins[0]), b.device(ins[1])
+    mode = {"bilinear": "linear"}.get(attrs.get("mode", "linear"), attrs.get("mode", "linear"))
+    padding = attrs.get("padding_mode", "zeros")
+    if len(x.shape) != 4 or mode not in ("linear", "nearest") or padding not in ("zeros",
+                                                                                 "border"):
+        raise Refuse("GridSample of 4-D inputs, linear or nearest, zeros or border padding "
+                     f"is supported (not {len(x.shape)}-D, {mode}, {padding})")
+    n, c, h, w = x.shape
+    out = grid.shape[1:3]
+    corners = bool(attrs.get("align_corners", 0))
+    coords = []
+    for k, size in enumerate((w, h)):  # the grid holds (x, y)
+        t = g.reshape(g.slice(grid, 3, k, k + 1), (n, 1, out[0] * out[1]))
+        # [-1, 1] to pixels: the corners' centres, or the image's edges
+        t = (g.mul(g.add(t, 1.0), (size - 1) / 2) if corners
+             else g.sub(g.mul(g.add(t, 1.0), size / 2), 0.5))
+        coords.append(g.clamp(t, 0.0, size - 1.0) if padding == "border" else t)
+    flat = g.reshape(x, (n, c, h * w))
+    if mode == "nearest":
+        taps = [([g.round(t) for t in coords], None)]
+    else:
+        lows = [g.floor(t) for t in coords]
+        highs = [g.add(t, 1.0) for t in lows]
+        above = [g.sub(t, lo) for t, lo in zip(coords, lows)]
+        taps = [([cx, cy], g.mul(wx, wy))
+                for cx, wx in ((lows[0], g.sub(1.0, above[0])), (highs[0], above[0]))
+                for cy, wy in ((lows[1], g.sub(1.0, above[1])), (highs[1], above[1]))]
+    total = None
+    for (cx, cy), weight in taps:
+        inside = g.mul(g.mul(g.greater_equal(cx, 0.0), g.less_equal(cx, w - 1.0)),
+                       g.mul(g.greater_equal(cy, 0.0), g.less_equal(cy, h - 1.0)))
+        index = g.add(g.mul(g.clamp(cy, 0.0, h - 1.0), float(w)), g.clamp(cx, 0.0, w - 1.0))
+        index = g.expand(g.cast(index, "i32"), (n, c, out[0] * out[1]))
+        weight = inside if weight is None else g.mul(weight, inside)
+        term = g.mul(g.gather_elements(flat, index, 2), weight)
+        total = term if total is None else g.add(total, term)
+    return g.reshape(total, (n, c, *out))
+
+
 @onnx_op("Dropout")
 def _dropout(b, node, ins, attrs):
     x = ins[0]
