@@ -692,8 +692,8 @@ class Known(np.ndarray):
     at import, as exporters write them."""
 
 
-def _known(values):
-    return np.asarray(values, np.int64).view(Known)
+def _known(values, dtype=np.int64):
+    return np.asarray(values, dtype).view(Known)
 
 
 def _lp(x, p, axis):
@@ -963,6 +963,25 @@ ONNX_OP_CASES = [
      [_f(1, 2, 3, 4), _f(1, 2, 3, 2, low=-1.3, high=1.3, seed=1)],
      {"mode": "bilinear", "padding_mode": "border", "align_corners": 1},
      _grid_sample("bilinear", "border", True), 16),
+    # Resize's other forms: no torch function computes them (torch's antialias filter is
+    # another, 17% away from onnxruntime's here): forward only
+    ("resize_linear_antialias", "Resize",
+     [_f(1, 2, 8, 6), None, _known([1, 1, 0.5, 0.5], np.float32)],
+     {"mode": "linear", "antialias": 1}, None, 18),
+    ("resize_cubic_antialias_sizes", "Resize",
+     [_f(1, 2, 7, 9), None, None, _known([1, 2, 3, 4])],
+     {"mode": "cubic", "antialias": 1, "cubic_coeff_a": -0.5}, None, 18),
+    ("resize_half_pixel_symmetric", "Resize",
+     [_f(1, 2, 4, 5), None, _known([1, 1, 1.5, 0.6], np.float32)],
+     {"mode": "linear", "coordinate_transformation_mode": "half_pixel_symmetric"}, None, 19),
+    ("resize_cubic_exclude_outside", "Resize",
+     [_f(1, 2, 4, 5), None, _known([1, 1, 1.75, 1.5], np.float32)],
+     {"mode": "cubic", "exclude_outside": 1}, None, 13),
+    ("resize_tf_crop_and_resize", "Resize",
+     [_f(1, 2, 5, 6), _known([0, 0, 0.2, -0.1, 1, 1, 0.9, 1.2], np.float32), None,
+      _known([1, 2, 4, 5])],
+     {"mode": "linear", "coordinate_transformation_mode": "tf_crop_and_resize",
+      "extrapolation_value": 0.5}, None, 13),
     ("grid_sample_nearest", "GridSample", [_f(1, 2, 4, 4), _f(1, 3, 3, 2, low=-1.1, high=1.1,
                                                                seed=1)],
      {"mode": "nearest"}, None, 20),  # the grid's gradient is zero, none to check
@@ -1027,9 +1046,9 @@ def check_single_op(device, op, inputs, attrs, reference, opset):
     if reference is None:
         return
     params = [f"in{k}" for k, v in enumerate(inputs) if v is not None and v.dtype.kind == "f"
-              and v.size > 1]
-    tensors = [torch.tensor(v, dtype=torch.float64, requires_grad=f"in{k}" in params)
-               if v is not None and v.dtype.kind == "f" else None for k, v in enumerate(inputs)]
+              and v.size > 1 and not isinstance(v, Known)]
+    tensors = [torch.tensor(v, dtype=torch.float64, requires_grad=True) if f"in{k}" in params
+               else None for k, v in enumerate(inputs)]
     out = reference(*[t for t in tensors if t is not None])
     (out * torch.tensor(weights, dtype=torch.float64)).sum().backward()
     for name in params:

@@ -39,7 +39,7 @@ from vkml.importers.common import (
     slice_along,
     take,
 )
-from vkml.ops.composite import MASKED
+from vkml.ops.composite import COORDINATE_MODES, MASKED
 
 MIN_OPSET = 13
 # save_onnx writes the tensors of a larger model to an external-data file beside it
@@ -1480,29 +1480,65 @@ PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate",
 @onnx_op("Resize")
 def _resize(b, node, ins, attrs):
     x = b.device(ins[0])
+    ins = ins + [None] * (4 - len(ins))
     mode = attrs.get("mode", "nearest")
-    sizes = b.host(ins[3], "sizes").reshape(-1).tolist() if len(ins) > 3 and \
-        ins[3] is not None else []
-    scales = b.host(ins[2], "scales").reshape(-1).tolist() if len(ins) > 2 and \
-        ins[2] is not None else []
-    axes = attrs.get("axes")
-    if axes is not None or attrs.get("antialias", 0) or attrs.get("exclude_outside", 0) or \
+    sizes = b.host(ins[3], "sizes").reshape(-1).tolist() if ins[3] is not None else []
+    scales = b.host(ins[2], "scales").reshape(-1).tolist() if ins[2] is not None else []
+    if attrs.get("axes") is not None or \
             attrs.get("keep_aspect_ratio_policy", "stretch") != "stretch":
-        raise Refuse("Resize with axes, antialias, exclude_outside or a keep_aspect_ratio_policy "
-                     "is not supported")
+        raise Refuse("Resize with axes or a keep_aspect_ratio_policy is not supported")
     if mode not in ("nearest", "linear", "cubic"):
         raise Refuse(f"resize mode '{mode}' is not supported (nearest, linear and cubic are)")
-    common = {"mode": mode,
-              "coordinate_mode": attrs.get("coordinate_transformation_mode", "half_pixel"),
+    if (sizes and list(sizes[:2]) != list(x.shape[:2])) or \
+            (not sizes and list(scales[:2]) != [1.0, 1.0]):
+        raise Refuse("only the axes after batch and channels can be resized")
+    coordinates = attrs.get("coordinate_transformation_mode", "half_pixel")
+    if attrs.get("antialias", 0) or attrs.get("exclude_outside", 0) or \
+            coordinates not in COORDINATE_MODES:
+        return _resize_by_reference(b, x, ins, attrs, sizes, scales)
+    common = {"mode": mode, "coordinate_mode": coordinates,
               "nearest_mode": attrs.get("nearest_mode", "round_prefer_floor"),
               "cubic_coeff_a": float(attrs.get("cubic_coeff_a", -0.75))}
     if sizes:
-        if list(sizes[:2]) != list(x.shape[:2]):
-            raise Refuse("only the axes after batch and channels can be resized")
         return b.g.resize(x, size=[int(n) for n in sizes[2:]], **common)
-    if list(scales[:2]) != [1.0, 1.0]:
-        raise Refuse("only the axes after batch and channels can be resized")
     return b.g.resize(x, scale=scales[2:], **common)
+
+
+def _resize_by_reference(b, x: Tensor, ins: list, attrs: dict, sizes: list,
+                         scales: list) -> Tensor:
+    """Resize's other forms (antialias, exclude_outside, half_pixel_symmetric,
+    tf_crop_and_resize): each spatial axis's interpolation matrix is onnx's reference Resize of
+    the identity along that axis, applied by `resample`; tf_crop_and_resize's
+    extrapolation_value fills, as a constant, where any axis's position falls outside."""
+    from onnx import helper
+    rank = len(x.shape)
+    roi = (b.host(ins[1], "roi").reshape(-1) if ins[1] is not None
+           and attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize" else None)
+    extrapolated = float(attrs.get("extrapolation_value", 0.0))
+    inside = None  # where every axis's position falls inside the roi
+    for axis in range(2, rank):
+        n = x.shape[axis]
+        axis_roi = None if roi is None else np.array([0, roi[axis], 1, roi[axis + rank]],
+                                                     np.float32)
+        target = ([None, None, np.array([1.0, scales[axis]], np.float32)] if not sizes else
+                  [None, None, None, np.array([n, sizes[axis]], np.int64)])
+
+        def resize_rows(rows: np.ndarray, fill: float, axis_roi=axis_roi,
+                        target=target) -> np.ndarray:
+            one = helper.make_node("Resize", ["X", "roi", "scales", "sizes"], ["Y"],
+                                   **{**attrs, "extrapolation_value": fill})
+            return b.fold(one, [rows, axis_roi, *target[2:]])[0]
+        matrix = resize_rows(np.eye(n, dtype=np.float32), 0.0).T
+        if roi is not None and extrapolated:
+            keep = 1.0 - resize_rows(np.zeros((1, n), np.float32), 1.0)[0]
+            shape = [1] * rank
+            shape[axis] = len(keep)
+            inside = keep.reshape(shape) if inside is None else inside * keep.reshape(shape)
+        if not np.array_equal(matrix, np.eye(n, dtype=np.float32)):
+            x = b.g.resample(x, axis, np.ascontiguousarray(matrix, np.float32))
+    if inside is not None and not np.all(inside == 1):
+        x = b.g.add(x, b.g.constant(((1.0 - inside) * extrapolated).astype(np.float32)))
+    return x
 
 
 @onnx_op("GridSample")
