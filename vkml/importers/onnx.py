@@ -1063,6 +1063,54 @@ def _heads(g: Graph, x: Tensor, heads: int) -> Tensor:
     return g.transpose(g.reshape(x, (batch, length, heads, width // heads)), (0, 2, 1, 3))
 
 
+# an integer type's range: QuantizeLinear saturates to it
+QUANTIZED_RANGES = {"INT8": (-128, 127), "UINT8": (0, 255), "INT16": (-32768, 32767),
+                    "UINT16": (0, 65535), "INT4": (-8, 7), "UINT4": (0, 15)}
+
+
+def _quantization(b, x: Tensor, ins: list, attrs: dict) -> tuple[Any, Any]:
+    """(scale, zero point) of a Quantize/DequantizeLinear, per tensor or broadcast along
+    `axis`; a zero point of 0 where there is none."""
+    if attrs.get("block_size", 0):
+        raise Refuse("blocked quantization (block_size) is not supported")
+    scale = ins[1]
+    zero = ins[2] if len(ins) > 2 and ins[2] is not None else np.zeros((), np.int32)
+    along = [1] * len(x.shape)
+    if len(x.shape):
+        along[int(attrs.get("axis", 1)) % len(x.shape)] = -1
+
+    def broadcast(v):
+        v = np.asarray(b.host(v, "scale and zero point"), np.float32)
+        return float(v.reshape(())) if v.size == 1 else b.device(v.reshape(along))
+    return broadcast(scale), broadcast(zero)
+
+
+@onnx_op("QuantizeLinear")
+def _quantize_linear(b, node, ins, attrs):
+    """round(x / scale) + zero point (ties to even), saturated to the zero point's type
+    (uint8 where there is none), as i32. Rounding has no gradient: torch's fake quantization
+    passes one straight through, an ONNX graph does not."""
+    x = b.device(ins[0])
+    scale, zero = _quantization(b, x, ins, attrs)
+    if len(ins) > 2 and ins[2] is not None:
+        kind = b.onnx.helper.np_dtype_to_tensor_dtype(b.host(ins[2], "zero point").dtype)
+    else:
+        kind = int(attrs.get("output_dtype", 0)) or b.onnx.TensorProto.UINT8
+    name = b.onnx.TensorProto.DataType.Name(kind)
+    if name not in QUANTIZED_RANGES:
+        raise Refuse(f"quantizing to {name} is not supported (integer types up to 16 bits are)")
+    low, high = QUANTIZED_RANGES[name]
+    q = b.g.add(b.g.round(b.g.div(x, scale)), zero)
+    return b.g.cast(b.g.clamp(q, float(low), float(high)), "i32")
+
+
+@onnx_op("DequantizeLinear")
+def _dequantize_linear(b, node, ins, attrs):
+    x = b.g.cast(b.device(ins[0]), "f32")
+    scale, zero = _quantization(b, x, ins, attrs)
+    return b.g.mul(b.g.sub(x, zero), scale)
+
+
 @onnx_op("Reshape")
 def _reshape(b, node, ins, attrs):
     x = b.device(ins[0])
