@@ -594,6 +594,32 @@ def _extremum(b, node, ins, attrs):
     return out
 
 
+@onnx_op("Asinh")
+def _asinh(b, node, ins, attrs):
+    """log1p(|x| + x^2 / (1 + sqrt(x^2 + 1))) with x's sign (precise near 0 and for large
+    negative x, where log(x + sqrt(x^2 + 1)) cancels)."""
+    g, x = b.g, b.device(ins[0])
+
+    def of_positive(v: Tensor) -> Tensor:
+        square = g.square(v)
+        return g.log1p(g.add(v, g.div(square, g.add(g.sqrt(g.add(square, 1.0)), 1.0))))
+    return g.where(g.less(x, 0.0), g.neg(of_positive(g.neg(x))), of_positive(x))
+
+
+@onnx_op("Acosh")
+def _acosh(b, node, ins, attrs):
+    """log1p((x - 1) + sqrt((x - 1)(x + 1))): precise near 1."""
+    g, x = b.g, b.device(ins[0])
+    above = g.sub(x, 1.0)
+    return g.log1p(g.add(above, g.sqrt(g.mul(above, g.add(x, 1.0)))))
+
+
+@onnx_op("Atanh")
+def _atanh(b, node, ins, attrs):
+    g, x = b.g, b.device(ins[0])
+    return g.mul(g.sub(g.log1p(x), g.log1p(g.neg(x))), 0.5)
+
+
 @onnx_op("Sum", "Mean")
 def _variadic_sum(b, node, ins, attrs):
     out = b.device(ins[0])
@@ -741,6 +767,14 @@ def _pool_geometry(attrs: dict) -> tuple[list[int], list[int], list[int]]:
     return kernel, _spatial(attrs, "strides", 2, 1), _spatial(attrs, "dilations", 2, 1)
 
 
+def _window_geometry(attrs: dict, what: str) -> tuple[list[int], list[int]]:
+    """The kernel and strides of a pooling only max pooling dilates."""
+    kernel, strides, dilations = _pool_geometry(attrs)
+    if dilations != [1, 1]:
+        raise Refuse(f"dilated {what} pooling is not supported")
+    return kernel, strides
+
+
 @onnx_op("MaxPool")
 @_lift_1d
 def _max_pool(b, node, ins, attrs):
@@ -780,14 +814,12 @@ def _dilated_max_pool(g: Graph, x: Tensor, kernel, strides, pads, dilations,
 @onnx_op("AveragePool")
 @_lift_1d
 def _avg_pool(b, node, ins, attrs):
-    kernel, strides, dilations = _pool_geometry(attrs)
-    if dilations != [1, 1]:
-        raise Refuse("dilated average pooling is not supported")
+    kernel, strides = _window_geometry(attrs, "average")
     x, counted = b.device(ins[0]), bool(attrs.get("count_include_pad", 0))
     ceil = bool(attrs.get("ceil_mode", 0))
-    pads = _pad_amounts(x.shape, attrs, kernel, strides, dilations)
+    pads = _pad_amounts(x.shape, attrs, kernel, strides, [1, 1])
     if counted or pads[:2] == pads[2:]:
-        x, pads = _pads(b, x, attrs, kernel, strides, dilations)
+        x, pads = _pads(b, x, attrs, kernel, strides, [1, 1])
         return b.g.avg_pool2d(x, tuple(kernel), tuple(strides), tuple(pads), ceil_mode=ceil,
                               count_include_pad=counted)
     if ceil:
@@ -802,6 +834,29 @@ def _avg_pool(b, node, ins, attrs):
         x = b.g.pad(x, 2 + axis, lo, hi)
     sums = b.g.avg_pool2d(x, tuple(kernel), tuple(strides), divisor_override=1)
     return b.g.div(sums, b.g.constant(np.outer(*counts).astype(np.float32)))
+
+
+def _lp_power(b, x: Tensor, p: float) -> Tensor:
+    return b.g.square(x) if p == 2 else power(b.g, b.g.abs(x), p)
+
+
+@onnx_op("LpPool")
+@_lift_1d
+def _lp_pool(b, node, ins, attrs):
+    """(the sum of |x| ** p over each window) ** (1 / p): the window sums of average pooling."""
+    kernel, strides = _window_geometry(attrs, "Lp")
+    p = float(attrs.get("p", 2))
+    x, pads = _pads(b, _lp_power(b, b.device(ins[0]), p), attrs, kernel, strides, [1, 1])
+    sums = b.g.avg_pool2d(x, tuple(kernel), tuple(strides), tuple(pads),
+                          ceil_mode=bool(attrs.get("ceil_mode", 0)), divisor_override=1)
+    return power(b.g, sums, 1.0 / p)
+
+
+@onnx_op("GlobalLpPool")
+def _global_lp_pool(b, node, ins, attrs):
+    x, p = b.device(ins[0]), float(attrs.get("p", 2))
+    sums = b.g.sum(_lp_power(b, x, p), tuple(range(2, len(x.shape))), keepdims=True)
+    return power(b.g, sums, 1.0 / p)
 
 
 @onnx_op("GlobalAveragePool")
