@@ -717,6 +717,8 @@ def _index_put(x, indices, updates):
                        updates.reshape(-1, *x.shape[indices.shape[-1]:]))
 
 
+ZERO_AMONG = _f(2, 3, 5, low=0.5)
+ZERO_AMONG[1, 2, 3] = 0.0  # where a product's gradient needs the other elements
 SCATTER_ND = np.array([[[1, 0]], [[0, 2]], [[1, -1]]], np.int64)  # (3, 1, 2): rows of (2, 4, 3)
 SCATTER_ELEMENTS = np.array([[2, 0, -1], [0, 1, 2]], np.int64)  # along axis 1 of (2, 4)
 
@@ -815,6 +817,10 @@ ONNX_OP_CASES = [
     ("asinh_small", "Asinh", [_f(3, 5, low=-1e-3, high=1e-3)], {}, torch.asinh, 17),
     ("acosh", "Acosh", [_f(3, 5, low=1.001, high=20)], {}, torch.acosh, 17),
     ("atanh", "Atanh", [_f(3, 5, low=-0.95, high=0.95)], {}, torch.atanh, 17),
+    ("swiglu", "SwiGLU", [_f(3, 4), _f(3, 4, seed=1)], {},
+     lambda a, v: torch.nn.functional.silu(a) * v, 28),
+    ("swiglu_alpha", "SwiGLU", [_f(3, 4), _f(3, 4, seed=1)], {"alpha": 1.7},
+     lambda a, v: a * torch.sigmoid(1.7 * a) * v, 28),
     ("sum_broadcast", "Sum", [_f(2, 3), _f(3, seed=1), _f(2, 1, seed=2)], {},
      lambda a, b, c: a + b + c, 17),
     ("mean_broadcast", "Mean", [_f(2, 3), _f(3, seed=1)], {}, lambda a, b: (a + b) / 2, 17),
@@ -831,6 +837,14 @@ ONNX_OP_CASES = [
      lambda x: x.sum(-1, keepdim=True).log(), 18),
     ("reduce_log_sum_all_axes", "ReduceLogSum", [_f(2, 3, low=0.1)], {"keepdims": 0},
      lambda x: x.sum().log(), 18),
+    ("reduce_prod_with_zero", "ReduceProd", [ZERO_AMONG, _known([0, 2])], {},
+     lambda x: x.prod(2, keepdim=True).prod(0, keepdim=True), 18),
+    ("reduce_prod_all", "ReduceProd", [_f(2, 3, low=0.5)], {"keepdims": 0},
+     lambda x: x.prod(), 18),
+    ("cumprod", "CumProd", [ZERO_AMONG, _known(2)], {}, lambda x: x.cumprod(2), 26),
+    ("cumprod_exclusive_reverse", "CumProd", [_f(7, 2), _known(0)],
+     {"exclusive": 1, "reverse": 1},
+     lambda x: torch.cat([x.flip(0).cumprod(0).flip(0)[1:], torch.ones(1, 2)]), 26),
     ("argmax_last_index", "ArgMax", [np.round(_f(3, 6, low=-1.5, high=1.5))],
      {"axis": 1, "keepdims": 0, "select_last_index": 1}, None, 13),
     ("argmin_last_index", "ArgMin", [np.round(_f(4, 3, 5, low=-1.5, high=1.5))],
@@ -1040,16 +1054,25 @@ def _single_op_model(op, inputs, attrs, outputs, opset):
     return model, feeds
 
 
+# ops newer than this onnxruntime computes: onnx's reference implementation instead
+ORT_LACKS = {"SwiGLU"}
+
+
 def check_single_op(device, op, inputs, attrs, reference, opset):
-    """One ONNX node through onnxruntime and through vkml (forward); where `reference` is
-    given, the gradient of sum(y * w) for each float initializer against PyTorch in float64."""
+    """One ONNX node through onnxruntime (or onnx's reference) and through vkml (forward); where
+    `reference` is given, the gradient of sum(y * w) for each float initializer against PyTorch
+    in float64."""
     outputs = {"TopK": ("y", "indices"), "LSTM": ("y", "y_h", "y_c"), "GRU": ("y", "y_h"),
                "RNN": ("y", "y_h")}.get(op, ("y",))
     if op == "Attention" and len(inputs) > 4:  # the cache: its outputs too
         outputs = ("y", "present_key", "present_value")
     model, feeds = _single_op_model(op, inputs, attrs, outputs, opset)
-    wants = ort.InferenceSession(model.SerializeToString(),
-                                 providers=["CPUExecutionProvider"]).run(None, feeds)
+    if op in ORT_LACKS:
+        from onnx.reference import ReferenceEvaluator
+        wants = ReferenceEvaluator(model).run(None, feeds)
+    else:
+        wants = ort.InferenceSession(model.SerializeToString(),
+                                     providers=["CPUExecutionProvider"]).run(None, feeds)
     imp = vkml.import_onnx(model)
     g = imp.graph
     y = imp.outputs[outputs[0]]

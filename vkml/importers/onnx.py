@@ -524,8 +524,18 @@ def _softsign(b, node, ins, attrs):
 
 @onnx_op("Swish")
 def _swish(b, node, ins, attrs):
-    x, alpha = b.device(ins[0]), float(attrs.get("alpha", 1.0))
-    return b.g.silu(x) if alpha == 1.0 else b.g.mul(x, b.g.sigmoid(b.g.mul(x, alpha)))
+    return _swish_of(b.g, b.device(ins[0]), float(attrs.get("alpha", 1.0)))
+
+
+def _swish_of(g: Graph, x: Tensor, alpha: float) -> Tensor:
+    return g.silu(x) if alpha == 1.0 else g.mul(x, g.sigmoid(g.mul(x, alpha)))
+
+
+@onnx_op("SwiGLU")
+def _swiglu(b, node, ins, attrs):
+    a, value = b.device(ins[0]), b.device(ins[1])
+    alpha = float(attrs.get("alpha", 1.0))
+    return b.g.swiglu(a, value) if alpha == 1.0 else b.g.mul(_swish_of(b.g, a, alpha), value)
 
 
 @onnx_op("Tan")
@@ -975,7 +985,26 @@ REDUCTIONS: dict[str, Callable[[Graph, Tensor, list[int], bool], Tensor]] = {
     "ReduceL1": lambda g, x, axes, keep: g.sum(g.abs(x), axes, keepdims=keep),
     "ReduceSumSquare": lambda g, x, axes, keep: g.sum(g.square(x), axes, keepdims=keep),
     "ReduceLogSum": lambda g, x, axes, keep: g.log(g.sum(x, axes, keepdims=keep)),
+    "ReduceProd": lambda g, x, axes, keep: _product(g, x, axes, keep),
 }
+
+
+def _product(g: Graph, x: Tensor, axes: list[int], keep: bool) -> Tensor:
+    """The product over `axes` as halves multiplied together, log2(n) times: exact, and its
+    gradient exact where elements are zero (a log-sum-exp form's is not)."""
+    rest = [a for a in range(len(x.shape)) if a not in axes]
+    flat = g.transpose(x, rest + axes) if rest + axes != list(range(len(x.shape))) else x
+    flat = g.reshape(flat, (*[x.shape[a] for a in rest], -1))
+    last = len(flat.shape) - 1
+    while flat.shape[-1] > 1:
+        half = flat.shape[-1] // 2
+        product = g.mul(g.slice(flat, last, 0, half), g.slice(flat, last, half, 2 * half))
+        odd = flat.shape[-1] % 2
+        flat = g.concat([product, g.slice(flat, last, 2 * half, 2 * half + 1)], last) \
+            if odd else product
+    kept = [1 if a in axes else d for a, d in enumerate(x.shape)] if keep else \
+        [x.shape[a] for a in rest]
+    return g.reshape(flat, kept)
 
 
 @onnx_op(*REDUCTIONS)
@@ -1005,6 +1034,26 @@ def _arg(b, node, ins, attrs):
 def _cumsum(b, node, ins, attrs):
     return b.g.cumsum(b.device(ins[0]), int(b.host(ins[1], "axis").reshape(())),
                       bool(attrs.get("reverse", 0)), bool(attrs.get("exclusive", 0)))
+
+
+@onnx_op("CumProd")
+def _cumprod(b, node, ins, attrs):
+    """Products of 1, 2, 4, ... neighbours (Hillis and Steele's scan), each step x times x
+    shifted by the step with ones shifted in: exact, differentiable at zeros."""
+    g, x = b.g, b.device(ins[0])
+    axis = int(b.host(ins[1], "axis").reshape(())) % len(x.shape)
+    n = x.shape[axis]
+    reverse = bool(attrs.get("reverse", 0))
+    if reverse:
+        x = g.flip(x, (axis,))
+    if attrs.get("exclusive", 0):
+        x = g.pad(g.slice(x, axis, 0, n - 1), axis, 1, 0, value=1.0) if n > 1 else \
+            g.constant(np.ones(x.shape, np.float32))
+    step = 1
+    while step < n:
+        x = g.mul(x, g.pad(g.slice(x, axis, 0, n - step), axis, step, 0, value=1.0))
+        step *= 2
+    return g.flip(x, (axis,)) if reverse else x
 
 
 @onnx_op("LpNormalization")
