@@ -787,6 +787,31 @@ def _grid_sample(mode, padding, corners):
     return lambda x, grid: torch.nn.functional.grid_sample(x, grid, mode, padding, corners)
 
 
+def _rope(x, cos, sin, interleaved=False, width=None, heads=None):
+    """ONNX RotaryEmbedding's definition in torch: cos and sin (batch, length, width / 2)."""
+    shape = x.shape
+    if heads:
+        x = x.unflatten(-1, (heads, -1))
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    else:
+        cos, sin = cos[:, None], sin[:, None]
+    width = width or x.shape[-1]
+    rotated, rest = x[..., :width], x[..., width:]
+    if interleaved:
+        first, second = rotated[..., 0::2], rotated[..., 1::2]
+    else:
+        first, second = rotated.chunk(2, -1)
+    real, imaginary = cos * first - sin * second, sin * first + cos * second
+    out = (torch.stack([real, imaginary], -1).flatten(-2) if interleaved
+           else torch.cat([real, imaginary], -1))
+    return torch.cat([out, rest], -1).reshape(shape)
+
+
+ROPE_IDS = np.array([[4, 0, 2]], np.int64)
+ROPE_COS, ROPE_SIN = _f(5, 4, seed=7), _f(5, 4, seed=8)
+ROPE_COS_ROWS, ROPE_SIN_ROWS = _f(2, 3, 2, seed=7), _f(2, 3, 2, seed=8)
+
+
 def _mvn(x, axes):
     centred = x - x.mean(axes, keepdim=True)
     return centred / (centred.square().mean(axes, keepdim=True).sqrt() + 1e-9)
@@ -969,6 +994,15 @@ ONNX_OP_CASES = [
      {"hidden_size": 4, "direction": "bidirectional"}, None, 14),
     ("rnn", "RNN", [_f(4, 2, 3), _f(1, 4, 3, seed=1), _f(1, 4, 4, seed=2), _f(1, 8, seed=3)],
      {"hidden_size": 4}, lambda *a: _torch_recurrent("RNN", *a), 14),
+    ("rotary_embedding_position_ids", "RotaryEmbedding",
+     [_f(1, 2, 3, 8), ROPE_COS.view(Known), ROPE_SIN.view(Known), ROPE_IDS], {},
+     lambda x: _rope(x, torch.tensor(ROPE_COS[ROPE_IDS]), torch.tensor(ROPE_SIN[ROPE_IDS])),
+     23),
+    ("rotary_embedding_packed_interleaved_partial", "RotaryEmbedding",
+     [_f(2, 3, 16), ROPE_COS_ROWS.view(Known), ROPE_SIN_ROWS.view(Known)],
+     {"num_heads": 2, "rotary_embedding_dim": 4, "interleaved": 1},
+     lambda x: _rope(x, torch.tensor(ROPE_COS_ROWS), torch.tensor(ROPE_SIN_ROWS), True, 4, 2),
+     23),
     ("attention_causal_grouped_heads", "Attention",
      [_f(1, 4, 4, 8), _f(1, 2, 4, 8, seed=1), _f(1, 2, 4, 8, seed=2)], {"is_causal": 1},
      lambda q, k, v: _sdpa(q, k, v, is_causal=True), 23),

@@ -1161,6 +1161,46 @@ def _attention(b, node, ins, attrs):
     return [y, k, v]
 
 
+@onnx_op("RotaryEmbedding")
+def _rotary_embedding(b, node, ins, attrs):
+    """ONNX's RotaryEmbedding (opset 23): the first rotary_embedding_dim of each head rotated by
+    the cosines and sines of its position (cache rows picked by position_ids, known or
+    computed), the halves or the interleaved pairs; the caches are constants (frozen)."""
+    g = b.g
+    x = b.device(ins[0])
+    cos, sin = (b.device(v, trainable=False) for v in ins[1:3])
+    ids = ins[3] if len(ins) > 3 else None
+    if ids is not None:
+        ids = b.device(ids)
+        cos, sin = (g.gather(c, g.cast(ids, "i32"), 0) for c in (cos, sin))
+    packed = len(x.shape) == 3
+    if packed:  # (batch, length, heads x size) as (batch, length, heads, size)
+        heads = int(attrs["num_heads"])
+        x = g.reshape(x, (*x.shape[:2], heads, x.shape[2] // heads))
+        along = (cos.shape[0], cos.shape[1], 1, cos.shape[2])
+    else:  # (batch, heads, length, size)
+        along = (cos.shape[0], 1, cos.shape[1], cos.shape[2])
+    cos, sin = g.reshape(cos, along), g.reshape(sin, along)
+    last, size = len(x.shape) - 1, x.shape[-1]
+    width = int(attrs.get("rotary_embedding_dim", 0)) or size
+    rotated = g.slice(x, last, 0, width) if width < size else x
+    interleaved = bool(attrs.get("interleaved", 0))
+    if interleaved:
+        first, second = (g.slice(rotated, last, k, width, 2) for k in (0, 1))
+    else:
+        first, second = g.split(rotated, [width // 2] * 2, last)
+    real = g.sub(g.mul(cos, first), g.mul(sin, second))
+    imaginary = g.add(g.mul(sin, first), g.mul(cos, second))
+    if interleaved:
+        pairs = [g.reshape(v, (*v.shape, 1)) for v in (real, imaginary)]
+        out = g.reshape(g.concat(pairs, last + 1), rotated.shape)
+    else:
+        out = g.concat([real, imaginary], last)
+    if width < size:
+        out = g.concat([out, g.slice(x, last, width, size)], last)
+    return g.reshape(out, (*out.shape[:2], -1)) if packed else out
+
+
 def _heads(g: Graph, x: Tensor, heads: int) -> Tensor:
     """(batch, length, heads x size) -> (batch, heads, length, size)."""
     batch, length, width = x.shape
