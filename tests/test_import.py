@@ -1052,6 +1052,13 @@ ONNX_OP_CASES = [
     ("dequantize_per_axis", "DequantizeLinear",
      [np.array([[-128, 5, 127], [0, -7, 64]], np.int8), _known([0.5, 0.25, 0.125], np.float32),
       _known([1, 0, -3], np.int8)], {"axis": 1}, None, 13),
+    ("affine_grid", "AffineGrid", [_f(2, 2, 3), _known([2, 3, 4, 5])], {},
+     lambda t: torch.nn.functional.affine_grid(t, [2, 3, 4, 5], align_corners=False), 20),
+    ("affine_grid_3d_corners", "AffineGrid", [_f(1, 3, 4), _known([1, 1, 2, 3, 4])],
+     {"align_corners": 1},
+     lambda t: torch.nn.functional.affine_grid(t, [1, 1, 2, 3, 4], align_corners=True), 20),
+    ("center_crop_pad", "CenterCropPad", [_f(2, 5, 4), _known([3, 7])], {"axes": [1, 2]},
+     lambda x: torch.nn.functional.pad(x[:, 1:4], (1, 2)), 18),
     ("grid_sample_nearest", "GridSample", [_f(1, 2, 4, 4), _f(1, 3, 3, 2, low=-1.1, high=1.1,
                                                                seed=1)],
      {"mode": "nearest"}, None, 20),  # the grid's gradient is zero, none to check

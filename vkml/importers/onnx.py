@@ -1733,6 +1733,36 @@ def _resize_by_reference(b, x: Tensor, ins: list, attrs: dict, sizes: list,
     return x
 
 
+@onnx_op("AffineGrid")
+def _affine_grid(b, node, ins, attrs):
+    """torch's F.affine_grid: each output position's normalized (x, y[, z], 1) times theta
+    transposed, one batched product with a constant grid."""
+    theta = b.device(ins[0])
+    size = [int(d) for d in b.host(ins[1], "size").reshape(-1)]
+    spatial = size[2:]
+    corners = bool(attrs.get("align_corners", 0))
+    axes = [np.linspace(-1, 1, n) if corners else (np.arange(n) * 2 + 1) / n - 1
+            for n in spatial]
+    mesh = np.meshgrid(*axes, indexing="ij")  # (D,) H, W
+    base = np.stack([*mesh[::-1], np.ones(spatial)], -1).reshape(1, -1, len(spatial) + 1)
+    grid = b.g.matmul(b.g.constant(base.astype(np.float32)), theta, transpose_b=True)
+    return b.g.reshape(grid, (size[0], *spatial, len(spatial)))
+
+
+@onnx_op("CenterCropPad")
+def _center_crop_pad(b, node, ins, attrs):
+    x = b.device(ins[0])
+    target = [int(d) for d in b.host(ins[1], "shape").reshape(-1)]
+    axes = [int(a) % len(x.shape) for a in attrs.get("axes", range(len(x.shape)))]
+    for axis, want in zip(axes, target):
+        n = x.shape[axis]
+        if want < n:
+            x = b.g.slice(x, axis, (n - want) // 2, (n - want) // 2 + want)
+        elif want > n:
+            x = b.g.pad(x, axis, (want - n) // 2, want - n - (want - n) // 2)
+    return x
+
+
 @onnx_op("GridSample")
 def _grid_sample(b, node, ins, attrs):
     """torch's F.grid_sample on 4-D inputs, bilinear or nearest, zeros or border padding: each
