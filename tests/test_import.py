@@ -812,6 +812,16 @@ ROPE_COS, ROPE_SIN = _f(5, 4, seed=7), _f(5, 4, seed=8)
 ROPE_COS_ROWS, ROPE_SIN_ROWS = _f(2, 3, 2, seed=7), _f(2, 3, 2, seed=8)
 
 
+def _dft(x, length=None, inverse=False, onesided=False, axis=-2):
+    """ONNX DFT in torch: x (..., 1 or 2) real or complex, the transform along `axis`."""
+    z = x[..., 0] if x.shape[-1] == 1 else torch.view_as_complex(x.contiguous())
+    fn = torch.fft.ifft if inverse else (torch.fft.rfft if onesided else torch.fft.fft)
+    return torch.view_as_real(fn(z, length, axis % x.dim()))
+
+
+STFT_WINDOW = np.hanning(6).astype(np.float32)
+
+
 def _mvn(x, axes):
     centred = x - x.mean(axes, keepdim=True)
     return centred / (centred.square().mean(axes, keepdim=True).sqrt() + 1e-9)
@@ -1059,6 +1069,17 @@ ONNX_OP_CASES = [
      lambda t: torch.nn.functional.affine_grid(t, [1, 1, 2, 3, 4], align_corners=True), 20),
     ("center_crop_pad", "CenterCropPad", [_f(2, 5, 4), _known([3, 7])], {"axes": [1, 2]},
      lambda x: torch.nn.functional.pad(x[:, 1:4], (1, 2)), 18),
+    ("dft_real_onesided_padded", "DFT", [_f(2, 5, 1), _known(8), _known(1)],
+     {"onesided": 1}, lambda x: _dft(x, 8, onesided=True, axis=1), 20),
+    ("dft_complex_inverse_axis0", "DFT", [_f(6, 3, 2), None, _known(0)], {"inverse": 1},
+     lambda x: _dft(x, inverse=True, axis=0), 20),
+    ("dft_opset17_attribute_axis", "DFT", [_f(2, 7, 2)], {"axis": 1},
+     lambda x: _dft(x, axis=1), 17),
+    ("stft_windowed", "STFT",
+     [_f(2, 20, 1), _known(4), STFT_WINDOW.view(Known), _known(6)], {},
+     lambda x: torch.view_as_real(torch.stft(x[..., 0], 6, 4, window=torch.tensor(
+         STFT_WINDOW, dtype=torch.float64), center=False, return_complex=True)).transpose(1, 2),
+     17),
     ("grid_sample_nearest", "GridSample", [_f(1, 2, 4, 4), _f(1, 3, 3, 2, low=-1.1, high=1.1,
                                                                seed=1)],
      {"mode": "nearest"}, None, 20),  # the grid's gradient is zero, none to check
