@@ -86,3 +86,30 @@ def test_optimizer_updates_with_special_gradients_as_torch(device, name):
             (p * torch.from_numpy(w)).sum().backward()
             optimizer.step()
         same(session.params()["p"], p.detach().numpy())
+
+
+MASKING = {"relu": (lambda g, x: g.relu(x), torch.relu),
+           "clamp": (lambda g, x: g.clamp(x, -1.0, 3.0), lambda x: x.clamp(-1.0, 3.0)),
+           "hardtanh": (lambda g, x: g.hardtanh(x, -1.0, 3.0),
+                        lambda x: torch.nn.functional.hardtanh(x, -1.0, 3.0)),
+           "relu6": (lambda g, x: g.relu6(x), torch.nn.functional.relu6),
+           "hardsigmoid": (lambda g, x: g.hardsigmoid(x), torch.nn.functional.hardsigmoid),
+           "hardswish": (lambda g, x: g.hardswish(x), torch.nn.functional.hardswish)}
+
+
+@pytest.mark.parametrize("name", sorted(MASKING))
+def test_masking_gradients_keep_nan_out_as_torch(device, name):
+    """Found by tools/fuzz.py: where torch's gradient is 0 (relu below 0, clamp and the hard
+    ops outside their range), a NaN coming from above stays out, as torch selects rather than
+    multiplies; vkml multiplied by a 0 mask, so NaN reached every input."""
+    x = np.array([-4.0, -3.0, -1.5, -1.0, 0.0, 0.5, 3.0, 4.0, 6.0, 7.0], np.float32)
+    build, reference = MASKING[name]
+    g = vkml.Graph()
+    xp = g.param("x", x.shape, init=x)
+    upstream = g.param("upstream", (), init=np.float32(np.nan))  # NaN upstream everywhere
+    with vkml.compile(g, loss=g.sum(g.mul(build(g, xp), upstream)), device=device) as session:
+        session.step()
+        got = session.grad("x")
+    t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    (reference(t) * float("nan")).sum().backward()
+    same(got, t.grad.numpy())

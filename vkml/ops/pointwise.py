@@ -137,12 +137,14 @@ def zero_gradient(g: Graph, x: Tensor, y: Tensor, d: Tensor) -> None:
 # (and "tensor": a Tensor method too), or internal: no generated method (made by other ops'
 # gradients, or by a builder written out below))
 UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
+    # Where torch's gradient is 0 (relu below 0, the hard* ops and clamp outside their range),
+    # it is selected, not multiplied by 0: a NaN or infinite upstream gradient stays out there.
     # NaN through (kernels/common.py unless_nan: a NaN that vanished would corrupt parameters
     # unnoticed), -0.0 kept, as torch's; torch's gradient passes at NaN too (its elu's and
     # hardswish's are NaN there: its vectorized kernels', which run on all but the tiniest
     # tensors, as those here)
     "relu": (unless_nan("select({0}, 0.0, {0} < 0.0)", "{0}"), "",
-             lambda g, x, y, d: g.mul(d, g.apply("step", [x])), "tensor"),
+             lambda g, x, y, d: g.where(g.apply("step", [x]), d, 0.0), "tensor"),
     "step": (unless_nan("select(0.0, 1.0, {0} > 0.0)", "{0}", "1.0"), "", None, "internal"),
     "sigmoid": ("1.0 / (1.0 + exp(-{0}))", "",
                 lambda g, x, y, d: g.mul(d, g.mul(y, g.sub(1.0, y))), "tensor"),
@@ -197,12 +199,15 @@ UNARY: dict[str, tuple[str, str, UnaryGrad | None, str]] = {
     # torch's: x (x + 3) / 6 between -3 and 3; x * NaN keeps NaN (-inf gives NaN, as torch)
     "hardswish": ("{0} * select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, "
                   "{0} + 3.0 > 6.0)", "",
-                  lambda g, x, y, d: g.mul(d, g.apply("hardswish_deriv", [x])), "tensor"),
+                  lambda g, x, y, d: g.where(g.less_equal(x, -3.0), 0.0,
+                                             g.mul(d, g.apply("hardswish_deriv", [x]))),
+                  "tensor"),
     "hardswish_deriv": ("select(select({0} / 3.0 + 0.5, 1.0, {0} >= 3.0), 0.0, {0} <= -3.0)", "",
                         None, "internal"),
     "hardsigmoid": (unless_nan("select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, "
                                "{0} + 3.0 > 6.0)", "{0}"), "",
-                    lambda g, x, y, d: g.mul(d, g.apply("hardsigmoid_deriv", [x])), "tensor"),
+                    lambda g, x, y, d: g.where(g.apply("hardsigmoid_deriv", [x]),
+                                               g.mul(d, 1.0 / 6.0), 0.0), "tensor"),
     "hardsigmoid_deriv": ("select(0.0, 1.0 / 6.0, {0} > -3.0 && {0} < 3.0)", "", None,
                           "internal"),
     "floor": ("floor({0})", "", zero_gradient, "tensor"),
@@ -312,8 +317,8 @@ def _within(node: Tensor) -> Expr:
 
 register(OpDef("clamp_mask", same_f32, "pointwise", expr=_within))
 register(OpDef("clamp", same_f32, "pointwise",
-               grad=lambda g, node, d: [g.mul(d, g.apply("clamp_mask", [node.inputs[0]],
-                                                         **node.attrs))],
+               grad=lambda g, node, d: [g.where(g.apply("clamp_mask", [node.inputs[0]],
+                                                        **node.attrs), d, 0.0)],
                expr=_clamped))
 
 
