@@ -29,12 +29,14 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import vkml
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vkml
+import vkml  # noqa: E402
 
 TOL = 1e-4
 MAX_ELEMENTS = 20000  # a step whose result is larger is not taken: lavapipe is slow
@@ -845,9 +847,14 @@ class Case:
         sorts and comparisons, exact zeros at the kinks of relu, abs, clamp."""
         return bool(np.random.default_rng(self.seed + 7).random() < 0.25)
 
+    @property
+    def special(self) -> bool:
+        """One case in ten has a few NaN, infinite or huge values in its input."""
+        return bool(np.random.default_rng(self.seed + 11).random() < 0.1)
+
     def describe(self) -> str:
         return (f"seed={self.seed} shape={self.shape} steps={self.steps}"
-                + (" ties" if self.ties else ""))
+                + (" ties" if self.ties else "") + (" special" if self.special else ""))
 
 
 @dataclass
@@ -897,6 +904,10 @@ def on_grid(a: np.ndarray, ties: bool) -> np.ndarray:
 def realize(case: Case) -> Realized:
     rng = np.random.default_rng(case.seed)
     real = Realized(case, on_grid(normal(rng, case.shape), case.ties))
+    if case.special and real.x0.size:
+        flat = real.x0.reshape(-1)
+        for i in rng.integers(0, flat.size, int(rng.integers(1, 4))):
+            flat[i] = pick(rng, (np.nan, np.inf, -np.inf, 1e30, -1e30, -0.0))
     shape = case.shape
     for family, seed in case.steps:
         try:
