@@ -721,6 +721,8 @@ ZERO_AMONG = _f(2, 3, 5, low=0.5)
 ZERO_AMONG[1, 2, 3] = 0.0  # where a product's gradient needs the other elements
 SCATTER_ND = np.array([[[1, 0]], [[0, 2]], [[1, -1]]], np.int64)  # (3, 1, 2): rows of (2, 4, 3)
 SCATTER_ELEMENTS = np.array([[2, 0, -1], [0, 1, 2]], np.int64)  # along axis 1 of (2, 4)
+SCATTER_ND_ADD = np.array([[0], [2], [-3], [0]], np.int64)  # rows of (3, 4), row 0 thrice
+SCATTER_ELEMENTS_ADD = np.array([[2, 0, 2], [1, 1, -1]], np.int64)  # along axis 1 of (2, 5)
 
 
 def _window_sums(x, pads, kernel, stride):
@@ -930,6 +932,14 @@ ONNX_OP_CASES = [
     ("scatter_elements", "ScatterElements",
      [_f(2, 4), SCATTER_ELEMENTS.view(Known), _f(2, 3, seed=1)], {"axis": 1},
      lambda x, u: x.scatter(1, torch.tensor(SCATTER_ELEMENTS % 4), u), 16),
+    ("scatter_nd_add_repeated_rows", "ScatterND",
+     [_f(3, 4), SCATTER_ND_ADD.view(Known), _f(4, 4, seed=1)], {"reduction": "add"},
+     lambda x, u: x.index_put((torch.tensor(SCATTER_ND_ADD[:, 0] % 3),), u, accumulate=True),
+     16),
+    ("scatter_elements_add_repeated", "ScatterElements",
+     [_f(2, 5), SCATTER_ELEMENTS_ADD.view(Known), _f(2, 3, seed=1)],
+     {"axis": 1, "reduction": "add"},
+     lambda x, u: x.scatter_add(1, torch.tensor(SCATTER_ELEMENTS_ADD % 5), u), 16),
     ("max_pool_1d", "MaxPool", [_f(2, 3, 9)], {"kernel_shape": [3], "strides": [2],
                                                "pads": [1, 1]},
      lambda x: torch.nn.functional.max_pool1d(x, 3, 2, 1), 13),

@@ -1430,27 +1430,37 @@ def _depth_space(b, node, ins, attrs):
     return b.g.reshape(b.g.transpose(b.g.reshape(x, split), order), out)
 
 
-def _scatter(b, data: Tensor, updates: Tensor, targets: np.ndarray, rows: int) -> Tensor:
-    """data (rows, ...) with row targets[q] replaced by updates' row q (the last one where
-    targets repeat): a gather of the updates where a row is written, the data elsewhere."""
+def _scatter(b, data: Tensor, updates: Tensor, targets: np.ndarray, rows: int,
+             reduction: str) -> Tensor:
+    """data (rows, ...) with row targets[q] replaced by updates' row q (reduction none: the
+    last one where targets repeat) or increased by every such row (add: the updates summed per
+    written row by a constant 0/1 matrix, `resample`): a gather where a row is written, the
+    data elsewhere. The gradient goes to both."""
+    if reduction not in ("none", "add"):
+        raise Refuse(f"reduction '{reduction}' is not supported (none and add are)")
+    written_rows, row_of = np.unique(targets, return_inverse=True)
+    if reduction == "add":
+        sums = np.zeros((len(written_rows), len(targets)), np.float32)
+        sums[row_of.reshape(-1), np.arange(len(targets))] = 1.0
+        updates = b.g.resample(updates, 0, sums)
+        source_of = np.arange(len(written_rows), dtype=np.int32)
+    else:
+        source_of = np.zeros(len(written_rows), np.int32)
+        source_of[row_of.reshape(-1)] = np.arange(len(targets), dtype=np.int32)  # the last wins
     source = np.zeros(rows, np.int32)
-    source[targets] = np.arange(len(targets), dtype=np.int32)
+    source[written_rows] = source_of
     written = np.zeros((rows,) + (1,) * (len(data.shape) - 1), np.float32)
-    written[targets] = 1.0
+    written[written_rows] = 1.0
     picked = b.g.gather(updates, b.g.constant(source, "i32"), 0)
+    if reduction == "add":
+        picked = b.g.add(data, picked)
     return b.g.where(b.g.constant(written), picked, data)
-
-
-def _scatter_reduction(attrs: dict) -> None:
-    if attrs.get("reduction", "none") != "none":
-        raise Refuse(f"reduction '{attrs['reduction']}' is not supported (none is)")
 
 
 @onnx_op("ScatterND")
 def _scatter_nd(b, node, ins, attrs):
     """Indices known at import (an exporter's `x[..., idx] = y`): the indexed leading axes
     merged into rows."""
-    _scatter_reduction(attrs)
     data, updates = b.device(ins[0]), b.device(ins[2])
     indices = b.host(ins[1], "indices (ScatterND's, when computed at run time)")
     k = indices.shape[-1]
@@ -1459,14 +1469,14 @@ def _scatter_nd(b, node, ins, attrs):
     targets = np.ravel_multi_index(tuple(points.T), lead) if len(points) else points[:, 0]
     rows = math.prod(lead)
     out = _scatter(b, b.g.reshape(data, (rows, *rest)),
-                   b.g.reshape(updates, (len(points), *rest)), targets, rows)
+                   b.g.reshape(updates, (len(points), *rest)), targets, rows,
+                   attrs.get("reduction", "none"))
     return b.g.reshape(out, data.shape)
 
 
 @onnx_op("ScatterElements")
 def _scatter_elements(b, node, ins, attrs):
     """Indices known at import: every element a row of one."""
-    _scatter_reduction(attrs)
     data, updates = b.device(ins[0]), b.device(ins[2])
     indices = b.host(ins[1], "indices (ScatterElements', when computed at run time)")
     axis = int(attrs.get("axis", 0)) % len(data.shape)
@@ -1475,7 +1485,7 @@ def _scatter_elements(b, node, ins, attrs):
     targets = np.ravel_multi_index(tuple(w.reshape(-1) for w in where), data.shape)
     size = math.prod(data.shape)
     out = _scatter(b, b.g.reshape(data, (size,)), b.g.reshape(updates, (indices.size,)),
-                   targets, size)
+                   targets, size, attrs.get("reduction", "none"))
     return b.g.reshape(out, data.shape)
 
 
