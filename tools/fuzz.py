@@ -202,18 +202,20 @@ def axes_of(rng, shape):
 
 
 def torch_dims(shape, axes):
+    if not shape:
+        return (0,)  # torch reduces a 0-d tensor over its dim 0
     if axes is None:
         return tuple(range(len(shape)))
     return axes if isinstance(axes, tuple) else (axes,)
 
 
 REDUCTIONS = {
-    "sum": lambda x, d, k: x.sum(d, keepdim=k) if d else x,
-    "mean": lambda x, d, k: x.mean(d, keepdim=k) if d else x,
-    "amax": lambda x, d, k: x.amax(d, keepdim=k) if d else x,
-    "amin": lambda x, d, k: x.amin(d, keepdim=k) if d else x,
-    "logsumexp": lambda x, d, k: torch.logsumexp(x, d, keepdim=k) if d else x,
-    "reduce_l2": lambda x, d, k: torch.linalg.vector_norm(x, 2, d, keepdim=k) if d else x.abs(),
+    "sum": lambda x, d, k: x.sum(d, keepdim=k),
+    "mean": lambda x, d, k: x.mean(d, keepdim=k),
+    "amax": lambda x, d, k: x.amax(d, keepdim=k),
+    "amin": lambda x, d, k: x.amin(d, keepdim=k),
+    "logsumexp": lambda x, d, k: torch.logsumexp(x, d, keepdim=k),
+    "reduce_l2": lambda x, d, k: torch.linalg.vector_norm(x, 2, d, keepdim=k),
 }
 
 
@@ -293,9 +295,10 @@ def gen_cumsum(rng, shape):
 
     def th(x):
         y = x.flip(axis) if reverse else x
+        if exclusive:  # shifted by one (not cumsum - x, which makes inf - inf = NaN)
+            y = torch.cat([torch.zeros_like(y.narrow(axis, 0, 1)),
+                           y.narrow(axis, 0, y.shape[axis] - 1)], axis)
         y = y.cumsum(axis)
-        if exclusive:
-            y = y - (x.flip(axis) if reverse else x)
         return y.flip(axis) if reverse else y
     return Applied(f"cumsum(axis={axis}, reverse={reverse}, exclusive={exclusive})", [],
                    lambda g, x: g.cumsum(x, axis, reverse=reverse, exclusive=exclusive), th)
@@ -609,9 +612,10 @@ def gen_attention(rng, shape):
         scores = q @ k.transpose(-1, -2) * (scale if scale is not None else d ** -0.5)
         if mask:
             scores = scores + mask[0]
-        if causal:
+        if causal:  # an additive -inf, as torch's math kernel (masked_fill would cut a NaN
+            # gradient off at the masked scores; softmax's backward gives 0 * NaN there)
             keep = torch.ones(length, s, dtype=torch.bool).tril()
-            scores = scores.masked_fill(~keep, -math.inf)
+            scores = scores + torch.zeros(length, s, dtype=q.dtype).masked_fill(~keep, -math.inf)
         return scores.softmax(-1) @ v
     return Applied(f"sdpa(q=x, k{extras[0].shape}, v{extras[1].shape}, mask={masked}, "
                    f"causal={causal}, fused={fused}, scale={scale})", extras,
@@ -852,9 +856,21 @@ class Case:
         """One case in ten has a few NaN, infinite or huge values in its input."""
         return bool(np.random.default_rng(self.seed + 11).random() < 0.1)
 
+    @property
+    def execution(self) -> dict:
+        """How the gradient session runs: whole, in chunks, or (a second step, the first having
+        timed every dispatch) cut into pieces of a tiny budget, whose long levels are split into
+        ranges of workgroups; and with fusion (rewrite="greedy") or without."""
+        rng = np.random.default_rng(self.seed + 13)
+        r = rng.random()
+        step = {} if r < 0.6 else ({"chunks": int(pick(rng, (2, 3)))} if r < 0.8
+                                   else {"budget_ms": 0.05})
+        return {"step": step, "rewrite": "none" if rng.random() < 0.2 else "greedy"}
+
     def describe(self) -> str:
         return (f"seed={self.seed} shape={self.shape} steps={self.steps}"
-                + (" ties" if self.ties else "") + (" special" if self.special else ""))
+                + (" ties" if self.ties else "") + (" special" if self.special else "")
+                + f" execution={self.execution}")
 
 
 @dataclass
@@ -1017,9 +1033,13 @@ def run(real: Realized, device) -> Result:
         loss = g.sum(g.mul(y, g.constant(weights)))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            session = vkml.compile(g, loss=loss, outputs={"out": y}, device=device)
+            session = vkml.compile(g, loss=loss, outputs={"out": y}, device=device,
+                                   rewrite=real.case.execution["rewrite"])
         try:
-            session.step()
+            step = real.case.execution["step"]
+            if "budget_ms" in step:  # the first step times the dispatches the second cuts
+                session.step(**step)
+            session.step(**step)
             out = session.read("out")
             grads = {}
             for name in names:
