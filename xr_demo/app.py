@@ -448,10 +448,15 @@ class Demo:
         clock for a while (on the H200 345 against 1980 MHz, a session's first 0.15-0.4 s of
         steps 3-4x slower: tools/clock_lab.py), and a schedule planned from those times would
         cut the steps for a slower device. CPU drivers have no such state: one step there."""
-        end = time.perf_counter() + (0.0 if self.device.caps.device_type == "cpu" else seconds)
         rgb, _ = self.render_now(0)  # what the inference reads: zero-copy binds the target
         if not self.opts.zero_copy:
             self.infer.set_input("image", self.to_input(rgb))
+        self._keep_busy(seconds)
+
+    def _keep_busy(self, seconds: float) -> None:
+        """Inference steps back to back for `seconds` (one on a CPU driver), on whatever input
+        the session has."""
+        end = time.perf_counter() + (0.0 if self.device.caps.device_type == "cpu" else seconds)
         while True:
             self.infer.step()
             self.infer.wait()
@@ -474,7 +479,7 @@ class Demo:
             if self.train is not None:
                 self.train.set_input("image", self.to_input(rgb))
                 self.train.set_input("target", to_target(depth))
-        self.warm_gpu()
+        self._keep_busy(WARM_S)  # warm_gpu without its render: frame 0 is in place above
         for name, s in sessions:
             # update=False: the profiled steps leave the training session's state as it was,
             # so the run does not depend on them. The first one warms the driver up.
