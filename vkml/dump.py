@@ -58,9 +58,11 @@ def spirv(stages: Stages) -> dict[str, bytes]:
     from vkml.vk import compile_wgsl
     from vkml.vk.spirv import to_bfloat16
 
-    translated = {name: compile_wgsl(wgsl, name) for name, wgsl in stages.kernels().items()}
-    return {name: to_bfloat16(code) if stages.kernels()[name].startswith(BFLOAT16_MARK)
-            else code for name, code in translated.items()}
+    spirv = {}
+    for name, wgsl in stages.kernels().items():
+        code = compile_wgsl(wgsl, name)
+        spirv[name] = to_bfloat16(code) if wgsl.startswith(BFLOAT16_MARK) else code
+    return spirv
 
 
 def show(stages: Stages, stage: str) -> str:
