@@ -58,7 +58,7 @@ from vkml.hal import (
 )
 from vkml.interrupts import deferred_interrupts
 from vkml.webgpu.buffer import Buffer
-from vkml.webgpu.host_resources import ROW_ALIGN, HostResources, ImportedTexture
+from vkml.webgpu.host_resources import ROW_ALIGN, HostResources, ImportedTexture, row_pitch
 
 # WebGPU's default, and what a browser guarantees. Adapters may allow less (lavapipe says 32), but
 # a plan laid out for 256 is valid on every WebGPU implementation, so this is not lowered.
@@ -706,5 +706,5 @@ def _texel_copy(region: ImageRegion, buffer: Buffer, offset: int
     pitch = region.pitch or region.width * texture.texel_bytes
     return ({"texture": texture.handle, "origin": (region.x, region.y, 0)},
             {"buffer": buffer.handle, "offset": offset,
-             "bytes_per_row": -(-pitch // ROW_ALIGN) * ROW_ALIGN, "rows_per_image": region.height},
+             "bytes_per_row": row_pitch(pitch), "rows_per_image": region.height},
             (region.width, region.height, 1))

@@ -47,8 +47,7 @@ class HostResources:
         self._wgpu = backend._wgpu
 
     def row_pitch(self, row_bytes: int) -> int:
-        """WebGPU spaces a texture copy's rows by a multiple of 256 bytes."""
-        return -(-row_bytes // ROW_ALIGN) * ROW_ALIGN
+        return row_pitch(row_bytes)
 
     def describe(self, resource: Any, what: str) -> tuple[str, dict[str, Any]]:
         """A GPUBuffer as vkml.HostBuffer's fields ("buffer", holding a tensor as set_input
@@ -134,6 +133,11 @@ class HostResources:
             raise InputError(f"{what}: its usage flags {have:#x} lack {name}, which vkml's copy "
                              f"{'from' if access == 'read' else 'into'} it needs: create it "
                              f"with usage including wgpu.{flags}.{name}")
+
+
+def row_pitch(row_bytes: int) -> int:
+    """WebGPU spaces a texture copy's rows by a multiple of 256 bytes."""
+    return -(-row_bytes // ROW_ALIGN) * ROW_ALIGN
 
 
 def _kind(handle: Any) -> str:
