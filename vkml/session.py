@@ -569,8 +569,7 @@ class Session:
         if prologue is not None:
             if self._external_prologue is None:
                 self._external_prologue = bound.keep(recording.prepare(
-                    bound.commands(range(len(self.plan.prologue)), self.plan.prologue),
-                    "prologue (host)"))
+                    bound.prologue_commands(), "prologue (host)"))
             recording.record_into(command_buffer, self._external_prologue)
             bound.prologue_recorded(prologue)
         recording.record_into(command_buffer, self._external)

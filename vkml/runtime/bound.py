@@ -178,8 +178,8 @@ class BoundPlan:
             if downloads:
                 self.download_program = self.record_commands(downloads, "outputs")
             if plan.prologue:
-                self.prologue_program = self.record_commands(
-                    self.commands(range(len(plan.prologue)), plan.prologue), "prologue")
+                self.prologue_program = self.record_commands(self.prologue_commands(),
+                                                             "prologue")
             phases = {d.phase for d in plan.dispatches}
             self.step_program = self.record(self.indices(phases), "step")
             self.forward_program = (self.record(self.indices({"forward"}), "forward")
@@ -238,6 +238,10 @@ class BoundPlan:
             self._readback = self.backend.create_buffer(total, "readback", "outputs")
         return [Copy(*self.place(s), self._readback, at, self.plan.slots[s].nbytes)
                 for s, at in self.download_offsets.items()]
+
+    def prologue_commands(self) -> list[Command]:
+        """What the prologue runs (Plan.prologue), a program of its own before a step's."""
+        return self.commands(range(len(self.plan.prologue)), self.plan.prologue)
 
     def commands(self, indices: Iterable[int | Part],
                  dispatches: Sequence[PlannedDispatch] | None = None) -> list[Command]:
