@@ -151,7 +151,7 @@ class BoundPlan:
         self.prologue_program: object | None = None
         self._prologue_ran: tuple[int, ...] | None = None  # the counters when it last ran
         # whether the prologue reads a parameter the owner's steps update
-        read = {shared[s] for d in plan.prologue for s in d.reads if s in (shared or {})}
+        read = {self.shared[s] for d in plan.prologue for s in d.reads if s in self.shared}
         self._follows_updates = owner is not None and any(
             read & d.writes for d in owner.plan.dispatches)
         check_fits(plan, device)
