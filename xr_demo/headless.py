@@ -218,7 +218,7 @@ def run(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
         metrics: dict[str, Any] = {
             "device": host.device_name, "mode": "headless", "options": vars(opts).copy(),
             "network": {"model": opts.model, "description": demo.cfg.describe(),
-                        "params": int(sum(v.size for v in demo.infer.params().values())),
+                        "params": demo.counts["encoder"] + demo.counts["decoder"],
                         "params_encoder": demo.counts["encoder"],
                         "params_decoder": demo.counts["decoder"],
                         "params_live": demo.counts["live"],
