@@ -219,3 +219,32 @@ def test_no_vulkan_device_gives_an_actionable_error():
                          timeout=60)
     assert "DeviceError:" in out.stdout, out.stdout + out.stderr
     assert "mesa-vulkan-drivers" in out.stdout
+
+
+@pytest.mark.parametrize("backend", ["vulkan", "wgpu"])
+def test_a_session_of_a_closed_device_raises_instead_of_touching_freed_memory(backend):
+    if backend == "wgpu":
+        pytest.importorskip("wgpu", reason="the wgpu backend needs `pip install vkml[wgpu]`")
+    device = vkml.Device(backend=backend)  # its own: the fixture's stays open for the others
+    session = mlp_session(device)
+    session.step()
+    device.close()
+    # Each of these reached the freed device: a segfault on Vulkan, wgpu's "device is lost".
+    for use in (session.step, lambda: session.read("loss"), session.params,
+                lambda: session.set_input("x", MLP_X)):
+        with pytest.raises(vkml.DeviceError, match="device was closed.*make a new vkml.Device"):
+            use()
+    session.close()  # nothing left to free
+    session.close()
+    with pytest.raises(vkml.DeviceError, match="this session is closed"):
+        session.step()
+    with pytest.raises(vkml.DeviceError, match="device was closed"):
+        vkml.compile(_echo_graph(), device=device)
+    with pytest.raises(vkml.InputError, match="device takes a vkml.Device.*got str"):
+        vkml.compile(_echo_graph(), device=backend)
+
+
+def _echo_graph() -> vkml.Graph:
+    g = vkml.Graph()
+    g.output("y", g.input("x", (2,)).exp())
+    return g

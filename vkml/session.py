@@ -128,6 +128,12 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
             raise InputError("share_params_with: that session is closed")
         device = share_params_with.device
     device = device or default_device()
+    if not isinstance(device, Device):
+        raise InputError(f"device takes a vkml.Device (vkml.Device(), Device.from_vulkan(...), "
+                         f"Device.from_wgpu(...)), got {type(device).__name__}")
+    if device.closed:
+        raise DeviceError("compile: this device was closed (device.close()); make a new "
+                          "vkml.Device to compile on")
     device.backend.preload()  # a cold cache's translator loads beside the lowering
     plan = compile_plan(graph, device.caps, options)
     return Session(plan, device, options.check_finite, graph=graph,
@@ -138,15 +144,14 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _serialized(method: _F) -> _F:
-    """Run `method` holding the session's lock (see Session), on a session not yet closed
-    (its memory is gone: reading it would fail with an IndexError deep inside)."""
+    """Run `method` holding the session's lock (see Session), on a session not yet closed, of
+    a device not yet closed (its memory is gone: touching it would fail deep inside the driver,
+    or crash the process)."""
     @functools.wraps(method)
     def locked(self: Session, *args: Any, **kwargs: Any) -> Any:
         self.device.release_dropped()
         with self.lock:
-            if self._closed:
-                raise DeviceError(f"session.{method.__name__}(): this session is closed; "
-                                  "compile the graph again for a new one")
+            self._require_open(f"session.{method.__name__}()")
             return method(self, *args, **kwargs)
     return locked  # type: ignore[return-value]
 
@@ -208,6 +213,15 @@ class Session:
         # are computed from these, not from the f32 copies on the GPU.
         self._hyperparams = plan.optimizer.hyperparams() if plan.optimizer is not None else {}
         self.check_finite = check_finite
+
+    def _require_open(self, call: str) -> None:
+        if self._closed:
+            raise DeviceError(f"{call}: this session is closed; compile the graph again for a "
+                              "new one")
+        if self.device.closed:
+            raise DeviceError(f"{call}: this session's device was closed (device.close() "
+                              "frees the device objects of all its sessions); make a new "
+                              "vkml.Device and compile the graph again on it")
 
     @property
     def inputs(self) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -508,6 +522,7 @@ class Session:
         own vkQueueSubmit (VkTimelineSemaphoreSubmitInfo) or with vkWaitSemaphores. The handle
         is a cffi VkSemaphore of the `vulkan` package (int(vulkan.ffi.cast("uintptr_t", h))
         gives the integer). Vulkan only; needs timeline semaphores on the device."""
+        self._require_open("session.done()")
         backend = self.device.backend
         if backend.timeline is None:
             raise DeviceError("session.done() returns a Vulkan timeline semaphore, which this "
@@ -836,13 +851,15 @@ class Session:
     def close(self) -> None:
         """Finish the work in flight and free what this session made on the device (its
         buffers, programs and the pipelines no other live session uses). Safe to call twice;
-        any other call afterwards raises DeviceError."""
+        any other call afterwards raises DeviceError. After device.close(), which freed
+        everything, it only marks the session closed."""
         self.device.release_dropped()
         with self.lock:
             if self._closed:
                 return
-            self._chunker.finish()
-            self._bound.close()
+            if not self.device.closed:
+                self._chunker.finish()
+                self._bound.close()
             self._closed = True
             self._finalizer.detach()
 

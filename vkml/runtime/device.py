@@ -135,6 +135,11 @@ class Device:
         return self.backend.queue_lock
 
     @property
+    def closed(self) -> bool:
+        """Whether close() was called: the device objects of all its sessions are gone."""
+        return self._closed
+
+    @property
     def adopted(self) -> bool:
         """Whether the device belongs to a host (Device.from_vulkan, Device.from_wgpu)."""
         return not self.backend.owned
