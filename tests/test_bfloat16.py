@@ -295,7 +295,8 @@ def test_bf16_convolutions_keep_their_operands_f32_in_memory(monkeypatch):
     # the channels-last f16 copies (kernels/conv.py) are tensors in memory, where the bfloat16
     # pass is not checked: at precision "bf16" convolutions stage from the f32 operands
     from vkml.kernels import conv
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 1)
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN",
+                        dict.fromkeys(conv.CHANNELS_LAST_MIN, 1))
     g = vkml.Graph()
     g.output("y", g.conv2d(g.input("x", (1, 256, 48, 48)), g.param("w", (2048, 256, 3, 3)),
                            padding=1))

@@ -93,7 +93,8 @@ def test_channels_last_weight_copies_are_hoisted(device, rng, monkeypatch):
     if device.backend_name != "vulkan" or caps.f16_products is None:
         pytest.skip(f"{caps.device_name} ({device.backend_name}): no f16 arithmetic on the "
                     "Vulkan backend here, so channels-last copies are not made")
-    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN", 0)
+    monkeypatch.setattr(conv, "CHANNELS_LAST_MIN",
+                        dict.fromkeys(conv.CHANNELS_LAST_MIN, 0))
     cfg = dataclasses.replace(resnet.tiny("bottleneck"), bn="eval")
     built = resnet.build(cfg)
     plans = [lower(built.graph, caps, outputs=built.outputs, precision="f16", hoist=h).plan

@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
-    conv.CHANNELS_LAST_MIN = 0
+    conv.CHANNELS_LAST_MIN = dict.fromkeys(conv.CHANNELS_LAST_MIN, 0)
     device = vkml.Device()
     rows = []
     for name in CASES:

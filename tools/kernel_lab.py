@@ -338,9 +338,10 @@ def convolution_rule(variant: str):
     """The convolution rules of `variant` while a plan is lowered."""
     saved = conv.CHANNELS_LAST_MIN, conv.coop_min
     if variant.startswith("chlast"):  # "chlast": every convolution; "chlast>=T": from T on
-        conv.CHANNELS_LAST_MIN = int(variant.partition(">=")[2] or 0)
+        least = int(variant.partition(">=")[2] or 0)
+        conv.CHANNELS_LAST_MIN = dict.fromkeys(saved[0], least)
     if variant == "coop-nchw":
-        conv.CHANNELS_LAST_MIN = None
+        conv.CHANNELS_LAST_MIN = dict.fromkeys(saved[0])
         conv.coop_min = lambda node: (0, 0)
     try:
         yield

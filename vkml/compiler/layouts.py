@@ -24,9 +24,11 @@ from vkml.hal import Capabilities
 def relayout_operands(rooted: Rooted, caps: Capabilities) -> Rooted:
     """The graph with each node's wanted operand layouts (OpDef.layouts) on `caps`; the graph
     itself where no node wants any."""
-    wants = {node.id: wanted for node in rooted.graph.reachable(rooted.roots)
+    nodes = rooted.graph.reachable(rooted.roots)
+    wants = {node.id: wanted for node in nodes
              if (rule := OPS[node.op].layouts) is not None
              and (wanted := rule(node, caps)) is not None}
+    wants = _where_copies_are_free(nodes, {t.id for t in rooted.roots}, wants)
     if not wants:
         return rooted
     copies: dict[tuple, Tensor] = {}  # (input's new id, layout op, its attributes) -> the copy
@@ -47,6 +49,48 @@ def relayout_operands(rooted: Rooted, caps: Capabilities) -> Rooted:
         return emit(node.op, moved, node.shape, attrs, node)
 
     return rebuild(rooted, make)
+
+
+def _where_copies_are_free(nodes: list[Tensor], roots: set[int], wants: dict) -> dict:
+    """The wants whose every copy costs the step nothing: a copy of parameters and constants
+    alone (the prologue makes it once), or one its input's kernel can write in place of the
+    input (OpDef.stores; `store_layouts`), which needs every reader of that input to want the
+    same copy and the input not to be a root. A copy made by a dispatch of its own reads and
+    writes the whole tensor for a layout that saves less than that on the convolutions
+    measured (tools/kernel_lab.py --channels-last: ResNet-50's copies of block outputs that a
+    residual add reads too; the U-Net's of group norms' outputs)."""
+    static: set[int] = set()
+    readers: dict[int, list[Tensor]] = defaultdict(list)
+    for node in nodes:
+        if node.op in ("param", "constant") or (node.inputs and
+                                                all(x.id in static for x in node.inputs)):
+            static.add(node.id)
+        for x in node.inputs:
+            readers[x.id].append(node)
+
+    def layout_of(node: Tensor, x: Tensor) -> str | None:
+        layouts = wants[node.id][0] if node.id in wants else ()
+        found = {layouts[k][0] if k < len(layouts) and layouts[k] else None
+                 for k, y in enumerate(node.inputs) if y.id == x.id}
+        return found.pop() if len(found) == 1 else None
+
+    def free(x: Tensor, layout: str) -> bool:
+        stores = OPS[x.op].stores
+        return x.id in static or (
+            stores is not None and x.id not in roots and stores(x, layout)
+            and all(layout_of(reader, x) == layout for reader in readers[x.id]))
+
+    by_id = {node.id: node for node in nodes}
+    wants = dict(wants)
+    changed = True
+    while changed:  # dropping one node's wants can leave another's copy with a reader to spare
+        changed = False
+        for node_id, (layouts, _) in list(wants.items()):
+            if not all(layout is None or free(x, layout[0])
+                       for x, layout in zip(by_id[node_id].inputs, layouts)):
+                del wants[node_id]
+                changed = True
+    return wants
 
 
 def store_layouts(rooted: Rooted) -> Rooted:

@@ -458,9 +458,11 @@ def dims_conv2d_weight_grad(node: Tensor, caps: Capabilities) -> tuple[int, int,
 
 
 # Accelerated inference reads a convolution's operands channels-last in f16 (`channels_last`)
-# where its GEMM is at least this large in every dimension; None: never (every convolution reads
-# NCHW f32 as in training). tools/kernel_lab.py --channels-last times both on ResNet-50's shapes.
-CHANNELS_LAST_MIN: int | None = None
+# where its GEMM is at least this large in every dimension, by the kind of f16 products the
+# device has (Capabilities.f16_products); None: never (every convolution reads NCHW f32 as in
+# training). tools/kernel_lab.py --channels-last times both; it was measured on cooperative
+# matrices only, so the staged f16 tiles of devices without them keep NCHW operands.
+CHANNELS_LAST_MIN: dict[str, int | None] = {"cooperative": 0, "simt": None}
 CHANNEL_QUAD = 4  # channels-last operands pad their channels to a multiple of this
 
 
@@ -481,8 +483,8 @@ def channels_last(node: Tensor, caps: Capabilities) -> bool:
     group, padded), not already so."""
     # not at precision "bf16": its copies would be bfloat16 tensors in memory, where the
     # bfloat16 SPIR-V pass (vk/spirv.py) was checked on workgroup staging only
-    if (CHANNELS_LAST_MIN is None or caps.f16_products is None or caps.precision != "f16"
-            or caps.scaled_operands or is_channels_last(node)
+    least = CHANNELS_LAST_MIN.get(caps.f16_products) if caps.f16_products else None
+    if (least is None or caps.precision != "f16" or caps.scaled_operands or is_channels_last(node)
             or node.op not in ("conv2d", "fused_conv2d")):
         return False
     _, cpg, _, _ = weight_shape(node)
@@ -490,7 +492,7 @@ def channels_last(node: Tensor, caps: Capabilities) -> bool:
     if dilation != (1, 1) or (groups > 1 and cpg % CHANNEL_QUAD):
         return False
     m, n, k, _ = dims_conv2d(node, caps)
-    return min(m, n, k) >= CHANNELS_LAST_MIN
+    return min(m, n, k) >= least
 
 
 def weight_copied(node: Tensor) -> bool:
