@@ -678,6 +678,38 @@ def test_torch_grad_free_blocks_are_inlined(device):
     assert rel_l2(s.read("output"), module(x).detach().numpy()) < FORWARD_TOL
 
 
+class NormsAndSliceWrites(torch.nn.Module):
+    """Vector norms (F.normalize's, a weight-normalized layer's, orders 1, 3 and inf) and
+    writes into slices of a parameter's copy (Swin V2 zeroes a third of its qkv bias so), one
+    of them strided: torch.export's linalg_vector_norm and slice_scatter."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 12)
+        self.wn = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(12, 12))
+        self.bias = torch.nn.Parameter(torch.randn(12))
+        self.scale = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = torch.nn.functional.normalize(self.fc(x), dim=-1)
+        bias = self.bias.clone()
+        bias[4:8].zero_()
+        bias[1::3] = self.scale * 2
+        h = self.wn(h) + bias
+        norms = [torch.linalg.vector_norm(h, order, dim=-1, keepdim=True)
+                 for order in (1, 3, float("inf"))]
+        return h[:, :5] * norms[0] + norms[1] - norms[2]
+
+
+@vulkan_only
+def test_torch_vector_norms_and_slice_writes_train_as_pytorch(device):
+    torch.manual_seed(0)
+    module = NormsAndSliceWrites()
+    x, labels = torch.randn(3, 6), torch.tensor([1, 4, 0])
+    imp = vkml.import_torch(module, (x,))
+    check_training(imp, module, x, labels, device)
+
+
 # ---- single ONNX ops against onnxruntime, and their gradients against PyTorch ----------------
 def _f(*shape, low=-2.0, high=2.0, seed=0):
     return np.random.default_rng(seed + len(shape)).uniform(low, high, shape).astype(np.float32)

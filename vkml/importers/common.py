@@ -219,3 +219,33 @@ def slice_along(g: Graph, x: Tensor, axis: int, start: int | None, end: int | No
     if hi <= lo:
         raise Refuse(f"an empty slice [{start}:{end}] of axis {axis} ({n})")
     return x if (lo, hi, step) == (0, n, 1) else g.slice(x, axis, lo, hi, step)
+
+
+def scatter_along(g: Graph, data: Tensor, updates: Tensor, targets: np.ndarray, axis: int,
+                  reduction: str = "none") -> Tensor:
+    """data with its slice targets[q] along `axis` replaced by updates' slice q (reduction
+    none: the last one where targets repeat) or increased by every such slice (add: the
+    updates summed per written slice by a constant 0/1 matrix, `resample`): a gather where a
+    slice is written, the data elsewhere, for targets known at import (ONNX's scatters, torch's
+    slice_scatter). The gradient goes to both."""
+    if reduction not in ("none", "add"):
+        raise Refuse(f"reduction '{reduction}' is not supported (none and add are)")
+    targets = np.asarray(targets).reshape(-1)
+    written_rows, row_of = np.unique(targets, return_inverse=True)
+    if reduction == "add":
+        sums = np.zeros((len(written_rows), len(targets)), np.float32)
+        sums[row_of.reshape(-1), np.arange(len(targets))] = 1.0
+        updates = g.resample(updates, axis, sums)
+        source_of = np.arange(len(written_rows), dtype=np.int32)
+    else:
+        source_of = np.zeros(len(written_rows), np.int32)
+        source_of[row_of.reshape(-1)] = np.arange(len(targets), dtype=np.int32)  # the last wins
+    rows = data.shape[axis]
+    source = np.zeros(rows, np.int32)
+    source[written_rows] = source_of
+    written = np.zeros((rows,) + (1,) * (len(data.shape) - axis - 1), np.float32)
+    written[written_rows] = 1.0
+    picked = g.gather(updates, g.constant(source, "i32"), axis)
+    if reduction == "add":
+        picked = g.add(data, picked)
+    return g.where(g.constant(written), picked, data)

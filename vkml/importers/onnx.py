@@ -36,6 +36,7 @@ from vkml.importers.common import (
     last_axis,
     matmul,
     power,
+    scatter_along,
     slice_along,
     take,
 )
@@ -1430,33 +1431,6 @@ def _depth_space(b, node, ins, attrs):
     return b.g.reshape(b.g.transpose(b.g.reshape(x, split), order), out)
 
 
-def _scatter(b, data: Tensor, updates: Tensor, targets: np.ndarray, rows: int,
-             reduction: str) -> Tensor:
-    """data (rows, ...) with row targets[q] replaced by updates' row q (reduction none: the
-    last one where targets repeat) or increased by every such row (add: the updates summed per
-    written row by a constant 0/1 matrix, `resample`): a gather where a row is written, the
-    data elsewhere. The gradient goes to both."""
-    if reduction not in ("none", "add"):
-        raise Refuse(f"reduction '{reduction}' is not supported (none and add are)")
-    written_rows, row_of = np.unique(targets, return_inverse=True)
-    if reduction == "add":
-        sums = np.zeros((len(written_rows), len(targets)), np.float32)
-        sums[row_of.reshape(-1), np.arange(len(targets))] = 1.0
-        updates = b.g.resample(updates, 0, sums)
-        source_of = np.arange(len(written_rows), dtype=np.int32)
-    else:
-        source_of = np.zeros(len(written_rows), np.int32)
-        source_of[row_of.reshape(-1)] = np.arange(len(targets), dtype=np.int32)  # the last wins
-    source = np.zeros(rows, np.int32)
-    source[written_rows] = source_of
-    written = np.zeros((rows,) + (1,) * (len(data.shape) - 1), np.float32)
-    written[written_rows] = 1.0
-    picked = b.g.gather(updates, b.g.constant(source, "i32"), 0)
-    if reduction == "add":
-        picked = b.g.add(data, picked)
-    return b.g.where(b.g.constant(written), picked, data)
-
-
 @onnx_op("ScatterND")
 def _scatter_nd(b, node, ins, attrs):
     """Indices known at import (an exporter's `x[..., idx] = y`): the indexed leading axes
@@ -1468,9 +1442,9 @@ def _scatter_nd(b, node, ins, attrs):
     points = indices.reshape(-1, k) % np.array(lead)
     targets = np.ravel_multi_index(tuple(points.T), lead) if len(points) else points[:, 0]
     rows = math.prod(lead)
-    out = _scatter(b, b.g.reshape(data, (rows, *rest)),
-                   b.g.reshape(updates, (len(points), *rest)), targets, rows,
-                   attrs.get("reduction", "none"))
+    out = scatter_along(b.g, b.g.reshape(data, (rows, *rest)),
+                        b.g.reshape(updates, (len(points), *rest)), targets, 0,
+                        attrs.get("reduction", "none"))
     return b.g.reshape(out, data.shape)
 
 
@@ -1484,8 +1458,8 @@ def _scatter_elements(b, node, ins, attrs):
     where[axis] = indices % data.shape[axis]
     targets = np.ravel_multi_index(tuple(w.reshape(-1) for w in where), data.shape)
     size = math.prod(data.shape)
-    out = _scatter(b, b.g.reshape(data, (size,)), b.g.reshape(updates, (indices.size,)),
-                   targets, size, attrs.get("reduction", "none"))
+    out = scatter_along(b.g, b.g.reshape(data, (size,)), b.g.reshape(updates, (indices.size,)),
+                        targets, 0, attrs.get("reduction", "none"))
     return b.g.reshape(out, data.shape)
 
 

@@ -36,6 +36,7 @@ from vkml.importers.common import (
     last_axis,
     matmul,
     power,
+    scatter_along,
     slice_along,
 )
 from vkml.ops.composite import MASKED
@@ -394,6 +395,16 @@ def _identity(b, x, *args, **kwargs):
     return x if dtype is None else cast(b, x, dtype)
 
 
+@aten("copy")
+def _copy(b, x, src, non_blocking=False):
+    """x.copy_(src) made functional (an assignment into a slice, `x[1::3] = y`): src
+    broadcast to x's shape, in x's dtype."""
+    x, src = b.device(x), b.device(src)
+    if src.dtype != x.dtype:
+        src = b.g.cast(src, x.dtype)
+    return src if src.shape == x.shape else b.g.expand(src, x.shape)
+
+
 def cast(b: _Builder, x: Tensor, dtype: Any) -> Tensor:
     """`x` as `dtype`: floats f32, integers i32, booleans an f32 mask (as comparisons give)."""
     if dtype == b.torch.bool:
@@ -723,6 +734,39 @@ def _make_var(root: bool) -> Handler:
 
 
 ATEN["var"], ATEN["std"] = _make_var(False), _make_var(True)
+
+
+@aten("linalg_vector_norm", "norm")
+def _vector_norm(b, x, order=2, dims=None, keepdim=False, dtype=None):
+    """torch.linalg.vector_norm (F.normalize's, weight_norm's): the p-norm over `dims`, all
+    axes when None. Its 0-norm counts the nonzero entries."""
+    x = b.device(x)
+    axes, keep, order = _dims(x, dims), bool(keepdim), float(order)
+    if order == 2.0:
+        return b.g.reduce_l2(x, axes, keepdims=keep)
+    if order == math.inf:
+        return b.g.amax(b.g.abs(x), axes, keepdims=keep)
+    if order == -math.inf:
+        return b.g.amin(b.g.abs(x), axes, keepdims=keep)
+    if order == 0.0:
+        return b.g.sum(b.g.not_equal(x, 0.0), axes, keepdims=keep)
+    if order == 1.0:
+        return b.g.sum(b.g.abs(x), axes, keepdims=keep)
+    powered = b.g.sum(power(b.g, b.g.abs(x), order), axes, keepdims=keep)
+    return power(b.g, powered, 1.0 / order)
+
+
+@aten("slice_scatter")
+def _slice_scatter(b, x, src, dim=0, start=None, end=None, step=1):
+    """x with x[start:end:step] along `dim` replaced by src: an in-place write into a slice
+    made functional (Swin V2 zeroes its key bias so)."""
+    x, src = b.device(x), b.device(src)
+    axis = dim % len(x.shape)
+    written = np.arange(x.shape[axis])[slice(start, end, step)]
+    if len(written) != src.shape[axis]:
+        raise Refuse(f"{len(written)} positions of axis {axis} written from a source of "
+                     f"{src.shape[axis]}")
+    return scatter_along(b.g, x, src, written, axis)
 
 
 @aten("cumsum")
