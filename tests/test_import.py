@@ -197,7 +197,7 @@ def test_onnx_cnn_matches_onnxruntime(device, tmp_path):
     x = torch.randn(2, 3, 8, 8)
     path = export_onnx(module, (x,), tmp_path / "cnn.onnx", ["x"],
                        dynamic_axes={"x": {0: "batch"}})
-    with pytest.raises(vkml.ModelImportError, match="symbolic dimensions.*shapes="):
+    with pytest.raises(vkml.ModelImportError, match="'x' .* axis 0 'batch'.*shapes="):
         vkml.import_onnx(path)
     imp = vkml.import_onnx(path, shapes={"x": (2, 3, 8, 8)})
     s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
@@ -337,9 +337,6 @@ def test_onnx_bad_files_are_named(tmp_path):
     model = onnx.load(path)
     model.opset_import[0].version = 999
     with pytest.raises(vkml.ModelImportError, match="opset 999"):
-        vkml.import_onnx(model)
-    model.opset_import[0].version = 11
-    with pytest.raises(vkml.ModelImportError, match="opset 11.*convert_version"):
         vkml.import_onnx(model)
 
     external = tmp_path / "external.onnx"

@@ -90,13 +90,13 @@ def import_onnx(model: Any, shapes: Mapping[str, Sequence[int]] | None = None,
     Raises ModelImportError for an unreadable, malformed or truncated file, an opset out of
     range, a missing external-data file, or (all at once) every op that cannot be imported."""
     onnx = _onnx()
-    proto, source = _read(onnx, model)
-    opset = _opset(onnx, proto, source)
+    original, source = _read(onnx, model)
+    proto, opset = _standard_opset(onnx, original, source)
     refusals = Refusals(source)
     builder = _Builder(onnx, proto, opset, dict(shapes or {}), training, refusals, seed, source)
     builder.run()
     refusals.check()
-    return builder.result()
+    return builder.result(original)
 
 
 # ---- reading and checking the file ---------------------------------------------------------------
@@ -116,14 +116,17 @@ def _read(onnx, model: Any) -> tuple[Any, str]:
     for tensor in _all_tensors(proto):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             location = {e.key: e.value for e in tensor.external_data}.get("location", "")
-            where = os.path.join(base or ".", location)
+            where = os.path.join(base, location) if base is not None else location
             if base is None or not os.path.isfile(where):
                 missing.append(f"'{tensor.name}' in '{where}'")
     if missing:
+        fix = ("keep the data files beside the model" if base is not None else
+               "pass the file's path (vkml reads the data files beside it), or a model loaded "
+               "with its external data (onnx.load(path))")
         raise ModelImportError(f"{source} keeps tensors in external-data files that are not "
                                f"there: {', '.join(missing[:5])}" + (" (and more)" if
                                                                     len(missing) > 5 else "")
-                               + "; keep the data files beside the model")
+                               + f"; {fix}")
     if base is not None:
         try:
             onnx.load_external_data_for_model(proto, base)
@@ -132,11 +135,31 @@ def _read(onnx, model: Any) -> tuple[Any, str]:
     if not proto.graph.node or not proto.graph.output:
         raise ModelImportError(f"{source} has no nodes or no outputs: a truncated or empty "
                                "ONNX file?")
+    proto = _type_outputs(onnx, proto)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as e:
         raise ModelImportError(f"{source} is not a valid ONNX model: {e}") from e
     return proto, source
+
+
+def _type_outputs(onnx, proto):
+    """Graph outputs declared by name alone (onnxruntime runs such files; onnx's checker
+    requires a type) given, in a copy, the type onnx's shape inference finds for them."""
+    if all(o.HasField("type") for o in proto.graph.output):
+        return proto
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # the checker names the missing type
+        return proto
+    found = {v.name: v.type for v in [*inferred.graph.value_info, *inferred.graph.output,
+                                      *inferred.graph.input] if v.HasField("type")}
+    typed = onnx.ModelProto()
+    typed.CopyFrom(proto)
+    for output in typed.graph.output:
+        if not output.HasField("type") and output.name in found:
+            output.type.CopyFrom(found[output.name])
+    return typed
 
 
 def _parse(onnx, load: Callable[[], Any], source: str) -> Any:
@@ -154,20 +177,28 @@ def _all_tensors(proto) -> list:
     return tensors
 
 
-def _opset(onnx, proto, source: str) -> int:
+def _standard_opset(onnx, proto, source: str) -> tuple[Any, int]:
+    """The model and its standard opset; a model older than MIN_OPSET converted to it by
+    onnx's version converter (whose adapters rewrite what changed: attributes that became
+    inputs, Softmax's flattening before opset 13), which save_onnx leaves as it was."""
     versions = {o.domain: o.version for o in proto.opset_import}
     opset = versions.get("", versions.get("ai.onnx"))
     newest = onnx.defs.onnx_opset_version()
     if opset is None:
         raise ModelImportError(f"{source} imports no version of the standard ONNX opset")
-    if opset < MIN_OPSET:
-        raise ModelImportError(f"{source} uses opset {opset}; vkml imports opsets {MIN_OPSET} "
-                               f"to {newest}: convert it first with "
-                               f"onnx.version_converter.convert_version(model, {MIN_OPSET})")
     if opset > newest:
         raise ModelImportError(f"{source} uses opset {opset}, newer than this onnx package "
                                f"knows ({newest}): upgrade onnx, or export with an older opset")
-    return opset
+    if opset >= MIN_OPSET:
+        return proto, opset
+    from onnx import version_converter
+    try:
+        return version_converter.convert_version(proto, MIN_OPSET), MIN_OPSET
+    except Exception as e:  # an op the converter has no adapter for, a vendor domain
+        raise ModelImportError(
+            f"{source} uses opset {opset}, which vkml reads by converting it to opset "
+            f"{MIN_OPSET} with onnx.version_converter, and that failed: {e}; export it at "
+            f"opset {MIN_OPSET} or newer") from None
 
 
 # ---- the conversion ----------------------------------------------------------------------------
@@ -260,10 +291,7 @@ class _Builder:
     def run(self) -> None:
         graph = self.proto.graph
         initializers = {t.name: t for t in graph.initializer}
-        for t in graph.initializer:
-            array = self.onnx.numpy_helper.to_array(t)
-            float_param = array.dtype.kind == "f" and array.size > 1
-            self.env[t.name] = Initializer(t.name, array) if float_param else array
+        self.initializers(graph)
         self._inputs(graph, initializers)
         self.walk(graph.node)
         for out in graph.output:
@@ -272,42 +300,75 @@ class _Builder:
             value = self.env.get(out.name)
             tensor = convert_guarded(self.refusals, out.name, "output",
                                      lambda v=value: self.device(v))
-            if tensor is not None:
+            if tensor is None:
+                continue
+            if out.name in self.g.inputs or out.name in self.g.params:
+                # an output that is an input or an initializer as it is: a session reads a
+                # parameter by that name already, and an input is the caller's own array
+                self.outputs[out.name] = tensor
+            else:
                 self.outputs[out.name] = self.g.output(out.name, tensor)
 
+    def initializers(self, graph) -> None:
+        """A graph's (or an inlined branch's) initializers into the environment: floats of
+        more than one element as Initializers, the rest as arrays known at import."""
+        for t in graph.initializer:
+            array = _numeric(self.onnx.numpy_helper.to_array(t))
+            float_param = array.dtype.kind == "f" and array.size > 1
+            self.env[t.name] = Initializer(t.name, array) if float_param else array
+
     def _inputs(self, graph, initializers) -> None:
-        names = [i.name for i in graph.input if i.name not in initializers]
-        unknown = sorted(set(self.shapes) - set(names))
+        """The graph's inputs at fixed shapes: each dimension the model fixes, else the one
+        `shapes` gives, by input (a whole shape) or by the dimension's name ("batch": 2, which
+        every input with that dimension shares; the names an input's given shape fixes too)."""
+        declared = {i.name: _declared_dims(i) for i in graph.input if i.name not in initializers}
+        names = {d for dims in declared.values() for d in dims if isinstance(d, str)}
+        unknown = sorted(set(self.shapes) - set(declared) - names)
         if unknown:
-            raise ModelImportError(f"shapes= names {unknown}, which are not inputs of "
-                                   f"{self.source}; its inputs are {names}")
-        unresolved = []
-        for value_info in graph.input:
-            if value_info.name in initializers:
+            raise ModelImportError(
+                f"shapes= names {unknown}, which are neither inputs of {self.source} (its "
+                f"inputs: {list(declared)}) nor names of their dimensions "
+                f"({sorted(names) or 'it names none'})")
+        sizes = {k: int(v) for k, v in self.shapes.items() if k not in declared}
+        for name, dims in declared.items():
+            given = self.shapes.get(name)
+            if given is None:
                 continue
-            t = value_info.type.tensor_type
-            dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
-                    for d in t.shape.dim]
-            shape = self.shapes.get(value_info.name)
-            if shape is None:
-                if any(not isinstance(d, int) or d <= 0 for d in dims):
-                    unresolved.append(f"'{value_info.name}' {tuple(dims)}")
+            given = tuple(int(s) for s in given)
+            if len(given) != len(dims) or any(isinstance(d, int) and d != s
+                                              for d, s in zip(dims, given)):
+                raise ModelImportError(f"shapes['{name}'] = {given} does not fit the model's "
+                                       f"input shape {_shown(dims)}")
+            for d, s in zip(dims, given):
+                if isinstance(d, str) and sizes.setdefault(d, s) != s:
+                    raise ModelImportError(f"shapes= gives dimension '{d}' two sizes, "
+                                           f"{sizes[d]} and {s} ('{name}' has it too)")
+        unresolved = []
+        for name, dims in declared.items():
+            given = self.shapes.get(name)
+            if given is not None:
+                shape = tuple(int(s) for s in given)
+            else:
+                shape = tuple(sizes.get(d, d) if isinstance(d, str) else d for d in dims)
+                open_axes = [f"axis {a} {_dim_label(d)}" for a, (d, s) in
+                             enumerate(zip(dims, shape)) if not isinstance(s, int) or s <= 0]
+                if open_axes:
+                    unresolved.append(f"'{name}' {_shown(dims)}: {', '.join(open_axes)}")
                     continue
-                shape = dims
-            elif len(shape) != len(dims) or any(isinstance(d, int) and d > 0 and d != s
-                                                  for d, s in zip(dims, shape)):
-                raise ModelImportError(f"shapes['{value_info.name}'] = {tuple(shape)} does not "
-                                       f"fit the model's input shape {tuple(dims)}")
+            if any(s <= 0 for s in shape):
+                raise ModelImportError(f"input '{name}': shape {shape} has an axis of size "
+                                       "below 1; shapes= takes positive sizes")
+            t = next(i for i in graph.input if i.name == name).type.tensor_type
             try:
                 dtype = _dtype(self.onnx, t.elem_type)
             except Refuse as e:
-                raise ModelImportError(f"input '{value_info.name}': {e}") from None
-            self.env[value_info.name] = self.inputs[value_info.name] = self.g.input(
-                value_info.name, tuple(int(s) for s in shape), dtype)
+                raise ModelImportError(f"input '{name}': {e}") from None
+            self.env[name] = self.inputs[name] = self.g.input(name, shape, dtype)
         if unresolved:
-            raise ModelImportError(f"{self.source} has inputs with symbolic dimensions: "
-                                   f"{', '.join(unresolved)}; fix them with shapes=, e.g. "
-                                   f"shapes={{'{unresolved[0].split(chr(39))[1]}': (1, ...)}}")
+            raise ModelImportError(
+                f"{self.source} has inputs whose dimensions are not fixed: "
+                f"{'; '.join(unresolved)}. vkml compiles for fixed shapes: pass them with "
+                f"shapes=, by input or by dimension name, e.g. shapes={_example(declared)}")
 
     def walk(self, nodes) -> None:
         producer = {out: node for node in nodes for out in node.output}
@@ -385,8 +446,10 @@ class _Builder:
         outs = run.run(*[np.asarray(v) if v is not None else None for v in ins])
         return [np.asarray(o) for o in outs]
 
-    def result(self) -> ImportedModel:
-        onnx, proto = self.onnx, self.proto
+    def result(self, original) -> ImportedModel:
+        """The imported model; save_onnx writes `original` (the file as it was read, before
+        any opset conversion) with the trained initializers."""
+        onnx, proto = self.onnx, original
         dtypes = {t.name: onnx.numpy_helper.to_array(t).dtype for t in proto.graph.initializer
                   if t.name in self.params}
 
@@ -409,6 +472,43 @@ class _Builder:
                              _save_onnx=save)
 
 
+def _declared_dims(value_info) -> list[int | str | None]:
+    """An input's declared dimensions: a size, a name (dim_param), or None where neither is
+    given or the size is not positive (exporters write 0 or -1 for 'any'). onnx's checker
+    refuses an input without a shape before this is read."""
+    t = value_info.type.tensor_type
+    return [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else
+            (d.dim_param or None) for d in t.shape.dim]
+
+
+def _dim_label(d: int | str | None) -> str:
+    return f"'{d}'" if isinstance(d, str) else "(unnamed)"
+
+
+def _shown(dims) -> str:
+    return "(" + ", ".join(str(d) if isinstance(d, int) else _dim_label(d) for d in dims) + ")"
+
+
+def _example(declared: dict) -> str:
+    """A shapes= argument of the right form for these inputs: the model's sizes kept, a 1 for
+    each open one, named dimensions by name where there are any."""
+    named = sorted({d for dims in declared.values() for d in dims if isinstance(d, str)})
+    whole = {name: tuple(d if isinstance(d, int) else 1 for d in dims)
+             for name, dims in declared.items() if any(d is None for d in dims)}
+    parts = [f"'{d}': 1" for d in named] + [f"'{n}': {s}" for n, s in whole.items()]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _numeric(array: np.ndarray) -> np.ndarray:
+    """An initializer's array in a numpy dtype: ml_dtypes' bfloat16 and small floats (which
+    numpy sees as opaque) as float32, its int4 and uint4 as int8 and uint8, exactly; save_onnx
+    writes them back in their own."""
+    if array.dtype.kind != "V":
+        return array
+    return array.astype(np.float32 if "float" in array.dtype.name else
+                        np.uint8 if array.dtype.name.startswith("u") else np.int8)
+
+
 def _consumers(graph) -> set[str]:
     names = {o.name for o in graph.output}
     for node in graph.node:
@@ -423,11 +523,51 @@ def _gather_elements(ins: list, attrs: dict) -> list[np.ndarray]:
     return [np.take_along_axis(data, indices.astype(np.int64), axis)]
 
 
+def _dequantize(ins: list, attrs: dict) -> list[np.ndarray]:
+    """(x - zero point) * scale, per tensor or along `axis` (opsets 13 to 18, which onnx's
+    reference implements only from 19 on, have no block_size)."""
+    x, scale = np.asarray(ins[0]), np.asarray(ins[1], np.float32)
+    zero = np.asarray(ins[2]) if len(ins) > 2 and ins[2] is not None else np.zeros((), x.dtype)
+    if attrs.get("block_size", 0):
+        raise Refuse("blocked quantization (block_size) is not supported")
+    along = [1] * x.ndim
+    if scale.size > 1:
+        along[int(attrs.get("axis", 1)) % x.ndim] = -1
+    centred = x.astype(np.float32) - zero.astype(np.float32).reshape(along if zero.size > 1
+                                                                       else ())
+    return [(centred * scale.reshape(along if scale.size > 1 else ())).astype(np.float32)]
+
+
+def _constant(ins: list, attrs: dict) -> list[np.ndarray]:
+    """Constant in each of its forms; a sparse_value made dense (the reference implementation
+    returns its own SparseTensor type)."""
+    if "sparse_value" in attrs:
+        from onnx import numpy_helper
+        sparse = attrs["sparse_value"]
+        values = numpy_helper.to_array(sparse.values)
+        indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+        dense = np.zeros(tuple(sparse.dims), values.dtype)
+        # indices: (nnz,) linear positions, or (nnz, rank) coordinates
+        at = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T),
+                                                                    dense.shape)
+        dense.reshape(-1)[at] = values
+        return [dense]
+    (name, value), = attrs.items()
+    if name == "value":
+        from onnx import numpy_helper
+        return [numpy_helper.to_array(value)]
+    if name in ("value_float", "value_floats"):
+        return [np.asarray(value, np.float32)]
+    if name in ("value_int", "value_ints"):
+        return [np.asarray(value, np.int64)]
+    return [np.asarray(value)]  # value_string(s): read only by ops vkml refuses
+
+
 # Ops computed at import by numpy rather than onnx's reference implementation, which raises on
 # valid input for them (GatherElements of a (1, 512) table at (1, 8) indices: BERT's token
-# type ids).
+# type ids) or has no version for an opset (DequantizeLinear before 19).
 HOST_FOLDS: dict[str, Callable[[list, dict], list[np.ndarray]]] = {
-    "GatherElements": _gather_elements}
+    "GatherElements": _gather_elements, "DequantizeLinear": _dequantize, "Constant": _constant}
 
 
 def _node_name(node, index: int) -> str:
@@ -1899,5 +2039,6 @@ def _if(b, node, ins, attrs):
     """A branch chosen by a condition known at import is inlined; the other is dropped."""
     cond = bool(np.asarray(b.host(ins[0], "condition")).reshape(-1)[0])
     branch = attrs["then_branch" if cond else "else_branch"]
+    b.initializers(branch)
     b.walk(branch.node)
     return [b.env[o.name] for o in branch.output]

@@ -1,0 +1,502 @@
+"""ONNX files as users have them, not only fresh torch.onnx exports: old and new opsets from
+both exporters, float16 / bfloat16 / float64 / int8 weights, external data, open dimensions,
+old-style graphs (initializers as inputs, every Constant form, empty optional inputs), each
+imported and checked against onnxruntime run in the test (its optimizations off where they
+approximate: a DequantizeLinear into a MatMul becomes an integer product) or PyTorch in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import numpy as np
+import pytest
+
+import vkml
+from tests.conftest import rel_l2
+from tests.test_import import (
+    FORWARD_TOL,
+    GRAD_TOL,
+    MLP,
+    SmallCNN,
+    TinyBlock,
+    _with_running_stats,
+)
+
+torch = pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto as T  # noqa: E402
+from onnx import helper, numpy_helper  # noqa: E402
+
+vulkan_only = pytest.mark.parametrize("device", ["vulkan"], indirect=True)
+NEWEST = onnx.defs.onnx_opset_version()
+tensor_info = helper.make_tensor_value_info
+
+
+def onnxruntime_exact(model, feeds):
+    """onnxruntime with its graph optimizations off: what the file says, computed as it says."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    data = model if isinstance(model, str) else model.SerializeToString()
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"]).run(None,
+                                                                                      feeds)
+
+
+def vkml_forward(model, feeds, device, shapes=None):
+    imp = vkml.import_onnx(model, shapes=shapes)
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    for name, value in feeds.items():
+        s.set_input(name, value)
+    s.forward()
+    return imp, [s.read(name) for name in imp.outputs]
+
+
+def check_against_onnxruntime(model, feeds, device, shapes=None, tol=FORWARD_TOL):
+    imp, got = vkml_forward(model, feeds, device, shapes)
+    for name, have, want in zip(imp.outputs, got, onnxruntime_exact(model, feeds)):
+        assert rel_l2(have, want) < tol, name
+    return imp
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opset=17):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def export(module, x, dynamo: bool, opset: int):
+    """torch.onnx's model at `opset`: the legacy (TorchScript) exporter writes it directly up to
+    its newest (18 here), newer ones come from onnx's version converter; the dynamo exporter
+    writes 18 and converts itself."""
+    file = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        written = torch.onnx.export(module, (x,), None if dynamo else file, dynamo=dynamo,
+                                    input_names=["x"], output_names=["logits"],
+                                    opset_version=min(opset, 18) if not dynamo else opset)
+    model = written.model_proto if dynamo else onnx.load_from_string(file.getvalue())
+    if model.opset_import[0].version != opset:
+        from onnx import version_converter
+        model = version_converter.convert_version(model, opset)
+    return model
+
+
+class Block(TinyBlock):
+    """TinyBlock with attention written out (a constant causal mask, no
+    scaled_dot_product_attention or triu), so the legacy exporter writes it down to opset 11."""
+
+    def __init__(self, dim=16, heads=2, length=6):
+        super().__init__(dim, heads)
+        mask = np.triu(np.full((length, length), -1e9, np.float32), 1)
+        self.register_buffer("causal", torch.tensor(mask))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5 + self.causal
+        a = torch.softmax(scores, -1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+        return self.head(x[:, -1])
+
+
+def _models():
+    torch.manual_seed(0)
+    return {"cnn": (_with_running_stats(SmallCNN()).eval(), torch.randn(2, 3, 8, 8)),
+            "block": (Block().eval(), torch.randn(2, 6, 16))}
+
+
+# The dynamo exporter below 18 and the block at the newest opset are left out: torch writes
+# invalid files there (Split's num_outputs at 17, which onnxruntime and vkml both refuse; its
+# converter has no Gelu adapter past 19).
+SPREAD = [(m, False, o) for m in ("cnn", "block") for o in (11, 13, 17, 18, NEWEST)] + \
+    [("cnn", True, 18), ("cnn", True, NEWEST), ("block", True, 18)]
+
+
+@vulkan_only
+@pytest.mark.parametrize("name, dynamo, opset", SPREAD,
+                         ids=[f"{m}-{'dynamo' if d else 'legacy'}-{o}" for m, d, o in SPREAD])
+def test_opset_spread_matches_onnxruntime(device, name, dynamo, opset):
+    """Opsets below 13 are converted to 13 at import by onnx's version converter (Softmax
+    flattened to 2-D before 13, Split's and the reductions' attributes that became inputs)."""
+    module, x = _models()[name]
+    model = export(module, x, dynamo, opset)
+    assert model.opset_import[0].version == opset
+    check_against_onnxruntime(model, {"x": x.numpy()}, device)
+
+
+def test_old_opset_conversion_failure_is_named():
+    ones = [numpy_helper.from_array(np.ones(3, np.float32), n) for n in "sbmv"]
+    node = helper.make_node("BatchNormalization", ["x", *"sbmv"], ["y"], spatial=0)
+    model = make_model([node], [tensor_info("x", T.FLOAT, (2, 3))],
+                       [tensor_info("y", T.FLOAT, (2, 3))], ones, opset=7)
+    with pytest.raises(vkml.ModelImportError, match="opset 7.*version_converter.*spatial"):
+        vkml.import_onnx(model)
+
+
+# ---- dtypes ------------------------------------------------------------------------------------
+def float16_models(module, x, tmp_path):
+    """The two float16 files users have: model.half() exported (weights, inputs and outputs in
+    float16) and onnxconverter_common's conversion of a float32 export (keep_io_types=False)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(copy.deepcopy(module).half(), (x.half(),), str(tmp_path / "half.onnx"),
+                          dynamo=False, input_names=["x"], output_names=["logits"])
+        torch.onnx.export(module, (x,), str(tmp_path / "f32.onnx"), dynamo=False,
+                          input_names=["x"], output_names=["logits"])
+    models = {"half": onnx.load(str(tmp_path / "half.onnx"))}
+    float16 = pytest.importorskip("onnxconverter_common.float16")
+    models["converted"] = float16.convert_float_to_float16(onnx.load(str(tmp_path / "f32.onnx")))
+    return models
+
+
+def float64_reference(module, x):
+    """The module in float64 with its weights and input rounded to float16, as the file holds
+    them: what vkml computes (in f32) from a float16 file."""
+    wide = copy.deepcopy(module).half().double()
+    return wide(x.half().double()).detach().numpy()
+
+
+@vulkan_only
+def test_float16_models_compute_in_f32_from_their_float16_values(device, tmp_path):
+    """vkml casts at the boundary: float16 weights become f32 parameters, float16 inputs are
+    taken as f32, outputs read as f32; inside, everything is f32, so the result is the float16
+    model's function computed more precisely than onnxruntime's float16 arithmetic."""
+    torch.manual_seed(0)
+    module, x = MLP(), torch.randn(5, 6)
+    for kind, model in float16_models(module, x, tmp_path).items():
+        assert model.graph.input[0].type.tensor_type.elem_type == T.FLOAT16, kind
+        assert model.graph.initializer[0].data_type == T.FLOAT16, kind
+        feeds = {"x": x.half().numpy()}
+        imp, (got,) = vkml_forward(model, feeds, device)
+        assert got.dtype == np.float32
+        assert rel_l2(got, float64_reference(module, x)) < FORWARD_TOL, kind
+        (fp16,) = onnxruntime_exact(model, feeds)
+        assert rel_l2(got, fp16) < 2e-3, kind  # onnxruntime rounds every step to float16
+
+
+def _matmul_model(weight, nodes=(), extra=(), io=T.FLOAT, weight_name="w", opset=17):
+    return make_model([*nodes, helper.make_node("MatMul", ["x", weight_name], ["y"])],
+                      [tensor_info("x", io, (2, 4))], [tensor_info("y", io, (2, 3))],
+                      [weight, *extra], opset)
+
+
+@vulkan_only
+def test_float64_and_bfloat16_initializers_train_and_save_back(device, tmp_path):
+    import ml_dtypes
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    bf16 = helper.make_tensor("wb", T.BFLOAT16, (4, 3),
+                              w.astype(ml_dtypes.bfloat16).view(np.uint16).tobytes(), raw=True)
+    models = {
+        "float64": (_matmul_model(numpy_helper.from_array(w.astype(np.float64), "w"),
+                                  io=T.DOUBLE), "w", x.astype(np.float64)),
+        "bfloat16": (_matmul_model(bf16, [helper.make_node("Cast", ["wb"], ["w"], to=T.FLOAT)]),
+                     "wb", x)}
+    for kind, (model, weight, xin) in models.items():
+        imp = check_against_onnxruntime(model, {"x": xin}, device)
+        assert set(imp.graph.params) == {weight}, kind  # a trainable parameter
+        g = imp.graph
+        s = vkml.compile(g, loss=g.sum(imp.outputs["y"]), optimizer=vkml.SGD(lr=0.5),
+                         outputs=imp.outputs, device=device)
+        s.set_input("x", xin)
+        s.step()
+        saved = tmp_path / f"{kind}.onnx"
+        imp.save_onnx(s, str(saved))
+        back = onnx.load(str(saved)).graph.initializer[0]
+        original = model.graph.initializer[0]
+        assert (back.name, back.data_type) == (original.name, original.data_type), kind
+        # one SGD step on sum(x @ w): w - 0.5 * x^T 1, then rounded to the file's dtype
+        stored = numpy_helper.to_array(original).astype(np.float64)
+        want = stored - 0.5 * xin.astype(np.float64).sum(0)[:, None]
+        written = numpy_helper.to_array(back).astype(np.float64)
+        assert rel_l2(written, want) < (1e-2 if kind == "bfloat16" else 1e-6), kind
+
+
+@vulkan_only
+@pytest.mark.parametrize("dtype, axis", [(np.int8, 1), (np.uint8, None)])
+def test_quantized_initializers_dequantize_at_import(device, dtype, axis):
+    """An int8 / uint8 weight through DequantizeLinear at opset 13 (onnx's reference has the
+    op only from 19 on): computed at import by numpy, per axis or per tensor."""
+    rng = np.random.default_rng(0)
+    info = np.iinfo(dtype)
+    q = rng.integers(info.min, info.max, (4, 3)).astype(dtype)
+    scale = np.array([0.02, 0.05, 0.01] if axis is not None else 0.03, np.float32)
+    zero = np.array([1, -3, 0] if axis is not None else 128, dtype)
+    attrs = {"axis": axis} if axis is not None else {}
+    node = helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["w"], **attrs)
+    model = _matmul_model(numpy_helper.from_array(q, "wq"), [node],
+                          [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")],
+                          weight_name="w", opset=13)
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    imp = check_against_onnxruntime(model, {"x": x}, device)
+    _, (got,) = vkml_forward(model, {"x": x}, device)
+    weight = (q.astype(np.float64) - zero.astype(np.float64)) * scale.astype(np.float64)
+    assert rel_l2(got, x.astype(np.float64) @ weight) < FORWARD_TOL
+    assert not imp.graph.params  # a constant: an integer initializer holds no trained floats
+
+
+# ---- external data -----------------------------------------------------------------------------
+def _external(tmp_path, module, x):
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), str(tmp_path / "plain.onnx"), dynamo=False,
+                          input_names=["x"], output_names=["logits"])
+    onnx.save_model(onnx.load(str(tmp_path / "plain.onnx")), str(path),
+                    save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=0)
+    return path
+
+
+def one_step_against_float64(imp, wide, x: np.ndarray, device):
+    """One SGD step of the imported model on sum(logits^2), every gradient checked against
+    `wide` (the module in float64, holding the file's values) on the same input."""
+    g = imp.graph
+    s = vkml.compile(g, loss=g.sum(g.square(imp.outputs["logits"])),
+                     optimizer=vkml.SGD(lr=0.01), outputs=imp.outputs, device=device,
+                     keep_grads=True)
+    s.set_input("x", x)
+    s.step()
+    wide(torch.tensor(x, dtype=torch.float64)).square().sum().backward()
+    for name, p in wide.named_parameters():
+        assert rel_l2(s.grad(name), p.grad.numpy()) < GRAD_TOL, name
+    return s
+
+
+@vulkan_only
+def test_external_data_model_trains_and_saves_back(device, tmp_path):
+    """Weights in a side file, loaded by path: the gradients against PyTorch's, the trained
+    model saved back (names and dtypes kept) runs in onnxruntime as vkml computes it."""
+    torch.manual_seed(0)
+    module, x = MLP(), torch.randn(5, 6)
+    path = _external(tmp_path, module, x)
+    assert (tmp_path / "weights.bin").stat().st_size > 0
+    imp = vkml.import_onnx(path)
+    s = one_step_against_float64(imp, copy.deepcopy(module).double(), x.numpy(), device)
+    saved = tmp_path / "tuned.onnx"
+    imp.save_onnx(s, str(saved))
+    tuned = onnx.load(str(saved))
+    assert {(t.name, t.data_type) for t in tuned.graph.initializer} == \
+        {(t.name, t.data_type) for t in onnx.load(str(path)).graph.initializer}
+    s.forward()
+    (after,) = onnxruntime_exact(str(saved), {"x": x.numpy()})
+    assert rel_l2(after, s.read("logits")) < FORWARD_TOL
+
+
+def test_missing_external_data_names_the_file(tmp_path):
+    torch.manual_seed(0)
+    path = _external(tmp_path, MLP(), torch.randn(5, 6))
+    unloaded = onnx.load(str(path), load_external_data=False)
+    with pytest.raises(vkml.ModelImportError, match="weights.bin.*pass the file's path"):
+        vkml.import_onnx(unloaded)
+    (tmp_path / "weights.bin").unlink()
+    with pytest.raises(vkml.ModelImportError, match=f"{tmp_path / 'weights.bin'}"):
+        vkml.import_onnx(path)
+
+
+@vulkan_only
+def test_float16_model_trains_and_saves_back_in_float16(device, tmp_path):
+    """A model.half() export trained in f32 from its float16 weights: gradients against
+    PyTorch in float64 from the same values; saved back, its initializers are float16 again
+    under their names, and onnxruntime runs it."""
+    torch.manual_seed(0)
+    module, x = MLP(), torch.randn(5, 6)
+    model = float16_models(module, x, tmp_path)["half"]
+    imp = vkml.import_onnx(model)
+    s = one_step_against_float64(imp, copy.deepcopy(module).half().double(), x.half().numpy(),
+                                 device)
+    saved = tmp_path / "tuned.onnx"
+    imp.save_onnx(s, str(saved))
+    tuned = onnx.load(str(saved))
+    assert {(t.name, t.data_type) for t in tuned.graph.initializer} == \
+        {(t.name, t.data_type) for t in model.graph.initializer}
+    for t in tuned.graph.initializer:
+        if t.name in s.params():
+            assert np.array_equal(numpy_helper.to_array(t),
+                                  s.params()[t.name].astype(np.float16)), t.name
+    (after,) = onnxruntime_exact(str(saved), {"x": x.half().numpy()})
+    assert after.dtype == np.float16
+
+
+# ---- open dimensions ---------------------------------------------------------------------------
+def _ids_and_mask_model():
+    table = np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"]),
+             helper.make_node("Unsqueeze", ["mask", "last"], ["m"]),
+             helper.make_node("Mul", ["e", "m"], ["y"])]
+    return make_model(nodes, [tensor_info("ids", T.INT64, ("batch", "seq")),
+                              tensor_info("mask", T.FLOAT, ("batch", "seq"))],
+                      [tensor_info("y", T.FLOAT, ("batch", "seq", 4))],
+                      [numpy_helper.from_array(table, "table"),
+                       numpy_helper.from_array(np.array([-1]), "last")])
+
+
+@vulkan_only
+@pytest.mark.parametrize("shapes", [{"batch": 2, "seq": 5}, {"ids": (2, 5)},
+                                    {"ids": (2, 5), "mask": (2, 5)}, {"batch": 2, "mask": (2, 5)}])
+def test_named_dimensions_resolve_by_name_or_by_input(device, shapes):
+    """A dimension fixed once (by its name, or by an input's shape) is fixed for every input
+    that has it."""
+    rng = np.random.default_rng(0)
+    feeds = {"ids": rng.integers(0, 10, (2, 5)), "mask": (rng.random((2, 5)) > 0.3)
+             .astype(np.float32)}
+    imp = check_against_onnxruntime(_ids_and_mask_model(), feeds, device, shapes=shapes)
+    assert imp.inputs["mask"].shape == (2, 5)
+
+
+def test_open_dimensions_are_named_with_the_fix():
+    model = _ids_and_mask_model()
+    with pytest.raises(vkml.ModelImportError,
+                       match=r"'ids' \('batch', 'seq'\): axis 1 'seq'.*shapes=\{'batch': 1, "
+                             r"'seq': 1\}"):
+        vkml.import_onnx(model, shapes={"batch": 2})
+    with pytest.raises(vkml.ModelImportError, match="dimension 'seq' two sizes, 6 and 5"):
+        vkml.import_onnx(model, shapes={"ids": (2, 5), "seq": 6})
+    with pytest.raises(vkml.ModelImportError, match=r"\['bogus'\].*\['batch', 'seq'\]"):
+        vkml.import_onnx(model, shapes={"bogus": 3})
+    for how in ("minus one", "zero", "unnamed"):
+        x = tensor_info("x", T.FLOAT, (3, 4))
+        dim = x.type.tensor_type.shape.dim[0]
+        dim.Clear()
+        if how != "unnamed":
+            dim.dim_value = -1 if how == "minus one" else 0
+        relu = make_model([helper.make_node("Relu", ["x"], ["y"])], [x],
+                          [tensor_info("y", T.FLOAT, ("n", 4))])
+        with pytest.raises(vkml.ModelImportError,
+                           match=r"'x' \(\(unnamed\), 4\): axis 0 \(unnamed\).*'x': \(1, 4\)"):
+            vkml.import_onnx(relu)
+        assert vkml.import_onnx(relu, shapes={"x": (3, 4)}).inputs["x"].shape == (3, 4)
+
+
+# ---- old-style and unusual graphs --------------------------------------------------------------
+def _x_w():
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((2, 4)).astype(np.float32),
+            rng.standard_normal((4, 3)).astype(np.float32))
+
+
+@vulkan_only
+def test_initializers_listed_as_inputs_are_parameters(device):
+    """IR version 3 files list every initializer among the graph's inputs too."""
+    x, w = _x_w()
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])],
+                       [tensor_info("x", T.FLOAT, (2, 4)), tensor_info("w", T.FLOAT, (4, 3))],
+                       [tensor_info("y", T.FLOAT, (2, 3))], [numpy_helper.from_array(w, "w")])
+    model.ir_version = 3
+    imp = check_against_onnxruntime(model, {"x": x}, device)
+    assert list(imp.inputs) == ["x"] and list(imp.graph.params) == ["w"]
+
+
+CONSTANTS = {
+    "value": helper.make_tensor("c", T.FLOAT, (3,), [1.0, 2.0, 3.0]),
+    "value_float": 2.5, "value_floats": [1.0, -2.0, 3.0], "value_int": 2,
+    "value_ints": [1, 2, 3],
+    "sparse_value": helper.make_sparse_tensor(helper.make_tensor("v", T.FLOAT, (2,), [5.0, 7.0]),
+                                              helper.make_tensor("i", T.INT64, (2,), [1, 2]),
+                                              (3,)),
+}
+
+
+@vulkan_only
+@pytest.mark.parametrize("form", CONSTANTS)
+def test_constant_nodes_in_every_form(device, form):
+    nodes = [helper.make_node("Constant", [], ["c"], **{form: CONSTANTS[form]}),
+             helper.make_node("Cast", ["c"], ["cf"], to=T.FLOAT),
+             helper.make_node("Add", ["x", "cf"], ["y"])]
+    model = make_model(nodes, [tensor_info("x", T.FLOAT, (2, 3))],
+                       [tensor_info("y", T.FLOAT, (2, 3))])
+    check_against_onnxruntime(model, {"x": _x_w()[1][:2]}, device)
+
+
+@vulkan_only
+def test_empty_optional_inputs_and_outputs(device):
+    """"" for an input or output an op may leave out: Clip's minimum, Resize's roi, Dropout's
+    mask output."""
+    x = _x_w()[1][:2]
+    nodes = [helper.make_node("Clip", ["x", "", "top"], ["c"]),
+             helper.make_node("Dropout", ["c"], ["d", ""]),
+             helper.make_node("Reshape", ["d", "square"], ["r"]),
+             helper.make_node("Resize", ["r", "", "scales"], ["y"], mode="nearest")]
+    model = make_model(nodes, [tensor_info("x", T.FLOAT, (2, 3))],
+                       [tensor_info("y", T.FLOAT, (1, 1, 4, 6))],
+                       [numpy_helper.from_array(np.array(0.3, np.float32), "top"),
+                        numpy_helper.from_array(np.array([1, 1, 2, 3]), "square"),
+                        numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")])
+    check_against_onnxruntime(model, {"x": x}, device)
+
+
+@vulkan_only
+def test_outputs_that_are_inputs_or_initializers_and_unused_initializers(device):
+    x, w = _x_w()
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])],
+                       [tensor_info("x", T.FLOAT, (2, 4))],
+                       [tensor_info("y", T.FLOAT, (2, 3)), tensor_info("w", T.FLOAT, (4, 3)),
+                        tensor_info("x", T.FLOAT, (2, 4)), tensor_info("k", T.INT64, (2,))],
+                       [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w, "unused"),
+                        numpy_helper.from_array(np.array([3, 4]), "k")])
+    imp = check_against_onnxruntime(model, {"x": x}, device)
+    assert list(imp.outputs) == ["y", "w", "x", "k"] and "unused" not in imp.graph.params
+
+
+def _branch(op, name, initializer=None):
+    nodes = [helper.make_node(op, ["x", *([initializer.name] if initializer else [])], [name])]
+    return helper.make_graph(nodes, name, [], [tensor_info(name, T.FLOAT, (2, 4))],
+                             [initializer] if initializer else [])
+
+
+@vulkan_only
+@pytest.mark.parametrize("condition", ["initializer", "constant", "shape arithmetic"])
+def test_if_on_a_condition_known_at_import_is_inlined(device, condition):
+    """The branch taken, with its own initializers and reading the outer graph's values."""
+    bias = numpy_helper.from_array(np.full((2, 4), 0.5, np.float32), "bias")
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=_branch("Add", "t", bias),
+                            else_branch=_branch("Neg", "e"))
+    nodes, initializers = [node], []
+    if condition == "initializer":
+        initializers = [numpy_helper.from_array(np.array(True), "cond")]
+    elif condition == "constant":
+        nodes.insert(0, helper.make_node("Constant", [], ["cond"],
+                                         value=numpy_helper.from_array(np.array(False))))
+    else:  # 2 + 4 > 5
+        nodes[:0] = [helper.make_node("Shape", ["x"], ["shape"]),
+                     helper.make_node("ReduceSum", ["shape"], ["total"], keepdims=0),
+                     helper.make_node("Greater", ["total", "five"], ["cond"])]
+        initializers = [numpy_helper.from_array(np.array(5), "five")]
+    model = make_model(nodes, [tensor_info("x", T.FLOAT, (2, 4))],
+                       [tensor_info("y", T.FLOAT, (2, 4))], initializers)
+    check_against_onnxruntime(model, {"x": _x_w()[0]}, device)
+
+
+def test_if_on_a_run_time_condition_is_refused():
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=_branch("Relu", "t"),
+                            else_branch=_branch("Neg", "e"))
+    model = make_model([node], [tensor_info("x", T.FLOAT, (2, 4)),
+                                tensor_info("cond", T.BOOL, ())],
+                       [tensor_info("y", T.FLOAT, (2, 4))])
+    with pytest.raises(vkml.ModelImportError, match="condition must be known at import"):
+        vkml.import_onnx(model)
+
+
+@vulkan_only
+def test_missing_and_wrong_shape_information_is_not_needed(device):
+    """vkml computes every shape itself: a value_info that contradicts the graph (onnx's
+    strict shape inference fails on it), none at all, and outputs declared by name alone
+    (typed from onnx's inference for its checker)."""
+    x, w = _x_w()
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
+    wrong = make_model(nodes, [tensor_info("x", T.FLOAT, (2, 4))],
+                       [tensor_info("y", T.FLOAT, (2, 3))], [numpy_helper.from_array(w, "w")])
+    wrong.graph.value_info.append(tensor_info("h", T.FLOAT, (7, 7)))
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.shape_inference.infer_shapes(wrong, strict_mode=True)
+    check_against_onnxruntime(wrong, {"x": x}, device)
+    untyped = make_model(nodes, [tensor_info("x", T.FLOAT, (2, 4))],
+                         [onnx.ValueInfoProto(name="y")], [numpy_helper.from_array(w, "w")])
+    check_against_onnxruntime(untyped, {"x": x}, device)
+    assert not untyped.graph.output[0].HasField("type")  # the caller's model left as it was
