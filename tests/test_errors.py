@@ -3,6 +3,8 @@ input and the fix, and leave the session usable."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -325,6 +327,58 @@ def test_bad_shapes_are_refused_naming_the_call(shape, problem):
     with pytest.raises(vkml.GraphError, match=r"every dimension must be >= 1 \(or -1, once\)"):
         g.reshape(x, (-1, -1))
     assert "z" not in g.inputs and "p" not in g.params
+
+
+def _builder_misuse(g: vkml.Graph) -> list[tuple[Callable[[], object], str]]:
+    """Plausible mistakes with the graph builder, each with the GraphError it must raise:
+    before, each failed deep inside with an IndexError, ZeroDivisionError, ValueError or
+    AttributeError that named neither the call nor the argument, or was accepted (a constant
+    of None, NaN; a 3-tuple padding, its third value dropped; max pooling's negative padding)."""
+    img, x2, x1 = g.input("img", (2, 3, 8, 8)), g.input("x2", (4, 6)), g.input("x1", (6,))
+    w, s, ids = g.param("w", (4, 3, 3, 3)), g.param("s", ()), g.input("ids", (4,), "i32")
+    return [
+        (lambda: g.mse(x1, np.zeros(6, np.float32)), r"mse\(\) at test_errors.py:\d+: `target` "
+         r"takes a Tensor of this graph, got ndarray: make it one with g.constant"),
+        (lambda: g.cross_entropy(np.zeros((4, 6)), ids), "`logits` takes a Tensor"),
+        (lambda: g.exp(2.0), "`x` takes a Tensor of this graph, got float"),
+        (lambda: g.conv2d(img, w, padding=(1, 1, 1)), r"conv2d padding takes an int or an "
+         r"\(h, w\) pair of ints, each >= 0, got \(1, 1, 1\)"),
+        (lambda: g.conv2d(img, w, stride=0), "conv2d stride .* each >= 1, got 0"),
+        (lambda: g.conv2d(img, w, dilation=0), "conv2d dilation .* each >= 1, got 0"),
+        (lambda: g.conv2d(img, w, groups=0), "conv2d: groups must be an int >= 1, got 0"),
+        (lambda: g.conv1d(x2, g.param("w1", (4, 3, 3))), r"conv1d takes an \(N, C, L\) input"),
+        (lambda: g.max_pool2d(img, 0), "max_pool2d kernel_size .* got 0"),
+        (lambda: g.max_pool2d(img, 2, padding=-1), "max_pool2d padding .* >= 0, got -1"),
+        (lambda: g.avg_pool2d(img, 2, stride=0), "avg_pool2d stride .* got 0"),
+        (lambda: g.avg_pool2d(x2, 2), r"avg_pool2d takes an \(N, C, H, W\) tensor"),
+        (lambda: g.upsample_nearest(x2), r"upsample_nearest takes an \(N, C, H, W\)"),
+        (lambda: g.group_norm(img, 0), "num_groups must be an int >= 1, got 0"),
+        (lambda: g.group_norm(x1, 1), r"group_norm takes an \(N, C, ...\) tensor"),
+        (lambda: g.instance_norm(x1), r"instance_norm takes an \(N, C, ...\) tensor"),
+        (lambda: g.batch_norm(s, training=True), r"batch_norm takes an \(N, C, ...\) tensor"),
+        (lambda: g.bias_add(s, x1), "bias_add: bias .* must have shape"),
+        (lambda: g.rope(x1), r"rope takes a \(..., S, D\) tensor"),
+        (lambda: g.split(x2, 2, axis=5), "axis 5 is out of range"),
+        (lambda: g.split(x2, 0), "split: a chunk size must be >= 1, got 0"),
+        (lambda: g.concat([]), "concat takes a non-empty list"),
+        (lambda: g.one_hot(ids, 0), "one_hot: num_classes must be an int >= 1, got 0"),
+        (lambda: g.sum(x2, 1.0), "axes are ints"),
+        (lambda: g.constant(None), "a constant takes numbers .* got NoneType"),
+        (lambda: g.constant("1.5"), "a constant takes numbers .* got str"),
+        (lambda: g.param("p", (2,), init=np.array(["a", "b"])), "init array holds <U1"),
+        (lambda: vkml.nn.Linear(g, "fc", 0, 3), r"Linear 'fc' at .*: \(out, in\) features \(3, "
+         r"0\): every dimension must be >= 1"),
+    ]
+
+
+def test_builder_misuse_raises_a_graph_error_naming_the_call():
+    g = vkml.Graph()
+    for build, message in _builder_misuse(g):
+        with pytest.raises(vkml.GraphError, match=message):
+            build()
+    # what torch accepts stays accepted: one value for both axes, numpy's integers
+    assert g.conv2d(g.inputs["img"], g.params["w"], padding=(1,)).shape == (2, 4, 8, 8)
+    assert g.max_pool2d(g.inputs["img"], np.int64(2), [2, 2]).shape == (2, 3, 4, 4)
 
 
 def test_a_parameter_larger_than_the_host_is_refused_before_anything_is_allocated(monkeypatch):

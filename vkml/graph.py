@@ -14,6 +14,8 @@ tools/graph_stub.py generates (tests/test_graph_stub.py says when it is out of d
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 import operator
@@ -144,8 +146,11 @@ F = Callable[..., "Tensor"]
 
 def builder(fn: F | None = None, *, tensor: bool | Callable[..., Tensor] = False) -> Any:
     """Decorator: `fn(g, ...)` becomes the Graph method of its name. `tensor=True` adds the
-    Tensor method `x.name(...)` = `g.name(x, ...)`; a function there is the Tensor method."""
+    Tensor method `x.name(...)` = `g.name(x, ...)`; a function there is the Tensor method.
+    Arguments of parameters annotated `Tensor` (or `Tensor | None`) are checked to be
+    Tensors first (see _tensors_checked)."""
     def attach(f: F) -> F:
+        f = _tensors_checked(f)
         setattr(Graph, f.__name__, f)
         if tensor is True:
             def method(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -156,6 +161,35 @@ def builder(fn: F | None = None, *, tensor: bool | Callable[..., Tensor] = False
             setattr(Tensor, f.__name__, tensor)
         return f
     return attach(fn) if fn is not None else attach
+
+
+_MISSING = object()
+
+
+def _tensors_checked(f: F) -> F:
+    """`f` refusing, with a GraphError naming the call and the parameter, a non-Tensor where
+    it takes a Tensor: a numpy array or a number there (g.mse(y, target_array)) otherwise
+    fails deep inside a shape rule, with an AttributeError or IndexError that names neither."""
+    params = list(inspect.signature(f).parameters.values())[1:]  # after the graph
+    checked = [(i, p.name, p.annotation == "Tensor | None") for i, p in enumerate(params)
+               if p.annotation in ("Tensor", "Tensor | None")
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not checked:
+        return f
+
+    @functools.wraps(f)
+    def method(g: Graph, *args: Any, **kwargs: Any) -> Tensor:
+        for i, name, optional in checked:
+            value = args[i] if i < len(args) else kwargs.get(name, _MISSING)
+            if isinstance(value, Tensor) or value is _MISSING or (optional and value is None):
+                continue
+            hint = (": make it one with g.constant(value), or g.input(name, shape) "
+                    "to set it every step" if isinstance(value, np.ndarray | numbers.Number)
+                    else "")
+            raise GraphError(f"{f.__name__}() at {user_frame()}: `{name}` takes a Tensor of "
+                             f"this graph, got {type(value).__name__}{hint}")
+        return f(g, *args, **kwargs)
+    return method  # type: ignore[return-value]
 
 
 def body_of(node: Tensor) -> Body:
@@ -461,6 +495,9 @@ class Graph:
     def _fill(self, name: str, shape: Shape, init: str | float | np.ndarray | np.number,
               scale: float) -> np.ndarray:
         if isinstance(init, np.ndarray) and init.shape != ():
+            if init.dtype.kind not in "biuf":
+                raise GraphError(f"parameter '{name}': init array holds {init.dtype}, not "
+                                 "numbers")
             return init.astype(np.float32)
         # Any real number fills: Python's, numpy's scalars (np.float32(x) is no `float`) and
         # 0-d arrays alike.
@@ -492,7 +529,11 @@ class Graph:
                                  f"{wide.dtype} values")
             arr = wide.astype(np.int32)
         elif dtype == "f32":
-            arr = np.asarray(value, dtype=np.float32)
+            wide = np.asarray(value)
+            if wide.dtype.kind not in "biuf":  # None and strings would become NaN or raise
+                raise GraphError(f"a constant takes numbers (a number, an array, nested lists "
+                                 f"of numbers), got {type(value).__name__} ({wide.dtype})")
+            arr = wide.astype(np.float32)
         else:
             raise GraphError(f"unsupported dtype {dtype!r}; use 'f32' or 'i32'")
         t = self.apply("constant", [], shape=arr.shape, dtype=dtype)
@@ -563,9 +604,13 @@ def normalize_axes(x: Tensor, axis: int | Sequence[int] | None) -> tuple[int, ..
     rank = len(x.shape)
     if axis is None:
         return tuple(range(rank))
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    axes = (axis,) if isinstance(axis, numbers.Integral) else (
+        tuple(axis) if isinstance(axis, Iterable) else (axis,))
     out = []
     for a in axes:
+        if not isinstance(a, numbers.Integral):
+            raise GraphError(f"axes are ints (or a sequence of them), got {axis!r} for "
+                             f"{x.label}")
         if not -rank <= a < rank:
             raise GraphError(f"axis {a} is out of range for {x.label} (rank {rank})")
         out.append(a % rank)

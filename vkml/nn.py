@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from vkml.graph import Graph, Tensor
+from vkml.graph import Graph, Tensor, as_shape
 
 
 class Linear:
@@ -17,6 +17,7 @@ class Linear:
     def __init__(self, graph: Graph, name: str, in_features: int, out_features: int,
                  bias: bool = True, std: float | None = None, trainable: bool = True) -> None:
         self.graph, self.in_features, self.out_features = graph, in_features, out_features
+        as_shape((out_features, in_features), f"Linear '{name}'", what="(out, in) features")
         if std is None:
             bound = 1.0 / math.sqrt(in_features)
             w_init, w_scale, b_init, b_scale = "uniform", bound, "uniform", bound

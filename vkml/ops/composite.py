@@ -9,6 +9,7 @@ channel)."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -119,6 +120,9 @@ def _per_channel(g: Graph, p: Tensor | None, x: Tensor) -> Tensor | None:
 @builder
 def group_norm(g: Graph, x: Tensor, num_groups: int, weight=None, bias=None,
                eps: float = 1e-5) -> Tensor:
+    _require_channels(x, "group_norm")
+    if not isinstance(num_groups, numbers.Integral) or num_groups < 1:
+        raise GraphError(f"group_norm: num_groups must be an int >= 1, got {num_groups!r}")
     n, c = x.shape[:2]
     if c % num_groups:
         raise GraphError(f"group_norm: {c} channels do not split into {num_groups} groups")
@@ -131,7 +135,14 @@ def group_norm(g: Graph, x: Tensor, num_groups: int, weight=None, bias=None,
 def instance_norm(g: Graph, x: Tensor, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
     """F.instance_norm / ONNX InstanceNormalization (batch statistics of each sample's channel
     over its spatial axes): group_norm with a group per channel."""
+    _require_channels(x, "instance_norm")
     return g.group_norm(x, x.shape[1], weight, bias, eps)
+
+
+def _require_channels(x: Tensor, what: str) -> None:
+    """Refuse a tensor without the (N, C, ...) axes a per-channel normalisation reads."""
+    if len(x.shape) < 2:
+        raise GraphError(f"{what} takes an (N, C, ...) tensor, got {x.label}")
 
 
 def _normalized_type(inputs, attrs):
@@ -175,6 +186,7 @@ def batch_norm(g: Graph, x: Tensor, running_mean=None, running_var=None, weight=
     """Training form: statistics of this batch over (N, H, W) (biased variance, as F.batch_norm
     normalises with); the running statistics are not updated (the graph has no state writes).
     Inference form: the given running_mean / running_var (inputs or parameters, shape (C,))."""
+    _require_channels(x, "batch_norm")
     if training:
         axes = (0, *range(2, len(x.shape)))
         count = int(np.prod([x.shape[a] for a in axes]))
@@ -276,6 +288,8 @@ def rope_tables(length: int, dim: int, theta: float, offset: int = 0
 @builder
 def rope(g: Graph, x: Tensor, theta: float = 10000.0, offset: int = 0) -> Tensor:
     """x (..., S, D), D even: x * cos + rotate_half(x) * sin, positions offset..offset+S-1."""
+    if len(x.shape) < 2:
+        raise GraphError(f"rope takes a (..., S, D) tensor (positions, features), got {x.label}")
     *_, length, dim = x.shape
     if dim % 2:
         raise GraphError(f"rope: the last axis of {x.label} must be even")
@@ -308,6 +322,9 @@ def selu(g: Graph, x: Tensor) -> Tensor:
 def conv1d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: int = 1,
            padding: int = 0, dilation: int = 1, groups: int = 1) -> Tensor:
     """F.conv1d as conv2d over a height of 1: x (N, C, L), weight (out, in/groups, k)."""
+    if len(x.shape) != 3 or len(weight.shape) != 3:
+        raise GraphError(f"conv1d takes an (N, C, L) input and an (out, in/groups, k) weight, "
+                         f"got {x.label} and {weight.label}")
     n, c, length = x.shape
     o, cpg, k = weight.shape
     y = g.conv2d(g.reshape(x, (n, c, 1, length)), g.reshape(weight, (o, cpg, 1, k)), None,
@@ -324,8 +341,15 @@ def avg_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0,
     they divide by (count_include_pad=False, ceil_mode's partial windows, divisor_override),
     the conv sums (over zeros added past the input for ceil_mode's windows) and a constant
     (out_h, out_w) map of torch's divisors divides."""
-    kernel, pads = pair(kernel_size), pair(padding)
-    strides = kernel if stride is None else pair(stride)
+    if len(x.shape) != 4:
+        raise GraphError(f"avg_pool2d takes an (N, C, H, W) tensor, got {x.label}")
+    kernel = pair(kernel_size, "avg_pool2d kernel_size", 1)
+    pads = pair(padding, "avg_pool2d padding", 0)
+    strides = kernel if stride is None else pair(stride, "avg_pool2d stride", 1)
+    if divisor_override is not None and not (isinstance(divisor_override, numbers.Integral)
+                                             and divisor_override >= 1):
+        raise GraphError(f"avg_pool2d: divisor_override must be an int >= 1 or None, got "
+                         f"{divisor_override!r}")
     c, spatial = x.shape[1], x.shape[2:]
     starts = [np.arange(pool_extent(n, k, s, p, ceil_mode)) * s - p
               for n, k, s, p in zip(spatial, kernel, strides, pads)]
@@ -360,8 +384,8 @@ def adaptive_avg_pool2d(g: Graph, x: Tensor, output_size: int | Sequence[int]) -
     averages inputs floor(i n / out) to ceil((i + 1) n / out). Global pooling is a mean, whole
     windows an avg_pool2d, other sizes a `resample` of each axis by its averaging matrix."""
     spatial = x.shape[2:]
-    sizes = pair(output_size)
-    if len(spatial) != 2 or min(sizes) < 1:
+    sizes = pair(output_size, "adaptive_avg_pool2d output_size", 1)
+    if len(spatial) != 2:
         raise GraphError(f"adaptive_avg_pool2d takes an (N, C, H, W) tensor and positive sizes, "
                          f"got {x.label} and {output_size}")
     if sizes == (1, 1):
@@ -382,8 +406,10 @@ def adaptive_avg_pool2d(g: Graph, x: Tensor, output_size: int | Sequence[int]) -
 def upsample_nearest(g: Graph, x: Tensor, scale: int | tuple[int, int] = 2) -> Tensor:
     """Nearest upsampling of an (N, C, H, W) tensor by an integer factor (or one per axis): a
     broadcast (one pointwise kernel); its gradient is a sum over each block."""
+    if len(x.shape) != 4:
+        raise GraphError(f"upsample_nearest takes an (N, C, H, W) tensor, got {x.label}")
     n, c, h, w = x.shape
-    sh, sw = pair(scale)
+    sh, sw = pair(scale, "upsample_nearest scale", 1)
     wide = g.broadcast_to(g.reshape(x, (n, c, h, 1, w, 1)), (n, c, h, sh, w, sw))
     return g.reshape(wide, (n, c, h * sh, w * sw))
 
@@ -534,8 +560,11 @@ def interpolate(g: Graph, x: Tensor, size: int | Sequence[int] | None = None,
 @builder
 def split(g: Graph, x: Tensor, sizes: int | Sequence[int], axis: int = 0) -> list[Tensor]:
     """torch.split: chunks of `sizes` (an int: equal chunks, the last may be shorter)."""
+    (axis,) = normalize_axes(x, axis)
     extent = x.shape[axis]
     if isinstance(sizes, int):
+        if sizes < 1:
+            raise GraphError(f"split: a chunk size must be >= 1, got {sizes}")
         sizes = [min(sizes, extent - s) for s in range(0, extent, sizes)]
     if sum(sizes) != extent:
         raise GraphError(f"split: sizes {list(sizes)} do not add up to {extent}")

@@ -7,6 +7,9 @@ global-average pooling are compositions (ops/composite.py)."""
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
+
 import numpy as np
 
 from vkml.errors import GraphError
@@ -113,8 +116,10 @@ register(OpDef(kernels.CHANNELS_LAST, _channels_last_copy, "kernel",
 def conv2d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1,
            padding=0, dilation=1, groups: int = 1) -> Tensor:
     """F.conv2d: weight (out, in/groups, kh, kw); int or (h, w) stride/padding/dilation."""
-    y = g.apply("conv2d", [x, weight], stride=pair(stride), padding=pair(padding),
-                dilation=pair(dilation), groups=int(groups))
+    y = g.apply("conv2d", [x, weight], stride=pair(stride, "conv2d stride", 1),
+                padding=pair(padding, "conv2d padding", 0),
+                dilation=pair(dilation, "conv2d dilation", 1),
+                groups=groups_of(groups, "conv2d"))
     if bias is not None:
         y = g.add(y, g.reshape(bias, (bias.size, 1, 1)))
     return y
@@ -129,16 +134,19 @@ def conv_transpose2d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = 
     if len(x.shape) != 4 or len(weight.shape) != 4 or weight.shape[0] != x.shape[1]:
         raise GraphError(f"conv_transpose2d takes NCHW input and (in, out/groups, kh, kw) "
                          f"weight with in = the input's channels, got {x.type}, {weight.type}")
-    stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
-    extra = pair(output_padding)
+    what = "conv_transpose2d"
+    stride, padding = pair(stride, f"{what} stride", 1), pair(padding, f"{what} padding", 0)
+    dilation, extra = pair(dilation, f"{what} dilation", 1), pair(output_padding,
+                                                                  f"{what} output_padding", 0)
+    groups = groups_of(groups, what)
     if any(e >= s for e, s in zip(extra, stride)):
         raise GraphError(f"conv_transpose2d: output_padding {extra} must be smaller than the "
                          f"stride {stride}")
     n, _, h, w = x.shape
     size = [(i - 1) * s - 2 * p + d * (k - 1) + e + 1 for i, s, p, d, k, e in
             zip((h, w), stride, padding, dilation, weight.shape[2:], extra)]
-    attrs = {"stride": stride, "padding": padding, "dilation": dilation, "groups": int(groups)}
-    shape = (n, weight.shape[1] * int(groups), *size)
+    attrs = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups}
+    shape = (n, weight.shape[1] * groups, *size)
     if min(size) <= 0 or _geometry(shape, weight.shape, attrs) != x.shape:
         raise GraphError(f"conv_transpose2d: no output size fits {x.type} with weight "
                          f"{weight.type} and {attrs} (the output would be {shape})")
@@ -225,12 +233,26 @@ def max_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0,
                ceil_mode: bool = False) -> Tensor:
     """F.max_pool2d (the first maximum of a window takes its gradient, as PyTorch's);
     `ceil_mode`: a last window that runs past the input where it starts inside it."""
-    kernel = pair(kernel_size)
+    kernel = pair(kernel_size, "max_pool2d kernel_size", 1)
     return g.apply("max_pool2d", [x], kernel=kernel,
-                   stride=kernel if stride is None else pair(stride), padding=pair(padding),
+                   stride=kernel if stride is None else pair(stride, "max_pool2d stride", 1),
+                   padding=pair(padding, "max_pool2d padding", 0),
                    **({"ceil_mode": True} if ceil_mode else {}))
 
 
-def pair(v) -> tuple[int, int]:
-    """An int or an (h, w) pair as (h, w)."""
-    return (int(v), int(v)) if isinstance(v, (int, np.integer)) else (int(v[0]), int(v[1]))
+def pair(v, what: str, least: int) -> tuple[int, int]:
+    """An int, or an (h, w) pair of ints (one alone applies to both, as torch takes them), as
+    (h, w), each at least `least`; else a GraphError naming `what` ("conv2d stride")."""
+    values = (v, v) if isinstance(v, numbers.Integral) else (
+        tuple(v) * (2 if len(v) == 1 else 1) if isinstance(v, Sequence | np.ndarray) else ())
+    if (len(values) != 2 or not all(isinstance(n, numbers.Integral) for n in values)
+            or min(values) < least):
+        raise GraphError(f"{what} takes an int or an (h, w) pair of ints, each >= {least}, "
+                         f"got {v!r}")
+    return int(values[0]), int(values[1])
+
+
+def groups_of(groups, what: str) -> int:
+    if not isinstance(groups, numbers.Integral) or groups < 1:
+        raise GraphError(f"{what}: groups must be an int >= 1, got {groups!r}")
+    return int(groups)

@@ -232,6 +232,8 @@ CONCAT_INPUTS = 16
 def concat(g: Graph, xs: Sequence[Tensor], axis: int = 0) -> Tensor:
     """torch.cat along `axis`."""
     xs = list(xs)
+    if not xs:
+        raise GraphError("concat takes a non-empty list of tensors, got none")
     if len(xs) == 1:
         return xs[0]
     if len(xs) > CONCAT_INPUTS:

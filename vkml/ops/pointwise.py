@@ -8,6 +8,7 @@ its helper functions and its derivative sit on one line or two.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 from vkml.errors import GraphError
@@ -429,9 +430,9 @@ for _name, _symbol, _grad, _integers in (("add", "+", _add_grad, True),
 @builder
 def bias_add(g: Graph, x: Tensor, bias: Tensor) -> Tensor:
     """x + bias over the last axis; bias must have shape (x.shape[-1],)."""
-    if bias.shape != x.shape[-1:]:
-        raise GraphError(f"bias_add: bias {bias.label} must have shape ({x.shape[-1]},) "
-                         f"to match the last axis of {x.label}")
+    if not x.shape or bias.shape != x.shape[-1:]:
+        raise GraphError(f"bias_add: bias {bias.label} must have shape "
+                         f"{x.shape[-1:] or '(features,)'} to match the last axis of {x.label}")
     return g.add(x, bias)
 
 
@@ -729,6 +730,8 @@ register(OpDef(
 @builder
 def one_hot(g: Graph, labels: Tensor, num_classes: int) -> Tensor:
     """i32 class indices (...) -> f32 rows (..., num_classes) of 0 and 1."""
+    if not isinstance(num_classes, numbers.Integral) or num_classes < 1:
+        raise GraphError(f"one_hot: num_classes must be an int >= 1, got {num_classes!r}")
     return g.apply("one_hot", [labels], num_classes=int(num_classes))
 
 
