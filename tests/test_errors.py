@@ -224,6 +224,29 @@ def test_compile_refuses_tensors_of_another_graph_and_bad_arguments(device):
     vkml.compile(g, loss=y, device=device)  # the graph itself is fine
 
 
+def test_compiled_names_that_read_would_resolve_to_another_tensor_are_refused(device):
+    # read() looks parameters up first: such an output could never be read, and an output
+    # named as an input is refused by graph.output too
+    g = vkml.Graph()
+    x = g.input("x", (3,))
+    w = g.param("w", (3,), init=2.0)
+    product = x * w
+    for name in ("x", "w", "optimizer/y"):
+        with pytest.raises(vkml.GraphError, match=f"the output name '{name}' is already used "
+                                                  "by .*: give the output another name"):
+            vkml.compile(g, outputs={name: product}, device=device)
+    g.param("loss", (3,))
+    with pytest.raises(vkml.GraphError, match="the loss is read as 'loss', a name already used "
+                                              "by %.* param 'loss'.*: rename that one"):
+        vkml.compile(g, loss=product.sum(), device=device)
+    # a tensor under its own name is itself
+    session = vkml.compile(g, outputs={"x": x, "w": w, "y": product}, device=device)
+    session.set_input("x", np.arange(3, dtype=np.float32))
+    session.step()
+    np.testing.assert_array_equal(session.read("w"), np.full(3, 2.0, np.float32))
+    np.testing.assert_array_equal(session.read("y"), np.arange(3) * 2.0)
+
+
 @pytest.mark.parametrize("make", [
     lambda: vkml.Adam(lr=-1.0), lambda: vkml.Adam(lr=float("nan")),
     lambda: vkml.Adam(lr=float("inf")), lambda: vkml.SGD(lr=None),

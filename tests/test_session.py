@@ -147,6 +147,10 @@ BAD_INPUTS = [
     ("x", np.zeros((4, 6), np.int64), r"input 'x' expects floating-point.*astype\(np.float32\)"),
     ("labels", np.zeros(4, np.float32), r"input 'labels' expects integers.*astype\(np.int32\)"),
     ("nope", np.zeros(1), r"unknown input 'nope'; this session's inputs are: 'x', 'labels'"),
+    ("x", [[0.0] * 6] * 3 + [[0.0] * 5], r"input 'x' takes a numpy array .* converting this "
+     r"list failed: .*inhomogeneous"),
+    ("x", torch.zeros((4, 6), requires_grad=True), r"input 'x' takes a numpy array .* "
+     r"converting this Tensor failed: .*detach"),
 ]
 
 

@@ -896,7 +896,13 @@ def _conform(what: str, value: np.ndarray | Sequence, shape: tuple[int, ...],
              dtype: str) -> np.ndarray:
     """Check a user's array against a tensor's shape and dtype; convert only where lossless in
     kind (any float to f32, any integer to i32 within range)."""
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, RuntimeError) as exc:  # ragged lists; torch's refusals
+        raise InputError(f"{what} takes a numpy array (or what np.asarray converts: nested "
+                         f"lists of one shape, a CPU torch tensor that does not require "
+                         f"grad); converting this {type(value).__name__} failed: "
+                         f"{exc}") from exc
     if array.shape != shape:
         raise InputError(f"{what} expects shape {shape}, got {array.shape}")
     if dtype == "f32":

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from vkml.errors import DeviceError, GraphError
-from vkml.graph import Graph, Tensor
+from vkml.graph import STATE_PREFIX, Graph, Tensor
 from vkml.hal import Capabilities
 from vkml.optim import Optimizer
 
@@ -103,6 +103,19 @@ class CompileOptions:
         for name, t in self._named(self.outputs):
             if named.get(name, t) is not t:
                 raise GraphError(f"two different tensors are named '{name}'")
+            # read(name) would return that input's or parameter's value instead (the graph's
+            # own outputs were checked by graph.output)
+            taken = graph.inputs.get(name, graph.params.get(name))
+            if (taken is not None and taken is not t) or name in graph.extras or (
+                    name in graph.unsupported_tensors or name.startswith(STATE_PREFIX)):
+                what = (taken.label if taken is not None else
+                        "the optimizer state in checkpoints" if name.startswith(STATE_PREFIX)
+                        else "a checkpoint entry of the graph")
+                loss = name == "loss" and t is self.loss
+                raise GraphError(("the loss is read as 'loss', a name" if loss else
+                                  f"the output name '{name}' is") + f" already used by "
+                                 f"{what}: " + ("rename that one" if loss else
+                                                "give the output another name"))
             named[name] = t
         if not named:
             raise GraphError("nothing to compute: pass loss=..., or mark tensors with "
