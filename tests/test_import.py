@@ -151,7 +151,7 @@ def _with_running_stats(module):
     """Running statistics other than the initial zeros and ones, so using them shows."""
     torch.manual_seed(1)
     for m in module.modules():
-        if isinstance(m, torch.nn.BatchNorm2d):
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             m.running_mean.uniform_(-0.5, 0.5)
             m.running_var.uniform_(0.5, 1.5)
     return module
@@ -705,6 +705,34 @@ def test_torch_vector_norms_and_slice_writes_train_as_pytorch(device):
     x, labels = torch.randn(3, 6), torch.tensor([1, 4, 0])
     imp = vkml.import_torch(module, (x,))
     check_training(imp, module, x, labels, device)
+
+
+class Video(torch.nn.Module):
+    """A video classifier's layers: 3-D convolutions (one strided and grouped, one over time
+    alone), 3-D batch norm, 3-D max pooling, adaptive 3-D average pooling (an AveragePool in
+    ONNX)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv3d(3, 4, (3, 3, 3), (1, 2, 2), (1, 1, 1))
+        self.bn = torch.nn.BatchNorm3d(4)
+        self.conv2 = torch.nn.Conv3d(4, 4, (3, 1, 1), padding=(1, 0, 0), groups=2)
+        self.fc = torch.nn.Linear(4 * 2, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv1(x)))
+        y = self.conv2(torch.nn.functional.max_pool3d(y, (1, 3, 3), (1, 2, 2), (0, 1, 1)))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool3d(y, (2, 1, 1)), 1))
+
+
+@vulkan_only
+def test_video_convolutions_import_both_ways(device, tmp_path):
+    torch.manual_seed(0)
+    module = _with_running_stats(Video()).eval()
+    x, labels = torch.randn(2, 3, 4, 6, 6), torch.tensor([1, 4])
+    check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
+    path = export_onnx(module, (x,), tmp_path / "video.onnx", ["x"])
+    assert onnxruntime_error(path, x, device) < FORWARD_TOL
 
 
 # ---- single ONNX ops against onnxruntime, and their gradients against PyTorch ----------------

@@ -382,10 +382,14 @@ class Graph:
     def abs(self, x: Tensor) -> Tensor:
         """Elementwise abs: WGSL abs({0})"""
         ...
+    def adaptive_avg_pool(self, x: Tensor, output_size: Sequence[int | None]) -> Tensor:
+        """F.adaptive_avg_pool1d/2d/3d of an (N, C, *spatial) tensor, one output size per spatial
+        axis (None keeps the axis): output cell i along an axis of n averages inputs
+        floor(i n / out) to ceil((i + 1) n / out). Global pooling is a mean, whole 2-D windows an
+        avg_pool2d, other sizes a `resample` of each axis by its averaging matrix."""
+        ...
     def adaptive_avg_pool2d(self, x: Tensor, output_size: int | Sequence[int]) -> Tensor:
-        """F.adaptive_avg_pool2d of an (N, C, H, W) tensor: output cell i along an axis of n
-        averages inputs floor(i n / out) to ceil((i + 1) n / out). Global pooling is a mean, whole
-        windows an avg_pool2d, other sizes a `resample` of each axis by its averaging matrix."""
+        """F.adaptive_avg_pool2d of an (N, C, H, W) tensor (adaptive_avg_pool's 2-D case)."""
         ...
     def add(self, a: Operand, b: Operand) -> Tensor:
         """a + b elementwise (f32 or i32), numpy broadcasting; numbers become constants of the other operand's dtype"""
@@ -413,6 +417,9 @@ class Graph:
         they divide by (count_include_pad=False, ceil_mode's partial windows, divisor_override),
         the conv sums (over zeros added past the input for ceil_mode's windows) and a constant
         (out_h, out_w) map of torch's divisors divides."""
+        ...
+    def avg_pool3d(self, x: Tensor, kernel_size, stride = ..., padding = ..., ceil_mode: bool = ..., count_include_pad: bool = ...) -> Tensor:
+        """F.avg_pool3d of an (N, C, D, H, W) tensor: avg_pool2d over (H, W), then over D."""
         ...
     def batch_norm(self, x: Tensor, running_mean = ..., running_var = ..., weight = ..., bias = ..., training: bool = ..., eps: float = ...) -> Tensor:
         """Training form: statistics of this batch over (N, H, W) (biased variance, as F.batch_norm
@@ -445,6 +452,12 @@ class Graph:
         ...
     def conv2d(self, x: Tensor, weight: Tensor, bias: Tensor | None = ..., stride = ..., padding = ..., dilation = ..., groups: int = ...) -> Tensor:
         """F.conv2d: weight (out, in/groups, kh, kw); int or (h, w) stride/padding/dilation."""
+        ...
+    def conv3d(self, x: Tensor, weight: Tensor, bias: Tensor | None = ..., stride = ..., padding = ..., dilation = ..., groups: int = ...) -> Tensor:
+        """F.conv3d as one conv2d: x (N, C, D, H, W), weight (out, in/groups, kd, kh, kw); int or
+        (d, h, w) stride/padding/dilation. The kd frames each output frame reads are stacked as
+        channels (group by group) and the frames go into the batch: (N D_out, groups kd C/groups,
+        H, W), convolved with the weight's depth taps laid out the same way."""
         ...
     def conv_transpose2d(self, x: Tensor, weight: Tensor, bias: Tensor | None = ..., stride = ..., padding = ..., output_padding = ..., dilation = ..., groups: int = ...) -> Tensor:
         """F.conv_transpose2d: weight (in, out/groups, kh, kw). It is the input gradient of the
@@ -618,6 +631,9 @@ class Graph:
     def max_pool2d(self, x: Tensor, kernel_size, stride = ..., padding = ..., ceil_mode: bool = ...) -> Tensor:
         """F.max_pool2d (the first maximum of a window takes its gradient, as PyTorch's);
         `ceil_mode`: a last window that runs past the input where it starts inside it."""
+        ...
+    def max_pool3d(self, x: Tensor, kernel_size, stride = ..., padding = ..., ceil_mode: bool = ...) -> Tensor:
+        """F.max_pool3d of an (N, C, D, H, W) tensor: max_pool2d over (H, W), then over D."""
         ...
     def maximum(self, a: Operand, b: Operand) -> Tensor:
         """torch.maximum elementwise (f32 or i32), numpy broadcasting: NaN wins, and on a tie each operand gets half of the gradient, as torch's"""

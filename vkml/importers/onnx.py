@@ -900,28 +900,32 @@ def _conv(b, node, ins, attrs):
     x, w = b.device(ins[0]), b.device(ins[1])
     bias = b.device(ins[2]) if len(ins) > 2 and ins[2] is not None else None
     rank = len(w.shape) - 2
-    if rank not in (1, 2):
-        raise Refuse(f"{rank}-D convolutions are not supported (1-D and 2-D are)")
+    if rank not in (1, 2, 3):
+        raise Refuse(f"{rank}-D convolutions are not supported (1-D, 2-D and 3-D are)")
     strides = _spatial(attrs, "strides", rank, 1)
     dilations = _spatial(attrs, "dilations", rank, 1)
     x, pads = _pads(b, x, attrs, w.shape[2:], strides, dilations)
     groups = int(attrs.get("group", 1))
     if rank == 1:
         return g.conv1d(x, w, bias, strides[0], pads[0], dilations[0], groups)
-    return g.conv2d(x, w, bias, tuple(strides), tuple(pads), tuple(dilations), groups)
+    conv = g.conv2d if rank == 2 else g.conv3d
+    return conv(x, w, bias, tuple(strides), tuple(pads), tuple(dilations), groups)
 
 
-def _pool_geometry(attrs: dict) -> tuple[list[int], list[int], list[int]]:
+def _pool_geometry(attrs: dict, rank3: bool = False) -> tuple[list[int], list[int], list[int]]:
     kernel = list(attrs["kernel_shape"])
-    if len(kernel) != 2:
-        raise Refuse(f"{len(kernel)}-D pooling is not supported (1-D and 2-D are)")
-    return kernel, _spatial(attrs, "strides", 2, 1), _spatial(attrs, "dilations", 2, 1)
+    if len(kernel) not in ((2, 3) if rank3 else (2,)):
+        raise Refuse(f"{len(kernel)}-D pooling is not supported (1-D and 2-D are; 3-D max and "
+                     "average pooling too)")
+    rank = len(kernel)
+    return kernel, _spatial(attrs, "strides", rank, 1), _spatial(attrs, "dilations", rank, 1)
 
 
-def _window_geometry(attrs: dict, what: str) -> tuple[list[int], list[int]]:
+def _window_geometry(attrs: dict, what: str, rank3: bool = False
+                     ) -> tuple[list[int], list[int]]:
     """The kernel and strides of a pooling only max pooling dilates."""
-    kernel, strides, dilations = _pool_geometry(attrs)
-    if dilations != [1, 1]:
+    kernel, strides, dilations = _pool_geometry(attrs, rank3)
+    if set(dilations) != {1}:
         raise Refuse(f"dilated {what} pooling is not supported")
     return kernel, strides
 
@@ -929,13 +933,16 @@ def _window_geometry(attrs: dict, what: str) -> tuple[list[int], list[int]]:
 @onnx_op("MaxPool")
 @_lift_1d
 def _max_pool(b, node, ins, attrs):
-    kernel, strides, dilations = _pool_geometry(attrs)
+    kernel, strides, dilations = _pool_geometry(attrs, rank3=True)
     if attrs.get("storage_order", 0):
         raise Refuse("storage_order=1 is not supported")
     x, pads = _pads(b, b.device(ins[0]), attrs, kernel, strides, dilations, -math.inf)
     ceil = bool(attrs.get("ceil_mode", 0))
-    if dilations == [1, 1]:
-        return b.g.max_pool2d(x, tuple(kernel), tuple(strides), tuple(pads), ceil_mode=ceil)
+    if set(dilations) == {1}:
+        pool = b.g.max_pool2d if len(kernel) == 2 else b.g.max_pool3d
+        return pool(x, tuple(kernel), tuple(strides), tuple(pads), ceil_mode=ceil)
+    if len(kernel) == 3:
+        raise Refuse("dilated 3-D max pooling is not supported")
     return _dilated_max_pool(b.g, x, kernel, strides, pads, dilations, ceil)
 
 
@@ -965,14 +972,19 @@ def _dilated_max_pool(g: Graph, x: Tensor, kernel, strides, pads, dilations,
 @onnx_op("AveragePool")
 @_lift_1d
 def _avg_pool(b, node, ins, attrs):
-    kernel, strides = _window_geometry(attrs, "average")
+    kernel, strides = _window_geometry(attrs, "average", rank3=True)
     x, counted = b.device(ins[0]), bool(attrs.get("count_include_pad", 0))
     ceil = bool(attrs.get("ceil_mode", 0))
-    pads = _pad_amounts(x.shape, attrs, kernel, strides, [1, 1])
-    if counted or pads[:2] == pads[2:]:
-        x, pads = _pads(b, x, attrs, kernel, strides, [1, 1])
-        return b.g.avg_pool2d(x, tuple(kernel), tuple(strides), tuple(pads), ceil_mode=ceil,
-                              count_include_pad=counted)
+    rank = len(kernel)
+    pads = _pad_amounts(x.shape, attrs, kernel, strides, [1] * rank)
+    if counted or pads[:rank] == pads[rank:]:
+        x, pads = _pads(b, x, attrs, kernel, strides, [1] * rank)
+        pool = b.g.avg_pool2d if rank == 2 else b.g.avg_pool3d
+        return pool(x, tuple(kernel), tuple(strides), tuple(pads), ceil_mode=ceil,
+                    count_include_pad=counted)
+    if rank == 3:
+        raise Refuse("3-D average pooling with asymmetric pads not counted in the average is "
+                     "not supported")
     if ceil:
         raise Refuse("ceil_mode with asymmetric pads not counted in the average is not "
                      "supported")

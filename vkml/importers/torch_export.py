@@ -355,10 +355,10 @@ VIEWS = {"view", "reshape", "_unsafe_view", "select", "slice", "transpose", "per
          "unflatten", "flatten", "split", "split_with_sizes", "chunk", "unbind", "detach"}
 # Ops mapped whole, kept out of the decompositions (vkml has them as one op or composition).
 KEPT = {"linear", "layer_norm", "scaled_dot_product_attention", "gelu", "silu", "batch_norm",
-        "conv2d", "conv1d", "conv_transpose2d", "group_norm", "rms_norm", "softmax",
+        "conv3d", "conv2d", "conv1d", "conv_transpose2d", "group_norm", "rms_norm", "softmax",
         "log_softmax", "hardswish", "hardsigmoid", "matmul", "embedding", "dropout",
-        "adaptive_avg_pool2d", "instance_norm", "einsum", "leaky_relu", "elu", "mish",
-        "softplus"}
+        "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "instance_norm",
+        "einsum", "leaky_relu", "elu", "mish", "softplus"}
 
 
 def aten(*names: str) -> Callable[[Handler], Handler]:
@@ -893,7 +893,7 @@ def _first(v: Any) -> int:
     return v if isinstance(v, int) else v[0]
 
 
-@aten("conv2d", "conv1d")
+@aten("conv3d", "conv2d", "conv1d")
 def _conv(b, x, w, bias=None, stride=1, padding=0, dilation=1, groups=1):
     x, w = b.device(x), b.device(w)
     rank = len(w.shape) - 2
@@ -902,6 +902,10 @@ def _conv(b, x, w, bias=None, stride=1, padding=0, dilation=1, groups=1):
     if rank == 1:
         return b.g.conv1d(x, w, _tensor(b, bias), _first(stride), _first(padding),
                           dilation[0], groups)
+    if rank == 3:
+        return b.g.conv3d(x, w, _tensor(b, bias), stride, padding, dilation, groups)
+    if rank != 2:
+        raise Refuse(f"{rank}-D convolutions are not supported (1-D, 2-D and 3-D are)")
     return b.g.conv2d(x, w, _tensor(b, bias), stride, padding, dilation, groups)
 
 
@@ -929,6 +933,16 @@ def _max_pool(b, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False)
 ATEN["max_pool2d_with_indices"] = lambda b, *a, **k: (_max_pool(b, *a, **k), None)
 
 
+@aten("max_pool3d")
+def _max_pool3d(b, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
+    if dilation not in (1, [1, 1, 1], (1, 1, 1)):
+        raise Refuse("dilated pooling is not supported")
+    return b.g.max_pool3d(b.device(x), kernel, stride or None, padding, bool(ceil_mode))
+
+
+ATEN["max_pool3d_with_indices"] = lambda b, *a, **k: (_max_pool3d(b, *a, **k), None)
+
+
 @aten("avg_pool2d")
 def _avg_pool(b, x, kernel, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
               divisor_override=None):
@@ -936,29 +950,21 @@ def _avg_pool(b, x, kernel, stride=None, padding=0, ceil_mode=False, count_inclu
                           bool(count_include_pad), divisor_override)
 
 
-@aten("adaptive_avg_pool2d", "_adaptive_avg_pool2d")
+@aten("avg_pool3d")
+def _avg_pool3d(b, x, kernel, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+    if divisor_override is not None:
+        raise Refuse("3-D average pooling with divisor_override is not supported")
+    return b.g.avg_pool3d(b.device(x), kernel, stride or None, padding, bool(ceil_mode),
+                          bool(count_include_pad))
+
+
+@aten("adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
+      "adaptive_avg_pool3d", "_adaptive_avg_pool3d")
 def _adaptive_avg_pool(b, x, size):
     x = b.device(x)
-    h, w = x.shape[-2:]
-    oh, ow = (size, size) if isinstance(size, int) else size
-    if (oh, ow) == (1, 1):
-        return b.g.mean(x, (2, 3), keepdims=True)
-    if h % oh == 0 and w % ow == 0:
-        return b.g.avg_pool2d(x, (h // oh, w // ow))
-    # windows of uneven sizes, overlapping or repeating (AlexNet's 6x6 pool of a small image):
-    # each output is a mean over torch's window [floor(i h / oh), ceil((i + 1) h / oh)), so
-    # the pool is two products with constant averaging matrices, rows then columns
-    rows, cols = _adaptive_weights(h, oh), _adaptive_weights(w, ow)
-    x = b.g.matmul(b.g.constant(rows), x)  # (oh, h) @ (..., h, w)
-    return b.g.matmul(x, b.g.constant(cols), transpose_b=True)  # (..., oh, w) @ (w, ow)
-
-
-def _adaptive_weights(size: int, out: int) -> np.ndarray:
-    weights = np.zeros((out, size), np.float32)
-    for i in range(out):
-        start, end = (i * size) // out, -((-(i + 1) * size) // out)
-        weights[i, start:end] = 1.0 / (end - start)
-    return weights
+    rank = len(x.shape) - 2
+    return b.g.adaptive_avg_pool(x, [size] * rank if isinstance(size, int) else list(size))
 
 
 def _make_upsample(name: str) -> Handler:

@@ -333,6 +333,55 @@ def conv1d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
     return y if bias is None else g.add(y, g.reshape(bias, (o, 1)))
 
 
+def _triple(v, what: str, least: int) -> tuple[int, int, int]:
+    """An int or a (d, h, w) triple of ints as (d, h, w), each at least `least`; else a
+    GraphError naming `what` ("conv3d stride")."""
+    values = (v,) * 3 if isinstance(v, numbers.Integral) else (
+        tuple(v) if isinstance(v, Sequence | np.ndarray) else ())
+    if (len(values) != 3 or not all(isinstance(n, numbers.Integral) for n in values)
+            or min(values) < least):
+        raise GraphError(f"{what} takes an int or a (d, h, w) triple of ints, each >= {least}, "
+                         f"got {v!r}")
+    return int(values[0]), int(values[1]), int(values[2])
+
+
+@builder
+def conv3d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1,
+           padding=0, dilation=1, groups: int = 1) -> Tensor:
+    """F.conv3d as one conv2d: x (N, C, D, H, W), weight (out, in/groups, kd, kh, kw); int or
+    (d, h, w) stride/padding/dilation. The kd frames each output frame reads are stacked as
+    channels (group by group) and the frames go into the batch: (N D_out, groups kd C/groups,
+    H, W), convolved with the weight's depth taps laid out the same way."""
+    if len(x.shape) != 5 or len(weight.shape) != 5:
+        raise GraphError(f"conv3d takes (N, C, D, H, W) input and (out, in/groups, kd, kh, kw) "
+                         f"weight, got {x.label} and {weight.label}")
+    stride, dilation = _triple(stride, "conv3d stride", 1), _triple(dilation, "conv3d dilation", 1)
+    padding = _triple(padding, "conv3d padding", 0)
+    n, c, depth, h, w = x.shape
+    o, per_group, kd, kh, kw = weight.shape
+    if padding[0]:
+        x = g.pad(x, 2, padding[0], padding[0])
+        depth += 2 * padding[0]
+    out = (depth - dilation[0] * (kd - 1) - 1) // stride[0] + 1
+    if out < 1:
+        raise GraphError(f"conv3d: a depth of {x.shape[2]} is shorter than the kernel's "
+                         f"{dilation[0] * (kd - 1) + 1}")
+    taps = []
+    for k in range(kd):  # each tap's frames, (N, D_out, groups, 1, C/groups, H, W)
+        first = k * dilation[0]
+        frames = g.slice(x, 2, first, first + (out - 1) * stride[0] + 1, stride[0]) \
+            if (first, out, stride[0]) != (0, depth, 1) else x
+        frames = g.transpose(frames, (0, 2, 1, 3, 4))
+        taps.append(g.reshape(frames, (n, out, groups, 1, c // groups, h, w)))
+    stacked = g.concat(taps, 3) if kd > 1 else taps[0]
+    frames = g.reshape(stacked, (n * out, groups * kd * per_group, h, w))
+    kernel = g.reshape(g.transpose(weight, (0, 2, 1, 3, 4)) if kd > 1 else weight,
+                       (o, kd * per_group, kh, kw))
+    y = g.conv2d(frames, kernel, None, stride[1:], padding[1:], dilation[1:], groups)
+    y = g.transpose(g.reshape(y, (n, out, o, *y.shape[2:])), (0, 2, 1, 3, 4))
+    return y if bias is None else g.add(y, g.reshape(bias, (o, 1, 1, 1)))
+
+
 @builder
 def avg_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0,
                ceil_mode: bool = False, count_include_pad: bool = True,
@@ -372,6 +421,40 @@ def avg_pool2d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0,
     return g.mul(sums, g.constant((1.0 / divisor).astype(np.float32)))
 
 
+def _pool3d(g: Graph, pool2d, x: Tensor, kernel_size, stride, padding, **flags) -> Tensor:
+    """A 3-D pooling as two 2-D ones, which is exact for a maximum and for an average (each
+    window's count is the product of its extents along the axes, with or without padding,
+    ceil_mode or not): over (H, W) with the depth among the channels, then over the depth
+    with the (H, W) positions in a row."""
+    if len(x.shape) != 5:
+        raise GraphError(f"3-D pooling takes an (N, C, D, H, W) tensor, got {x.label}")
+    kernel = _triple(kernel_size, "3-D pooling kernel_size", 1)
+    pads = _triple(padding, "3-D pooling padding", 0)
+    strides = kernel if stride is None else _triple(stride, "3-D pooling stride", 1)
+    n, c, depth = x.shape[:3]
+    planes = pool2d(g.reshape(x, (n, c * depth, *x.shape[3:])), kernel[1:], strides[1:],
+                    pads[1:], **flags)
+    h, w = planes.shape[2:]
+    y = pool2d(g.reshape(planes, (n, c, depth, h * w)), (kernel[0], 1), (strides[0], 1),
+               (pads[0], 0), **flags)
+    return g.reshape(y, (n, c, y.shape[2], h, w))
+
+
+@builder
+def max_pool3d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0,
+               ceil_mode: bool = False) -> Tensor:
+    """F.max_pool3d of an (N, C, D, H, W) tensor: max_pool2d over (H, W), then over D."""
+    return _pool3d(g, g.max_pool2d, x, kernel_size, stride, padding, ceil_mode=ceil_mode)
+
+
+@builder
+def avg_pool3d(g: Graph, x: Tensor, kernel_size, stride=None, padding=0,
+               ceil_mode: bool = False, count_include_pad: bool = True) -> Tensor:
+    """F.avg_pool3d of an (N, C, D, H, W) tensor: avg_pool2d over (H, W), then over D."""
+    return _pool3d(g, g.avg_pool2d, x, kernel_size, stride, padding, ceil_mode=ceil_mode,
+                   count_include_pad=count_include_pad)
+
+
 @builder
 def global_avg_pool2d(g: Graph, x: Tensor) -> Tensor:
     """(N, C, H, W) -> (N, C, 1, 1), as F.adaptive_avg_pool2d(x, 1)."""
@@ -380,17 +463,26 @@ def global_avg_pool2d(g: Graph, x: Tensor) -> Tensor:
 
 @builder
 def adaptive_avg_pool2d(g: Graph, x: Tensor, output_size: int | Sequence[int]) -> Tensor:
-    """F.adaptive_avg_pool2d of an (N, C, H, W) tensor: output cell i along an axis of n
-    averages inputs floor(i n / out) to ceil((i + 1) n / out). Global pooling is a mean, whole
-    windows an avg_pool2d, other sizes a `resample` of each axis by its averaging matrix."""
+    """F.adaptive_avg_pool2d of an (N, C, H, W) tensor (adaptive_avg_pool's 2-D case)."""
+    if len(x.shape) != 4:
+        raise GraphError(f"adaptive_avg_pool2d takes an (N, C, H, W) tensor, got {x.label}")
+    return g.adaptive_avg_pool(x, pair(output_size, "adaptive_avg_pool2d output_size", 1))
+
+
+@builder
+def adaptive_avg_pool(g: Graph, x: Tensor, output_size: Sequence[int | None]) -> Tensor:
+    """F.adaptive_avg_pool1d/2d/3d of an (N, C, *spatial) tensor, one output size per spatial
+    axis (None keeps the axis): output cell i along an axis of n averages inputs
+    floor(i n / out) to ceil((i + 1) n / out). Global pooling is a mean, whole 2-D windows an
+    avg_pool2d, other sizes a `resample` of each axis by its averaging matrix."""
     spatial = x.shape[2:]
-    sizes = pair(output_size, "adaptive_avg_pool2d output_size", 1)
-    if len(spatial) != 2:
-        raise GraphError(f"adaptive_avg_pool2d takes an (N, C, H, W) tensor and positive sizes, "
-                         f"got {x.label} and {output_size}")
-    if sizes == (1, 1):
-        return g.global_avg_pool2d(x)
-    if all(n % out == 0 for n, out in zip(spatial, sizes)):
+    sizes = tuple(n if out is None else int(out) for n, out in zip(spatial, output_size))
+    if not spatial or len(output_size) != len(spatial) or min(sizes) < 1:
+        raise GraphError(f"adaptive_avg_pool takes an (N, C, *spatial) tensor and a positive "
+                         f"size per spatial axis, got {x.label} and {output_size}")
+    if all(out == 1 for out in sizes):
+        return g.mean(x, tuple(range(2, len(x.shape))), keepdims=True)
+    if len(spatial) == 2 and all(n % out == 0 for n, out in zip(spatial, sizes)):
         return g.avg_pool2d(x, tuple(n // out for n, out in zip(spatial, sizes)))
     matrices = []
     for n, out in zip(spatial, sizes):
