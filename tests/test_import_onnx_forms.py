@@ -500,3 +500,196 @@ def test_missing_and_wrong_shape_information_is_not_needed(device):
                          [onnx.ValueInfoProto(name="y")], [numpy_helper.from_array(w, "w")])
     check_against_onnxruntime(untyped, {"x": x}, device)
     assert not untyped.graph.output[0].HasField("type")  # the caller's model left as it was
+
+
+# ---- onnxruntime's offline optimizer and its contrib ops ---------------------------------------
+class Mixer(torch.nn.Module):
+    """What onnxruntime's fusions look for: nn.MultiheadAttention (its batched products become
+    FusedMatMul with transBatch), LayerNorm after a residual sum (SkipLayerNormalization),
+    exact, tanh and quick GELU, a convolution with ReLU (FusedConv)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(dim, dim, 3, padding=1)
+        self.attn = torch.nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+        self.fc3 = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = self.ln2(x + self.attn(h, h, h, need_weights=False)[0])
+        x = torch.relu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+        x = x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        h = self.fc3(torch.nn.functional.gelu(x, approximate="tanh"))
+        return h * torch.sigmoid(1.702 * h)
+
+
+@vulkan_only
+@pytest.mark.parametrize("level", ["BASIC", "EXTENDED"])
+@pytest.mark.parametrize("opset", [14, 17])
+def test_onnxruntime_optimized_models_match_onnxruntime(device, tmp_path, level, opset):
+    """Written by onnxruntime's offline optimizer: at EXTENDED its fusions (contrib ops), and at
+    opset 14 its LayerNormalization in the standard domain, which ONNX defines only from 17."""
+    torch.manual_seed(0)
+    module, x = Mixer().eval(), torch.randn(2, 6, 16)
+    source = str(tmp_path / "model.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), source, dynamo=False, input_names=["x"],
+                          output_names=["y"], opset_version=opset)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, f"ORT_ENABLE_{level}")
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    model = onnx.load(options.optimized_model_filepath)
+    ops = {n.op_type for n in model.graph.node if n.domain == "com.microsoft"}
+    if level == "EXTENDED":
+        assert {"FusedConv", "FusedMatMul", "Gelu", "QuickGelu", "SkipLayerNormalization"} <= ops
+        assert "LayerNormalization" in {n.op_type for n in model.graph.node if not n.domain}
+    check_against_onnxruntime(model, {"x": x.numpy()}, device)
+
+
+# onnxruntime has these for its GPUs only: the float64 reference stands in for it
+ORT_CPU_LACKS = {"BiasAdd"}
+
+
+def _ms_model(op, inputs, attrs, outputs=("y",), reference=None):
+    """One com.microsoft node: floats of more than one element as initializers (parameters),
+    the rest graph inputs; outputs typed by onnxruntime's run of it (or the reference's)."""
+    names = [f"in{k}" if v is not None else "" for k, v in enumerate(inputs)]
+    feeds, initializers, graph_inputs = {}, [], []
+    for name, value in zip(names, inputs):
+        if value is None:
+            continue
+        if value.dtype.kind == "f" and value.size > 1 and name != "in0":
+            initializers.append(numpy_helper.from_array(value, name))
+        else:
+            feeds[name] = value
+            graph_inputs.append(tensor_info(name, helper.np_dtype_to_tensor_dtype(value.dtype),
+                                            value.shape))
+    node = helper.make_node(op, names, list(outputs), domain="com.microsoft", **attrs)
+    untyped = [onnx.ValueInfoProto(name=o) for o in outputs if o]
+    model = helper.make_model(helper.make_graph([node], op, graph_inputs, untyped, initializers),
+                              opset_imports=[helper.make_opsetid("", 17),
+                                             helper.make_opsetid("com.microsoft", 1)])
+    if op in ORT_CPU_LACKS:
+        wide = [torch.tensor(v, dtype=torch.float64) for v in inputs]
+        values = [reference(*wide).numpy().astype(np.float32)]
+    else:
+        values = ort.InferenceSession(model.SerializeToString(),
+                                      providers=["CPUExecutionProvider"]).run(None, feeds)
+    model.graph.ClearField("output")
+    model.graph.output.extend(tensor_info(o, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                              for o, v in zip([o for o in outputs if o], values))
+    return model, feeds, values
+
+
+def _f(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _sdpa(q, k, v, heads, mask=None, causal=False, scale=None):
+    b, s, _ = q.shape
+    split = [z.reshape(b, z.shape[1], heads, -1).transpose(1, 2) for z in (q, k, v)]
+    y = torch.nn.functional.scaled_dot_product_attention(*split, attn_mask=mask,
+                                                         is_causal=causal, scale=scale)
+    return y.transpose(1, 2).reshape(b, s, -1)
+
+
+def _gelu(x, approximate="none"):
+    return torch.nn.functional.gelu(x, approximate=approximate)
+
+
+def _qkv(x, w, bias):
+    return (x @ w + bias).split(w.shape[1] // 3, -1)
+
+
+RAW_MASK = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.int32)
+PADDING = torch.tensor(np.where(RAW_MASK > 0, 0.0, -10000.0)[:, None, None, :])
+# (name, op, inputs (in0 the graph's input), attributes, the float64 torch reference of the
+# initializers (in1...) given in0, or None for forward only)
+MS_CASES = [
+    ("fused_conv_leaky_z", "FusedConv", [_f(2, 3, 6, 6), _f(4, 3, 3, 3, seed=1), _f(4, seed=2),
+                                         _f(2, 4, 6, 6, seed=3)],
+     {"activation": "LeakyRelu", "activation_params": [0.2], "pads": [1, 1, 1, 1]},
+     lambda x, w, b, z: torch.nn.functional.leaky_relu(
+         torch.nn.functional.conv2d(x, w, b, padding=1) + z, 0.2)),
+    ("fused_conv_clip", "FusedConv", [_f(1, 3, 5, 5), _f(2, 3, 3, 3, seed=1)],
+     {"activation": "Clip", "activation_params": [-0.5, 0.5], "strides": [2, 2]},
+     lambda x, w: torch.clamp(torch.nn.functional.conv2d(x, w, stride=2), -0.5, 0.5)),
+    ("fused_matmul_trans", "FusedMatMul", [_f(2, 5, 3), _f(2, 4, 5, seed=1)],
+     {"alpha": 0.5, "transA": 1, "transB": 1},
+     lambda a, b: 0.5 * a.transpose(-1, -2) @ b.transpose(-1, -2)),
+    ("fused_matmul_trans_batch", "FusedMatMul", [_f(5, 4, 3), _f(2, 4, 3, seed=1)],
+     {"transBatchA": 1, "transBatchB": 1, "transB": 1},
+     lambda a, b: a.transpose(0, 1) @ b.permute(1, 0, 2).transpose(-1, -2)),
+    ("fused_matmul_trans_batch_4d", "FusedMatMul", [_f(5, 2, 3, 4), _f(2, 3, 4, 6, seed=1)],
+     {"transBatchA": 1}, lambda a, b: a.permute(1, 2, 0, 3) @ b),
+    ("gelu", "Gelu", [_f(3, 8)], {}, None),
+    ("bias_gelu", "BiasGelu", [_f(3, 8), _f(8, seed=1)], {}, lambda x, b: _gelu(x + b)),
+    ("fast_gelu_bias", "FastGelu", [_f(3, 8), _f(8, seed=1)], {},
+     lambda x, b: _gelu(x + b, "tanh")),
+    ("quick_gelu", "QuickGelu", [_f(3, 8)], {"alpha": 1.5}, None),
+    ("bias_add", "BiasAdd", [_f(2, 4, 8), _f(8, seed=1), _f(2, 4, 8, seed=2)], {},
+     lambda x, b, s: x + b + s),
+    ("skip_layer_norm", "SkipLayerNormalization",
+     [_f(2, 3, 8), _f(2, 3, 8, seed=1), _f(8, seed=2), _f(8, seed=3), _f(8, seed=4)],
+     {"epsilon": 1e-5},
+     lambda x, s, g, b, c: torch.nn.functional.layer_norm(x + s + c, (8,), g, b, 1e-5)),
+    ("skip_simplified_layer_norm", "SkipSimplifiedLayerNormalization",
+     [_f(2, 3, 8), _f(2, 3, 8, seed=1), _f(8, seed=2)], {"epsilon": 1e-6},
+     lambda x, s, g: torch.nn.functional.rms_norm(x + s, (8,), g, 1e-6)),
+    ("attention_mask", "Attention",
+     [_f(2, 5, 8), _f(8, 24, seed=1), _f(24, seed=2), RAW_MASK], {"num_heads": 2},
+     lambda x, w, b, m: _sdpa(*_qkv(x, w, b), 2, PADDING)),
+    ("attention_unidirectional", "Attention", [_f(2, 5, 8), _f(8, 24, seed=1), _f(24, seed=2)],
+     {"num_heads": 2, "unidirectional": 1, "scale": 0.25},
+     lambda x, w, b: _sdpa(*_qkv(x, w, b), 2, causal=True, scale=0.25)),
+    ("multi_head_attention", "MultiHeadAttention",
+     [_f(2, 4, 8), _f(2, 5, 8, seed=1), _f(2, 5, 8, seed=2), _f(24, seed=3), RAW_MASK],
+     {"num_heads": 2},
+     lambda q, k, v, b, m: _sdpa(q + b[:8], k + b[8:16], v + b[16:], 2, PADDING)),
+]
+
+
+@vulkan_only
+@pytest.mark.parametrize("name, op, inputs, attrs, reference", MS_CASES,
+                         ids=[c[0] for c in MS_CASES])
+def test_contrib_op_matches_onnxruntime_and_torch(device, name, op, inputs, attrs, reference):
+    # the saved statistics left out (vkml does not give them), the sum of the inputs read
+    outputs = ("y", "", "", "sum") if "Skip" in op else ("y",)
+    model, feeds, wants = _ms_model(op, inputs, attrs, outputs, reference)
+    imp = vkml.import_onnx(model)
+    g = imp.graph
+    y = imp.outputs["y"]
+    weights = np.random.default_rng(7).standard_normal(y.shape).astype(np.float32)
+    loss = g.sum(g.mul(y, g.constant(weights))) if reference is not None else None
+    s = vkml.compile(g, loss=loss, outputs=imp.outputs, device=device)
+    for feed, value in feeds.items():
+        s.set_input(feed, value)
+    s.step() if loss is not None else s.forward()
+    assert rel_l2(s.read("y"), wants[0]) < FORWARD_TOL
+    if "Skip" in op:  # input + skip (+ bias), the fourth output
+        assert rel_l2(s.read("sum"), wants[1]) < FORWARD_TOL
+    if reference is None:
+        return
+    tensors = [torch.tensor(v, dtype=torch.float64, requires_grad=v.dtype.kind == "f")
+               for v in inputs]
+    out = reference(*tensors)
+    assert rel_l2(out.detach().numpy(), wants[0]) < FORWARD_TOL  # the reference is onnxruntime's
+    (out * torch.tensor(weights, dtype=torch.float64)).sum().backward()
+    for k, t in enumerate(tensors):
+        if f"in{k}" in imp.graph.params:
+            assert rel_l2(s.grad(f"in{k}"), t.grad.numpy()) < GRAD_TOL, k
+
+
+def test_contrib_ops_vkml_lacks_are_refused_by_domain_and_name():
+    model, _, _ = _ms_model("Attention", [_f(2, 5, 8), _f(8, 24, seed=1), _f(24, seed=2), None,
+                                          _f(2, 2, 2, 3, 4, seed=3)], {"num_heads": 2},
+                            ("y", "present"))
+    with pytest.raises(vkml.ModelImportError, match="past key/value state"):
+        vkml.import_onnx(model)
+    model, _, _ = _ms_model("Inverse", [_f(3, 3)], {})
+    with pytest.raises(vkml.ModelImportError, match="com.microsoft::Inverse x1"):
+        vkml.import_onnx(model)

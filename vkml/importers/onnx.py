@@ -58,6 +58,9 @@ DATA_DEPENDENT = {
     "Scan": "scans are not unrolled",
     "If": "the branch taken depends on a value computed at run time",
 }
+# onnxruntime's ops that its optimizer writes in the standard domain (LayerNormalization
+# also below opset 17, where ONNX has none)
+ORT_STANDARD_DOMAIN = {"LayerNormalization", "SimplifiedLayerNormalization"}
 # Never computed at import even when their inputs are known.
 NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
               "Bernoulli", "Multinomial", "Dropout", "Loop", "Scan", "If"}
@@ -137,10 +140,28 @@ def _read(onnx, model: Any) -> tuple[Any, str]:
                                "ONNX file?")
     proto = _type_outputs(onnx, proto)
     try:
-        onnx.checker.check_model(proto)
+        onnx.checker.check_model(_checkable(onnx, proto))
     except onnx.checker.ValidationError as e:
         raise ModelImportError(f"{source} is not a valid ONNX model: {e}") from e
     return proto, source
+
+
+def _checkable(onnx, proto):
+    """The model as onnx's checker can read it: onnxruntime's own ops that its optimizer writes
+    in the standard domain (ORT_STANDARD_DOMAIN, at opsets where ONNX has no such op) moved,
+    in a copy, to onnxruntime's domain, which the checker leaves alone."""
+    opset = {o.domain: o.version for o in proto.opset_import}.get("", 0)
+    if not any(n.op_type in ORT_STANDARD_DOMAIN and n.domain in ("", "ai.onnx") and
+               not onnx.defs.has(n.op_type, opset) for n in proto.graph.node):
+        return proto
+    checked = onnx.ModelProto()
+    checked.CopyFrom(proto)
+    for node in checked.graph.node:
+        if node.op_type in ORT_STANDARD_DOMAIN and not onnx.defs.has(node.op_type, opset):
+            node.domain = "com.microsoft"
+    if all(o.domain != "com.microsoft" for o in checked.opset_import):
+        checked.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return checked
 
 
 def _type_outputs(onnx, proto):
@@ -424,12 +445,15 @@ class _Builder:
             return
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
         for name, value in zip(node.output, outs):
-            if name:
+            if name and value is not None:
                 self.env[name] = value
-        for name in node.output[len(outs):]:
+        # the outputs vkml does not compute (None, or past those given): refused where read
+        left = [o for o, v in zip(node.output, outs) if v is None] + node.output[len(outs):]
+        for name in left:
             if name and name in self.consumers:
                 self.refusals.refuse(_node_name(node, 0), node.op_type,
                                      f"its output '{name}' is read, and vkml does not compute it")
+                self.poisoned.add(name)
 
     def fold(self, node, ins: list) -> list[np.ndarray]:
         """The node computed at import by onnx's reference implementation of it (numpy's
@@ -1072,7 +1096,7 @@ def _group_norm(b, node, ins, attrs):
     return b.g.group_norm(x, groups, scale, bias, float(attrs.get("epsilon", 1e-5)))
 
 
-@onnx_op("RMSNormalization")
+@onnx_op("RMSNormalization", "SimplifiedLayerNormalization")
 def _rms_norm(b, node, ins, attrs):
     """Over the axes from `axis` on, flattened into one where there are several."""
     x = b.device(ins[0])
@@ -2054,3 +2078,184 @@ def _if(b, node, ins, attrs):
     b.initializers(branch)
     b.walk(branch.node)
     return [b.env[o.name] for o in branch.output]
+
+
+# ---- onnxruntime's contrib ops, as its offline optimizer writes them ----------------------------
+# (SessionOptions.optimized_model_filepath: ORT_ENABLE_EXTENDED fuses into these; semantics from
+# onnxruntime's docs/ContribOperators.md). Each becomes the vkml ops of its unfused form.
+# ORT_ENABLE_BASIC also writes ORT_STANDARD_DOMAIN's ops in the standard domain, which
+# LayerNormalization's and RMSNormalization's handlers above take.
+MS = "com.microsoft::"
+FUSED_ACTIVATIONS = {"Relu": [], "Tanh": [], "Sigmoid": [], "LeakyRelu": ["alpha"],
+                     "HardSigmoid": ["alpha", "beta"], "Clip": []}
+
+
+@dataclass
+class _Activation:
+    """The node a FusedConv's activation attribute names, for that op's own handler."""
+
+    op_type: str
+
+
+@onnx_op(MS + "FusedConv")
+def _fused_conv(b, node, ins, attrs):
+    """activation(Conv(X, W, B) + Z), activation_params as the activation's attributes (Clip's
+    its bounds)."""
+    activation = attrs.pop("activation", None)
+    params = list(attrs.pop("activation_params", []))
+    y = _conv(b, node, ins[:3], attrs)
+    if len(ins) > 3 and ins[3] is not None:
+        y = b.g.add(y, b.device(ins[3]))
+    if activation is None:
+        return y
+    if activation not in FUSED_ACTIVATIONS:
+        raise Refuse(f"FusedConv's activation {activation} is not supported "
+                     f"({', '.join(FUSED_ACTIVATIONS)} are)")
+    if activation == "Clip":
+        bounds = [np.float32(p) for p in params]
+        return _clip(b, _Activation("Clip"), [y, *bounds], {})
+    named = dict(zip(FUSED_ACTIVATIONS[activation], params))
+    return HANDLERS[activation](b, _Activation(activation), [y], named)
+
+
+@onnx_op(MS + "FusedMatMul", MS + "TransposeMatMul")
+def _fused_matmul(b, node, ins, attrs):
+    """alpha * op(A) @ op(B): transA / transB swap the last two axes; transBatchA / transBatchB
+    move the first axis to just before the last (onnxruntime folds a Transpose of
+    (L, batch, D) -> (batch, L, D) into it)."""
+    g = b.g
+    operands = []
+    for x, batch, last in ((ins[0], "transBatchA", "transA"), (ins[1], "transBatchB", "transB")):
+        x = b.device(x)
+        rank = len(x.shape)
+        if attrs.get(batch, 0) and rank > 2:
+            x = g.transpose(x, [*range(1, rank - 1), 0, rank - 1])
+        if attrs.get(last, 0):
+            x = g.transpose(x, [*range(rank - 2), rank - 1, rank - 2])
+        operands.append(x)
+    y = matmul(g, *operands)
+    alpha = float(attrs.get("alpha", 1.0))
+    return y if alpha == 1.0 else g.mul(y, alpha)
+
+
+@onnx_op(MS + "Gelu", MS + "BiasGelu", MS + "FastGelu")
+def _ms_gelu(b, node, ins, attrs):
+    """GELU of x (plus a bias where given): exact, or FastGelu's tanh form, which is torch's
+    approximate="tanh" (0.797885 = sqrt(2 / pi), 0.035677 = 0.044715 sqrt(2 / pi))."""
+    x = b.device(ins[0])
+    if len(ins) > 1 and ins[1] is not None:
+        x = _plus_bias(b, x, ins[1])
+    return b.g.gelu(x, "tanh" if node.op_type == "FastGelu" else "none")
+
+
+def _plus_bias(b, x: Tensor, bias: Value) -> Tensor:
+    bias = b.device(bias)
+    return b.g.bias_add(x, bias) if bias.shape == x.shape[-1:] else b.g.add(x, bias)
+
+
+@onnx_op(MS + "QuickGelu")
+def _quick_gelu(b, node, ins, attrs):
+    return _swish_of(b.g, b.device(ins[0]), float(attrs.get("alpha", 1.702)))
+
+
+@onnx_op(MS + "BiasAdd")
+def _ms_bias_add(b, node, ins, attrs):
+    return b.g.add(_plus_bias(b, b.device(ins[0]), ins[1]), b.device(ins[2]))
+
+
+@onnx_op(MS + "SkipLayerNormalization", MS + "SkipSimplifiedLayerNormalization")
+def _skip_layer_norm(b, node, ins, attrs):
+    """The normalization (layer or RMS, over the last axis) of input + skip (+ bias), and
+    that sum as the fourth output; the saved statistics (mean, inv_std_var) are not given."""
+    g = b.g
+    simplified = node.op_type == "SkipSimplifiedLayerNormalization"
+    ins = [*ins, None, None]
+    total = g.add(b.device(ins[0]), b.device(ins[1]))
+    bias = ins[3 if simplified else 4]
+    if bias is not None:
+        total = _plus_bias(b, total, bias)
+    eps = float(attrs.get("epsilon", 1e-12))
+    gamma = b.device(ins[2])
+    if simplified:
+        y = g.rms_norm(total, gamma, eps)
+    else:
+        beta = b.device(ins[3]) if ins[3] is not None else None
+        y = g.layer_norm(total, total.shape[-1:], gamma, beta, eps)
+    return [y, None, None, total]
+
+
+def _padding_mask(b, mask: Value, batch: int, keys: int, fill: float) -> Tensor | None:
+    """onnxruntime's raw key mask, (batch, keys) or (batch, queries, keys), 1 to attend and 0
+    not: an additive mask of 0 and `fill` (its mask_filter_value) broadcasting over heads."""
+    if mask is None:
+        return None
+    g = b.g
+    if isinstance(mask, Tensor):
+        shape = mask.shape
+    else:
+        shape = np.shape(b.host(mask, "mask"))
+    if len(shape) not in (2, 3) or shape[0] != batch or shape[-1] != keys:
+        raise Refuse(f"a mask of shape {tuple(shape)} is not supported (raw masks of (batch, "
+                     "keys) or (batch, queries, keys) are; sequence lengths are not)")
+    if isinstance(mask, Tensor):
+        additive = g.where(g.greater(g.cast(mask, "f32"), 0.0), 0.0, fill)
+    else:
+        additive = b.device(np.where(b.host(mask, "mask") > 0, 0.0, fill).astype(np.float32))
+    return g.reshape(additive, (batch, 1, 1 if len(shape) == 2 else shape[1], keys))
+
+
+def _ms_attention_of(b, node, q: Tensor, k: Tensor, v: Tensor, mask: Value,
+                     bias: Value, attrs: dict) -> Tensor:
+    """Heads split from (batch, length, heads x size), attention with the padding mask and the
+    additive attention_bias, heads merged back."""
+    g = b.g
+    if attrs.get("do_rotary", 0) or attrs.get("past_present_share_buffer", 0):
+        raise Refuse("do_rotary and past_present_share_buffer are not supported")
+    heads = int(attrs["num_heads"])
+    batch, length, keys = q.shape[0], q.shape[1], k.shape[1]
+    additive = _padding_mask(b, mask, batch, keys, float(attrs.get("mask_filter_value", -10000.0)))
+    if bias is not None:
+        bias = b.device(bias)
+        additive = bias if additive is None else g.add(additive, bias)
+    y = g.scaled_dot_product_attention(_heads(g, q, heads), _heads(g, k, heads),
+                                       _heads(g, v, heads), additive,
+                                       bool(attrs.get("unidirectional", 0)), attrs.get("scale"))
+    y = g.transpose(y, (0, 2, 1, 3))
+    return g.reshape(y, (batch, length, y.shape[2] * y.shape[3]))
+
+
+@onnx_op(MS + "Attention")
+def _ms_attention(b, node, ins, attrs):
+    """Self-attention with the query, key and value projections merged into one weight
+    (hidden, q + k + v) and bias; no past state (a key/value cache)."""
+    ins = [*ins, *[None] * 7]
+    if ins[4] is not None or ins[6] is not None:
+        raise Refuse("a past key/value state is not supported")
+    g, x = b.g, b.device(ins[0])
+    projected = matmul(g, x, b.device(ins[1]))
+    if ins[2] is not None:
+        projected = g.bias_add(projected, b.device(ins[2]))
+    width = projected.shape[-1]
+    sizes = list(attrs.get("qkv_hidden_sizes", [width // 3] * 3))
+    q, k, v = g.split(projected, sizes, -1)
+    return [_ms_attention_of(b, node, q, k, v, ins[3], ins[5], attrs), None]
+
+
+@onnx_op(MS + "MultiHeadAttention")
+def _ms_multi_head_attention(b, node, ins, attrs):
+    """Attention of separate query, key and value (batch, length, hidden) inputs, their
+    projections' biases merged into one (q + k + v); no packed forms, no past state."""
+    ins = [*ins, *[None] * 10]
+    if any(ins[i] is not None for i in (6, 7, 8, 9)):
+        raise Refuse("a past key/value state is not supported")
+    if ins[1] is None or ins[2] is None:
+        raise Refuse("packed query/key/value inputs are not supported (separate ones are)")
+    g = b.g
+    q, k, v = (b.device(x) for x in ins[:3])
+    if not len(q.shape) == len(k.shape) == len(v.shape) == 3:
+        raise Refuse("keys and values already split into heads (4-D) are not supported "
+                     "(batch, length, hidden) inputs are")
+    if ins[3] is not None:
+        bq, bk, bv = g.split(b.device(ins[3]), [q.shape[-1], k.shape[-1], v.shape[-1]], 0)
+        q, k, v = g.bias_add(q, bq), g.bias_add(k, bk), g.bias_add(v, bv)
+    return [_ms_attention_of(b, node, q, k, v, ins[4], ins[5], attrs), None, None, None]
