@@ -707,6 +707,32 @@ def test_torch_vector_norms_and_slice_writes_train_as_pytorch(device):
     check_training(imp, module, x, labels, device)
 
 
+class WrittenIndex(torch.nn.Module):
+    """BEiT's relative position bias: an index made at run time from aranges, written into a
+    zeros tensor slice by slice in place (no later op reads those writes' results), then a
+    parameter table gathered at it."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(7, 5))
+
+    def forward(self, x):
+        index = torch.zeros(4, 4, dtype=torch.long)
+        steps = torch.arange(3)
+        index[1:, 1:] = steps[:, None] - steps[None, :] + 2
+        index[0, :] = 5
+        index[:, 0].fill_(6)
+        return x @ self.table[index.view(-1)].view(4, 4, 5).sum(1)
+
+
+@vulkan_only
+def test_torch_in_place_writes_into_a_computed_index_are_kept(device):
+    torch.manual_seed(0)
+    module = WrittenIndex()
+    x, labels = torch.randn(3, 4), torch.tensor([1, 4, 0])
+    check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
+
+
 class Video(torch.nn.Module):
     """A video classifier's layers: 3-D convolutions (one strided and grouped, one over time
     alone), 3-D batch norm, 3-D max pooling, adaptive 3-D average pooling (an AveragePool in

@@ -106,9 +106,7 @@ def _needs_decompositions(program: Any, torch_ops: Any) -> bool:
     for node in _computed_on_device(program):
         if _key(node.target) not in ATEN and _key(node.target) not in FOLD_ONLY:
             return True
-        packet = getattr(node.target, "overloadpacket", None)
-        if packet is not None and packet.__name__.endswith("_") and not \
-                packet.__name__.endswith("__"):
+        if _in_place(node.target):
             written = node.args[0]
             if (getattr(written, "op", None) != "call_function" or len(written.users) != 1
                     or _key(written.target) in VIEWS):
@@ -132,6 +130,20 @@ def _computed_on_device(program: Any) -> list[Any]:
             device.add(node.name)
             found.append(node)
     return found
+
+
+def _in_place(target: Any) -> bool:
+    """Whether the op writes into its first argument (add_, copy_, fill_)."""
+    packet = getattr(target, "overloadpacket", None)
+    return packet is not None and packet.__name__.endswith("_") and not \
+        packet.__name__.endswith("__")
+
+
+def _written_base(node: Any) -> Any:
+    """The value an in-place op's first argument views (through slices, selects, ...)."""
+    while getattr(node, "op", None) == "call_function" and _key(node.target) in VIEWS:
+        node = node.args[0]
+    return node
 
 
 def _key(target: Any) -> str:
@@ -217,12 +229,26 @@ class _Builder:
         user = {spec.arg.name for spec in sig.output_specs if spec.kind.name == "USER_OUTPUT"}
         by_name = {n.name: n for n in self.program.graph.nodes}
         needed: set[str] = set()
-        stack = [by_name[n] for n in user if n in by_name]
-        while stack:
-            node = stack.pop()
-            if node.name not in needed:
-                needed.add(node.name)
-                stack.extend(node.all_input_nodes)
+
+        def need(stack: list) -> None:
+            while stack:
+                node = stack.pop()
+                if node.name not in needed:
+                    needed.add(node.name)
+                    stack.extend(node.all_input_nodes)
+        need([by_name[n] for n in user if n in by_name])
+        # A write into a needed value, whose own result nothing reads (BEiT fills its relative
+        # position index into a zeros tensor in place, slice by slice), is needed too: the
+        # value read after it is the written one.
+        writes = [n for n in self.program.graph.nodes
+                  if n.op == "call_function" and _in_place(n.target)]
+        grown = True
+        while grown:
+            grown = False
+            for node in writes:
+                if node.name not in needed and _written_base(node.args[0]).name in needed:
+                    need([node])
+                    grown = True
         return needed
 
     def _placeholder(self, node, params, buffers, constants, state) -> None:
