@@ -151,6 +151,9 @@ def float16_models(module, x, tmp_path):
     models = {"half": onnx.load(str(tmp_path / "half.onnx"))}
     float16 = pytest.importorskip("onnxconverter_common.float16")
     models["converted"] = float16.convert_float_to_float16(onnx.load(str(tmp_path / "f32.onnx")))
+    # float32 inputs and outputs, Casts to and from float16 inside
+    models["keep_io_types"] = float16.convert_float_to_float16(
+        onnx.load(str(tmp_path / "f32.onnx")), keep_io_types=True)
     return models
 
 
@@ -169,9 +172,10 @@ def test_float16_models_compute_in_f32_from_their_float16_values(device, tmp_pat
     torch.manual_seed(0)
     module, x = MLP(), torch.randn(5, 6)
     for kind, model in float16_models(module, x, tmp_path).items():
-        assert model.graph.input[0].type.tensor_type.elem_type == T.FLOAT16, kind
+        io = T.FLOAT if kind == "keep_io_types" else T.FLOAT16
+        assert model.graph.input[0].type.tensor_type.elem_type == io, kind
         assert model.graph.initializer[0].data_type == T.FLOAT16, kind
-        feeds = {"x": x.half().numpy()}
+        feeds = {"x": x.half().numpy() if io == T.FLOAT16 else x.half().float().numpy()}
         imp, (got,) = vkml_forward(model, feeds, device)
         assert got.dtype == np.float32
         assert rel_l2(got, float64_reference(module, x)) < FORWARD_TOL, kind
@@ -350,6 +354,22 @@ def test_named_dimensions_resolve_by_name_or_by_input(device, shapes):
     assert imp.inputs["mask"].shape == (2, 5)
 
 
+@vulkan_only
+def test_exported_dynamic_axes_resolve_at_any_size(device, tmp_path):
+    """torch.onnx's dynamic_axes: the shape arithmetic the exporter writes for them (Shape,
+    Gather, Concat into Reshape) is computed at import for the sizes given."""
+    torch.manual_seed(0)
+    path = str(tmp_path / "block.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(TinyBlock().eval(), (torch.randn(2, 6, 16),), path, dynamo=False,
+                          input_names=["x"], output_names=["logits"],
+                          dynamic_axes={"x": {0: "batch", 1: "seq"}}, opset_version=17)
+    for batch, seq in ((3, 9), (1, 4)):
+        x = torch.randn(batch, seq, 16).numpy()
+        check_against_onnxruntime(path, {"x": x}, device, shapes={"batch": batch, "seq": seq})
+
+
 def test_open_dimensions_are_named_with_the_fix():
     model = _ids_and_mask_model()
     with pytest.raises(vkml.ModelImportError,
@@ -391,6 +411,19 @@ def test_initializers_listed_as_inputs_are_parameters(device):
     model.ir_version = 3
     imp = check_against_onnxruntime(model, {"x": x}, device)
     assert list(imp.inputs) == ["x"] and list(imp.graph.params) == ["w"]
+    # as torch.onnx writes them (keep_initializers_as_inputs, opset 11: IR version 6)
+    torch.manual_seed(0)
+    module, x = MLP(), torch.randn(5, 6)
+    file = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), file, dynamo=False, input_names=["x"],
+                          output_names=["logits"], keep_initializers_as_inputs=True,
+                          opset_version=11)
+    model = onnx.load_from_string(file.getvalue())
+    assert len(model.graph.input) == 5
+    imp = check_against_onnxruntime(model, {"x": x.numpy()}, device)
+    assert list(imp.inputs) == ["x"] and set(imp.graph.params) == set(module.state_dict())
 
 
 CONSTANTS = {
