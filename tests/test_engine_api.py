@@ -293,6 +293,30 @@ def test_no_step_sees_half_an_update(device, monkeypatch):
         train.close()
 
 
+def test_parameters_are_never_read_half_updated(device, monkeypatch):
+    # Between the pieces of a chunked step that update parameters, reads returned some
+    # layers updated and others not, and state_dict() a step count ahead of the moments.
+    monkeypatch.setenv("VKML_PLAN_CACHE", "0")  # the plan depends on PACK_BYTES
+    monkeypatch.setattr(schedule, "PACK_BYTES", 1024)  # updates in several packs: levels
+    train = mlp(device)
+    infer = inference(device, owner=train)
+    try:
+        train.step()
+        while not train.updating:
+            train.step_chunk(chunks=99)
+        for read in (lambda: train.read("fc1.weight"), train.params,
+                     lambda: infer.read("fc1.weight"), infer.params):
+            with pytest.raises(vkml.InputError, match="part-way through .*parameter updates"):
+                read()
+        saved = train.state_dict()  # finishes the step first, as save() does
+        assert not train.updating and train.pieces_left == 0
+        assert_same(saved, reference_state_dict(device, 2))
+        np.testing.assert_array_equal(infer.read("fc1.weight"), saved["fc1.weight"])
+    finally:
+        infer.close()
+        train.close()
+
+
 def test_sharing_refuses_what_it_cannot_share(device):
     with mlp(device) as train:
         g = vkml.Graph(seed=0)

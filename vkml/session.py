@@ -384,7 +384,8 @@ class Session:
         while it is submitted is raised once all its pieces are, so no step is left half-way
         for a later call to finish (which would apply two updates). A step begun with
         step_chunk() and not finished is finished first (its remaining pieces submitted, its
-        update applied), as forward(), save(), load(), profile(), record() and close() do:
+        update applied), as forward(), save(), state_dict(), load(), profile(), record() and
+        close() do:
         then this step runs."""
         if chunks is None and budget_ms is None:
             self._submit(self._bound.step_program, self._bound.step_writes_params,
@@ -660,8 +661,11 @@ class Session:
         read or wait after a step whose index operands computed on the GPU (a slice or concat
         of an input, a gather's result) held an index out of range raises InputError naming
         the op, the operand and the value, as PyTorch raises on it; such a step updates no
-        parameter (inputs holding such indices are refused by set_input at once)."""
+        parameter (inputs holding such indices are refused by set_input at once). A
+        parameter cannot be read while a chunked step is part-way through its updates
+        (`updating`: some layers would be new and others old); InputError says so."""
         if name in self.plan.params:
+            self._require_whole_params(f"parameter '{name}'")
             value = self._bound.read_slot(self.plan.slots[self.plan.params[name]])
             self._check_indices()
             return value
@@ -742,11 +746,28 @@ class Session:
     def params(self) -> dict[str, np.ndarray]:
         """Every parameter of the graph, by name: also those the compiled outputs and loss do
         not use, which this session keeps on the host, frozen, and saves and loads as the
-        others."""
+        others. InputError while a chunked step is part-way through its updates (see read)."""
+        self._require_whole_params("params()")
         names = list(self.plan.params)
         on_device = dict(zip(names, self._bound.read_slots(
             [self.plan.slots[self.plan.params[n]] for n in names])))
         return on_device | {n: v.copy() for n, v in self._entries.params.items()}
+
+    def _require_whole_params(self, what: str) -> None:
+        """Refuse to read parameters between the pieces of a chunked step that update them:
+        the values would be some layers' new and others' old, with no error."""
+        bound, owner = self._bound, self._bound.owner
+        if bound.updating:
+            raise InputError(
+                f"{what}: this session's chunked step is part-way through its parameter "
+                f"updates ({bound.updates_left} of its pieces that write parameters not yet "
+                "submitted), so they would read some layers updated and others not: call "
+                "step_chunk() until it returns 0 first (`session.updating` says when)")
+        if owner is not None and owner.updating:
+            raise InputError(
+                f"{what}: the session whose parameters this one uses (share_params_with) is "
+                "part-way through a chunked step's parameter updates: submit the rest of its "
+                "step first (its `updating` property says when)")
 
     def _param_names(self) -> list[str]:
         return sorted([*self.plan.params, *self._entries.params])
@@ -801,7 +822,10 @@ class Session:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters by name, plus optimizer state under "optimizer/<param>/<state>", the
         hyperparameters (step count included) under "optimizer/hyperparams" and the graph's
-        checkpoint extras (`Graph.extra`) in their own dtypes."""
+        checkpoint extras (`Graph.extra`) in their own dtypes. Like save(), it first finishes
+        a step begun with step_chunk()."""
+        self._chunker.finish()
+        self._require_whole_params("state_dict()")
         return checkpoint.state_dict(self._bound, self._entries)
 
     @_serialized
@@ -811,6 +835,7 @@ class Session:
         its own). The metadata names the optimizer and its hyperparameters, and the training
         steps taken where the graph numbers them (dropout's masks)."""
         self._chunker.finish()
+        self._require_whole_params("save()")
         checkpoint.save(self._bound, path, self._entries, self._hyperparams)
 
     @_serialized
