@@ -733,6 +733,60 @@ def test_torch_in_place_writes_into_a_computed_index_are_kept(device):
     check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
 
 
+def _sequence_model():
+    """ONNX sequences as torch.onnx's unoptimized dynamo export writes a split (GPT-J's
+    rotary sin/cos): h = x w split into a sequence, items picked, erased, inserted, counted
+    and concatenated or stacked back."""
+    from onnx import TensorProto, helper, numpy_helper
+    i64 = lambda name, v: numpy_helper.from_array(np.asarray(v, np.int64), name)  # noqa: E731
+    w = np.random.default_rng(0).standard_normal((2, 5, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["h"]),
+        helper.make_node("SplitToSequence", ["h", "sizes"], ["parts"], axis=1),
+        helper.make_node("SequenceAt", ["parts", "last"], ["tail"]),
+        helper.make_node("SplitToSequence", ["h"], ["columns"], axis=2, keepdims=0),
+        helper.make_node("SequenceErase", ["columns", "first"], ["rest"]),
+        helper.make_node("SequenceInsert", ["rest", "head"], ["again"]),
+        helper.make_node("SequenceLength", ["again"], ["count"]),
+        helper.make_node("Cast", ["count"], ["scale"], to=TensorProto.FLOAT),
+        helper.make_node("ConcatFromSequence", ["again"], ["stacked"], axis=1, new_axis=1),
+        helper.make_node("Mul", ["stacked", "scale"], ["y2"]),
+        helper.make_node("SequenceConstruct", ["tail", "tail"], ["pair"]),
+        helper.make_node("ConcatFromSequence", ["pair"], ["y1"], axis=-1),
+        helper.make_node("SequenceAt", ["columns", "first"], ["head"]),
+    ]
+    nodes = nodes[:5] + nodes[-1:] + nodes[5:-1]  # head before SequenceInsert reads it
+    graph = helper.make_graph(
+        nodes, "sequences", [helper.make_tensor_value_info("x", TensorProto.FLOAT, (2, 5, 3))],
+        [helper.make_tensor_value_info("y1", TensorProto.FLOAT, (2, 3, 6)),
+         helper.make_tensor_value_info("y2", TensorProto.FLOAT, (2, 3, 5))],
+        [numpy_helper.from_array(w, "w"), i64("sizes", [2, 3]), i64("last", -1),
+         i64("first", 0)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w
+
+
+@vulkan_only
+def test_onnx_sequences_match_onnxruntime_and_torch(device, tmp_path):
+    model, w = _sequence_model()
+    path = str(tmp_path / "sequences.onnx")
+    onnx.save(model, path)
+    x = np.random.default_rng(1).standard_normal((2, 5, 3)).astype(np.float32)
+    imp = vkml.import_onnx(path)
+    g = imp.graph
+    loss = g.add(g.sum(g.square(imp.outputs["y1"])), g.sum(g.square(imp.outputs["y2"])))
+    s = vkml.compile(g, loss=loss, outputs=imp.outputs, device=device)
+    s.set_input("x", x)
+    s.step()
+    for name, ref in zip(("y1", "y2"), onnxruntime_run(path, {"x": x})):
+        assert rel_l2(s.read(name), ref) < FORWARD_TOL, name
+    wt = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    h = torch.tensor(x, dtype=torch.float64) * wt
+    y1 = torch.cat([h[:, 2:], h[:, 2:]], -1)
+    y2 = torch.stack([h[..., 1], h[..., 2], h[..., 0]], 1) * 3
+    (y1.square().sum() + y2.square().sum()).backward()
+    assert rel_l2(s.grad("w"), wt.grad.numpy()) < GRAD_TOL
+
+
 class Video(torch.nn.Module):
     """A video classifier's layers: 3-D convolutions (one strided and grouped, one over time
     alone), 3-D batch norm, 3-D max pooling, adaptive 3-D average pooling (an AveragePool in

@@ -77,6 +77,14 @@ class Initializer:
     array: np.ndarray
 
 
+@dataclass(frozen=True)
+class TensorSequence:
+    """An ONNX sequence (SplitToSequence, SequenceConstruct, ...) of values the device
+    computes: its items, whose number is known at import, each a Tensor or a known array."""
+
+    items: tuple
+
+
 def _onnx():
     try:
         import onnx
@@ -422,7 +430,7 @@ class _Builder:
             self.refusals.refuse(name, op, f"reads {missing}, which nothing before it defines")
             self._bind(node, None)
             return
-        known = all(not isinstance(v, Tensor) and not isinstance(v, Initializer)
+        known = all(not isinstance(v, (Tensor, Initializer, TensorSequence))
                     for v in ins if v is not None)
         if known and op not in NOT_FOLDED and node.domain in ("", "ai.onnx"):
             outs = convert_guarded(self.refusals, name, op, lambda: self.fold(node, ins))
@@ -1497,6 +1505,92 @@ def _split(b, node, ins, attrs):
         size = -(-x.shape[axis] // parts)
         sizes = [min(size, x.shape[axis] - size * i) for i in range(parts)]
     return b.g.split(x, sizes, axis)
+
+
+def _position(b, ins, index: int, places: int, default: int, what: str) -> int:
+    """A sequence op's position input, one of `places` (negative from the end; `default`
+    where absent)."""
+    if len(ins) <= index or ins[index] is None:
+        return default
+    at = int(b.host(ins[index], f"the position ({what}'s, when computed at run time)"))
+    if not -places <= at < places:
+        raise Refuse(f"position {at} is outside the sequence's {places} places")
+    return at % places
+
+
+def _sequence(value: Value) -> TensorSequence:
+    if not isinstance(value, TensorSequence):
+        raise Refuse("expects a sequence computed by the graph")
+    return value
+
+
+@onnx_op("SplitToSequence")
+def _split_to_sequence(b, node, ins, attrs):
+    """Split's parts as a sequence; without split, pieces of 1 (squeezed unless keepdims)."""
+    x = b.device(ins[0])
+    axis = int(attrs.get("axis", 0)) % len(x.shape)
+    n = x.shape[axis]
+    split = b.host(ins[1], "split sizes") if len(ins) > 1 and ins[1] is not None else None
+    if split is None:
+        parts = b.g.split(x, [1] * n, axis) if n > 1 else [x]
+        if not attrs.get("keepdims", 1):
+            parts = [b.g.reshape(p, x.shape[:axis] + x.shape[axis + 1:]) for p in parts]
+        return [TensorSequence(tuple(parts))]
+    if split.ndim == 0:  # pieces of that size, the last one shorter
+        size = int(split)
+        sizes = [min(size, n - start) for start in range(0, n, size)]
+    else:
+        sizes = [int(v) for v in split]
+    parts = b.g.split(x, sizes, axis) if len(sizes) > 1 else [x]
+    return [TensorSequence(tuple(parts))]
+
+
+@onnx_op("SequenceConstruct")
+def _sequence_construct(b, node, ins, attrs):
+    return [TensorSequence(tuple(ins))]
+
+
+@onnx_op("SequenceEmpty")
+def _sequence_empty(b, node, ins, attrs):
+    return [TensorSequence(())]
+
+
+@onnx_op("SequenceAt")
+def _sequence_at(b, node, ins, attrs):
+    items = _sequence(ins[0]).items
+    return items[_position(b, ins, 1, len(items), 0, "SequenceAt")]
+
+
+@onnx_op("SequenceLength")
+def _sequence_length(b, node, ins, attrs):
+    return np.asarray(len(_sequence(ins[0]).items), np.int64)
+
+
+@onnx_op("SequenceInsert")
+def _sequence_insert(b, node, ins, attrs):
+    items = _sequence(ins[0]).items
+    at = _position(b, ins, 2, len(items) + 1, len(items), "SequenceInsert")
+    return [TensorSequence(items[:at] + (ins[1],) + items[at:])]
+
+
+@onnx_op("SequenceErase")
+def _sequence_erase(b, node, ins, attrs):
+    items = _sequence(ins[0]).items
+    at = _position(b, ins, 1, len(items), len(items) - 1, "SequenceErase")
+    return [TensorSequence(items[:at] + items[at + 1:])]
+
+
+@onnx_op("ConcatFromSequence")
+def _concat_from_sequence(b, node, ins, attrs):
+    """The items concatenated along `axis`, or stacked on a new one (new_axis=1)."""
+    items = [b.device(v) for v in _sequence(ins[0]).items]
+    if not items:
+        raise Refuse("concatenates an empty sequence")
+    rank = len(items[0].shape) + (1 if attrs.get("new_axis", 0) else 0)
+    axis = int(attrs["axis"]) % rank
+    if attrs.get("new_axis", 0):
+        items = [b.g.reshape(v, v.shape[:axis] + (1,) + v.shape[axis:]) for v in items]
+    return b.g.concat(items, axis) if len(items) > 1 else items[0]
 
 
 @onnx_op("Slice")
