@@ -8,6 +8,7 @@ values.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -272,6 +273,32 @@ def test_unwritable_destinations_raise_checkpoint_error(device, tmp_path):
         assert isinstance(info.value.__cause__, cause)
     leftovers = [p for p in os.listdir(tmp_path.parent) if p.endswith(".tmp")]
     assert os.listdir(tmp_path) == [] and not leftovers  # no temporary file left behind
+    assert_usable(session)
+
+
+def test_a_full_disk_keeps_the_old_file_and_paths_of_any_kind_are_named(device, tmp_path,
+                                                                         monkeypatch):
+    session = mlp(device, vkml.Adam(lr=1e-2))
+    path = tmp_path / "kept.safetensors"
+    session.save(path)
+    old = path.read_bytes()
+    session.step()
+    real_fsync = os.fsync
+
+    def full(fd):  # the data written so far reaches the disk only here
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(vkml.CheckpointError, match="No space left on device") as info:
+        session.save(path)
+    assert isinstance(info.value.__cause__, OSError)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["kept.safetensors"]
+    # bytes name a file as the OS does; None was a TypeError from os.fspath
+    session.save(os.fsencode(tmp_path / "bytes.safetensors"))
+    session.load(os.fsencode(tmp_path / "bytes.safetensors"))
+    for call in (session.save, session.load):
+        with pytest.raises(vkml.CheckpointError, match="at None: give its path"):
+            call(None)
     assert_usable(session)
 
 

@@ -385,8 +385,7 @@ class Session:
         for a later call to finish (which would apply two updates). A step begun with
         step_chunk() and not finished is finished first (its remaining pieces submitted, its
         update applied), as forward(), save(), state_dict(), load(), profile(), record() and
-        close() do:
-        then this step runs."""
+        close() do: then this step runs."""
         if chunks is None and budget_ms is None:
             self._submit(self._bound.step_program, self._bound.step_writes_params,
                          {"outputs", "grads"})

@@ -74,6 +74,7 @@ def save(bound: BoundPlan, path: str | os.PathLike, entries: Entries | None = No
     the user gave them (float64), kept in the metadata for an exact resumption."""
     from safetensors.numpy import save as serialize
 
+    path = _path(path, "write")
     plan = bound.plan
     metadata = {"format": "vkml"}
     if plan.optimizer is not None:
@@ -83,7 +84,7 @@ def save(bound: BoundPlan, path: str | os.PathLike, entries: Entries | None = No
             metadata[EXACT] = json.dumps({k: float(v) for k, v in hyperparams.items()})
     if TRAINING_STEP in plan.inputs:
         metadata[TRAINING_STEPS] = str(bound.training_steps)
-    _write_atomic(os.fspath(path), serialize(state_dict(bound, entries), metadata=metadata))
+    _write_atomic(path, serialize(state_dict(bound, entries), metadata=metadata))
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -121,7 +122,7 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, dict[str, Any]], dict[
     exception."""
     from safetensors import SafetensorError, deserialize
 
-    path = os.fspath(path)
+    path = _path(path, "read")
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -162,7 +163,7 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
     it has them; the optimizer's tables (Adam's bias corrections) are rebuilt from them."""
     plan = bound.plan
     entries = entries or Entries()
-    path = os.fspath(path)
+    path = _path(path, "read")
     tensors, metadata = read_file(path)
     targets = _targets(bound)
     optimizer = plan.optimizer if optimizer_state else None
@@ -332,6 +333,15 @@ def _saved_hyperparams(plan: Any, metadata: Mapping[str, str],
                         "update depends on: compile the session with those values to resume "
                         "this optimizer state")
     return problems, None if problems else values
+
+
+def _path(path: object, verb: str) -> str:
+    """A checkpoint's path as a str (bytes decoded as the OS names files), or CheckpointError."""
+    try:
+        return os.fsdecode(os.fspath(path))  # type: ignore[arg-type]
+    except TypeError:
+        raise CheckpointError(f"cannot {verb} a checkpoint at {path!r}: give its path, a str or "
+                              "an os.PathLike such as pathlib.Path") from None
 
 
 def _names(names: list[str], limit: int = 8) -> str:
