@@ -389,6 +389,9 @@ def _builder_misuse(g: vkml.Graph) -> list[tuple[Callable[[], object], str]]:
         (lambda: g.constant(None), "a constant takes numbers .* got NoneType"),
         (lambda: g.constant("1.5"), "a constant takes numbers .* got str"),
         (lambda: g.param("p", (2,), init=np.array(["a", "b"])), "init array holds <U1"),
+        (lambda: g.extra("e", None), "checkpoint extra 'e' must hold booleans, integers or "
+         r"floats .* got NoneType \(object\)"),  # save() failed in safetensors
+        (lambda: g.extra("e", 2**70), "got int"),
         (lambda: vkml.nn.Linear(g, "fc", 0, 3), r"Linear 'fc' at .*: \(out, in\) features \(3, "
          r"0\): every dimension must be >= 1"),
     ]

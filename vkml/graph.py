@@ -459,7 +459,12 @@ class Graph:
         kind of number), and saves it back unchanged, so such files load with strict=True and
         round-trip. A file without it loads too (the value stays)."""
         self._claim(name, "checkpoint extra")
-        self.extras[name] = np.array(value)
+        array = np.array(value)
+        if array.dtype.kind not in "biuf":  # what safetensors stores, and _as_extra loads
+            raise GraphError(f"checkpoint extra '{name}' must hold booleans, integers or "
+                             f"floats (of 64 bits at most), got {type(value).__name__} "
+                             f"({array.dtype}): the checkpoint could not be saved")
+        self.extras[name] = array
 
     def unsupported(self, name: str, reason: str) -> None:
         """A checkpoint tensor whose presence means that the file's model uses an option this
