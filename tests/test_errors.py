@@ -3,6 +3,8 @@ input and the fix, and leave the session usable."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -452,3 +454,17 @@ def test_a_save_that_would_write_two_tensors_under_one_name_writes_nothing(devic
     with pytest.raises(vkml.CheckpointError, match=r"two tensors would be saved as \['w'\]"):
         session.save(path)
     assert not path.exists()
+
+
+def test_malformed_environment_variables_are_named():
+    # float() of them at import made `import vkml` fail with a bare ValueError, and
+    # VKML_WAIT_TIMEOUT=inf with an OverflowError
+    code = "import vkml.vk.context as c; print(c.WAIT_TIMEOUT_NS)"
+    for env, expected in [({"VKML_WAIT_POLL": "abc"}, "VKML_WAIT_POLL='abc': give a number of "
+                                                      "seconds >= 0 (unset: 0.02)"),
+                          ({"VKML_WAIT_TIMEOUT": "0"}, "VKML_WAIT_TIMEOUT='0': give a number"),
+                          ({"VKML_WAIT_TIMEOUT": "inf"}, str(2**64 - 1))]:
+        out = subprocess.run([sys.executable, "-c", code], env=subprocess_env(**env),
+                             capture_output=True, text=True, timeout=60)
+        assert expected in out.stdout + out.stderr, out.stderr
+        assert "ValueError" not in out.stderr and "OverflowError" not in out.stderr

@@ -2,7 +2,7 @@
 device can do (capabilities), and the contract every backend implements. Like IREE's HAL, one
 concern a file; the Vulkan backend lives in vkml/vk/, the WebGPU one in vkml/webgpu/."""
 
-from vkml.hal.base import WAIT_POLL_S, BackendBase, BackendTimestamps
+from vkml.hal.base import WAIT_POLL_S, BackendBase, BackendTimestamps, seconds_from_env
 from vkml.hal.capabilities import Capabilities
 from vkml.hal.commands import (
     Barrier,
@@ -33,4 +33,4 @@ __all__ = ["FORMATS", "WAIT_POLL_S", "Access", "Backend", "BackendBase", "Backen
            "Barrier", "Binding", "BufferKind", "Capabilities", "Command", "Copy",
            "CopyFromImage", "CopyToImage", "DeviceMemory", "Dispatch", "Fill", "HostRecording",
            "HostResources", "HostWrite", "ImageRegion", "Kernel", "TimelineSync", "Timestamps",
-           "check_commands"]
+           "check_commands", "seconds_from_env"]

@@ -3,6 +3,7 @@ Python protocol methods. Backends subclass it and implement the rest of `hal.Bac
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -10,7 +11,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from vkml.errors import DeviceError
+from vkml.errors import DeviceError, InputError
 from vkml.hal.capabilities import Capabilities
 from vkml.hal.commands import Command, check_commands
 from vkml.hal.interface import (
@@ -30,7 +31,23 @@ if TYPE_CHECKING:
 # the driver's blocking wait costs a GPU step about as much as a small model's kernels. The host
 # thread is busy meanwhile, as CUDA's default synchronisation keeps it. 0 never polls; CPU
 # drivers never do (their work runs on the cores polling would take).
-WAIT_POLL_S = float(os.environ.get("VKML_WAIT_POLL", "0.02"))
+def seconds_from_env(name: str, default: float, least: float) -> float:
+    """Seconds from environment variable `name` (`default` when unset), at least `least`; else
+    an InputError naming the variable (float() alone failed `import vkml` with a ValueError)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= least:  # NaN too
+        raise InputError(f"{name}={text!r}: give a number of seconds >= {least:g} (unset: "
+                         f"{default:g})")
+    return value
+
+
+WAIT_POLL_S = seconds_from_env("VKML_WAIT_POLL", 0.02, 0.0)
 
 
 class BackendTimestamps:

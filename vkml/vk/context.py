@@ -16,13 +16,15 @@ from types import ModuleType
 from typing import Any
 
 from vkml.errors import DeviceError
-from vkml.hal import Capabilities
+from vkml.hal import Capabilities, seconds_from_env
 from vkml.vk.select import DEVICE_TYPE_NAMES, no_device_message, select_device
 
 VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
 # How long a wait may last before the work is declared hung. Generous by default: a CPU driver on
-# a loaded machine can take tens of seconds for what a GPU does in milliseconds.
-WAIT_TIMEOUT_NS = int(float(os.environ.get("VKML_WAIT_TIMEOUT", "300")) * 10**9)
+# a loaded machine can take tens of seconds for what a GPU does in milliseconds. "inf" waits for
+# ever (UINT64_MAX, Vulkan's "no timeout").
+WAIT_TIMEOUT_NS = int(min(seconds_from_env("VKML_WAIT_TIMEOUT", 300.0, 0.001) * 10**9,
+                          2**64 - 1))
 
 
 # Features vkml can use, by their member names in the Vulkan feature structs.
