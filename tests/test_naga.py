@@ -137,6 +137,14 @@ def test_missing_wasm_names_the_fix(tmp_path, monkeypatch):
     assert "nowhere" in str(info.value) and "VKML_NAGA_WASM" in str(info.value)
 
 
+def test_a_file_that_is_not_naga_names_the_fix(tmp_path, monkeypatch):
+    bogus = tmp_path / "naga_bg.wasm"
+    bogus.write_text("not WebAssembly")  # a wasmtime.WasmtimeError before
+    monkeypatch.setenv("VKML_NAGA_WASM", str(bogus))
+    with pytest.raises(NagaError, match="(?s)is not naga.s WebAssembly build .* VKML_NAGA_WASM"):
+        naga.compile_wgsl(kernel(), "scale")
+
+
 def test_module_level_api_uses_env_cache_dir(tmp_path):
     spirv = naga.compile_wgsl(kernel(), "scale")
     assert naga.compile_wgsl(kernel(), "scale") == spirv

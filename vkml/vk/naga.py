@@ -277,7 +277,13 @@ class Compiler:
                     except wasmtime.WasmtimeError:  # another wasmtime's build: compile again
                         pass
                 if module is None:
-                    module = wasmtime.Module.from_file(engine, str(self.wasm_path))
+                    try:
+                        module = wasmtime.Module.from_file(engine, str(self.wasm_path))
+                    except wasmtime.WasmtimeError as e:
+                        raise NagaError(f"{self.wasm_path} is not naga's WebAssembly build "
+                                        f"(wasmtime cannot compile it: {e}); point "
+                                        "VKML_NAGA_WASM at naga-wasm's dist/wasm/naga_bg.wasm, "
+                                        "or unset it") from e
                     self._count("module_compiles")
                     write_entry(path, module.serialize(), self.cache_dir)
                 self._engine_module = engine, module
