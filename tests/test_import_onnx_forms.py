@@ -245,6 +245,76 @@ def test_quantized_initializers_dequantize_at_import(device, dtype, axis):
     assert not imp.graph.params  # a constant: an integer initializer holds no trained floats
 
 
+def _quantized(tmp_path, module, x, how):
+    """onnxruntime.quantization's forms of a float32 export: quantize_dynamic (weights int8 per
+    tensor or per channel; activations uint8 by DynamicQuantizeLinear at run time, products by
+    MatMulInteger / ConvInteger) or quantize_static's QOperator format."""
+    from onnxruntime import quantization as q
+    source, target = str(tmp_path / "f32.onnx"), str(tmp_path / f"{how}.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), source, dynamo=False, input_names=["x"],
+                          output_names=["logits"])
+    if how == "qoperator":
+        class Calibration(q.CalibrationDataReader):
+            def __init__(self):
+                self.feeds = [{"x": x.numpy()}]
+
+            def get_next(self):
+                return self.feeds.pop() if self.feeds else None
+
+        q.quantize_static(source, target, Calibration(), quant_format=q.QuantFormat.QOperator)
+    else:
+        q.quantize_dynamic(source, target, weight_type=q.QuantType.QInt8,
+                           per_channel=how == "dynamic per channel")
+    return onnx.load(target)
+
+
+@vulkan_only
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("how", ["dynamic", "dynamic per channel"])
+def test_dynamically_quantized_models_match_onnx_reference(device, tmp_path, name, how):
+    """Integer products exact in f32 here (sums below 2**24), as onnx's reference computes
+    them; onnxruntime's uint8 x int8 kernel on a CPU without VNNI saturates pairs of products
+    in int16 (7% and 17% off these two models' logits), so it is no reference for them."""
+    from onnx.reference import ReferenceEvaluator
+    torch.manual_seed(0)
+    module, x = {"mlp": (MLP(), torch.randn(5, 6)),
+                 "cnn": (_with_running_stats(SmallCNN()).eval(), torch.randn(2, 3, 8, 8))}[name]
+    model = _quantized(tmp_path, module, x, how)
+    ops = {n.op_type for n in model.graph.node}
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
+    assert name == "mlp" or "ConvInteger" in ops
+    _, (got,) = vkml_forward(model, {"x": x.numpy()}, device)
+    (want,) = ReferenceEvaluator(model).run(None, {"x": x.numpy()})
+    assert rel_l2(got, want) < FORWARD_TOL
+    assert rel_l2(got, module(x).detach().numpy()) < 0.1  # what quantization keeps of it
+
+
+@vulkan_only
+@pytest.mark.parametrize("x", [np.zeros((2, 3)), [[0, 1, 2], [3, 4, 5]], [[-1, 0.5, 2.0]]],
+                         ids=["zeros", "positive", "both signs"])
+def test_dynamic_quantize_linear_matches_onnxruntime(device, x):
+    """Its scale, zero point and uint8 values exactly; an input of zeros at onnxruntime's scale
+    of 1."""
+    x = np.asarray(x, np.float32)
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "scale", "zero"])
+    model = make_model([node], [tensor_info("x", T.FLOAT, x.shape)],
+                       [tensor_info("y", T.UINT8, x.shape), tensor_info("scale", T.FLOAT, ()),
+                        tensor_info("zero", T.UINT8, ())])
+    _, got = vkml_forward(model, {"x": x}, device)
+    for have, want in zip(got, onnxruntime_exact(model, {"x": x})):
+        np.testing.assert_array_equal(have, want)
+
+
+def test_qoperator_quantized_models_are_refused_by_name(tmp_path):
+    torch.manual_seed(0)
+    model = _quantized(tmp_path, _with_running_stats(SmallCNN()).eval(),
+                       torch.randn(2, 3, 8, 8), "qoperator")
+    with pytest.raises(vkml.ModelImportError, match="(?s)QLinearConv x1.*com.microsoft::QGemm x1"):
+        vkml.import_onnx(model)
+
+
 # ---- external data -----------------------------------------------------------------------------
 def _external(tmp_path, module, x):
     path = tmp_path / "model.onnx"

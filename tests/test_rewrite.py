@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from conftest import rel_l2
 
 import vkml
@@ -105,6 +106,30 @@ def test_training_with_fusion_matches_training_without(device, rng):
         fused.step()
     for name, value in plain.params().items():
         assert rel_l2(fused.read(name), value) < 1e-5, name
+
+
+@pytest.mark.parametrize("host", ["matmul", "sum", "conv2d"])
+def test_a_cast_to_i32_stays_out_of_an_f32_epilogue(device, host):
+    """A product's, a sum's or a convolution's kernel stores f32: a cast of its result to i32
+    (ONNX's MatMulInteger and ConvInteger) absorbed into its epilogue was WGSL naga refused."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-5, 5, (4, 6)).astype(np.float32)
+    w = rng.integers(-5, 5, (6, 3)).astype(np.float32)
+    kernel = np.ones((2, 1, 3, 3), np.float32)
+    g = vkml.Graph()
+    a = g.input("a", (4, 6))
+    result = {"matmul": lambda: g.matmul(a, g.constant(w)), "sum": lambda: g.sum(a, 1),
+              "conv2d": lambda: g.conv2d(g.reshape(a, (1, 1, 4, 6)), g.constant(kernel))}[host]()
+    g.output("y", g.cast(result, "i32"))
+    session = vkml.compile(g, device=device)
+    session.set_input("a", x)
+    session.step()
+    t = torch.tensor(x, dtype=torch.float64)
+    expected = {"matmul": lambda: t @ torch.tensor(w, dtype=torch.float64),
+                "sum": lambda: t.sum(1),
+                "conv2d": lambda: torch.nn.functional.conv2d(
+                    t.reshape(1, 1, 4, 6), torch.tensor(kernel, dtype=torch.float64))}[host]()
+    np.testing.assert_array_equal(session.read("y"), expected.numpy().astype(np.int32))
 
 
 def test_outputs_are_never_fused_away(device):

@@ -216,12 +216,14 @@ def _fuse_pointwise(node, inputs, absorbable, values, emit, max_inputs) -> Tenso
         return None
 
     # Now the whole computation may move into a matmul's or a sum's epilogue; a sum's seen
-    # through a reshape too (a norm's statistics, kept with keepdims), which it then has.
+    # through a reshape too (a norm's statistics, kept with keepdims), which it then has. Not
+    # one that changes the dtype (a cast to i32 after a product): those kernels store f32.
     for k, (t, strides) in enumerate(zip(builder.inputs, builder.strides)):
         host = (t.inputs[0] if OPS[t.op].kind == "view" and _sum_without_epilogue(t.inputs[0])
                 and absorbable(t) else t)
         if (OPS[host.op].fusion is not None and t.shape == node.shape
-                and in_order(strides, node.shape) and absorbable(host)):
+                and in_order(strides, node.shape) and absorbable(host)
+                and node.dtype == host.dtype):
             inputs = [host if j == k else x for j, x in enumerate(builder.inputs)]
             absorbed = _absorb_into_epilogue(node, host, k, builder.body(result), inputs, emit,
                                              max_inputs)

@@ -1440,6 +1440,55 @@ def _dequantize_linear(b, node, ins, attrs):
     return b.g.mul(b.g.sub(x, zero), scale)
 
 
+@onnx_op("DynamicQuantizeLinear")
+def _dynamic_quantize_linear(b, node, ins, attrs):
+    """uint8 quantization of x by its own range (onnxruntime's quantize_dynamic writes it before
+    each MatMulInteger / ConvInteger): the scale spans [min(0, x), max(0, x)] in 255 steps,
+    rounding ties to even as ONNX's; the values as i32. An input of zeros has onnxruntime's
+    scale of 1 (its range's 0 / 255 would divide by zero)."""
+    g, x = b.g, b.device(ins[0])
+    low, high = g.minimum(g.amin(x), 0.0), g.maximum(g.amax(x), 0.0)
+    span = g.sub(high, low)
+    scale = g.where(g.greater(span, 0.0), g.div(span, 255.0), 1.0)
+    zero = g.clamp(g.round(g.div(g.neg(low), scale)), 0.0, 255.0)
+    y = g.clamp(g.add(g.round(g.div(x, scale)), zero), 0.0, 255.0)
+    return [g.cast(y, "i32"), scale, g.cast(zero, "i32")]
+
+
+def _centred(b, x: Value, zero: Value, axis: int | None = None) -> Tensor:
+    """x - its zero point in f32, a per-row or per-column zero point broadcast along `axis`;
+    integers the products sum exactly below 2**24."""
+    if zero is None:
+        return b.g.cast(b.device(x), "f32")
+    if not isinstance(x, Tensor) and not isinstance(zero, Tensor):  # a weight: at import
+        x, zero = np.asarray(b.host(x, "weight")), np.asarray(b.host(zero, "zero point"))
+        if zero.size > 1:
+            zero = zero.reshape([-1 if a == axis % x.ndim else 1 for a in range(x.ndim)])
+        return b.device(x.astype(np.float32) - zero.astype(np.float32))
+    if not isinstance(zero, Tensor) and np.asarray(b.host(zero, "zero point")).size > 1:
+        raise Refuse("a per-row zero point of a computed input is not supported")
+    x = b.g.cast(b.device(x), "f32")
+    return b.g.sub(x, b.g.cast(b.device(zero), "f32") if isinstance(zero, Tensor)
+                   else float(np.asarray(zero).reshape(())))
+
+
+@onnx_op("MatMulInteger")
+def _matmul_integer(b, node, ins, attrs):
+    """(A - a_zero_point) @ (B - b_zero_point) as i32; B's zero point per column or one."""
+    ins = [*ins, None, None]
+    product = matmul(b.g, _centred(b, ins[0], ins[2], -1), _centred(b, ins[1], ins[3], -1))
+    return b.g.cast(product, "i32")
+
+
+@onnx_op("ConvInteger")
+def _conv_integer(b, node, ins, attrs):
+    """Conv of (x - x_zero_point) and (w - w_zero_point) as i32; w's zero point per output
+    channel or one."""
+    ins = [*ins, None, None]
+    x, w = _centred(b, ins[0], ins[2]), _centred(b, ins[1], ins[3], 0)
+    return b.g.cast(_conv(b, node, [x, w], attrs), "i32")
+
+
 @onnx_op("Reshape")
 def _reshape(b, node, ins, attrs):
     x = b.device(ins[0])
