@@ -219,6 +219,21 @@ def test_a_plan_larger_than_the_device_memory_is_refused_before_allocating(monke
         device.close()
 
 
+def test_a_tensor_larger_than_a_binding_is_refused_naming_it(device):
+    # The message named "tensor slot 0" alone; nothing is allocated either way.
+    limit = device.caps.max_storage_buffer_range
+    g = vkml.Graph()
+    x = g.input("x", (limit // 4 + 1,))
+    g.output("y", x * 2.0)
+    baseline = live_objects(device)
+    with pytest.raises(vkml.GraphError, match=rf"tensor 'x' f32\[{limit // 4 + 1}\] takes "
+                                              rf"{4 * (limit // 4 + 1)} bytes, more than the "
+                                              rf"largest storage buffer .* binds \({limit} "
+                                              r"bytes\): use a smaller batch"):
+        vkml.compile(g, device=device)
+    assert live_objects(device) == baseline
+
+
 # ---- failures while binding a plan -----------------------------------------------------------
 # What binding makes on the device, one object per call.
 MAKERS = ("create_buffer", "create_pipeline", "record")

@@ -124,6 +124,14 @@ def make_plan(rooted: Rooted, options: CompileOptions, caps: Capabilities,
     aliases = _write_in_place(draft, readable)
     lifetimes = _lifetimes(draft, aliases, readable)
     scheduled = time.perf_counter()
+    limit = caps.max_storage_buffer_range
+    for slot in draft.slots:  # each is bound whole by the kernels that read it
+        if slot.nbytes > limit and slot.id in lifetimes:
+            what = slot.label if slot.label.startswith("%") else (
+                f"'{slot.label}' {slot.dtype}{list(slot.shape)}")
+            raise GraphError(f"tensor {what} takes {slot.nbytes} bytes, more than the largest "
+                             f"storage buffer {caps.device_name!r} binds ({limit} bytes): use "
+                             "a smaller batch or size, or split the tensor into parts")
     try:
         memory = plan_memory(lifetimes, alignment(caps), caps.max_storage_buffer_range, aliases,
                              draft.packs)
