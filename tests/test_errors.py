@@ -377,6 +377,7 @@ def _builder_misuse(g: vkml.Graph) -> list[tuple[Callable[[], object], str]]:
         (lambda: g.avg_pool2d(img, 2, stride=0), "avg_pool2d stride .* got 0"),
         (lambda: g.avg_pool2d(x2, 2), r"avg_pool2d takes an \(N, C, H, W\) tensor"),
         (lambda: g.upsample_nearest(x2), r"upsample_nearest takes an \(N, C, H, W\)"),
+        (lambda: g.adaptive_avg_pool(img, 0), "adaptive_avg_pool takes .* positive size"),
         (lambda: g.group_norm(img, 0), "num_groups must be an int >= 1, got 0"),
         (lambda: g.group_norm(x1, 1), r"group_norm takes an \(N, C, ...\) tensor"),
         (lambda: g.instance_norm(x1), r"instance_norm takes an \(N, C, ...\) tensor"),
@@ -468,3 +469,41 @@ def test_malformed_environment_variables_are_named():
                              capture_output=True, text=True, timeout=60)
         assert expected in out.stdout + out.stderr, out.stderr
         assert "ValueError" not in out.stderr and "OverflowError" not in out.stderr
+
+
+def test_onnx_import_misuse_is_named_and_a_session_of_another_graph_is_refused(device,
+                                                                               tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+    weight = np.arange(8, dtype=np.float32).reshape(4, 2)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])],
+        [numpy_helper.from_array(weight, "w")]), opset_imports=[helper.make_opsetid("", 17)])
+    # each was a TypeError or ValueError from deep inside
+    with pytest.raises(vkml.ModelImportError, match="takes a path, bytes or an onnx.ModelProto, "
+                                                    "got NoneType"):
+        vkml.import_onnx(None)
+    for shape in ("3,4", 3):
+        with pytest.raises(vkml.ModelImportError, match=r"shapes\['x'\] = .*: give an input's "
+                                                        "whole shape as a tuple of ints"):
+            vkml.import_onnx(model, shapes={"x": shape})
+    imp = vkml.import_onnx(model, shapes={"batch": 3})
+    session = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    with pytest.raises(vkml.CheckpointError, match="cannot write .*No such file or directory"):
+        imp.save_onnx(session, str(tmp_path / "absent" / "tuned.onnx"))  # an OSError before
+    # another graph's session: the file got the imported values, without a word
+    g = vkml.Graph()
+    g.output("y", g.input("x", (3, 4)) @ g.param("v", (4, 2)))
+    other = vkml.compile(g, device=device)
+    for write in (lambda: imp.save_onnx(other, str(tmp_path / "wrong.onnx")),
+                  lambda: imp.state_dict(other)):
+        with pytest.raises(vkml.InputError, match=r"does not hold the parameters of .*\(w\): "
+                                                  "pass the session compiled from this"):
+            write()
+    assert not (tmp_path / "wrong.onnx").exists()
+    session.set_param("w", weight * 2)
+    imp.save_onnx(session, str(tmp_path / "tuned.onnx"))
+    saved = onnx.load(str(tmp_path / "tuned.onnx")).graph.initializer[0]
+    np.testing.assert_array_equal(numpy_helper.to_array(saved), weight * 2)

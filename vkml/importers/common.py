@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from vkml.errors import GraphError, ModelImportError
+from vkml.errors import CheckpointError, GraphError, InputError, ModelImportError
 from vkml.graph import Graph, Tensor
 
 # How many node names a refusal lists per op type or reason.
@@ -105,16 +105,22 @@ class ImportedModel:
 
     def trained_values(self, session: Any) -> dict[str, np.ndarray]:
         """The session's value of every imported parameter (frozen ones included), by the
-        model's names; a parameter the session does not hold (nothing it computes reads it)
-        keeps its imported value."""
+        model's names. A session compiled from this graph holds all of them (params() has
+        every parameter of its graph); one that lacks any, or holds it in another shape, is
+        refused: the file would get imported values in silence (another model's session, or
+        one sharing its parameters with an owner that holds the missing ones)."""
         held = session.params()
-        values = {}
-        for param, name in self.params.items():
-            if param in held:
-                values[name] = held[param]
-            else:
-                values[name] = self.graph.initial_values[self.graph.params[param].id]
-        return values
+        unfit = [param if param not in held else
+                 f"{param} {held[param].shape} for {self.graph.params[param].shape}"
+                 for param in self.params
+                 if param not in held or held[param].shape != self.graph.params[param].shape]
+        if unfit:
+            shown = ", ".join(unfit[:5]) + (f" and {len(unfit) - 5} more" if len(unfit) > 5
+                                            else "")
+            raise InputError(f"this session does not hold the parameters of {self.source} "
+                             f"({shown}): pass the session compiled from this import's graph "
+                             "(where parameters are shared, the owner)")
+        return {name: held[param] for param, name in self.params.items()}
 
     def save_onnx(self, session: Any, path: str) -> None:
         """Write the imported ONNX model again, with the session's parameter values as its
@@ -122,7 +128,13 @@ class ImportedModel:
         if self._save_onnx is None:
             raise ModelImportError(f"{self.source} was not imported from ONNX; use "
                                    "state_dict(session) and torch.onnx.export the module")
-        self._save_onnx(self.trained_values(session), path)
+        values = self.trained_values(session)
+        try:
+            self._save_onnx(values, path)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write {path}: {exc.strerror or exc} (check that the "
+                                  "directory exists and is writable, and that the path is not "
+                                  "a directory)") from exc
 
     def state_dict(self, session: Any) -> dict[str, Any]:
         """The session's values under the model's names: for a PyTorch import, torch tensors

@@ -17,6 +17,7 @@ statistics. `training=False` computes the inference forms whatever the export re
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -110,6 +111,17 @@ def import_onnx(model: Any, shapes: Mapping[str, Sequence[int]] | None = None,
     return builder.result(original)
 
 
+def _given(key: str, value: Any, whole: bool) -> Any:
+    """A shapes= entry: an input's whole shape (a sequence of ints) or a dimension's size (an
+    int), else a ModelImportError naming it."""
+    ints = (list(value) if isinstance(value, Sequence | np.ndarray) and not isinstance(value, str)
+            else [value] if not whole else None)
+    if ints is None or not all(isinstance(v, numbers.Integral) for v in ints):
+        raise ModelImportError(f"shapes['{key}'] = {value!r}: give an input's whole shape as a "
+                               "tuple of ints, or a named dimension's size as an int")
+    return tuple(int(v) for v in ints) if whole else int(ints[0])
+
+
 # ---- reading and checking the file ---------------------------------------------------------------
 def _read(onnx, model: Any) -> tuple[Any, str]:
     if isinstance(model, onnx.ModelProto):
@@ -118,7 +130,11 @@ def _read(onnx, model: Any) -> tuple[Any, str]:
         source, base = "the ONNX model bytes", None
         proto = _parse(onnx, lambda: onnx.load_from_string(bytes(model)), source)
     else:
-        path = os.fspath(model)
+        try:
+            path = os.fsdecode(os.fspath(model))
+        except TypeError:
+            raise ModelImportError(f"import_onnx takes a path, bytes or an onnx.ModelProto, got "
+                                   f"{type(model).__name__}") from None
         source, base = f"'{path}'", os.path.dirname(os.path.abspath(path))
         if not os.path.isfile(path):
             raise ModelImportError(f"{source}: no such file")
@@ -358,12 +374,13 @@ class _Builder:
                 f"shapes= names {unknown}, which are neither inputs of {self.source} (its "
                 f"inputs: {list(declared)}) nor names of their dimensions "
                 f"({sorted(names) or 'it names none'})")
-        sizes = {k: int(v) for k, v in self.shapes.items() if k not in declared}
+        sizes = {k: _given(k, v, whole=False) for k, v in self.shapes.items()
+                 if k not in declared}
         for name, dims in declared.items():
             given = self.shapes.get(name)
             if given is None:
                 continue
-            given = tuple(int(s) for s in given)
+            given = _given(name, given, whole=True)
             if len(given) != len(dims) or any(isinstance(d, int) and d != s
                                               for d, s in zip(dims, given)):
                 raise ModelImportError(f"shapes['{name}'] = {given} does not fit the model's "
@@ -376,7 +393,7 @@ class _Builder:
         for name, dims in declared.items():
             given = self.shapes.get(name)
             if given is not None:
-                shape = tuple(int(s) for s in given)
+                shape = _given(name, given, whole=True)
             else:
                 shape = tuple(sizes.get(d, d) if isinstance(d, str) else d for d in dims)
                 open_axes = [f"axis {a} {_dim_label(d)}" for a, (d, s) in

@@ -476,6 +476,8 @@ def adaptive_avg_pool(g: Graph, x: Tensor, output_size: Sequence[int | None]) ->
     floor(i n / out) to ceil((i + 1) n / out). Global pooling is a mean, whole 2-D windows an
     avg_pool2d, other sizes a `resample` of each axis by its averaging matrix."""
     spatial = x.shape[2:]
+    if isinstance(output_size, numbers.Integral):  # one size for every axis, as torch takes it
+        output_size = (output_size,) * len(spatial)
     sizes = tuple(n if out is None else int(out) for n, out in zip(spatial, output_size))
     if not spatial or len(output_size) != len(spatial) or min(sizes) < 1:
         raise GraphError(f"adaptive_avg_pool takes an (N, C, *spatial) tensor and a positive "
