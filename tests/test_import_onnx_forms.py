@@ -496,6 +496,46 @@ def test_initializers_listed_as_inputs_are_parameters(device):
     assert list(imp.inputs) == ["x"] and set(imp.graph.params) == set(module.state_dict())
 
 
+@vulkan_only
+def test_sparse_initializers_are_constants(device):
+    x, w = _x_w()
+    values = helper.make_tensor("w", T.FLOAT, (3,), [1.5, -2.0, 0.5])
+    positions = helper.make_tensor("w_at", T.INT64, (3,), [0, 5, 10])
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"])],
+                       [tensor_info("x", T.FLOAT, (2, 4))], [tensor_info("y", T.FLOAT, (2, 3))])
+    model.graph.sparse_initializer.append(helper.make_sparse_tensor(values, positions, (4, 3)))
+    imp = check_against_onnxruntime(model, {"x": x}, device)
+    assert not imp.graph.params
+
+
+@vulkan_only
+def test_local_functions_are_inlined_and_saved_back_as_they_were(device, tmp_path):
+    """torch.onnx's export_modules_as_functions: each module a function of the model."""
+    torch.manual_seed(0)
+    module, x = TinyBlock().eval(), torch.randn(2, 6, 16)
+    path = tmp_path / "functions.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), str(path), dynamo=False, input_names=["x"],
+                          output_names=["logits"], opset_version=17,
+                          export_modules_as_functions={torch.nn.LayerNorm, torch.nn.Linear})
+    model = onnx.load(str(path))
+    assert model.functions
+    imp = check_against_onnxruntime(model, {"x": x.numpy()}, device)
+    g = imp.graph
+    (name, y), = imp.outputs.items()  # the exporter names it itself here
+    s = vkml.compile(g, loss=g.sum(g.square(y)), optimizer=vkml.SGD(lr=0.1), outputs=imp.outputs,
+                     device=device)
+    s.set_input("x", x.numpy())
+    s.step()
+    imp.save_onnx(s, str(tmp_path / "tuned.onnx"))
+    tuned = onnx.load(str(tmp_path / "tuned.onnx"))
+    assert [f.name for f in tuned.functions] == [f.name for f in model.functions]
+    s.forward()
+    (after,) = onnxruntime_exact(str(tmp_path / "tuned.onnx"), {"x": x.numpy()})
+    assert rel_l2(after, s.read(name)) < FORWARD_TOL
+
+
 CONSTANTS = {
     "value": helper.make_tensor("c", T.FLOAT, (3,), [1.0, 2.0, 3.0]),
     "value_float": 2.5, "value_floats": [1.0, -2.0, 3.0], "value_int": 2,
@@ -583,6 +623,21 @@ def test_if_on_a_run_time_condition_is_refused():
                                 tensor_info("cond", T.BOOL, ())],
                        [tensor_info("y", T.FLOAT, (2, 4))])
     with pytest.raises(vkml.ModelImportError, match="condition must be known at import"):
+        vkml.import_onnx(model)
+
+
+def test_loops_are_refused_even_over_a_known_trip_count():
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Add", ["total_in", "x"], ["total_out"])], "body",
+        [tensor_info("i", T.INT64, ()), tensor_info("cond_in", T.BOOL, ()),
+         tensor_info("total_in", T.FLOAT, (2, 4))],
+        [tensor_info("cond_out", T.BOOL, ()), tensor_info("total_out", T.FLOAT, (2, 4))])
+    model = make_model([helper.make_node("Loop", ["three", "", "zeros"], ["y"], body=body)],
+                       [tensor_info("x", T.FLOAT, (2, 4))], [tensor_info("y", T.FLOAT, (2, 4))],
+                       [numpy_helper.from_array(np.array(3), "three"),
+                        numpy_helper.from_array(np.zeros((2, 4), np.float32), "zeros")])
+    with pytest.raises(vkml.ModelImportError, match="Loop.*not even over a trip count known"):
         vkml.import_onnx(model)
 
 

@@ -55,8 +55,9 @@ DATA_DEPENDENT = {
     "NonMaxSuppression": "the number of boxes it keeps is known only at run time",
     "Unique": "its output's length depends on the data",
     "Compress": "its output's length depends on the condition's values",
-    "Loop": "loops are not unrolled (a trip count or condition computed at run time)",
-    "Scan": "scans are not unrolled",
+    "Loop": "vkml does not unroll loops, not even over a trip count known at import: export "
+            "the model with the loop written out in Python (traced), not scripted",
+    "Scan": "vkml does not unroll scans: export the recurrence written out (traced)",
     "If": "the branch taken depends on a value computed at run time",
 }
 # onnxruntime's ops that its optimizer writes in the standard domain (LayerNormalization
@@ -103,7 +104,7 @@ def import_onnx(model: Any, shapes: Mapping[str, Sequence[int]] | None = None,
     range, a missing external-data file, or (all at once) every op that cannot be imported."""
     onnx = _onnx()
     original, source = _read(onnx, model)
-    proto, opset = _standard_opset(onnx, original, source)
+    proto, opset = _standard_opset(onnx, _inlined(onnx, original), source)
     refusals = Refusals(source)
     builder = _Builder(onnx, proto, opset, dict(shapes or {}), training, refusals, seed, source)
     builder.run()
@@ -222,6 +223,16 @@ def _all_tensors(proto) -> list:
     return tensors
 
 
+def _inlined(onnx, proto):
+    """The model with its local functions (torch.onnx's export_modules_as_functions, onnxscript
+    functions) inlined into the graph, as onnx's inliner writes them; the model as it is
+    without any."""
+    if not proto.functions:
+        return proto
+    from onnx import inliner
+    return inliner.inline_local_functions(proto)
+
+
 def _standard_opset(onnx, proto, source: str) -> tuple[Any, int]:
     """The model and its standard opset; a model older than MIN_OPSET converted to it by
     onnx's version converter (whose adapters rewrite what changed: attributes that became
@@ -335,7 +346,8 @@ class _Builder:
     # -- walking the graph ----
     def run(self) -> None:
         graph = self.proto.graph
-        initializers = {t.name: t for t in graph.initializer}
+        initializers = {t.name for t in graph.initializer} | {
+            t.values.name for t in graph.sparse_initializer}
         self.initializers(graph)
         self._inputs(graph, initializers)
         self.walk(graph.node)
@@ -361,6 +373,9 @@ class _Builder:
             array = _numeric(self.onnx.numpy_helper.to_array(t))
             float_param = array.dtype.kind == "f" and array.size > 1
             self.env[t.name] = Initializer(t.name, array) if float_param else array
+        # sparse ones stay constants: save_onnx writes trained values as dense initializers
+        for t in graph.sparse_initializer:
+            self.env[t.values.name] = _dense(t)
 
     def _inputs(self, graph, initializers) -> None:
         """The graph's inputs at fixed shapes: each dimension the model fixes, else the one
@@ -587,20 +602,23 @@ def _dequantize(ins: list, attrs: dict) -> list[np.ndarray]:
     return [(centred * scale.reshape(along if scale.size > 1 else ())).astype(np.float32)]
 
 
+def _dense(sparse) -> np.ndarray:
+    """A SparseTensorProto as the dense array it stands for."""
+    from onnx import numpy_helper
+    values = _numeric(numpy_helper.to_array(sparse.values))
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    dense = np.zeros(tuple(sparse.dims), values.dtype)
+    # indices: (nnz,) linear positions, or (nnz, rank) coordinates
+    at = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dense.shape)
+    dense.reshape(-1)[at] = values
+    return dense
+
+
 def _constant(ins: list, attrs: dict) -> list[np.ndarray]:
     """Constant in each of its forms; a sparse_value made dense (the reference implementation
     returns its own SparseTensor type)."""
     if "sparse_value" in attrs:
-        from onnx import numpy_helper
-        sparse = attrs["sparse_value"]
-        values = numpy_helper.to_array(sparse.values)
-        indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
-        dense = np.zeros(tuple(sparse.dims), values.dtype)
-        # indices: (nnz,) linear positions, or (nnz, rank) coordinates
-        at = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T),
-                                                                    dense.shape)
-        dense.reshape(-1)[at] = values
-        return [dense]
+        return [_dense(attrs["sparse_value"])]
     (name, value), = attrs.items()
     if name == "value":
         from onnx import numpy_helper
