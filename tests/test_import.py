@@ -787,6 +787,33 @@ def test_onnx_sequences_match_onnxruntime_and_torch(device, tmp_path):
     assert rel_l2(s.grad("w"), wt.grad.numpy()) < GRAD_TOL
 
 
+class SpectralAndStrided(torch.nn.Module):
+    """torch.fft as models use it (FNet's fftn(...).real over two axes, an orthonormal rfft
+    viewed as real, an inverse FFT's imaginary part) and as_strided windows that overlap
+    (unfold's, read from a contiguous value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)  # (3, 4, 6)
+        mixed = torch.fft.fftn(h.to(torch.complex64), dim=(1, 2)).real
+        half = torch.view_as_real(torch.fft.rfft(h, dim=-1, norm="ortho"))  # (3, 4, 4, 2)
+        back = torch.fft.ifft(h, dim=1).imag
+        windows = h.reshape(3, 24).as_strided((3, 5, 4), (24, 4, 1))  # overlapping by 2
+        return (mixed.mean(1) + back.sum(1) + half.flatten(2).sum(1)[:, :6]
+                + windows.sum(-1)[:, :6].repeat(1, 2)[:, :6])
+
+
+@vulkan_only
+def test_torch_fft_and_as_strided_train_as_pytorch(device):
+    torch.manual_seed(0)
+    module = SpectralAndStrided()
+    x, labels = torch.randn(3, 4, 6), torch.tensor([1, 4, 0])
+    check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
+
+
 class Video(torch.nn.Module):
     """A video classifier's layers: 3-D convolutions (one strided and grouped, one over time
     alone), 3-D batch norm, 3-D max pooling, adaptive 3-D average pooling (an AveragePool in

@@ -261,3 +261,32 @@ def scatter_along(g: Graph, data: Tensor, updates: Tensor, targets: np.ndarray, 
     if reduction == "add":
         picked = g.add(data, picked)
     return g.where(g.constant(written), picked, data)
+
+
+def fourier(g: Graph, x: Tensor, axis: int, length: int, inverse: bool,
+             onesided: bool) -> Tensor:
+    """ONNX's DFT of x (..., 1 or 2) along `axis` (a signal axis, before the last): products
+    with constant cosine and sine matrices, the signal cut or zero-padded to `length`."""
+    n = x.shape[axis]
+    if n > length:
+        x = g.slice(x, axis, 0, length)
+    elif n < length:
+        x = g.pad(x, axis, 0, length - n)
+    bins = length // 2 + 1 if onesided else length
+    angle = 2 * np.pi * np.outer(np.arange(length), np.arange(bins)) / length
+    sign, scale = (1.0, 1.0 / length) if inverse else (-1.0, 1.0)
+    cos, sin = (g.constant((f(angle) * scale).astype(np.float32)) for f in
+                (np.cos, lambda a: sign * np.sin(a)))
+    last = len(x.shape) - 1
+    order = [a for a in range(last) if a != axis] + [axis]
+    parts = [g.reshape(g.slice(x, last, k, k + 1), x.shape[:-1]) for k in range(x.shape[-1])]
+    if order != list(range(last)):
+        parts = [g.transpose(v, order) for v in parts]
+    real, imaginary = matmul(g, parts[0], cos), matmul(g, parts[0], sin)
+    if len(parts) == 2:  # (a + ib)(cos + i sin)
+        real = g.sub(real, matmul(g, parts[1], sin))
+        imaginary = g.add(imaginary, matmul(g, parts[1], cos))
+    back = [int(i) for i in np.argsort(order)]
+    pair = [g.transpose(v, back) if order != list(range(last)) else v
+            for v in (real, imaginary)]
+    return g.concat([g.reshape(v, (*v.shape, 1)) for v in pair], last)

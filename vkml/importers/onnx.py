@@ -33,6 +33,7 @@ from vkml.importers.common import (
     Refusals,
     Refuse,
     convert_guarded,
+    fourier,
     gather_points,
     last_axis,
     matmul,
@@ -2101,35 +2102,6 @@ def _center_crop_pad(b, node, ins, attrs):
     return x
 
 
-def _fourier(g: Graph, x: Tensor, axis: int, length: int, inverse: bool,
-             onesided: bool) -> Tensor:
-    """ONNX's DFT of x (..., 1 or 2) along `axis` (a signal axis, before the last): products
-    with constant cosine and sine matrices, the signal cut or zero-padded to `length`."""
-    n = x.shape[axis]
-    if n > length:
-        x = g.slice(x, axis, 0, length)
-    elif n < length:
-        x = g.pad(x, axis, 0, length - n)
-    bins = length // 2 + 1 if onesided else length
-    angle = 2 * np.pi * np.outer(np.arange(length), np.arange(bins)) / length
-    sign, scale = (1.0, 1.0 / length) if inverse else (-1.0, 1.0)
-    cos, sin = (g.constant((f(angle) * scale).astype(np.float32)) for f in
-                (np.cos, lambda a: sign * np.sin(a)))
-    last = len(x.shape) - 1
-    order = [a for a in range(last) if a != axis] + [axis]
-    parts = [g.reshape(g.slice(x, last, k, k + 1), x.shape[:-1]) for k in range(x.shape[-1])]
-    if order != list(range(last)):
-        parts = [g.transpose(v, order) for v in parts]
-    real, imaginary = matmul(g, parts[0], cos), matmul(g, parts[0], sin)
-    if len(parts) == 2:  # (a + ib)(cos + i sin)
-        real = g.sub(real, matmul(g, parts[1], sin))
-        imaginary = g.add(imaginary, matmul(g, parts[1], cos))
-    back = [int(i) for i in np.argsort(order)]
-    pair = [g.transpose(v, back) if order != list(range(last)) else v
-            for v in (real, imaginary)]
-    return g.concat([g.reshape(v, (*v.shape, 1)) for v in pair], last)
-
-
 @onnx_op("DFT")
 def _dft(b, node, ins, attrs):
     x = b.device(ins[0])
@@ -2144,7 +2116,7 @@ def _dft(b, node, ins, attrs):
     inverse, onesided = bool(attrs.get("inverse", 0)), bool(attrs.get("onesided", 0))
     if inverse and onesided:
         raise Refuse("an inverse one-sided DFT is not defined")
-    return _fourier(b.g, x, axis, length, inverse, onesided)
+    return fourier(b.g, x, axis, length, inverse, onesided)
 
 
 @onnx_op("STFT")
@@ -2162,7 +2134,7 @@ def _stft(b, node, ins, attrs):
     frames = g.gather(x, g.constant(starts.astype(np.int32), "i32"), 1)  # (B, F, L, C)
     if window is not None:
         frames = g.mul(frames, g.reshape(window, (length, 1)))
-    return _fourier(g, frames, 2, length, False, bool(attrs.get("onesided", 1)))
+    return fourier(g, frames, 2, length, False, bool(attrs.get("onesided", 1)))
 
 
 @onnx_op("GridSample")

@@ -20,6 +20,7 @@ import copy
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from vkml.importers.common import (
     Refusals,
     Refuse,
     convert_guarded,
+    fourier,
     gather_points,
     last_axis,
     matmul,
@@ -168,6 +170,7 @@ class _Builder:
         # under the name met first; the other names alias it
         self.tied: dict[str, str] = {}
         self._storage: dict[tuple, str] = {}
+        self.node: Any = None  # the node being converted
 
     # -- values ----
     def device(self, value: Value) -> Tensor:
@@ -192,7 +195,7 @@ class _Builder:
         return self.device(value)
 
     def known(self, value: Value) -> bool:
-        if isinstance(value, Tensor):
+        if isinstance(value, (Tensor, Complex)):
             return False
         if isinstance(value, (list, tuple)):
             return all(self.known(v) for v in value)
@@ -297,6 +300,7 @@ class _Builder:
             return
         args = self._map(node.args)
         kwargs = self._map(node.kwargs)
+        self.node = node
         if self.known((args, list(kwargs.values()))) and key not in NOT_FOLDED:
             out = convert_guarded(self.refusals, name, f"aten.{key}",
                                   lambda: node.target(*args, **kwargs))
@@ -418,6 +422,8 @@ def _identity(b, x, *args, **kwargs):
     dtype = kwargs.get("dtype")
     if dtype is None and args and isinstance(args[0], b.torch.dtype):
         dtype = args[0]
+    if dtype is not None and dtype.is_complex:
+        return x if isinstance(x, Complex) else Complex(b.device(x), None)
     return x if dtype is None else cast(b, x, dtype)
 
 
@@ -429,6 +435,113 @@ def _copy(b, x, src, non_blocking=False):
     if src.dtype != x.dtype:
         src = b.g.cast(src, x.dtype)
     return src if src.shape == x.shape else b.g.expand(src, x.shape)
+
+
+@dataclass(frozen=True)
+class Complex:
+    """A complex tensor (torch.fft's) as its real and imaginary parts, the imaginary None
+    while it is zero (a real tensor cast to complex). Only the FFTs and view_as_real read
+    one: any other op on it is refused, as it expects a tensor."""
+
+    real: Tensor
+    imag: Tensor | None
+
+    def pairs(self, g: Graph) -> Tensor:
+        """(..., 2): real and imaginary parts last, as view_as_real and ONNX's DFT lay them."""
+        parts = [self.real] if self.imag is None else [self.real, self.imag]
+        return g.concat([g.reshape(v, (*v.shape, 1)) for v in parts], len(self.real.shape))
+
+
+def _fft(b, z: Complex, dims, normalization: int, forward: bool, onesided: bool = False):
+    """torch's FFTs over `dims` (normalization 0: none, 1: 1/sqrt(n), 2: 1/n), each axis the
+    products with cosine and sine matrices of ONNX's DFT (importers/common.fourier); a
+    one-sided transform keeps the last axis's non-negative frequencies."""
+    g, x = b.g, z.pairs(b.g)
+    dims = [d % len(z.real.shape) for d in dims]
+    scale = 1.0
+    for k, axis in enumerate(dims):
+        n = x.shape[axis]
+        x = fourier(g, x, axis, n, not forward, onesided and k == len(dims) - 1)
+        implied = 1.0 if forward else 1.0 / n  # fourier's inverse divides by n
+        scale *= [1.0, 1.0 / math.sqrt(n), 1.0 / n][int(normalization)] / implied
+    if scale != 1.0:
+        x = g.mul(x, scale)
+    last = len(x.shape) - 1
+    return Complex(*(g.reshape(g.slice(x, last, k, k + 1), x.shape[:-1]) for k in (0, 1)))
+
+
+@aten("_fft_c2c")
+def _fft_c2c(b, z, dims, normalization, forward):
+    return _fft(b, _complex(b, z), dims, normalization, forward)
+
+
+@aten("_fft_r2c")
+def _fft_r2c(b, x, dims, normalization, onesided):
+    return _fft(b, Complex(b.device(x), None), dims, normalization, True, bool(onesided))
+
+
+@aten("view_as_real")
+def _view_as_real(b, z):
+    z = _complex(b, z)
+    return Complex(z.real, z.imag if z.imag is not None else b.g.mul(z.real, 0.0)).pairs(b.g)
+
+
+@aten("real")
+def _real(b, z):
+    return _complex(b, z).real
+
+
+@aten("imag")
+def _imag(b, z):
+    z = _complex(b, z)
+    return z.imag if z.imag is not None else b.g.mul(z.real, 0.0)
+
+
+@aten("_conj", "conj", "conj_physical")
+def _conj(b, z):
+    """The complex conjugate (a real value's is itself)."""
+    if not isinstance(z, Complex) or z.imag is None:
+        return z
+    return Complex(z.real, b.g.neg(z.imag))
+
+
+@aten("_neg_view")
+def _neg_view(b, z):
+    if not isinstance(z, Complex):
+        return b.g.neg(b.device(z))
+    return Complex(b.g.neg(z.real), None if z.imag is None else b.g.neg(z.imag))
+
+
+@aten("resolve_conj", "resolve_neg")
+def _resolved(b, z):
+    return z
+
+
+def _complex(b, z) -> Complex:
+    return z if isinstance(z, Complex) else Complex(b.device(z), None)
+
+
+@aten("as_strided")
+def _as_strided(b, x, size, stride, offset=None):
+    """torch.as_strided of a contiguous value: the elements it reads from x's storage, one
+    gather at their constant flat positions (a reshape where those are x's own order);
+    overlapping windows read an element more than once, and its gradient sums them."""
+    x = b.device(x)
+    meta = b.node.args[0].meta.get("val") if b.node is not None else None
+    if meta is None or not meta.is_contiguous() or meta.storage_offset():
+        raise Refuse("as_strided of a view that is not contiguous: which elements it reads "
+                     "depends on that view's storage")
+    at = np.full([int(n) for n in size], int(offset or 0), np.int64)
+    for axis, (n, step) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[axis] = int(n)
+        at = at + np.arange(int(n)).reshape(shape) * int(step)
+    if at.size and (at.min() < 0 or at.max() >= x.size):
+        raise Refuse(f"as_strided reads past its input's {x.size} elements")
+    flat = b.g.reshape(x, (x.size,))
+    if np.array_equal(at.reshape(-1), np.arange(x.size)):
+        return b.g.reshape(flat, tuple(at.shape))
+    return b.g.gather(flat, b.g.constant(at.astype(np.int32), "i32"), 0)
 
 
 def cast(b: _Builder, x: Tensor, dtype: Any) -> Tensor:
