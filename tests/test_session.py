@@ -252,3 +252,25 @@ def _echo_graph() -> vkml.Graph:
     g = vkml.Graph()
     g.output("y", g.input("x", (2,)).exp())
     return g
+
+
+def test_arguments_of_the_wrong_kind_are_refused_at_the_call(device):
+    session = mlp_session(device)
+    session.step()
+    before = session.params()
+    for use, message in [
+            (lambda: session.profile(steps=1.5), r"profile\(steps\) takes a whole number of "
+                                                 "steps >= 1, got 1.5"),  # ran 2 steps
+            (lambda: session.profile(steps="2"), "got '2'"),  # a TypeError
+            (lambda: session.step_chunk(max_ms="1"), "max_ms must be a number >= 0, got '1'"),
+            (lambda: vkml.Device(backend=3), "unknown backend 3")]:  # an AttributeError
+        with pytest.raises(vkml.VkmlError, match=message):
+            use()
+    if device.backend.timeline is not None:
+        # refused by the step it applied to, after that step had begun: its training step
+        # counted and its inputs staged
+        with pytest.raises(vkml.InputError, match="wait_for_host: expected a VkSemaphore"):
+            session.wait_for_host("semaphore", 1)
+    assert all(np.array_equal(v, before[k]) for k, v in session.params().items())
+    session.forward()
+    assert abs(float(session.read("loss")) - mlp_loss(session.params())) < 1e-6

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -355,6 +356,7 @@ class Session:
                               + self.device.backend.why_absent("timeline"))
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InputError(f"wait_for_host: value must be an int >= 0, got {value!r}")
+        timeline.check_semaphore(semaphore)  # not at the step: it had begun by then
         self._bound.host_wait = (semaphore, value)
 
     def _rebind(self) -> None:
@@ -437,7 +439,7 @@ class Session:
         chunker = self._chunker
         if chunks is not None and budget_ms is not None:
             raise InputError("give chunks or budget_ms, not both")
-        if max_ms is not None and not max_ms >= 0:
+        if max_ms is not None and not (isinstance(max_ms, numbers.Real) and max_ms >= 0):
             raise InputError(f"max_ms must be a number >= 0, got {max_ms!r}")
         if chunks is not None or budget_ms is not None:
             chunker.chunking = ("chunks", chunks) if chunks is not None else ("budget", budget_ms)

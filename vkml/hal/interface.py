@@ -35,6 +35,11 @@ class TimelineSync(Protocol):
         host's timeline `semaphore` to reach `value`."""
         ...
 
+    def check_semaphore(self, semaphore: Any) -> None:
+        """InputError unless `semaphore` can be one of the host's semaphores (a handle of the
+        backend's kind, not null)."""
+        ...
+
 
 class HostRecording(Protocol):
     """vkml's commands recorded into a command buffer the host records and submits itself."""

@@ -36,7 +36,8 @@ class Device:
     """
 
     def __init__(self, selector: str | int | None = None, backend: str | None = None) -> None:
-        choice = (backend or os.environ.get("VKML_BACKEND") or "auto").strip().lower()
+        choice = backend or os.environ.get("VKML_BACKEND") or "auto"
+        choice = choice.strip().lower() if isinstance(choice, str) else choice
         if choice not in BACKENDS:
             raise DeviceError(f"unknown backend {choice!r} (from the backend argument or "
                               f"VKML_BACKEND); choose one of {', '.join(BACKENDS)}")

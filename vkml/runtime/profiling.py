@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import time
 from collections.abc import Sequence
@@ -128,8 +129,8 @@ class Profiler:
         step in progress. `update=False`: what the steps write that outlives a step
         (parameters, optimizer state, the step count) is copied aside on the device first and
         put back after, so the session's state is as before (bit for bit)."""
-        if steps < 1:
-            raise InputError("profile(steps) needs at least one step")
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+            raise InputError(f"profile(steps) takes a whole number of steps >= 1, got {steps!r}")
         bound = self.bound
         bound.require_inputs()
         bound.check_submit(True, int(bound.step_writes_params))

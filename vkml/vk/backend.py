@@ -654,6 +654,9 @@ class _Timeline:
     def submit_after(self, programs: Sequence[Program], semaphore: Any, value: int) -> None:
         self._backend.submit_batch(programs, wait=(semaphore, value))
 
+    def check_semaphore(self, semaphore: Any) -> None:
+        raw_handle(self._backend._ffi, semaphore, "VkSemaphore", "wait_for_host")
+
 
 class _HostRecording:
     """Programs recorded into the host's command buffers (Session.record)."""
