@@ -765,6 +765,10 @@ def _qkv(x, w, bias):
 
 RAW_MASK = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.int32)
 PADDING = torch.tensor(np.where(RAW_MASK > 0, 0.0, -10000.0)[:, None, None, :])
+# keys 1 to 3 of the first row, all of the second
+LEFT_PADDING = torch.tensor(np.where([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]], 0.0,
+                                     -10000.0)[:, None, None, :])
+IDS = np.random.default_rng(5).integers(0, 10, (2, 5)).astype(np.int32)
 # (name, op, inputs (in0 the graph's input), attributes, the float64 torch reference of the
 # initializers (in1...) given in0, or None for forward only)
 MS_CASES = [
@@ -804,6 +808,17 @@ MS_CASES = [
     ("attention_unidirectional", "Attention", [_f(2, 5, 8), _f(8, 24, seed=1), _f(24, seed=2)],
      {"num_heads": 2, "unidirectional": 1, "scale": 0.25},
      lambda x, w, b: _sdpa(*_qkv(x, w, b), 2, causal=True, scale=0.25)),
+    ("attention_lengths", "Attention",
+     [_f(2, 5, 8), _f(8, 24, seed=1), _f(24, seed=2), RAW_MASK.sum(1).astype(np.int32)],
+     {"num_heads": 2}, lambda x, w, b, m: _sdpa(*_qkv(x, w, b), 2, PADDING)),
+    ("attention_left_padding", "Attention",
+     [_f(2, 5, 8), _f(8, 24, seed=1), _f(24, seed=2), np.array([4, 5, 1, 0], np.int32)],
+     {"num_heads": 2}, lambda x, w, b, m: _sdpa(*_qkv(x, w, b), 2, LEFT_PADDING)),
+    ("embed_layer_norm", "EmbedLayerNormalization",
+     [IDS, IDS % 2, _f(10, 8), _f(6, 8, seed=1), _f(2, 8, seed=2), _f(8, seed=3),
+      _f(8, seed=4), RAW_MASK], {},
+     lambda ids, seg, w, p, st, gm, bt, m: torch.nn.functional.layer_norm(
+         w[ids.long()] + p[:5] + st[seg.long()], (8,), gm, bt, 1e-12)),
     ("multi_head_attention", "MultiHeadAttention",
      [_f(2, 4, 8), _f(2, 5, 8, seed=1), _f(2, 5, 8, seed=2), _f(24, seed=3), RAW_MASK],
      {"num_heads": 2},
@@ -816,7 +831,9 @@ MS_CASES = [
                          ids=[c[0] for c in MS_CASES])
 def test_contrib_op_matches_onnxruntime_and_torch(device, name, op, inputs, attrs, reference):
     # the saved statistics left out (vkml does not give them), the sum of the inputs read
-    outputs = ("y", "", "", "sum") if "Skip" in op else ("y",)
+    outputs = {"SkipLayerNormalization": ("y", "", "", "sum"),
+               "SkipSimplifiedLayerNormalization": ("y", "", "", "sum"),
+               "EmbedLayerNormalization": ("y", "mask_index", "sum")}.get(op, ("y",))
     model, feeds, wants = _ms_model(op, inputs, attrs, outputs, reference)
     imp = vkml.import_onnx(model)
     g = imp.graph
@@ -827,9 +844,11 @@ def test_contrib_op_matches_onnxruntime_and_torch(device, name, op, inputs, attr
     for feed, value in feeds.items():
         s.set_input(feed, value)
     s.step() if loss is not None else s.forward()
-    assert rel_l2(s.read("y"), wants[0]) < FORWARD_TOL
-    if "Skip" in op:  # input + skip (+ bias), the fourth output
-        assert rel_l2(s.read("sum"), wants[1]) < FORWARD_TOL
+    for output, want in zip([o for o in outputs if o], wants):
+        if want.dtype.kind in "iu":
+            np.testing.assert_array_equal(s.read(output), want)
+        else:
+            assert rel_l2(s.read(output), want) < FORWARD_TOL, output
     if reference is None:
         return
     tensors = [torch.tensor(v, dtype=torch.float64, requires_grad=v.dtype.kind == "f")

@@ -2335,8 +2335,10 @@ def _skip_layer_norm(b, node, ins, attrs):
 
 
 def _padding_mask(b, mask: Value, batch: int, keys: int, fill: float) -> Tensor | None:
-    """onnxruntime's raw key mask, (batch, keys) or (batch, queries, keys), 1 to attend and 0
-    not: an additive mask of 0 and `fill` (its mask_filter_value) broadcasting over heads."""
+    """onnxruntime's key mask as an additive mask of 0 and `fill` (its mask_filter_value)
+    broadcasting over heads: raw, (batch, keys) or (batch, queries, keys), 1 to attend and 0
+    not; or the keys each row attends to, [0, end) from (batch) ends (right padding) or
+    [start, end) from (2 x batch) ends then starts (left padding)."""
     if mask is None:
         return None
     g = b.g
@@ -2344,9 +2346,17 @@ def _padding_mask(b, mask: Value, batch: int, keys: int, fill: float) -> Tensor 
         shape = mask.shape
     else:
         shape = np.shape(b.host(mask, "mask"))
+    if shape in ((batch,), (2 * batch,)):
+        bounds = g.cast(g.reshape(b.device(mask), (-1, batch, 1)), "f32")
+        key = b.device(np.arange(keys, dtype=np.float32))
+        outside = g.greater_equal(key, g.slice(bounds, 0, 0, 1))
+        if shape[0] == 2 * batch:
+            outside = g.logical_or(outside, g.less(key, g.slice(bounds, 0, 1, 2)))
+        return g.reshape(g.mul(outside, fill), (batch, 1, 1, keys))
     if len(shape) not in (2, 3) or shape[0] != batch or shape[-1] != keys:
         raise Refuse(f"a mask of shape {tuple(shape)} is not supported (raw masks of (batch, "
-                     "keys) or (batch, queries, keys) are; sequence lengths are not)")
+                     "keys) or (batch, queries, keys) and sequence bounds of (batch) or (2 x "
+                     "batch) are)")
     if isinstance(mask, Tensor):
         additive = g.where(g.greater(g.cast(mask, "f32"), 0.0), 0.0, fill)
     else:
@@ -2409,3 +2419,29 @@ def _ms_multi_head_attention(b, node, ins, attrs):
         bq, bk, bv = g.split(b.device(ins[3]), [q.shape[-1], k.shape[-1], v.shape[-1]], 0)
         q, k, v = g.bias_add(q, bq), g.bias_add(k, bk), g.bias_add(v, bv)
     return [_ms_attention_of(b, node, q, k, v, ins[4], ins[5], attrs), None, None, None]
+
+
+@onnx_op(MS + "EmbedLayerNormalization")
+def _embed_layer_norm(b, node, ins, attrs):
+    """BERT's embeddings: the word, position (0, 1, ... or position_ids) and segment rows
+    summed, layer-normalized; the mask index, where a mask is given, is the position of each
+    row's first 0 (its length under right padding); the sum before the norm the third output."""
+    g = b.g
+    ids, segments, words, positions, segment_table, gamma, beta, mask, position_ids = \
+        [*ins, *[None] * 9][:9]
+    ids = b.device(ids)
+    batch, length = ids.shape
+    total = g.gather(b.device(words), ids, 0)
+    if position_ids is None:
+        position_ids = np.arange(length, dtype=np.int32)
+    total = g.add(total, g.gather(b.device(positions), b.device(position_ids), 0))
+    if segments is not None:
+        total = g.add(total, g.gather(b.device(segment_table), b.device(segments), 0))
+    y = g.layer_norm(total, total.shape[-1:], b.device(gamma), b.device(beta),
+                     float(attrs.get("epsilon", 1e-12)))
+    index = None
+    if mask is not None and int(attrs.get("mask_index_type", 1)):
+        key = b.device(np.arange(length, dtype=np.float32))
+        zeros_at = g.where(g.equal(g.cast(b.device(mask), "f32"), 0.0), key, float(length))
+        index = g.cast(g.amin(zeros_at, -1), "i32")
+    return [y, index, total]
