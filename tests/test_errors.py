@@ -217,6 +217,10 @@ def test_compile_refuses_tensors_of_another_graph_and_bad_arguments(device):
         vkml.compile(g, outputs={"z": stray}, device=device)
     with pytest.raises(vkml.GraphError, match="must be a Tensor of this graph, got str"):
         vkml.compile(g, outputs={"z": str}, device=device)
+    with pytest.raises(vkml.GraphError, match="keep_grads takes True or False .* got 'no'"):
+        vkml.compile(g, loss=y, keep_grads="no", device=device)  # was true
+    with pytest.raises(vkml.GraphError, match="check_finite takes True or False, got 0.5"):
+        vkml.compile(g, loss=y, check_finite=0.5, device=device)
     with pytest.raises(vkml.GraphError, match="is the class: pass an instance"):
         vkml.compile(g, loss=y, optimizer=vkml.Adam, device=device)
     with pytest.raises(vkml.GraphError, match="loss must be f32"):

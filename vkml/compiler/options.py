@@ -8,6 +8,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import numpy as np
+
 from vkml.errors import DeviceError, GraphError
 from vkml.graph import STATE_PREFIX, Graph, Tensor
 from vkml.hal import Capabilities
@@ -45,6 +47,13 @@ class CompileOptions:
                              "(matrix products on bfloat16 cooperative matrices)")
         if self.rewrite not in REWRITES:
             raise GraphError(f"unknown rewrite {self.rewrite!r}; use one of {REWRITES}")
+        for name in ("keep_grads", "check_finite", "hoist"):  # "no" would be true
+            value = getattr(self, name)
+            if not isinstance(value, bool | np.bool_) and (name != "keep_grads"
+                                                           or value is not None):
+                raise GraphError(f"{name} takes True or False"
+                                 + (" (or None: the default)" if name == "keep_grads" else "")
+                                 + f", got {value!r}")
         if optimizer is not None:
             if isinstance(optimizer, type):
                 raise GraphError(f"optimizer={optimizer.__name__} is the class: pass an "
