@@ -43,6 +43,11 @@ SMALL = np.array([INF, -INF, NAN, 0.0, -0.0, 1.0, -1.0, 0.5, 2.0, -2.0, 3.0, -3.
 ROWS = np.array([[-INF, -INF, -INF, -INF], [NAN, 1.0, 2.0, -INF], [1.0, 2.0, 3.0, NAN],
                  [1.0, NAN, 2.0, 0.0], [INF, 0.0, -INF, 1.0], [-INF, 0.0, -INF, -INF],
                  [0.5, -1.0, 2.0, 1.5], [INF, INF, INF, INF]], np.float32)
+# Vector norms: squares past f32's range (above 1.8e19) and below it (1e-30), zero, infinities,
+# NaN
+NORM_ROWS = np.array([[1e20, -2e20, 3e19, 0.0], [1e-30, -2e-30, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0],
+                      [INF, 1.0, 2.0, 0.0], [NAN, 1.0, 2.0, 3.0], [3.0, 4.0, 0.0, -0.0],
+                      [1e38, -1e38, 0.0, 1.0], [-INF, INF, 1e30, 0.0]], np.float32)
 LABELS = np.array([0, 1, 2, 3, 0, 1, 2, 3], np.int32)  # a class for each row
 PRODUCT = np.linspace(-2.0, 2.0, 24, dtype=np.float32).reshape(4, 6)
 PRODUCT[0, 1], PRODUCT[2, 3], PRODUCT[3, 0] = INF, NAN, -INF
@@ -158,6 +163,11 @@ def table() -> dict[str, Entry]:
         "amax_all": Entry(lambda g, x: g.amax(x), lambda x: x.amax(), (ROWS,), False),
         "argmax": Entry(lambda g, x: g.argmax(x, -1), lambda x: x.argmax(-1), (ROWS,), False),
         "argmin": Entry(lambda g, x: g.argmin(x, -1), lambda x: x.argmin(-1), (-ROWS,), False),
+        "reduce_l2": Entry(lambda g, x: g.reduce_l2(x, -1),
+                           lambda x: torch.linalg.vector_norm(x, dim=-1), (NORM_ROWS,)),
+        "reduce_l2_columns": Entry(lambda g, x: g.reduce_l2(x, 0, keepdims=True),
+                                   lambda x: torch.linalg.vector_norm(x, dim=0, keepdim=True),
+                                   (NORM_ROWS[[0, 1, 2, 5, 6]],)),
         "logsumexp": Entry(lambda g, x: g.logsumexp(x, -1), lambda x: x.logsumexp(-1), (ROWS,)),
         # -inf logits of other classes than the label's: torch's loss is finite
         "cross_entropy": Entry(lambda g, x: g.cross_entropy(x, g.constant(LABELS, "i32")),

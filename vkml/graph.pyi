@@ -680,7 +680,8 @@ class Graph:
         """Elementwise reciprocal: WGSL 1.0 / {0}"""
         ...
     def reduce_l2(self, x: Tensor, axis: int | Sequence[int] | None = ..., keepdims: bool = ...) -> Tensor:
-        """ONNX ReduceL2 (torch.linalg.vector_norm of order 2) over `axis`: sqrt(sum(x^2))."""
+        """ONNX ReduceL2 (torch.linalg.vector_norm of order 2) over `axis`: sqrt(sum(x^2)),
+        scaled by the largest magnitude (finite for any finite result)."""
         ...
     def relu(self, x: Tensor) -> Tensor:
         """Elementwise relu: WGSL select(select({0}, 0.0, {0} < 0.0), {0}, ((bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u))"""

@@ -46,7 +46,8 @@ def broadcast_shapes(a: Shape, b: Shape) -> Shape:
     return tuple(reversed(out))
 
 
-def _binary(inputs, attrs):
+def binary_f32(inputs, attrs):
+    """Shape rule of a binary f32 op, its operands numpy-broadcast."""
     a, b = inputs
     if a.dtype != "f32" or b.dtype != "f32":
         raise GraphError(f"expects f32 operands, got {a.dtype} and {b.dtype}")
@@ -414,7 +415,7 @@ def _binary_builder(name: str, doc: str) -> None:
 
 
 def _binary_op(name: str, symbol: str, grad: Callable, integers: bool) -> None:
-    register(OpDef(name, _integer_arithmetic if integers else _binary, "pointwise", grad=grad,
+    register(OpDef(name, _integer_arithmetic if integers else binary_f32, "pointwise", grad=grad,
                    expr=lambda n: call(f"{{0}} {symbol} {{1}}", Arg(0), Arg(1))))
     _binary_builder(name, f"a {symbol} b elementwise ({'f32 or i32' if integers else 'f32'}), "
                     "numpy broadcasting; numbers become constants of the other operand's dtype")
@@ -656,7 +657,7 @@ def _pow_grad(g, node, d):
     return [sum_to(g, dx, x.shape), sum_to(g, dy, y.shape)]
 
 
-register(OpDef("pow", _binary, "pointwise", grad=_pow_grad, expr=_pow_expr))
+register(OpDef("pow", binary_f32, "pointwise", grad=_pow_grad, expr=_pow_expr))
 
 
 @builder

@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vkml.errors import GraphError
-from vkml.expr import contiguous_strides
+from vkml.expr import Arg, call, contiguous_strides
 from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather
 from vkml.kernels import reduce as kernels
 from vkml.kernels.common import check_loop, is_nan, offset
+from vkml.ops.pointwise import binary_f32, same_f32
 
 
 def _reduced(inputs, attrs):
@@ -102,11 +103,32 @@ def logsumexp(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
     return out if keepdims else g.reshape(out, [n for i, n in enumerate(x.shape) if i not in axes])
 
 
+# The L2 norm is s sqrt(sum((x / s)^2)) with s the largest finite magnitude (1 where none is
+# above 0), as BLAS's nrm2 scales, so that no square overflows (past 1.8e19) or underflows;
+# infinities and NaN pass through the sum as torch's. The gradient x / norm: s, a constant,
+# passes none, and the division by s and the product by it pass the gradient unscaled: every
+# step between them is linear in the gradient, so the two factors cancel, and d s (past f32's
+# range for a large upstream d) is never formed.
+register(OpDef("norm_scale", same_f32, "pointwise",
+               expr=lambda n: call("select({0}, 1.0, {0} == 0.0)", Arg(0))))
+for _name, _symbol in (("norm_scale_down", "/"), ("norm_scale_up", "*")):
+    register(OpDef(_name, binary_f32, "pointwise", grad=lambda g, node, d: [d, None],
+                   expr=lambda n, symbol=_symbol: call(f"{{0}} {symbol} {{1}}", Arg(0), Arg(1))))
+
+
 @builder
 def reduce_l2(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
               keepdims: bool = False) -> Tensor:
-    """ONNX ReduceL2 (torch.linalg.vector_norm of order 2) over `axis`: sqrt(sum(x^2))."""
-    return g.apply("norm_sqrt", [g.sum(g.square(x), axis, keepdims)])
+    """ONNX ReduceL2 (torch.linalg.vector_norm of order 2) over `axis`: sqrt(sum(x^2)),
+    scaled by the largest magnitude (finite for any finite result)."""
+    axes = normalize_axes(x, axis)
+    largest = g.apply("abs_max", [x], axes=axes)
+    scale = g.apply("norm_scale", [g.reshape(largest, _kept(x, axes))])
+    unit = g.apply("norm_scale_down", [x, scale])
+    root = g.apply("norm_sqrt", [g.sum(g.square(unit), axes, keepdims=True)])
+    out = g.apply("norm_scale_up", [root, scale])
+    return out if keepdims else g.reshape(out, [n for i, n in enumerate(x.shape)
+                                                if i not in axes])
 
 
 def _arg_extreme(inputs, attrs):
