@@ -195,6 +195,16 @@ def test_a_session_sharing_a_trainers_parameters_follows_its_updates(device):
     trainer.close()
 
 
+def test_a_session_cannot_share_the_parameters_of_a_sharing_session(device):
+    # it compiled, and its prologue never saw the owner's updates: its outputs went stale
+    trainer, follower, graph, _ = _trainer_and_follower(device)
+    with pytest.raises(vkml.InputError, match="uses the parameters of another session .* "
+                                              "pass that one, the owner"):
+        vkml.compile(graph, device=device, share_params_with=follower)
+    follower.close()
+    trainer.close()
+
+
 def test_steps_recorded_into_a_hosts_command_buffer_run_the_prologue_first(
         device, host):  # noqa: F811 (the fixture)
     vulkan_only(device)

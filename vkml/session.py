@@ -127,6 +127,10 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
             raise InputError("share_params_with: both sessions must be on the same device")
         if share_params_with._bound.closed:
             raise InputError("share_params_with: that session is closed")
+        if share_params_with._bound.owner is not None:
+            # its owner's updates would go unseen: no half-update check, no prologue rerun
+            raise InputError("share_params_with: that session uses the parameters of another "
+                             "session (its own share_params_with): pass that one, the owner")
         device = share_params_with.device
     device = device or default_device()
     if not isinstance(device, Device):
