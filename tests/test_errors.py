@@ -511,3 +511,15 @@ def test_onnx_import_misuse_is_named_and_a_session_of_another_graph_is_refused(d
     imp.save_onnx(session, str(tmp_path / "tuned.onnx"))
     saved = onnx.load(str(tmp_path / "tuned.onnx")).graph.initializer[0]
     np.testing.assert_array_equal(numpy_helper.to_array(saved), weight * 2)
+
+
+def test_the_command_line_refuses_what_would_fail_after_the_run():
+    # 0 epochs or fewer images than a batch ended in a StatisticsError after training; a
+    # missing script in a FileNotFoundError traceback
+    for argv, message in [(["demo", "--epochs", "0"], "argument --epochs: 0 is below 1"),
+                          (["demo", "--train", "10"], "argument --train: 10 is below 64"),
+                          (["dump", "absent.py"], "no such script 'absent.py'")]:
+        out = subprocess.run([sys.executable, "-m", "vkml", *argv], env=subprocess_env(),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr

@@ -42,7 +42,7 @@ from vkml.importers.common import (
     slice_along,
     take,
 )
-from vkml.ops.composite import COORDINATE_MODES, MASKED
+from vkml.ops.composite import COORDINATE_MODES
 
 MIN_OPSET = 13
 # save_onnx writes the tensors of a larger model to an external-data file beside it
@@ -1351,7 +1351,8 @@ def _attention(b, node, ins, attrs):
     """ONNX's Attention (opset 23, what torch.onnx writes for scaled_dot_product_attention
     there): 4-D (batch, heads, length, head size) or 3-D (batch, length, heads x head size)
     inputs, grouped key/value heads, a boolean or additive mask, a key/value cache without
-    causality. A row whose every key is masked averages the values (ONNX's gives zeros)."""
+    causality. A boolean mask is additive -inf where false, so a row whose every key is masked
+    gives zeros, as onnxruntime's, onnx's reference and torch's SDPA."""
     g = b.g
     ins = ins + [None] * (7 - len(ins))
     if attrs.get("softcap", 0.0) or ins[6] is not None:
@@ -1372,8 +1373,8 @@ def _attention(b, node, ins, attrs):
     mask = ins[3]
     if mask is not None:
         if b.is_bool(node.input[3], mask):
-            mask = (np.where(mask, 0.0, MASKED).astype(np.float32) if isinstance(mask, np.ndarray)
-                    else g.where(b.device(mask), 0.0, MASKED))
+            mask = (np.where(mask, 0.0, -np.inf).astype(np.float32)
+                    if isinstance(mask, np.ndarray) else g.where(b.device(mask), 0.0, -math.inf))
         mask = b.device(mask)
     y = g.scaled_dot_product_attention(q, k, v, mask, causal, attrs.get("scale"))
     if packed:

@@ -41,7 +41,6 @@ from vkml.importers.common import (
     scatter_along,
     slice_along,
 )
-from vkml.ops.composite import MASKED
 
 Value = Any  # a vkml Tensor, a torch tensor known at import, a number, a list, a tuple or None
 
@@ -1151,15 +1150,16 @@ for _name in ("constant_pad_nd", "pad", "reflection_pad2d", "replication_pad2d",
 @aten("scaled_dot_product_attention")
 def _sdpa(b, q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     q, k, v = b.device(q), b.device(k), b.device(v)
+    # a boolean mask is additive -inf where false: a query that sees no key gives 0, as torch's
     if mask is not None and not isinstance(mask, Tensor):
         if mask.dtype == b.torch.bool:
-            mask = b.torch.zeros(mask.shape).masked_fill(~mask, MASKED)
+            mask = b.torch.zeros(mask.shape).masked_fill(~mask, -math.inf)
         if patterns.is_causal_mask(mask.numpy(), q.shape[-2], k.shape[-2]):
             mask, is_causal = None, True
     if mask is not None:
         mask = b.device(mask)
         if mask.dtype == "i32":
-            mask = b.g.where(mask, 0.0, MASKED)
+            mask = b.g.where(mask, 0.0, -math.inf)
     # key/value heads repeated for grouped-query attention: vkml's attention groups them itself
     k, v = patterns.unrepeated_heads(k, q.shape[-3]), patterns.unrepeated_heads(v, q.shape[-3])
     return b.g.scaled_dot_product_attention(q, k, v, mask, bool(is_causal), scale,
