@@ -336,12 +336,94 @@ def test_dynamic_quantize_linear_matches_onnxruntime(device, x):
         np.testing.assert_array_equal(have, want)
 
 
-def test_qoperator_quantized_models_are_refused_by_name(tmp_path):
+@vulkan_only
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_qoperator_quantized_models_match_onnxruntime(device, tmp_path, name):
+    """quantize_static's QOperator format: QLinearConv, QGemm, QLinearGlobalAveragePool and
+    max pooling of the quantized values, each op as its float form between DequantizeLinear
+    and QuantizeLinear."""
     torch.manual_seed(0)
-    model = _quantized(tmp_path, _with_running_stats(SmallCNN()).eval(),
-                       torch.randn(2, 3, 8, 8), "qoperator")
-    with pytest.raises(vkml.ModelImportError, match="(?s)QLinearConv x1.*com.microsoft::QGemm x1"):
-        vkml.import_onnx(model)
+    module, x = {"mlp": (MLP(), torch.randn(5, 6)),
+                 "cnn": (_with_running_stats(SmallCNN()).eval(), torch.randn(2, 3, 8, 8))}[name]
+    model = _quantized(tmp_path, module, x, "qoperator")
+    assert "QGemm" in {n.op_type for n in model.graph.node}
+    check_against_onnxruntime(model, {"x": x.numpy()}, device)
+
+
+def _u8(*shape, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, shape).astype(np.uint8)
+
+
+def _scale(value, size=None):
+    return np.full(size, value, np.float32) if size else np.array(value, np.float32)
+
+
+def _zero(value, size=None, dtype=np.uint8):
+    return np.full(size, value, dtype) if size else np.array(value, dtype)
+
+
+# (name, op, domain, inputs, attrs): input 0 (and 3 for the binary ops) fed, the rest
+# initializers; the output uint8 (QGemm's without a y_scale float)
+QOPERATOR_CASES = [
+    # uint8 weights: onnxruntime's uint8 x int8 kernels saturate here (see above)
+    ("conv_per_channel_bias", "QLinearConv", "",
+     [_u8(1, 3, 5, 5), _scale(0.02), _zero(120), _u8(4, 3, 3, 3, seed=1),
+      np.linspace(0.005, 0.02, 4).astype(np.float32), _zero(128, 4), _scale(0.05),
+      _zero(128), np.arange(-2, 2, dtype=np.int32) * 300], {"pads": [1, 1, 1, 1]}),
+    ("matmul_per_column", "QLinearMatMul", "",
+     [_u8(4, 6), _scale(0.03), _zero(100), _u8(6, 3, seed=1), _scale(0.01, 3),
+      _zero(128, 3), _scale(0.2), _zero(90)], {}),
+    ("gemm_float_out", "QGemm", "com.microsoft",
+     [_u8(4, 6), _scale(0.03), _zero(100), _u8(3, 6, seed=1), _scale(0.01), _zero(128),
+      np.array([100, -200, 50], np.int32)], {"transB": 1}),
+    ("add", "QLinearAdd", "com.microsoft",
+     [_u8(2, 6), _scale(0.05), _zero(128), _u8(2, 6, seed=1), _scale(0.02), _zero(50),
+      _scale(0.08), _zero(100)], {}),
+    ("mul", "QLinearMul", "com.microsoft",
+     [_u8(2, 6), _scale(0.05), _zero(128), _u8(2, 6, seed=1), _scale(0.02), _zero(50),
+      _scale(0.3), _zero(100)], {}),
+    ("global_average_pool", "QLinearGlobalAveragePool", "com.microsoft",
+     [_u8(1, 3, 4, 4), _scale(0.05), _zero(128), _scale(0.02), _zero(120)], {}),
+    ("average_pool", "QLinearAveragePool", "com.microsoft",
+     [_u8(1, 2, 4, 4), _scale(0.05), _zero(128), _scale(0.04), _zero(120)],
+     {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ("sigmoid", "QLinearSigmoid", "com.microsoft",
+     [_u8(2, 6), _scale(0.05), _zero(128), _scale(1 / 256), _zero(0)], {}),
+    ("leaky_relu", "QLinearLeakyRelu", "com.microsoft",
+     [_u8(2, 6), _scale(0.05), _zero(128), _scale(0.04), _zero(100)], {"alpha": 0.1}),
+    ("concat", "QLinearConcat", "com.microsoft",
+     [_scale(0.05), _zero(120), _u8(2, 3), _scale(0.04), _zero(128), _u8(2, 2, seed=1),
+      _scale(0.06), _zero(100)], {"axis": 1}),
+]
+
+
+@vulkan_only
+@pytest.mark.parametrize("name, op, domain, inputs, attrs", QOPERATOR_CASES,
+                         ids=[c[0] for c in QOPERATOR_CASES])
+def test_qoperator_op_matches_onnxruntime(device, name, op, domain, inputs, attrs):
+    fed = {3} if op in ("QLinearAdd", "QLinearMul") else {2} if op == "QLinearConcat" else set()
+    fed.add(0 if op != "QLinearConcat" else 5)
+    names = [f"in{k}" for k in range(len(inputs))]
+    feeds = {names[k]: inputs[k] for k in sorted(fed)}
+    graph_inputs = [tensor_info(names[k], helper.np_dtype_to_tensor_dtype(inputs[k].dtype),
+                                inputs[k].shape) for k in sorted(fed)]
+    initializers = [numpy_helper.from_array(v, n) for k, (n, v) in enumerate(zip(names, inputs))
+                    if k not in fed]
+    node = helper.make_node(op, names, ["y"], domain=domain, **attrs)
+    model = helper.make_model(
+        helper.make_graph([node], op, graph_inputs, [onnx.ValueInfoProto(name="y")],
+                          initializers),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    (want,) = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, feeds)
+    model.graph.ClearField("output")
+    model.graph.output.append(tensor_info("y", helper.np_dtype_to_tensor_dtype(want.dtype),
+                                          want.shape))
+    _, (got,) = vkml_forward(model, feeds, device)
+    if want.dtype.kind == "f":
+        assert rel_l2(got, want) < FORWARD_TOL
+    else:
+        np.testing.assert_array_equal(got, want)
 
 
 # ---- external data -----------------------------------------------------------------------------

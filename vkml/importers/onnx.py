@@ -1001,6 +1001,9 @@ def _window_geometry(attrs: dict, what: str, rank3: bool = False
 @onnx_op("MaxPool")
 @_lift_1d
 def _max_pool(b, node, ins, attrs):
+    if isinstance(ins[0], Tensor) and ins[0].dtype == "i32":
+        # quantized values (the QOperator format pools them as they are): exact in f32
+        return b.g.cast(_max_pool(b, node, [b.g.cast(ins[0], "f32")], attrs), "i32")
     kernel, strides, dilations = _pool_geometry(attrs, rank3=True)
     if attrs.get("storage_order", 0):
         raise Refuse("storage_order=1 is not supported")
@@ -2446,3 +2449,84 @@ def _embed_layer_norm(b, node, ins, attrs):
         zeros_at = g.where(g.equal(g.cast(b.device(mask), "f32"), 0.0), key, float(length))
         index = g.cast(g.amin(zeros_at, -1), "i32")
     return [y, index, total]
+
+
+# ---- the QOperator format (onnxruntime's quantize_static(quant_format=QOperator), the ONNX
+# model zoo's int8 models): each op on quantized values as DequantizeLinear of its inputs, the
+# float op, QuantizeLinear of its result, which the integer kernels compute up to the rounding
+# of their requantization (a value halfway between two steps may land on either).
+def _dequantized(b, ins: list, axis: int = 1) -> Tensor | np.ndarray:
+    """DequantizeLinear of (x, scale, zero point): at import where all three are known."""
+    if not any(isinstance(v, (Tensor, Initializer)) for v in ins):
+        return _dequantize(ins, {"axis": axis})[0]
+    return _dequantize_linear(b, None, ins, {"axis": axis})
+
+
+def _requantized(b, y: Tensor, scale: Value, zero: Value) -> Tensor:
+    return _quantize_linear(b, None, [y, scale, zero], {})
+
+
+def _int_bias(b, bias: Value, scale: Value) -> Value:
+    """An int32 bias of scale x_scale * w_scale (per output channel or one) as floats."""
+    if bias is None:
+        return None
+    bias = np.asarray(b.host(bias, "bias"), np.float32)
+    return bias * np.asarray(b.host(scale, "scale"), np.float32)
+
+
+@onnx_op("QLinearConv")
+def _qlinear_conv(b, node, ins, attrs):
+    ins = [*ins, None][:9]
+    x, w = _dequantized(b, ins[0:3]), _dequantized(b, ins[3:6], axis=0)
+    scale = np.asarray(b.host(ins[1], "x_scale"), np.float32) * np.asarray(
+        b.host(ins[4], "w_scale"), np.float32)
+    y = _conv(b, node, [x, w, _int_bias(b, ins[8], scale)], attrs)
+    return _requantized(b, y, ins[6], ins[7])
+
+
+@onnx_op("QLinearMatMul")
+def _qlinear_matmul(b, node, ins, attrs):
+    a, w = _dequantized(b, ins[0:3]), _dequantized(b, ins[3:6], axis=-1)
+    return _requantized(b, matmul(b.g, b.device(a), b.device(w)), ins[6], ins[7])
+
+
+@onnx_op(MS + "QGemm")
+def _qgemm(b, node, ins, attrs):
+    """Gemm of dequantized A and B plus C (int32, of scale a_scale * b_scale), requantized by
+    y_scale and y_zero_point, or float where there is no y_scale."""
+    ins = [*ins, None, None, None][:9]
+    trans_b = int(attrs.get("transB", 0))
+    a, w = _dequantized(b, ins[0:3]), _dequantized(b, ins[3:6], axis=0 if trans_b else 1)
+    scale = np.asarray(b.host(ins[1], "a_scale"), np.float32) * np.asarray(
+        b.host(ins[4], "b_scale"), np.float32)
+    y = _gemm(b, node, [a, w, _int_bias(b, ins[6], scale)],
+              {k: v for k, v in attrs.items() if k != "beta"})
+    return y if ins[7] is None else _requantized(b, y, ins[7], ins[8])
+
+
+# onnxruntime's elementwise QLinear ops: the float op of their dequantized inputs
+QLINEAR_BINARY = {"QLinearAdd": "add", "QLinearMul": "mul"}
+
+
+@onnx_op(*(MS + op for op in QLINEAR_BINARY))
+def _qlinear_binary(b, node, ins, attrs):
+    x, y = (b.device(_dequantized(b, ins[k:k + 3])) for k in (0, 3))
+    return _requantized(b, getattr(b.g, QLINEAR_BINARY[node.op_type])(x, y), ins[6], ins[7])
+
+
+@onnx_op(MS + "QLinearGlobalAveragePool", MS + "QLinearAveragePool", MS + "QLinearSigmoid",
+         MS + "QLinearLeakyRelu")
+def _qlinear_unary(b, node, ins, attrs):
+    """The float op (its handler's, by the name without QLinear) of the dequantized input."""
+    if attrs.pop("channels_last", 0):
+        raise Refuse("channels_last=1 is not supported")
+    op = node.op_type.removeprefix("QLinear")
+    x = b.device(_dequantized(b, ins[0:3]))
+    return _requantized(b, HANDLERS[op](b, _Activation(op), [x], attrs), ins[3], ins[4])
+
+
+@onnx_op(MS + "QLinearConcat")
+def _qlinear_concat(b, node, ins, attrs):
+    """Y_scale, Y_zero_point, then (x, scale, zero point) for each input."""
+    parts = [b.device(_dequantized(b, ins[k:k + 3])) for k in range(2, len(ins), 3)]
+    return _requantized(b, b.g.concat(parts, int(attrs["axis"])), ins[0], ins[1])
