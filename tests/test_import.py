@@ -935,6 +935,8 @@ def _torch_recurrent(op, x, w, r, bias, state=(), reverse=False, batch_first=Fal
 
 
 ATTENTION_MASK = np.array([[[[1, 0, 1, 1, 0], [0, 1, 0, 0, 0], [1, 1, 1, 1, 1]]]], bool)
+# the second query sees no key: zeros from onnxruntime, onnx's reference and torch
+ATTENTION_MASK_BLIND = np.array([[[[1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]]], bool)
 
 
 def _sdpa(q, k, v, **kw):
@@ -1197,6 +1199,13 @@ ONNX_OP_CASES = [
     ("attention_boolean_mask", "Attention",
      [_f(1, 2, 3, 4), _f(1, 2, 5, 4, seed=1), _f(1, 2, 5, 4, seed=2), ATTENTION_MASK], {},
      lambda q, k, v: _sdpa(q, k, v, attn_mask=torch.tensor(ATTENTION_MASK)), 23),
+    ("attention_boolean_mask_blind_query", "Attention",
+     [_f(1, 2, 3, 4), _f(1, 2, 5, 4, seed=1), _f(1, 2, 5, 4, seed=2), ATTENTION_MASK_BLIND], {},
+     lambda q, k, v: _sdpa(q, k, v, attn_mask=torch.tensor(ATTENTION_MASK_BLIND)), 23),
+    ("attention_known_boolean_mask_blind_query", "Attention",
+     [_f(1, 2, 3, 4), _f(1, 2, 5, 4, seed=1), _f(1, 2, 5, 4, seed=2),
+      ATTENTION_MASK_BLIND.view(Known)], {},
+     lambda q, k, v: _sdpa(q, k, v, attn_mask=torch.tensor(ATTENTION_MASK_BLIND)), 23),
     ("attention_cache", "Attention",
      [_f(1, 2, 2, 4), _f(1, 2, 2, 4, seed=1), _f(1, 2, 2, 4, seed=2), None,
       _f(1, 2, 3, 4, seed=3), _f(1, 2, 3, 4, seed=4)], {},
@@ -1397,6 +1406,35 @@ class AttentionBlock(torch.nn.Module):
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.norm(y + torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True))
+
+
+class BlindQueryAttention(torch.nn.Module):
+    """Boolean masks under which a query sees no key (torch's SDPA gives it zeros): one known at
+    export (a buffer), one computed in the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.from_numpy(ATTENTION_MASK_BLIND))
+
+    def forward(self, q, k, v):
+        computed = torch.arange(k.shape[2])[None, :] < torch.tensor([[2], [0], [5]])
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return a + torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=computed)
+
+
+@vulkan_only
+def test_torch_attention_of_a_query_that_sees_no_key_is_zero(device):
+    q, k, v = (torch.from_numpy(_f(1, 2, n, 4, seed=s)) for n, s in ((3, 0), (5, 1), (5, 2)))
+    module = BlindQueryAttention()
+    imp = vkml.import_torch(module, (q, k, v))
+    s = vkml.compile(imp.graph, outputs=imp.outputs, device=device)
+    for name, value in zip(imp.inputs, (q, k, v)):
+        s.set_input(name, value.numpy())
+    s.forward()
+    (got,) = (s.read(name) for name in imp.outputs)
+    want = module(*(t.double() for t in (q, k, v))).numpy()
+    assert not want[0, :, 1].any()
+    assert rel_l2(got, want) < FORWARD_TOL and not got[0, :, 1].any()
 
 
 @vulkan_only
