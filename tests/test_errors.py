@@ -405,6 +405,9 @@ def _builder_misuse(g: vkml.Graph) -> list[tuple[Callable[[], object], str]]:
 
 
 def test_builder_misuse_raises_a_graph_error_naming_the_call():
+    for seed in (-1, 1.5, "0"):  # numpy's ValueError / TypeError
+        with pytest.raises(vkml.GraphError, match=r"Graph\(seed=...\) takes an int >= 0"):
+            vkml.Graph(seed=seed)
     g = vkml.Graph()
     for build, message in _builder_misuse(g):
         with pytest.raises(vkml.GraphError, match=message):

@@ -365,6 +365,8 @@ class Graph:
         # What checkpoints carry beside the parameters (see extra() and unsupported())
         self.extras: dict[str, np.ndarray] = {}
         self.unsupported_tensors: dict[str, str] = {}
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise GraphError(f"Graph(seed=...) takes an int >= 0 (numpy's seeds), got {seed!r}")
         self.rng = np.random.default_rng(seed)
         self.initial_bytes = 0  # of the parameters' initial values, all held on the host
         self.created_at = user_frame()  # where it was made: errors about mixed graphs say which
