@@ -175,3 +175,25 @@ def test_adam_bias_correction_past_the_host_table_matches_torch_optim(beta2, dev
         tw.grad = torch.tensor(grad)
         topt.step()
         assert rel_l2(session.read("w"), tw.detach().numpy()) < 1e-5, t
+
+
+def test_learning_rate_set_part_way_through_a_chunked_step_applies_from_the_next(device):
+    """A step begun with step_chunk() updates every layer with the learning rate it began with:
+    its remaining pieces used to read the new one (all four parameters kept lr=0's values)."""
+    session = build(vkml.SGD(lr=0.1), device)
+    xb, yb = batches()[0]
+    session.set_input("x", xb)
+    session.set_input("labels", yb)
+    initial = session.params()
+    session.step()
+    whole = session.params()
+    for name, value in initial.items():
+        session.set_param(name, value)
+    assert session.step_chunk(chunks=4) > 0
+    session.set_hyperparams(lr=0.0)  # finishes the step in progress first
+    assert not session.updating
+    for name, value in session.params().items():
+        np.testing.assert_array_equal(value, whole[name], err_msg=name)
+    session.step()  # lr=0 from this one on
+    for name, value in session.params().items():
+        np.testing.assert_array_equal(value, whole[name], err_msg=name)

@@ -796,7 +796,9 @@ class Session:
         """Change optimizer hyperparameters (e.g. lr) from the next step on; nothing is
         recompiled or re-recorded. Values are checked as torch.optim checks them; those the
         compiled update depends on (SGD's momentum when compiled without, nesterov) are
-        refused with the reason."""
+        refused with the reason. A step begun with step_chunk() is finished first, with the
+        values it began with (its remaining pieces would read the new ones: layers updated
+        with two learning rates in one step)."""
         plan = self.plan
         if plan.optimizer is None or plan.hyperparams_slot is None:
             raise InputError("this session has no optimizer")
@@ -813,6 +815,7 @@ class Session:
                     "compiled update depends on it: compile with the value you want (for SGD, "
                     "a non-zero momentum makes momentum changeable later)")
         plan.optimizer.check(values)
+        self._chunker.finish()
         self._hyperparams.update({k: float(v) for k, v in values.items()})
         slot = plan.slots[plan.hyperparams_slot]
         current = self._bound.read_slot(slot)
