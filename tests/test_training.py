@@ -197,3 +197,28 @@ def test_learning_rate_set_part_way_through_a_chunked_step_applies_from_the_next
     session.step()  # lr=0 from this one on
     for name, value in session.params().items():
         np.testing.assert_array_equal(value, whole[name], err_msg=name)
+
+
+def test_sgd_momentum_set_to_zero_later_is_plain_sgd_as_in_torch_optim(device):
+    """torch.optim.SGD skips its momentum buffer while momentum is 0 (no dampening of the
+    gradient, the buffer kept for when momentum returns); vkml's update used to keep running
+    it, stepping by (1 - dampening) * g."""
+    rng = np.random.default_rng(4)
+    w0 = rng.standard_normal(32).astype(np.float32)
+    grads = rng.standard_normal((9, 32)).astype(np.float32)
+    momenta = [0.9] * 3 + [0.0] * 3 + [0.8] * 3
+    g = vkml.Graph()
+    w = g.param("w", (32,), init=w0)
+    c = g.input("c", (32,))
+    session = vkml.compile(g, loss=g.sum(g.mul(w, c)), device=device,
+                           optimizer=vkml.SGD(lr=0.1, momentum=0.9, dampening=0.5))
+    tw = torch.tensor(w0, requires_grad=True)
+    topt = torch.optim.SGD([tw], lr=0.1, momentum=0.9, dampening=0.5)
+    for grad, momentum in zip(grads, momenta):
+        session.set_hyperparams(momentum=momentum)
+        session.set_input("c", grad)
+        session.step()
+        topt.param_groups[0]["momentum"] = momentum
+        tw.grad = torch.tensor(grad)
+        topt.step()
+        assert rel_l2(session.read("w"), tw.detach().numpy()) < 1e-6

@@ -121,11 +121,13 @@ class SGD(Optimizer):
         # Always applied (0 changes nothing), so set_hyperparams(weight_decay=...) takes effect.
         lines = ["g = g + weight_decay * p;"]
         if self.momentum:
-            # torch starts the buffer at the first gradient, undamped
-            lines += ["momentum_buffer = select(momentum * momentum_buffer + (1.0 - dampening) * g,"
-                      " g, t == 1.0);",
-                      "g = g + momentum * momentum_buffer;" if self.nesterov
-                      else "g = momentum_buffer;"]
+            # torch starts the buffer at the first gradient, undamped, and leaves it alone while
+            # momentum is 0 (set_hyperparams can set it so)
+            lines += ["if (momentum != 0.0) {",
+                      "  momentum_buffer = select(momentum * momentum_buffer"
+                      " + (1.0 - dampening) * g, g, t == 1.0);",
+                      "  g = g + momentum * momentum_buffer;" if self.nesterov
+                      else "  g = momentum_buffer;", "}"]
         return "\n".join(lines + ["p = p - lr * g;"])
 
 
