@@ -169,6 +169,31 @@ def test_unlabelled_or_partial_optimizer_state_is_refused(device, tmp_path):
     assert_usable(session)
 
 
+def test_a_file_without_optimizer_state_says_so_when_a_training_session_loads_it(device,
+                                                                                  tmp_path):
+    """Parameters alone (a PyTorch state dict, a vkml inference session's save) loaded into a
+    training session: its optimizer keeps its own state, as torch.optim does, and a warning
+    says so rather than letting a resumed run start its moments afresh unnoticed."""
+    import warnings
+
+    trained = mlp(device, vkml.Adam(lr=1e-2))
+    trained.step()
+    path = tmp_path / "params.safetensors"
+    save_file(trained.params(), str(path))
+    fresh = mlp(device, vkml.Adam(lr=1e-2), seed=1)
+    with pytest.warns(UserWarning, match="holds no optimizer state.*keeps no state yet: it "
+                                         "starts afresh.*optimizer_state=False"):
+        fresh.load(path)
+    with pytest.warns(UserWarning, match="keeps the state of its own 1 step"):
+        trained.load(path)
+    before = trained.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trained.load(path, optimizer_state=False)  # asked for: no warning
+        mlp(device, seed=2).load(path)  # no optimizer
+    assert_unchanged(trained, before)  # its moments and step count stayed
+
+
 # ---- dtypes ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.bool_])

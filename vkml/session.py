@@ -862,8 +862,10 @@ class Session:
         so dropout draws the masks the saved run would have drawn next.
         `optimizer_state=False` loads the parameters (and extras) alone and keeps this
         session's optimizer state, hyperparameters and step count, e.g. to
-        fine-tune with another optimizer. A tensor the graph declares unsupported
-        (`Graph.unsupported`) is refused even with strict=False. A session that shares
+        fine-tune with another optimizer; a file without optimizer state loaded into a
+        training session with the default `optimizer_state=True` keeps them too, and warns
+        (the moments and step count are not the file's run's). A tensor the graph declares
+        unsupported (`Graph.unsupported`) is refused even with strict=False. A session that shares
         another's parameters (share_params_with) cannot load: load the owner."""
         bound = self._bound
         if bound.shared:

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import secrets
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from vkml.compiler.plan import Slot
 from vkml.errors import CheckpointError, InputError
-from vkml.graph import STATE_PREFIX, TRAINING_STEP
+from vkml.graph import STATE_PREFIX, TRAINING_STEP, user_stacklevel
 from vkml.interrupts import deferred_interrupts
 from vkml.runtime.bound import BoundPlan
 
@@ -225,6 +226,23 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
     bound.wait()
     with deferred_interrupts():  # a Ctrl-C now would leave the session half loaded
         _apply(bound, values, targets, entries, saved_hyperparams, hyperparams, steps)
+    if optimizer is not None and plan.hyperparams_slot is not None and not any(
+            n.startswith(STATE_PREFIX) for n in tensors):
+        _warn_no_state(bound, path)
+
+
+def _warn_no_state(bound: BoundPlan, path: str) -> None:
+    """A training session loaded a file of parameters alone: its optimizer goes on from its own
+    state (as torch.optim does after a model's load_state_dict), which a user resuming a run
+    from such a file would not see otherwise: fresh moments, bias corrections from step 1."""
+    plan = bound.plan
+    t = int(bound.read_slot(plan.slots[plan.hyperparams_slot])[plan.hyperparams.index("t")])
+    own = ("no state yet: it starts afresh" if t == 0 else
+           f"the state of its own {t} step(s), moments and step count included")
+    warnings.warn(f"{path} holds no optimizer state: its parameters were loaded, and this "
+                  f"session's {type(plan.optimizer).__name__} keeps {own}. To resume a run "
+                  "exactly, load a file session.save() wrote; load(path, optimizer_state=False) "
+                  "loads parameters alone without this warning", stacklevel=user_stacklevel())
 
 
 def _apply(bound: BoundPlan, values: dict[str, np.ndarray], targets: Mapping[str, Slot],
