@@ -14,7 +14,7 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -190,22 +190,37 @@ def save_figure(path: str, losses: Sequence[float], steps_per_epoch: int, images
 
 
 # ---- the command line ---------------------------------------------------------------------------
+BATCH = 64  # the classifier's batch: every step takes one
+def _at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an int >= `least` (0 epochs or fewer images than a batch ended in a
+    StatisticsError after the run)."""
+    def count(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is below {least}")
+        return value
+    count.__name__ = "int"  # argparse's "invalid int value" for text that is no int
+    return count
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=int, default=6, help="passes over the training set "
-                        "(default: %(default)s, well under a minute on lavapipe)")
+    parser.add_argument("--epochs", type=_at_least(1), default=6,
+                        help="passes over the training set (default: %(default)s, well under a "
+                             "minute on lavapipe)")
     parser.add_argument("--seed", type=int, default=0, help="seeds data, weights and shuffling")
     parser.add_argument("--device", default=None,
                         help="Vulkan device: an index or part of its name (default: "
                              "$VKML_DEVICE, else the best device found)")
-    parser.add_argument("--train", type=int, default=6000, help="training images")
-    parser.add_argument("--test", type=int, default=1200, help="test images")
+    parser.add_argument("--train", type=_at_least(BATCH), default=6000,
+                        help=f"training images (at least a batch, {BATCH})")
+    parser.add_argument("--test", type=_at_least(1), default=1200, help="test images")
     parser.add_argument("--out", default="out", help="output directory (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    sizes, batch, side = (256, 128, 64, len(SHAPE_CLASSES)), 64, 16
+    sizes, batch, side = (256, 128, 64, len(SHAPE_CLASSES)), BATCH, 16
     os.makedirs(args.out, exist_ok=True)
     train_x, train_y = make_shapes(args.train, seed=args.seed, size=side)
     # A distant seed keeps the test images disjoint from the training set of any nearby seed.

@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(opts: argparse.Namespace) -> int:
+    if opts.target.endswith(".py") and not os.path.isfile(opts.target):
+        print(f"python -m vkml dump: no such script {opts.target!r}", file=sys.stderr)
+        return 2
     stages = stages_of(opts.target, opts.args)
     if opts.stage == "spirv" or opts.out:
         out = opts.out or Path("out") / "dump"
