@@ -350,7 +350,7 @@ def load_weights(session: Any, path: Path) -> None:
     missing = sorted(set(session.plan.params) - names)
     if missing:
         raise RuntimeError(f"the weights file lacks {missing[:5]}")
-    session.load(path, strict=False)
+    session.load(path, strict=False, optimizer_state=False)  # the file holds none
 
 
 def profile_summary(profile: Any) -> dict[str, Any]:
