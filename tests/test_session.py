@@ -274,3 +274,25 @@ def test_arguments_of_the_wrong_kind_are_refused_at_the_call(device):
     assert all(np.array_equal(v, before[k]) for k, v in session.params().items())
     session.forward()
     assert abs(float(session.read("loss")) - mlp_loss(session.params())) < 1e-6
+
+
+def test_inputs_of_the_graph_the_session_does_not_read_are_checked_and_change_nothing(device):
+    # An inference session of a training graph: its labels fed only the loss. set_input said
+    # "unknown input 'labels'" of an input the graph has, breaking a loop shared with training.
+    g = vkml.Graph(seed=0)
+    x = g.input("x", (4, 6))
+    labels = g.input("labels", (4,), "i32")
+    logits = g.output("logits", vkml.nn.Linear(g, "fc", 6, 3)(x))
+    g.cross_entropy(logits, labels)
+    session = vkml.compile(g, device=device)
+    assert list(session.inputs) == ["x"]
+    session.set_input("x", MLP_X)
+    session.set_input("labels", MLP_LABELS)
+    with pytest.raises(vkml.InputError, match=r"input 'labels' expects integers"):
+        session.set_input("labels", MLP_LABELS.astype(np.float32))
+    with pytest.raises(vkml.InputError, match="unknown input 'nope'"):
+        session.set_input("nope", MLP_LABELS)
+    session.step()
+    params = session.params()
+    expected = MLP_X.astype(np.float64) @ params["fc.weight"].T + params["fc.bias"]
+    np.testing.assert_allclose(session.read("logits"), expected, rtol=1e-5, atol=1e-6)

@@ -186,7 +186,13 @@ class Session:
         # graph's initial values, never written into: loads and set_param replace them; where
         # parameters are shared, none the owner has, whose values would go stale here).
         self._entries = checkpoint.Entries()
+        # The graph's inputs that nothing compiled reads (a loss's labels in an inference
+        # session of a training graph): set_input checks and accepts them, as the graph has
+        # them, and they change nothing.
+        self._unread_inputs: dict[str, tuple[tuple[int, ...], str]] = {}
         if graph is not None:
+            self._unread_inputs = {n: (t.shape, t.dtype) for n, t in graph.inputs.items()
+                                   if n not in plan.inputs}
             owned = (set(share_params_with.plan.params) | set(share_params_with._entries.params)
                      if share_params_with is not None else set())
             self._entries = checkpoint.Entries(
@@ -249,10 +255,15 @@ class Session:
     def set_input(self, name: str, value: np.ndarray | Sequence) -> None:
         """Keep `value` (a copy) as input `name` of the next step, and return at once: the
         step in flight keeps the values it started with (the inputs go through two staging
-        buffers, written when a step's first piece is submitted)."""
+        buffers, written when a step's first piece is submitted). An input of the graph that
+        nothing this session computes reads (the labels of a loss it was compiled without) is
+        checked and changes nothing; `inputs` lists those it reads."""
         if name == TRAINING_STEP:
             raise InputError(f"'{name}' numbers the training steps and the session sets it "
                              "itself; it is not for set_input")
+        if name in self._unread_inputs:
+            _conform(f"input '{name}'", value, *self._unread_inputs[name])
+            return  # nothing this session computes reads it
         if name not in self.plan.inputs:
             known = ", ".join(f"'{n}'" for n in self.inputs) or "none"
             raise InputError(f"unknown input '{name}'; this session's inputs are: {known}")
