@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from special_values import PUBLIC_UNARY, ROWS, TORCH_UNARY, differences, run
 
 import vkml
@@ -113,3 +114,56 @@ def test_masking_gradients_keep_nan_out_as_torch(device, name):
     t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     (reference(t) * float("nan")).sum().backward()
     same(got, t.grad.numpy())
+
+
+# (input size, output size): up, down, an axis kept beside a resized one, both kept
+RESIZES = [((3, 4), (6, 7)), ((5, 4), (2, 3)), ((3, 4), (3, 7)), ((3, 4), (3, 4))]
+
+
+def _image_with_specials(shape: tuple[int, int]) -> np.ndarray:
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(1, 1, *shape) / 3.0
+    x[0, 0, 1, 1], x[0, 0, -1, -1], x[0, 0, 0, -1] = INF, NAN, -INF
+    return x
+
+
+@pytest.mark.parametrize("mode, align_corners", [("bilinear", False), ("bilinear", True),
+                                                 ("bicubic", False), ("bicubic", True)])
+def test_interpolation_spreads_infinities_and_nan_as_torch(device, mode, align_corners):
+    """Found by tools/fuzz.py: vkml's interpolation read only the taps of nonzero weight, so
+    an infinity beside an output's position never met its weight 0 (torch's gives NaN
+    there), and an edge pixel read twice by torch (weights 1 and 0) was read once."""
+    g = vkml.Graph()
+    for k, (shape, size) in enumerate(RESIZES):
+        g.output(f"y{k}", g.interpolate(g.constant(_image_with_specials(shape)), size, mode=mode,
+                                        align_corners=align_corners))
+    with vkml.compile(g, device=device) as session:
+        session.forward()
+        for k, (shape, size) in enumerate(RESIZES):
+            want = F.interpolate(torch.from_numpy(_image_with_specials(shape)).double(), size,
+                                 mode=mode, align_corners=align_corners)
+            same(session.read(f"y{k}"), want)
+
+
+@pytest.mark.parametrize("mode, coordinates", [("linear", "half_pixel"),
+                                               ("linear", "align_corners"),
+                                               ("cubic", "asymmetric")])
+def test_onnx_resize_spreads_infinities_and_nan_as_onnxruntime(device, mode, coordinates):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+    for shape, size in RESIZES:
+        x = _image_with_specials(shape)
+        sizes = helper.make_tensor("sizes", TensorProto.INT64, [4], [1, 1, *size])
+        node = helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode=mode,
+                                coordinate_transformation_mode=coordinates)
+        model = helper.make_model(helper.make_graph(
+            [node], "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, (1, 1, *size))], [sizes]),
+            opset_imports=[helper.make_opsetid("", 19)])
+        want = ort.InferenceSession(model.SerializeToString(), providers=[
+            "CPUExecutionProvider"]).run(None, {"x": x})[0]
+        imp = vkml.import_onnx(onnx.load_from_string(model.SerializeToString()))
+        with vkml.compile(imp.graph, outputs=imp.outputs, device=device) as session:
+            session.set_input("x", x)
+            session.forward()
+            same(session.read("y"), want)

@@ -692,20 +692,23 @@ class Graph:
     def remainder(self, a: Operand, b: Operand) -> Tensor:
         """torch's a % b, ONNX Mod: the remainder with b's sign; i32 operands, numpy broadcasting"""
         ...
-    def resample(self, x: Tensor, axis: int, matrix: np.ndarray) -> Tensor:
+    def resample(self, x: Tensor, axis: int, matrix: np.ndarray | tuple[np.ndarray, np.ndarray]) -> Tensor:
         """x multiplied along `axis` by the constant (out, in) `matrix`: y[..., o, ...] = sum over
         i of matrix[o, i] x[..., i, ...], reading only its nonzero entries (an interpolation's
-        few taps a row)."""
+        few taps a row). Or `matrix` as taps (columns, weights), each (out, taps): every tap is
+        read, those of weight 0 and repeated columns too, so that an infinity or NaN there gives
+        NaN, as torch's and onnxruntime's interpolations compute it."""
         ...
     def reshape(self, x: Tensor, shape: int | Sequence[int]) -> Tensor:
         """The same elements in another shape; one axis may be -1 (inferred). No copy is made."""
         ...
-    def resize(self, x: Tensor, size: Sequence[int] | None = ..., scale: Sequence[float] | None = ..., mode: str = ..., coordinate_mode: str = ..., nearest_mode: str = ..., cubic_coeff_a: float = ...) -> Tensor:
+    def resize(self, x: Tensor, size: Sequence[int] | None = ..., scale: Sequence[float] | None = ..., mode: str = ..., coordinate_mode: str = ..., nearest_mode: str = ..., cubic_coeff_a: float = ..., taps_as: str = ...) -> Tensor:
         """ONNX Resize of the axes after the first two of an (N, C, L) or (N, C, H, W) tensor, to
         `size` or by `scale` (output / input, the output floor(input * scale)). `mode`: "nearest",
         "linear" or "cubic" (taps outside read the edge: exclude_outside=0); `coordinate_mode`:
         half_pixel, pytorch_half_pixel, align_corners or asymmetric; `nearest_mode`: floor, ceil,
-        round_prefer_floor or round_prefer_ceil."""
+        round_prefer_floor or round_prefer_ceil. `taps_as`: whose interpolation taps, which decide
+        where an infinity or NaN spreads ("onnxruntime", or "torch": F.interpolate's)."""
         ...
     def rms_norm(self, x: Tensor, weight = ..., eps: float = ...) -> Tensor:
         """x / sqrt(mean(x^2, last axis) + eps) * weight (LLaMA's RMSNorm, F.rms_norm)."""

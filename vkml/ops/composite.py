@@ -511,8 +511,8 @@ def upsample_nearest(g: Graph, x: Tensor, scale: int | tuple[int, int] = 2) -> T
 # ---- resizing (ONNX Resize, F.interpolate) ------------------------------------------------------
 # Each resized axis is a map from output to input positions, computed here in float32 as
 # onnxruntime's and torch's CPU kernels compute them, and applied as its constant sparse
-# interpolation matrix (one, two or four weights a row: `resample`, whose gradient is the
-# transposed matrix); nearest integer upsampling is a broadcast as upsample_nearest.
+# interpolation taps (one, two or four a row: `resample`, whose gradient is the transposed
+# map); nearest integer upsampling is a broadcast as upsample_nearest.
 COORDINATE_MODES = ("half_pixel", "pytorch_half_pixel", "align_corners", "asymmetric")
 NEAREST_MODES = {"floor": np.floor, "ceil": np.ceil,
                  "round_prefer_floor": lambda v: np.ceil(v - np.float32(0.5)),
@@ -534,25 +534,37 @@ def _source_positions(size: int, out: int, scale: float | None, mode: str) -> np
     return (dst + f32(0.5)) * ratio - f32(0.5)
 
 
-def _interpolation_matrix(size: int, out: int, source: np.ndarray) -> np.ndarray:
-    """(out, size): each output position's two linear weights, the coordinate clamped into the
-    input as onnxruntime and torch clamp it."""
-    src = np.clip(source, 0, size - 1)
-    low = np.floor(src).astype(np.int64)
-    high = np.minimum(low + 1, size - 1)
-    frac = (src - low).astype(np.float32)
-    matrix = np.zeros((out, size), np.float32)
-    np.add.at(matrix, (np.arange(out), low), np.float32(1) - frac)
-    np.add.at(matrix, (np.arange(out), high), frac)
-    return matrix
+Taps = tuple[np.ndarray, np.ndarray]  # (columns, weights), each (out, taps): resample's
 
 
-def _cubic_matrix(size: int, out: int, source: np.ndarray, a: float) -> np.ndarray:
-    """(out, size): each output position's four cubic-convolution weights (coefficient `a`),
-    taps past the input read at its edge, as torch's bicubic and onnxruntime's cubic read."""
+def _linear_taps(size: int, out: int, source: np.ndarray, rule: str) -> Taps:
+    """Each output position's two linear taps as `rule` computes them, every tap read (an
+    infinity at a tap of weight 0 gives NaN): "onnxruntime" clamps the coordinate into the
+    input and weighs an edge's one pixel 0.5 and 0.5; "torch" clamps it at 0, reads an edge's
+    pixel twice by its two weights, and an axis it keeps the size of at (i, i) by (1, 0)."""
     f32 = np.float32
-    low = np.floor(source)
-    t = (source - low).astype(f32)
+    if rule == "onnxruntime":
+        src = np.clip(source, 0, size - 1)
+        low = np.minimum(src.astype(np.int64), size - 1)
+        high = np.minimum(low + 1, size - 1)
+        frac = (src - low).astype(f32)
+        edge = low == high
+        weights = np.stack([np.where(edge, f32(0.5), 1 - frac), np.where(edge, f32(0.5), frac)])
+    else:
+        src = np.maximum(source, 0)
+        low = np.minimum(np.floor(src).astype(np.int64), size - 1)
+        high = low + ((low < size - 1) & (size != out))
+        frac = np.clip(src - low, 0, 1).astype(f32)
+        weights = np.stack([1 - frac, frac])
+    return np.stack([low, high], 1), weights.T.astype(f32)
+
+
+def _cubic_taps(size: int, out: int, source: np.ndarray, a: float) -> Taps:
+    """Each output position's four cubic-convolution taps (coefficient `a`), every tap read,
+    those past the input at its edge, as torch's bicubic and onnxruntime's cubic read."""
+    f32 = np.float32
+    low = np.minimum(np.floor(source), size - 1)
+    t = np.clip(source - low, 0, 1).astype(f32)
     a = f32(a)
 
     def inner(d: np.ndarray) -> np.ndarray:  # the weight of a tap at distance d <= 1
@@ -561,23 +573,22 @@ def _cubic_matrix(size: int, out: int, source: np.ndarray, a: float) -> np.ndarr
     def outer(d: np.ndarray) -> np.ndarray:  # at distance 1 < d < 2
         return ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
 
-    matrix = np.zeros((out, size), f32)
-    for tap, weight in ((-1, outer(t + 1)), (0, inner(t)), (1, inner(1 - t)), (2, outer(2 - t))):
-        at = np.clip(low + tap, 0, size - 1).astype(np.int64)
-        np.add.at(matrix, (np.arange(out), at), weight.astype(f32))
-    return matrix
+    columns = np.clip(low[:, None] + np.arange(-1, 3), 0, size - 1).astype(np.int64)
+    weights = np.stack([outer(t + 1), inner(t), inner(1 - t), outer(2 - t)], 1)
+    return columns, weights.astype(f32)
 
 
 @builder
 def resize(g: Graph, x: Tensor, size: Sequence[int] | None = None,
            scale: Sequence[float] | None = None, mode: str = "nearest",
            coordinate_mode: str = "half_pixel", nearest_mode: str = "round_prefer_floor",
-           cubic_coeff_a: float = -0.75) -> Tensor:
+           cubic_coeff_a: float = -0.75, taps_as: str = "onnxruntime") -> Tensor:
     """ONNX Resize of the axes after the first two of an (N, C, L) or (N, C, H, W) tensor, to
     `size` or by `scale` (output / input, the output floor(input * scale)). `mode`: "nearest",
     "linear" or "cubic" (taps outside read the edge: exclude_outside=0); `coordinate_mode`:
     half_pixel, pytorch_half_pixel, align_corners or asymmetric; `nearest_mode`: floor, ceil,
-    round_prefer_floor or round_prefer_ceil."""
+    round_prefer_floor or round_prefer_ceil. `taps_as`: whose interpolation taps, which decide
+    where an infinity or NaN spreads ("onnxruntime", or "torch": F.interpolate's)."""
     spatial = x.shape[2:]
     if len(spatial) not in (1, 2) or (size is None) == (scale is None):
         raise GraphError(f"resize takes an (N, C, L) or (N, C, H, W) tensor and one of size "
@@ -597,10 +608,15 @@ def resize(g: Graph, x: Tensor, size: Sequence[int] | None = None,
                for n, out, f in zip(spatial, sizes, scales)]
     if mode == "nearest":
         return _resize_nearest(g, x, sizes, sources, NEAREST_MODES[nearest_mode])
-    matrices = [_interpolation_matrix(n, out, src) if mode == "linear"
-                else _cubic_matrix(n, out, src, cubic_coeff_a)
-                for n, out, src in zip(spatial, sizes, sources)]
-    return _resample_axes(g, x, matrices)
+    if taps_as not in ("onnxruntime", "torch"):
+        raise GraphError(f"resize: taps_as is 'onnxruntime' or 'torch', got {taps_as!r}")
+    if taps_as == "onnxruntime" and all(n == out and np.array_equal(src, np.arange(n))
+                                        for n, out, src in zip(spatial, sizes, sources)):
+        return x  # onnxruntime copies; an axis that keeps its size beside others has its taps
+    for axis, (n, out, src) in enumerate(zip(spatial, sizes, sources), 2):
+        x = g.resample(x, axis, _linear_taps(n, out, src, taps_as) if mode == "linear"
+                       else _cubic_taps(n, out, src, cubic_coeff_a))
+    return x
 
 
 def _resample_axes(g: Graph, x: Tensor, matrices: list[np.ndarray]) -> Tensor:
@@ -647,7 +663,7 @@ def interpolate(g: Graph, x: Tensor, size: int | Sequence[int] | None = None,
                          "'nearest-exact', 'linear', 'bilinear' or 'bicubic'")
     return g.resize(x, per_axis(size), per_axis(scale_factor),
                     "cubic" if mode == "bicubic" else "linear",
-                    "align_corners" if align_corners else "half_pixel")
+                    "align_corners" if align_corners else "half_pixel", taps_as="torch")
 
 
 # ---- splitting ----------------------------------------------------------------------------------

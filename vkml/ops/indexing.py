@@ -605,18 +605,13 @@ def _resample(inputs, attrs):
 
 
 def _resample_grad(g, node, d):
+    # the same taps transposed, each read (as torch's backward adds every tap's weight times
+    # the gradient, 0 times an infinite one included)
     x, offsets, columns, weights = node.inputs
-    matrix = _dense(x.shape[node.attrs["axis"]], *[g.initial_values[t.id]
-                                                  for t in (offsets, columns, weights)])
-    return [g.resample(d, node.attrs["axis"], matrix.T), None, None, None]
-
-
-def _dense(size: int, offsets: np.ndarray, columns: np.ndarray,
-           weights: np.ndarray) -> np.ndarray:
-    rows = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
-    matrix = np.zeros((offsets.size - 1, size), np.float32)
-    matrix[rows, columns] = weights
-    return matrix
+    starts, cols, values = (g.initial_values[t.id] for t in (offsets, columns, weights))
+    rows = np.repeat(np.arange(starts.size - 1), np.diff(starts))
+    return [_resample_taps(g, d, node.attrs["axis"], x.shape[node.attrs["axis"]], cols, rows,
+                           values), None, None, None]
 
 
 def _resample_kernel(node: Tensor, caps: Capabilities) -> Kernel:
@@ -637,20 +632,40 @@ register(OpDef("resample", _resample, "kernel", grad=_resample_grad, lower=_resa
 
 
 @builder
-def resample(g: Graph, x: Tensor, axis: int, matrix: np.ndarray) -> Tensor:
+def resample(g: Graph, x: Tensor, axis: int, matrix: np.ndarray | tuple[np.ndarray, np.ndarray]
+             ) -> Tensor:
     """x multiplied along `axis` by the constant (out, in) `matrix`: y[..., o, ...] = sum over
     i of matrix[o, i] x[..., i, ...], reading only its nonzero entries (an interpolation's
-    few taps a row)."""
+    few taps a row). Or `matrix` as taps (columns, weights), each (out, taps): every tap is
+    read, those of weight 0 and repeated columns too, so that an infinity or NaN there gives
+    NaN, as torch's and onnxruntime's interpolations compute it."""
     axis = _axis_of(x, axis)
+    if isinstance(matrix, tuple):
+        columns, weights = (np.asarray(a) for a in matrix)
+        out = columns.shape[0] if columns.ndim == 2 else 0
+        if columns.shape != weights.shape or columns.ndim != 2 or not out or (
+                columns.min() < 0 or columns.max() >= x.shape[axis]):
+            raise GraphError(f"resample: taps (columns {columns.shape}, weights "
+                             f"{weights.shape}) do not map axis {axis} of {x.label}")
+        rows = np.repeat(np.arange(out), columns.shape[1])
+        return _resample_taps(g, x, axis, out, rows, columns.ravel(), weights.ravel())
     matrix = np.asarray(matrix, np.float32)
     if matrix.ndim != 2 or matrix.shape[1] != x.shape[axis] or not matrix.shape[0]:
         raise GraphError(f"resample: a matrix of shape {matrix.shape} does not map axis {axis} "
                          f"of {x.label}")
     rows, columns = np.nonzero(matrix)
-    counts = np.bincount(rows, minlength=matrix.shape[0])
+    return _resample_taps(g, x, axis, matrix.shape[0], rows, columns, matrix[rows, columns])
+
+
+def _resample_taps(g: Graph, x: Tensor, axis: int, out: int, rows: np.ndarray,
+                   columns: np.ndarray, weights: np.ndarray) -> Tensor:
+    """The resample node of the taps (row, column, weight), in compressed rows."""
+    order = np.argsort(rows, kind="stable")
+    counts = np.bincount(rows, minlength=out)
     offsets = np.concatenate([[0], np.cumsum(counts)])
-    return g.apply("resample", [x, g.constant(offsets, "i32"), g.constant(columns, "i32"),
-                                g.constant(matrix[rows, columns])],
+    return g.apply("resample", [x, g.constant(offsets, "i32"),
+                                g.constant(columns[order], "i32"),
+                                g.constant(np.asarray(weights, np.float32)[order])],
                    axis=axis, most=int(counts.max(initial=0)))
 
 
