@@ -814,6 +814,35 @@ def test_torch_fft_and_as_strided_train_as_pytorch(device):
     check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
 
 
+class ViewsAndStacks(torch.nn.Module):
+    """Ops torch.export keeps as they are when no decomposition runs (MaxViT's chunk and
+    swapaxes, GPT-J's stack, Falcon's .T, Swin V2's clamp_min and expand_as, wav2vec2's
+    weight-normalized convolution)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.wn = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(6, 6), dim=1)
+        self.bias = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x):  # (3, 4, 6)
+        a, b = self.fc(x).chunk(2, dim=-1)
+        stacked = torch.stack([a, b.clamp_min(-0.5).clamp_max(0.7)], dim=1).swapaxes(1, 2)
+        flipped = self.wn(x.reshape(12, 6).T.T).reshape(3, 4, 6)
+        return (stacked.sum((1, 2)) + self.bias.expand_as(a).sum(1)
+                + flipped.mean(1)[:, :3])
+
+
+@vulkan_only
+def test_torch_ops_kept_whole_train_as_pytorch(device):
+    from vkml.importers import torch_export
+    torch.manual_seed(0)
+    module = ViewsAndStacks()
+    x, labels = torch.randn(3, 4, 6), torch.tensor([1, 2, 0])
+    assert not torch_export._needs_decompositions(torch.export.export(module, (x,)), torch._ops)
+    check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
+
+
 class Video(torch.nn.Module):
     """A video classifier's layers: 3-D convolutions (one strided and grouped, one over time
     alone), 3-D batch norm, 3-D max pooling, adaptive 3-D average pooling (an AveragePool in

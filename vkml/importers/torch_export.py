@@ -596,6 +596,13 @@ def _t(b, x):
     return b.g.transpose(x) if len(x.shape) == 2 else x
 
 
+@aten("numpy_T")
+def _numpy_t(b, x):
+    """x.T: every axis reversed."""
+    x = b.device(x)
+    return b.g.transpose(x, list(reversed(range(len(x.shape))))) if len(x.shape) > 1 else x
+
+
 @aten("permute")
 def _permute(b, x, dims):
     x = b.device(x)
@@ -603,7 +610,7 @@ def _permute(b, x, dims):
     return x if dims == sorted(dims) else b.g.transpose(x, dims)
 
 
-@aten("transpose")
+@aten("transpose", "swapaxes", "swapdims")
 def _transpose(b, x, d0, d1):
     x = b.device(x)
     perm = list(range(len(x.shape)))
@@ -620,6 +627,11 @@ def _view(b, x, shape):
 @aten("expand")
 def _expand(b, x, shape, implicit=False):
     return b.g.expand(b.device(x), [int(d) for d in shape])
+
+
+@aten("expand_as")
+def _expand_as(b, x, other):
+    return b.g.expand(b.device(x), list(b.device(other).shape))
 
 
 @aten("repeat")
@@ -663,6 +675,26 @@ def _cat(b, xs, dim=0):
 def _split(b, x, sizes, dim=0):
     x = b.device(x)
     return b.g.split(x, sizes, dim % len(x.shape))
+
+
+@aten("chunk")
+def _chunk(b, x, chunks, dim=0):
+    """torch.chunk: pieces of ceil(n / chunks), the last one shorter (fewer pieces where
+    they run out)."""
+    x = b.device(x)
+    axis = dim % len(x.shape)
+    n = x.shape[axis]
+    size = -(-n // int(chunks))
+    sizes = [min(size, n - start) for start in range(0, n, size)]
+    return b.g.split(x, sizes, axis) if len(sizes) > 1 else [x]
+
+
+@aten("stack")
+def _stack(b, xs, dim=0):
+    xs = [b.device(x) for x in xs]
+    axis = dim % (len(xs[0].shape) + 1)
+    return b.g.concat([b.g.reshape(x, (*x.shape[:axis], 1, *x.shape[axis:])) for x in xs],
+                      axis)
 
 
 @aten("slice")
@@ -765,6 +797,10 @@ def _softplus(b, x, beta=1.0, threshold=20.0):
 @aten("clamp")
 def _clamp(b, x, low=None, high=None):
     return b.g.clamp(b.device(x), low, high)
+
+
+ATEN["clamp_min"] = lambda b, x, low: _clamp(b, x, low, None)
+ATEN["clamp_max"] = lambda b, x, high: _clamp(b, x, None, high)
 
 
 @aten("hardtanh")
@@ -892,6 +928,15 @@ def _vector_norm(b, x, order=2, dims=None, keepdim=False, dtype=None):
         return b.g.sum(b.g.abs(x), axes, keepdims=keep)
     powered = b.g.sum(power(b.g, b.g.abs(x), order), axes, keepdims=keep)
     return power(b.g, powered, 1.0 / order)
+
+
+@aten("_weight_norm")
+def _weight_norm(b, v, gain, dim=0):
+    """weight_norm's weight: v scaled to the norm `gain` over every axis but `dim`."""
+    v = b.device(v)
+    dim %= len(v.shape)
+    norm = b.g.reduce_l2(v, [a for a in range(len(v.shape)) if a != dim], keepdims=True)
+    return b.g.mul(v, b.g.div(b.device(gain), norm))
 
 
 @aten("slice_scatter")
