@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 import vkml
 from vkml.expr import Arg, call
 from vkml.graph import OPS
+from vkml.runtime import device as device_module
 
 
 def mlp_session(device, optimizer=None, seed=0):
@@ -296,3 +297,16 @@ def test_inputs_of_the_graph_the_session_does_not_read_are_checked_and_change_no
     params = session.params()
     expected = MLP_X.astype(np.float64) @ params["fc.weight"].T + params["fc.bias"]
     np.testing.assert_allclose(session.read("logits"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_device_is_made_again_once_closed(monkeypatch):
+    # compile() without device= kept handing out the closed default device
+    monkeypatch.setattr(device_module, "_default", None)  # this test's own, not the run's
+    first = vkml.compile(_echo_graph())
+    first.device.close()
+    second = vkml.compile(_echo_graph())
+    assert second.device is not first.device and not second.device.closed
+    second.set_input("x", np.zeros(2, np.float32))
+    second.step()
+    np.testing.assert_array_equal(second.read("y"), np.ones(2, np.float32))
+    second.device.close()

@@ -212,8 +212,9 @@ _default: Device | None = None
 
 
 def default_device() -> Device:
-    """One shared device per process for sessions compiled without `device=`."""
+    """One shared device per process for sessions compiled without `device=` (a new one once
+    that one was closed: compile(g) after session.device.close() raised that it was)."""
     global _default
-    if _default is None:
+    if _default is None or _default.closed:
         _default = Device()
     return _default
