@@ -794,14 +794,12 @@ class Mixer(torch.nn.Module):
         return h * torch.sigmoid(1.702 * h)
 
 
-@vulkan_only
-@pytest.mark.parametrize("level", ["BASIC", "EXTENDED"])
-@pytest.mark.parametrize("opset", [14, 17])
-def test_onnxruntime_optimized_models_match_onnxruntime(device, tmp_path, level, opset):
-    """Written by onnxruntime's offline optimizer: at EXTENDED its fusions (contrib ops), and at
-    opset 14 its LayerNormalization in the standard domain, which ONNX defines only from 17."""
+def onnxruntime_optimized(tmp_path, level: str, opset: int, module=None, x=None):
+    """A module (Mixer) exported at `opset`, as onnxruntime's offline optimizer writes it at
+    `level`."""
     torch.manual_seed(0)
-    module, x = Mixer().eval(), torch.randn(2, 6, 16)
+    if module is None:
+        module, x = Mixer().eval(), torch.randn(2, 6, 16)
     source = str(tmp_path / "model.onnx")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -811,7 +809,16 @@ def test_onnxruntime_optimized_models_match_onnxruntime(device, tmp_path, level,
     options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, f"ORT_ENABLE_{level}")
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
-    model = onnx.load(options.optimized_model_filepath)
+    return onnx.load(options.optimized_model_filepath), x
+
+
+@vulkan_only
+@pytest.mark.parametrize("level", ["BASIC", "EXTENDED"])
+@pytest.mark.parametrize("opset", [14, 17])
+def test_onnxruntime_optimized_models_match_onnxruntime(device, tmp_path, level, opset):
+    """Written by onnxruntime's offline optimizer: at EXTENDED its fusions (contrib ops), and at
+    opset 14 its LayerNormalization in the standard domain, which ONNX defines only from 17."""
+    model, x = onnxruntime_optimized(tmp_path, level, opset)
     ops = {n.op_type for n in model.graph.node if n.domain == "com.microsoft"}
     if level == "EXTENDED":
         assert {"FusedConv", "FusedMatMul", "Gelu", "QuickGelu", "SkipLayerNormalization"} <= ops
@@ -970,6 +977,19 @@ def test_contrib_op_matches_onnxruntime_and_torch(device, name, op, inputs, attr
     for k, t in enumerate(tensors):
         if f"in{k}" in imp.graph.params:
             assert rel_l2(s.grad(f"in{k}"), t.grad.numpy()) < GRAD_TOL, k
+
+
+@vulkan_only
+def test_onnxruntime_layout_optimizations_are_refused_by_domain(device, tmp_path):
+    """ORT_ENABLE_ALL's layouts for the CPU it ran on (blocked channels on x86 with AVX2 or
+    AVX-512): com.microsoft.nchwc's ops, refused; where it wrote none, the model imports."""
+    model, x = onnxruntime_optimized(tmp_path, "ALL", 17, SmallCNN().eval(),
+                                     torch.randn(2, 3, 8, 8))
+    if any(n.domain == "com.microsoft.nchwc" for n in model.graph.node):
+        with pytest.raises(vkml.ModelImportError, match=r"com\.microsoft\.nchwc::Conv x"):
+            vkml.import_onnx(model)
+    else:
+        check_against_onnxruntime(model, {"x": x.numpy()}, device)
 
 
 def test_contrib_ops_vkml_lacks_are_refused_by_domain_and_name():
