@@ -148,7 +148,6 @@ def test_interpolation_spreads_infinities_and_nan_as_torch(device, mode, align_c
                                                ("linear", "align_corners"),
                                                ("cubic", "asymmetric")])
 def test_onnx_resize_spreads_infinities_and_nan_as_onnxruntime(device, mode, coordinates):
-    onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper
     for shape, size in RESIZES:
@@ -156,14 +155,48 @@ def test_onnx_resize_spreads_infinities_and_nan_as_onnxruntime(device, mode, coo
         sizes = helper.make_tensor("sizes", TensorProto.INT64, [4], [1, 1, *size])
         node = helper.make_node("Resize", ["x", "", "", "sizes"], ["y"], mode=mode,
                                 coordinate_transformation_mode=coordinates)
-        model = helper.make_model(helper.make_graph(
-            [node], "resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, (1, 1, *size))], [sizes]),
-            opset_imports=[helper.make_opsetid("", 19)])
+        model = _onnx_node_model(node, {"x": x}, (1, 1, *size), 19)
+        model.graph.initializer.append(sizes)
         want = ort.InferenceSession(model.SerializeToString(), providers=[
             "CPUExecutionProvider"]).run(None, {"x": x})[0]
-        imp = vkml.import_onnx(onnx.load_from_string(model.SerializeToString()))
+        imp = vkml.import_onnx(model)
         with vkml.compile(imp.graph, outputs=imp.outputs, device=device) as session:
             session.set_input("x", x)
+            session.forward()
+            same(session.read("y"), want)
+
+
+def _onnx_node_model(node, inputs: dict[str, np.ndarray], out_shape, opset: int):
+    from onnx import TensorProto, helper
+    return helper.make_model(helper.make_graph(
+        [node], "node", [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape)
+                         for k, v in inputs.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)]),
+        opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+@pytest.mark.parametrize("padding", ["zeros", "border"])
+def test_onnx_grid_sample_spreads_infinities_and_nan_as_onnxruntime(device, mode, padding):
+    """Found by tools/fuzz.py: a tap outside the image (zeros padding) multiplied its clamped
+    pixel by 0, NaN where that pixel is infinite (onnxruntime and torch read 0 there); border
+    padding is onnxruntime's (the edge read at taps past it), not torch's (the coordinate
+    clamped), which differ where an infinity meets a weight of 0."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import helper
+    x = _image_with_specials((3, 4))
+    x[0, 0, 2, 0] = -INF
+    grid = np.array([[[[-1.0, -1.0], [-0.25, -1 / 3], [0.0, 0.0], [1.5, 1.5], [-1.2, 0.0],
+                       [0.25, 0.0], [-1.0, 1.0], [1.0, -1.0], [-0.75, 1.0]]]], np.float32)
+    for corners in (0, 1):
+        node = helper.make_node("GridSample", ["x", "grid"], ["y"], mode=mode,
+                                padding_mode=padding, align_corners=corners)
+        model = _onnx_node_model(node, {"x": x, "grid": grid}, (1, 1, 1, 9), 20)
+        want = ort.InferenceSession(model.SerializeToString(), providers=[
+            "CPUExecutionProvider"]).run(None, {"x": x, "grid": grid})[0]
+        imp = vkml.import_onnx(model)
+        with vkml.compile(imp.graph, outputs=imp.outputs, device=device) as session:
+            session.set_input("x", x)
+            session.set_input("grid", grid)
             session.forward()
             same(session.read("y"), want)

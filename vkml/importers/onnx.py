@@ -2145,7 +2145,10 @@ def _stft(b, node, ins, attrs):
 def _grid_sample(b, node, ins, attrs):
     """torch's F.grid_sample on 4-D inputs, bilinear or nearest, zeros or border padding: each
     corner a gather along the flattened pixels at indices computed from the grid, weighted;
-    the gradient to the input through the gathers, to the grid through the weights."""
+    the gradient to the input through the gathers, to the grid through the weights. Border
+    padding reads the edge at the taps past it (onnxruntime's and onnx's reference's rule,
+    where torch clamps the coordinate first: the same numbers, but an infinity at a tap of
+    weight 0 gives NaN at other places)."""
     g = b.g
     x, grid = b.device(ins[0]), b.device(ins[1])
     mode = {"bilinear": "linear"}.get(attrs.get("mode", "linear"), attrs.get("mode", "linear"))
@@ -2163,7 +2166,7 @@ def _grid_sample(b, node, ins, attrs):
         # [-1, 1] to pixels: the corners' centres, or the image's edges
         t = (g.mul(g.add(t, 1.0), (size - 1) / 2) if corners
              else g.sub(g.mul(g.add(t, 1.0), size / 2), 0.5))
-        coords.append(g.clamp(t, 0.0, size - 1.0) if padding == "border" else t)
+        coords.append(t)
     flat = g.reshape(x, (n, c, h * w))
     if mode == "nearest":
         taps = [([g.round(t) for t in coords], None)]
@@ -2176,12 +2179,14 @@ def _grid_sample(b, node, ins, attrs):
                 for cy, wy in ((lows[1], g.sub(1.0, above[1])), (highs[1], above[1]))]
     total = None
     for (cx, cy), weight in taps:
-        inside = g.mul(g.mul(g.greater_equal(cx, 0.0), g.less_equal(cx, w - 1.0)),
-                       g.mul(g.greater_equal(cy, 0.0), g.less_equal(cy, h - 1.0)))
         index = g.add(g.mul(g.clamp(cy, 0.0, h - 1.0), float(w)), g.clamp(cx, 0.0, w - 1.0))
         index = g.expand(g.cast(index, "i32"), (n, c, out[0] * out[1]))
-        weight = inside if weight is None else g.mul(weight, inside)
-        term = g.mul(g.gather_elements(flat, index, 2), weight)
+        value = g.gather_elements(flat, index, 2)
+        term = value if weight is None else g.mul(value, weight)  # weight 0 times inf: NaN
+        if padding == "zeros":  # a tap outside reads 0, not its clamped pixel (inf * 0)
+            inside = g.mul(g.mul(g.greater_equal(cx, 0.0), g.less_equal(cx, w - 1.0)),
+                           g.mul(g.greater_equal(cy, 0.0), g.less_equal(cy, h - 1.0)))
+            term = g.where(inside, term, 0.0)
         total = term if total is None else g.add(total, term)
     return g.reshape(total, (n, c, *out))
 
