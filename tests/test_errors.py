@@ -393,6 +393,8 @@ def _builder_misuse(g: vkml.Graph) -> list[tuple[Callable[[], object], str]]:
         (lambda: g.concat([]), "concat takes a non-empty list"),
         (lambda: g.one_hot(ids, 0), "one_hot: num_classes must be an int >= 1, got 0"),
         (lambda: g.sum(x2, 1.0), "axes are ints"),
+        (lambda: g.argmax(x2, axis=None), "argmax takes one axis, an int, got None"),
+        (lambda: g.cumsum(x2, axis=(0, 1)), r"cumsum takes one axis, an int, got \(0, 1\)"),
         (lambda: g.constant(None), "a constant takes numbers .* got NoneType"),
         (lambda: g.constant("1.5"), "a constant takes numbers .* got str"),
         (lambda: g.param("p", (2,), init=np.array(["a", "b"])), "init array holds <U1"),

@@ -606,6 +606,15 @@ class Graph:
     __str__ = dump
 
 
+def normalize_axis(x: Tensor, axis: int, call: str) -> int:
+    """One non-negative axis of `x`, for the ops that take exactly one (argmax, sort, cumsum,
+    split); None or a tuple there is a GraphError naming `call`, not an unpacking error."""
+    if not isinstance(axis, numbers.Integral):
+        raise GraphError(f"{call} takes one axis, an int, got {axis!r} for {x.label}")
+    (a,) = normalize_axes(x, axis)
+    return a
+
+
 def normalize_axes(x: Tensor, axis: int | Sequence[int] | None) -> tuple[int, ...]:
     """Sorted, non-negative axes of `x` (all of them for None), checked against its rank."""
     rank = len(x.shape)

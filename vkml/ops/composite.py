@@ -16,7 +16,7 @@ import numpy as np
 
 from vkml.errors import GraphError
 from vkml.expr import Arg, call
-from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
+from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, normalize_axis, register
 from vkml.ops.conv import pair, pool_extent
 from vkml.ops.pointwise import broadcast_shapes, sum_to
 
@@ -670,7 +670,7 @@ def interpolate(g: Graph, x: Tensor, size: int | Sequence[int] | None = None,
 @builder
 def split(g: Graph, x: Tensor, sizes: int | Sequence[int], axis: int = 0) -> list[Tensor]:
     """torch.split: chunks of `sizes` (an int: equal chunks, the last may be shorter)."""
-    (axis,) = normalize_axes(x, axis)
+    axis = normalize_axis(x, axis, "split")
     extent = x.shape[axis]
     if isinstance(sizes, int):
         if sizes < 1:

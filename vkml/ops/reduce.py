@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from vkml.errors import GraphError
 from vkml.expr import Arg, call, contiguous_strides
-from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, register
+from vkml.graph import Graph, OpDef, Tensor, builder, normalize_axes, normalize_axis, register
 from vkml.hal import Capabilities, Kernel
 from vkml.kernels import gather
 from vkml.kernels import reduce as kernels
@@ -169,7 +169,7 @@ for _name in ("argmax", "argmin"):
 
 
 def _arg(g: Graph, op: str, x: Tensor, axis: int, keepdims: bool) -> Tensor:
-    (a,) = normalize_axes(x, axis)
+    a = normalize_axis(x, axis, op)
     out = g.apply(op, [x], axis=a)
     return g.reshape(out, [1 if i == a else n for i, n in enumerate(x.shape)]) if keepdims else out
 
@@ -257,7 +257,7 @@ def cumsum(g: Graph, x: Tensor, axis: int = -1, reverse: bool = False,
            exclusive: bool = False) -> Tensor:
     """torch.cumsum along `axis`; `reverse`: sums from the end (the gradient of cumsum);
     `exclusive`: each sum leaves its own element out (ONNX CumSum's exclusive=1)."""
-    (a,) = normalize_axes(x, axis)
+    a = normalize_axis(x, axis, "cumsum")
     return g.apply("cumsum", [x], axis=a, reverse=bool(reverse),
                    **({"exclusive": True} if exclusive else {}))
 
@@ -298,7 +298,7 @@ register(OpDef("argsort", _argsorted, "kernel", lower=_argsort_kernel, index_ran
 def argsort(g: Graph, x: Tensor, axis: int = -1, descending: bool = False) -> Tensor:
     """torch.argsort(stable=True) along `axis` as i32: the indices that sort `x` (NaN last
     ascending, first descending; equal values in their order); no gradient."""
-    (a,) = normalize_axes(x, axis)
+    a = normalize_axis(x, axis, "argsort")
     return g.apply("argsort", [x], axis=a, descending=bool(descending))
 
 
@@ -316,7 +316,7 @@ def topk(g: Graph, x: Tensor, k: int, axis: int = -1, largest: bool = True
          ) -> tuple[Tensor, Tensor]:
     """torch.topk / ONNX TopK: (the `k` largest, or smallest, values along `axis` in order,
     their i32 indices); equal values by index, as ONNX orders them."""
-    (a,) = normalize_axes(x, axis)
+    a = normalize_axis(x, axis, "topk")
     if not isinstance(k, int) or not 1 <= k <= x.shape[a]:
         raise GraphError(f"topk: k must be an int in [1, {x.shape[a]}] for axis {a} of "
                          f"{x.label}, got {k!r}")
