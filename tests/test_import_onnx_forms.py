@@ -992,6 +992,63 @@ def test_onnxruntime_layout_optimizations_are_refused_by_domain(device, tmp_path
         check_against_onnxruntime(model, {"x": x.numpy()}, device)
 
 
+NBITS = [(bits, zero) for bits in (2, 4, 8) for zero in ("float", "packed", "none")
+         if (bits, zero) != (8, "float")]  # onnxruntime's CPU kernel refuses that one
+
+
+@vulkan_only
+@pytest.mark.parametrize("bits, zero", NBITS, ids=[f"{b}bit-{z}" for b, z in NBITS])
+def test_matmul_nbits_matches_onnxruntime(device, bits, zero):
+    """Block-quantized weights (K = 20 in blocks of 16: the last one padded), zero points as
+    floats, packed like the weights, or the default 2 ** (bits - 1)."""
+    rng = np.random.default_rng(bits)
+    depth, width, block = 20, 3, 16
+    blocks = -(-depth // block)
+    initializers = [
+        numpy_helper.from_array(rng.integers(0, 256, (width, blocks, block * bits // 8))
+                                .astype(np.uint8), "B"),
+        numpy_helper.from_array(rng.random(width * blocks).astype(np.float32) * 0.1, "s")]
+    if zero == "float":
+        initializers.append(numpy_helper.from_array(
+            rng.random(width * blocks).astype(np.float32) * 2 ** bits, "z"))
+    elif zero == "packed":
+        initializers.append(numpy_helper.from_array(
+            rng.integers(0, 256, width * -(-blocks * bits // 8)).astype(np.uint8), "z"))
+    node = helper.make_node("MatMulNBits", ["A", *[t.name for t in initializers][:3]], ["y"],
+                            domain="com.microsoft", K=depth, N=width, bits=bits,
+                            block_size=block)
+    model = helper.make_model(
+        helper.make_graph([node], "nbits", [tensor_info("A", T.FLOAT, (2, depth))],
+                          [tensor_info("y", T.FLOAT, (2, width))], initializers),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    x = rng.standard_normal((2, depth)).astype(np.float32)
+    check_against_onnxruntime(model, {"A": x}, device)
+
+
+@vulkan_only
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_quantized_model_matches_onnxruntime(device, tmp_path, symmetric):
+    """onnxruntime's MatMulNBitsQuantizer (int4 weights in blocks of 16, as LLM exports carry
+    them) of a two-layer MLP."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                 torch.nn.Linear(64, 16))
+    x = torch.randn(1, 3, 32)  # 3-D: Linear exported as MatMul, which the quantizer takes
+    file = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), file, dynamo=False, input_names=["x"],
+                          output_names=["logits"])
+    quantizer = MatMulNBitsQuantizer(onnx.load_from_string(file.getvalue()), block_size=16,
+                                     is_symmetric=symmetric)
+    quantizer.process()
+    model = quantizer.model.model
+    assert [n.op_type for n in model.graph.node].count("MatMulNBits") == 2
+    imp = check_against_onnxruntime(model, {"x": x.numpy()}, device)
+    assert set(imp.graph.params) == {"0.bias", "2.bias"}  # the int4 weights are constants
+
+
 def test_contrib_ops_vkml_lacks_are_refused_by_domain_and_name():
     model, _, _ = _ms_model("Attention", [_f(2, 5, 8), _f(8, 24, seed=1), _f(24, seed=2), None,
                                           _f(2, 2, 2, 3, 4, seed=3)], {"num_heads": 2},

@@ -2535,3 +2535,41 @@ def _qlinear_concat(b, node, ins, attrs):
     """Y_scale, Y_zero_point, then (x, scale, zero point) for each input."""
     parts = [b.device(_dequantized(b, ins[k:k + 3])) for k in range(2, len(ins), 3)]
     return _requantized(b, b.g.concat(parts, int(attrs["axis"])), ins[0], ins[1])
+
+
+def _unpacked(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Each row of uint8 bytes as the `bits`-bit unsigned values packed in it, the first in the
+    lowest bits of the first byte (onnxruntime's MatMulNBits layout)."""
+    stream = np.unpackbits(packed, axis=-1, bitorder="little")
+    count = stream.shape[-1] // bits
+    fields = stream[..., :count * bits].reshape(*packed.shape[:-1], count, bits)
+    return fields.astype(np.int64) @ (1 << np.arange(bits, dtype=np.int64))
+
+
+@onnx_op(MS + "MatMulNBits")
+def _matmul_nbits(b, node, ins, attrs):
+    """A @ W + bias for W (K, N) quantized block-wise along K to `bits` bits (int4 weights of
+    onnxruntime's MatMulNBitsQuantizer, onnxruntime-genai's models): W dequantized at import,
+    a constant (weights of that form do not train)."""
+    ins = [*ins, None, None, None][:6]
+    if ins[4] is not None or attrs.get("weight_prepacked", 0):
+        raise Refuse("g_idx (act-order) and prepacked weights are not supported")
+    depth, width = int(attrs["K"]), int(attrs["N"])
+    bits, block = int(attrs.get("bits", 4)), int(attrs["block_size"])
+    blocks = -(-depth // block)
+    packed = np.asarray(b.host(ins[1], "packed weights"), np.uint8).reshape(width, -1)
+    if packed.size == 0:
+        raise Refuse("an omitted projection (empty packed weights) is not supported")
+    q = _unpacked(packed, bits)[:, :blocks * block].reshape(width, blocks, block)
+    scales = np.asarray(b.host(ins[2], "scales"), np.float32).reshape(width, blocks)
+    zero = ins[3]
+    if zero is None:
+        zero = np.full((width, blocks), 1 << (bits - 1), np.float32)
+    elif np.asarray(b.host(zero, "zero points")).dtype == np.uint8:
+        packed_zero = np.asarray(b.host(zero, "zero points")).reshape(width, -1)
+        zero = _unpacked(packed_zero, bits)[:, :blocks].astype(np.float32)
+    else:
+        zero = np.asarray(b.host(zero, "zero points"), np.float32).reshape(width, blocks)
+    weight = ((q - zero[..., None]) * scales[..., None]).reshape(width, -1)[:, :depth]
+    y = matmul(b.g, b.device(ins[0]), b.device(weight.astype(np.float32)), transpose_b=True)
+    return y if ins[5] is None else _plus_bias(b, y, ins[5])
