@@ -23,14 +23,14 @@ import vkml
 from vkml.models import resnet, whisper_encoder
 
 
-def mlp(device, optimizer=None, seed=0):
+def mlp(device, optimizer=None, seed=0, trainable=None):
     g = vkml.Graph(seed=seed)
     x = g.input("x", (4, 6))
     labels = g.input("labels", (4,), "i32")
     logits = vkml.nn.Linear(g, "fc2", 8, 3)(vkml.nn.Linear(g, "fc1", 6, 8)(x).relu())
     g.output("logits", logits)
     session = vkml.compile(g, loss=g.cross_entropy(logits, labels), optimizer=optimizer,
-                           device=device)
+                           device=device, trainable=trainable)
     session.set_input("x", np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32))
     session.set_input("labels", np.array([0, 1, 2, 1], np.int32))
     return session
@@ -192,6 +192,29 @@ def test_a_file_without_optimizer_state_says_so_when_a_training_session_loads_it
         trained.load(path, optimizer_state=False)  # asked for: no warning
         mlp(device, seed=2).load(path)  # no optimizer
     assert_unchanged(trained, before)  # its moments and step count stayed
+
+
+def test_state_missing_for_some_parameters_is_named_when_loaded_with_strict_false(device,
+                                                                                 tmp_path):
+    """A run that trained the head alone, resumed training everything: the backbone's fresh
+    state would run under the file's step count (vkml has one for all parameters, torch.optim
+    one per parameter), so strict=True refuses it and strict=False names those parameters."""
+    import warnings
+
+    head = mlp(device, vkml.Adam(lr=1e-2), trainable=lambda name: name.startswith("fc2"))
+    head.step()
+    head.step()
+    path = tmp_path / "head.safetensors"
+    head.save(path)
+    everything = mlp(device, vkml.Adam(lr=1e-2), seed=1)
+    with pytest.raises(vkml.CheckpointError, match=r"missing optimizer state \['optimizer/fc1"):
+        everything.load(path)
+    with pytest.warns(UserWarning, match=r"no optimizer state for \['fc1.weight', 'fc1.bias'\]"
+                                         ".*step count t=2"):
+        everything.load(path, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mlp(device, vkml.Adam(lr=1e-2), seed=1).load(path, optimizer_state=False)
 
 
 # ---- dtypes ------------------------------------------------------------------------------------

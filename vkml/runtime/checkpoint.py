@@ -226,23 +226,38 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
     bound.wait()
     with deferred_interrupts():  # a Ctrl-C now would leave the session half loaded
         _apply(bound, values, targets, entries, saved_hyperparams, hyperparams, steps)
-    if optimizer is not None and plan.hyperparams_slot is not None and not any(
-            n.startswith(STATE_PREFIX) for n in tensors):
-        _warn_no_state(bound, path)
+    if optimizer is not None and plan.hyperparams_slot is not None:
+        _warn_of_missing_state(bound, path, tensors)
 
 
-def _warn_no_state(bound: BoundPlan, path: str) -> None:
-    """A training session loaded a file of parameters alone: its optimizer goes on from its own
-    state (as torch.optim does after a model's load_state_dict), which a user resuming a run
-    from such a file would not see otherwise: fresh moments, bias corrections from step 1."""
+def _warn_of_missing_state(bound: BoundPlan, path: str, tensors: Mapping[str, Any]) -> None:
+    """Warn where a training session loaded parameters without their optimizer state, which
+    then goes on from this session's own, as torch.optim's does after a model's
+    load_state_dict: a user resuming a run would not see otherwise that its moments restart
+    (a file of parameters alone), or that a parameter's fresh state is taken as old as the
+    file's step count (strict=False, a file whose run trained fewer parameters: vkml counts
+    steps once for all parameters, torch.optim per parameter)."""
     plan = bound.plan
+    kind = type(plan.optimizer).__name__
     t = int(bound.read_slot(plan.slots[plan.hyperparams_slot])[plan.hyperparams.index("t")])
-    own = ("no state yet: it starts afresh" if t == 0 else
-           f"the state of its own {t} step(s), moments and step count included")
-    warnings.warn(f"{path} holds no optimizer state: its parameters were loaded, and this "
-                  f"session's {type(plan.optimizer).__name__} keeps {own}. To resume a run "
-                  "exactly, load a file session.save() wrote; load(path, optimizer_state=False) "
-                  "loads parameters alone without this warning", stacklevel=user_stacklevel())
+    if not any(n.startswith(STATE_PREFIX) for n in tensors):
+        own = ("no state yet: it starts afresh" if t == 0 else
+               f"the state of its own {t} step(s), moments and step count included")
+        warnings.warn(f"{path} holds no optimizer state: its parameters were loaded, and this "
+                      f"session's {kind} keeps {own}. To resume a run exactly, load a file "
+                      "session.save() wrote; load(path, optimizer_state=False) loads parameters "
+                      "alone without this warning", stacklevel=user_stacklevel())
+        return
+    lacking = [p for p, slots in plan.optimizer_state.items()
+               if any(f"{STATE_PREFIX}{p}/{k}" not in tensors for k in slots)]
+    if lacking and t > 0:
+        warnings.warn(f"{path} holds no optimizer state for {_names(lacking)}: they keep this "
+                      f"session's under the file's step count t={t}, so {kind}'s update takes "
+                      f"their state as {t} steps old (vkml counts steps once for all "
+                      "parameters; torch.optim counts them per parameter and would start "
+                      "these at step 1). To train them from fresh state, load the file with "
+                      "optimizer_state=False into a session that has not stepped: every "
+                      "parameter's state then starts afresh", stacklevel=user_stacklevel())
 
 
 def _apply(bound: BoundPlan, values: dict[str, np.ndarray], targets: Mapping[str, Slot],
