@@ -184,13 +184,15 @@ def test_a_file_without_optimizer_state_says_so_when_a_training_session_loads_it
     with pytest.warns(UserWarning, match="holds no optimizer state.*keeps no state yet: it "
                                          "starts afresh.*optimizer_state=False"):
         fresh.load(path)
-    with pytest.warns(UserWarning, match="keeps the state of its own 1 step"):
+    with pytest.warns(UserWarning, match=r"keeps the state of its own 1 step\(s\) \(exp_avg, "
+                                         r"exp_avg_sq and step count\)"):
         trained.load(path)
     before = trained.state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         trained.load(path, optimizer_state=False)  # asked for: no warning
         mlp(device, seed=2).load(path)  # no optimizer
+        mlp(device, vkml.SGD(lr=0.1), seed=2).load(path)  # plain SGD: no state to lose
     assert_unchanged(trained, before)  # its moments and step count stayed
 
 

@@ -226,7 +226,8 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
     bound.wait()
     with deferred_interrupts():  # a Ctrl-C now would leave the session half loaded
         _apply(bound, values, targets, entries, saved_hyperparams, hyperparams, steps)
-    if optimizer is not None and plan.hyperparams_slot is not None:
+    if optimizer is not None and plan.hyperparams_slot is not None and any(
+            plan.optimizer_state.values()):  # (plain SGD keeps no state to lose)
         _warn_of_missing_state(bound, path, tensors)
 
 
@@ -242,7 +243,8 @@ def _warn_of_missing_state(bound: BoundPlan, path: str, tensors: Mapping[str, An
     t = int(bound.read_slot(plan.slots[plan.hyperparams_slot])[plan.hyperparams.index("t")])
     if not any(n.startswith(STATE_PREFIX) for n in tensors):
         own = ("no state yet: it starts afresh" if t == 0 else
-               f"the state of its own {t} step(s), moments and step count included")
+               f"the state of its own {t} step(s) ({', '.join(plan.optimizer.state_names)} "
+               "and step count)")
         warnings.warn(f"{path} holds no optimizer state: its parameters were loaded, and this "
                       f"session's {kind} keeps {own}. To resume a run exactly, load a file "
                       "session.save() wrote; load(path, optimizer_state=False) loads parameters "
