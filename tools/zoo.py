@@ -110,8 +110,10 @@ def cosine(a, b) -> float:
 def export_onnx(torch, model: zoo_models.ZooModel, path: Path, training: bool = False) -> str:
     """torch.onnx's TorchScript exporter at opset 17, nothing folded into other initializers
     (batch norm stays a node, so every parameter keeps its state_dict name); where it cannot
-    export the model (newer transformers' masks), the torch.export-based exporter. Returns
-    which exporter wrote the file."""
+    export the model (newer transformers' masks, VGG's adaptive pool to a larger map), the
+    torch.export-based exporter, unoptimized for the same reason (its optimizer folds batch norm
+    into the convolution before it, whose weight is then no longer the module's). Returns which
+    exporter wrote the file."""
     args, names = tuple(model.inputs.values()), list(model.inputs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -124,7 +126,8 @@ def export_onnx(torch, model: zoo_models.ZooModel, path: Path, training: bool = 
             return "torchscript"
         except Exception:  # noqa: BLE001 (any exporter failure: try the other exporter)
             torch.onnx.export(model.module, args, str(path), dynamo=True, input_names=names,
-                              output_names=["output"], opset_version=18, external_data=False)
+                              output_names=["output"], opset_version=18, external_data=False,
+                              optimize=False)
             return "dynamo"
 
 

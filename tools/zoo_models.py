@@ -37,12 +37,15 @@ class FirstOutput(torch.nn.Module):
     """A model whose forward returns a dict, tuple or ModelOutput, as one that returns its
     `key` (or the first) tensor: the zoo trains on one output."""
 
-    def __init__(self, model: torch.nn.Module, key: str | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, key: str | None = None,
+                 names: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.model, self.key = model, key
+        self.model, self.key, self.names = model, key, names
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        out = self.model(*args)
+        # by keyword where the model's second argument is not its second input (an
+        # encoder-decoder's decoder ids come after the attention mask)
+        out = self.model(**dict(zip(self.names, args))) if self.names else self.model(*args)
         if isinstance(out, torch.Tensor):
             return out
         if isinstance(out, dict) or hasattr(out, "keys"):
@@ -84,6 +87,15 @@ def _vision(ctor: Callable[..., torch.nn.Module], size: str, tiny: int, small: i
 
 def _tv():
     return import_torchvision().models
+
+
+def _narrow_classifier(model: torch.nn.Module, widths: tuple[int, ...]) -> torch.nn.Module:
+    """`model` with its classifier's linear layers replaced by ones of these widths, in
+    order (input, hidden..., classes)."""
+    linears = [i for i, m in enumerate(model.classifier) if isinstance(m, torch.nn.Linear)]
+    for i, n_in, n_out in zip(linears, widths, widths[1:]):
+        model.classifier[i] = torch.nn.Linear(n_in, n_out)
+    return model
 
 
 # ---- torchvision -------------------------------------------------------------------------------
@@ -173,13 +185,10 @@ def mnasnet0_5(size: str) -> ZooModel:
 def alexnet(size: str) -> ZooModel:
     tv = _tv()
 
-    def narrow():  # its classifier at 512 wide: 4096 makes a 151 MB weight, past lavapipe's
-        model = tv.alexnet(num_classes=10)  # 128 MiB storage-buffer binding
-        model.classifier[1] = torch.nn.Linear(256 * 6 * 6, 512)
-        model.classifier[4] = torch.nn.Linear(512, 512)
-        model.classifier[6] = torch.nn.Linear(512, 10)
-        return model
-    return _vision(tv.alexnet, size, 64, 96, narrow=narrow)
+    # its classifier at 512 wide: 4096 makes a 151 MB weight, past lavapipe's 128 MiB
+    # storage-buffer binding
+    return _vision(tv.alexnet, size, 64, 96, narrow=lambda: _narrow_classifier(
+        tv.alexnet(num_classes=10), (256 * 6 * 6, 512, 512, 10)))
 
 
 @zoo("googlenet")
@@ -235,6 +244,112 @@ def fcn_resnet50(size: str) -> ZooModel:
                                           aux_loss=False)
     return ZooModel(FirstOutput(model, "out").eval(), _image(size, 32, 64, 224, batch=1),
                     "torchvision")
+
+
+@zoo("vgg11_bn")
+def vgg11_bn(size: str) -> ZooModel:
+    tv = _tv()
+
+    def narrow():  # an eighth of the widths, the classifier 128 wide (4096 wide at 512 x 7 x 7
+        # inputs is a 411 MB weight); its adaptive pool still makes 7 x 7 of a 1 x 1 map
+        widths = [c if c == "M" else c // 8 for c in tv.vgg.cfgs["A"]]
+        model = tv.vgg.VGG(tv.vgg.make_layers(widths, batch_norm=True), num_classes=10)
+        return _narrow_classifier(model, (64 * 7 * 7, 128, 128, 10))
+    return _vision(tv.vgg11_bn, size, 32, 64, narrow=narrow)
+
+
+@zoo("resnext50_32x4d")
+def resnext50_32x4d(size: str) -> ZooModel:
+    tv = _tv()
+    return _vision(tv.resnext50_32x4d, size, 32, 64, narrow=lambda: tv.resnet.ResNet(
+        tv.resnet.Bottleneck, [1, 1, 1, 1], num_classes=10, groups=4, width_per_group=4))
+
+
+@zoo("efficientnet_v2_s")
+def efficientnet_v2_s(size: str) -> ZooModel:
+    tv = _tv()
+    ef = tv.efficientnet
+
+    def narrow():  # fused and depthwise MBConv stages, narrow, one block each
+        from functools import partial
+        blocks = [ef.FusedMBConvConfig(1, 3, 1, 8, 8, 1), ef.FusedMBConvConfig(4, 3, 2, 8, 16, 1),
+                  ef.MBConvConfig(4, 3, 2, 16, 24, 1)]
+        return ef.EfficientNet(blocks, 0.2, num_classes=10, last_channel=64,
+                               norm_layer=partial(torch.nn.BatchNorm2d, eps=1e-3))
+    return _vision(tv.efficientnet_v2_s, size, 32, 64, narrow=narrow)
+
+
+@zoo("swin_v2_t")
+def swin_v2_t(size: str) -> ZooModel:
+    tv = _tv()
+    sw = tv.swin_transformer
+    return _vision(tv.swin_v2_t, size, 32, 64, narrow=lambda: sw.SwinTransformer(
+        [4, 4], 16, [1, 1], [1, 2], [2, 2], num_classes=10, block=sw.SwinTransformerBlockV2,
+        downsample_layer=sw.PatchMergingV2))
+
+
+@zoo("maxvit_t")
+def maxvit_t(size: str) -> ZooModel:
+    """MaxViT: MBConv, then block and grid attention with relative position bias per stage."""
+    tv = _tv()
+    side = {"tiny": 32, "small": 64, "full": 224}[size]
+    if size == "full":
+        model = tv.maxvit_t(weights=None)
+    else:
+        stages = ([16, 32], [1, 1], 8) if size == "tiny" else ([64, 128, 256, 512], [2, 2, 5, 2],
+                                                               32)
+        model = tv.maxvit.MaxVit((side, side), stages[0][0], 2, stages[0], stages[1], stages[2],
+                                 0.0, num_classes=10)
+    return ZooModel(FirstOutput(model).eval(), _image(size, side, side, side), "torchvision")
+
+
+def _video(size: str) -> dict:
+    """A clip (N, C, T, H, W): 16 frames of 112 x 112 in full, as the video models train."""
+    frames, side = {"tiny": (4, 16), "small": (8, 56), "full": (16, 112)}[size]
+    return {"video": torch.randn(1, 3, frames, side, side)}
+
+
+@zoo("r2plus1d_18")
+def r2plus1d_18(size: str) -> ZooModel:
+    """R(2+1)D: 3-D convolutions split into a spatial (1 x 3 x 3) and a temporal (3 x 1 x 1)
+    one, 3-D batch norm, adaptive 3-D pooling."""
+    tv = _tv()
+    vr = tv.video.resnet
+    if size == "full":
+        model = tv.video.r2plus1d_18(weights=None, num_classes=400)
+    else:  # at "tiny", the published widths only on the meta device, replaced below
+        with torch.device("meta" if size == "tiny" else "cpu"):
+            model = vr.VideoResNet(vr.BasicBlock, [vr.Conv2Plus1D] * 4, [1, 1, 1, 1],
+                                   vr.R2Plus1dStem, num_classes=10)
+    if size == "tiny":  # its stem and stages at an eighth of the widths (by its own builder)
+        conv = torch.nn.Conv3d
+        model.stem = torch.nn.Sequential(
+            conv(3, 6, (1, 7, 7), (1, 2, 2), (0, 3, 3), bias=False), torch.nn.BatchNorm3d(6),
+            torch.nn.ReLU(), conv(6, 8, (3, 1, 1), 1, (1, 0, 0), bias=False),
+            torch.nn.BatchNorm3d(8), torch.nn.ReLU())
+        model.inplanes = 8
+        for i, (planes, stride) in enumerate([(8, 1), (16, 2), (24, 2), (32, 2)], 1):
+            setattr(model, f"layer{i}", model._make_layer(vr.BasicBlock, vr.Conv2Plus1D,
+                                                          planes, 1, stride))
+        model.fc = torch.nn.Linear(32, 10)
+    return ZooModel(FirstOutput(model).eval(), _video(size), "torchvision")
+
+
+@zoo("swin3d_t")
+def swin3d_t(size: str) -> ZooModel:
+    """Video Swin: shifted 3-D windows, 3-D patch merging."""
+    tv = _tv()
+    if size == "full":
+        model = tv.video.swin3d_t(weights=None)
+    else:
+        model = tv.video.SwinTransformer3d([2, 4, 4], 16 if size == "tiny" else 48,
+                                           [1, 1] if size == "tiny" else [2, 2],
+                                           [1, 2] if size == "tiny" else [3, 6], [2, 2, 2],
+                                           stochastic_depth_prob=0.0, num_classes=10)
+    inputs = _video(size)
+    if size != "full":  # 4 frames of 32 x 32: two windows each way after the patch embedding
+        inputs = {"video": torch.randn(1, 3, 4, 32, 32)}
+    return ZooModel(FirstOutput(model).eval(), inputs, "torchvision")
 
 
 # ---- transformers ------------------------------------------------------------------------------
@@ -430,6 +545,213 @@ def convnext_hf(size: str) -> ZooModel:
                       "full": ([96, 192, 384, 768], [3, 3, 9, 3])}[size]
     cfg = ConvNextConfig(hidden_sizes=widths, depths=depths, num_labels=5, drop_path_rate=0.0)
     return _hf(ConvNextForImageClassification(cfg), _image(size, 32, 64, batch=1), "logits")
+
+
+@zoo("albert")
+def albert(size: str) -> ZooModel:
+    """ALBERT: factorized embeddings and one layer's weights shared by every layer."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+    h, n, heads, ff = _widths(size, (768, 12, 12, 3072))
+    cfg = AlbertConfig(vocab_size=1000, embedding_size=h // 2, hidden_size=h,
+                       num_hidden_layers=n, num_attention_heads=heads, intermediate_size=ff,
+                       num_labels=3, classifier_dropout_prob=0.0, attn_implementation="eager",
+                       **_no_dropout())
+    return _hf(AlbertForSequenceClassification(cfg), _text(size, 1000), "logits")
+
+
+@zoo("deberta_v2")
+def deberta_v2(size: str) -> ZooModel:
+    """DeBERTa-v2: disentangled attention, relative positions gathered per query and key."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+    h, n, heads, ff = _widths(size, (768, 12, 12, 3072))
+    cfg = DebertaV2Config(vocab_size=1000, hidden_size=h, num_hidden_layers=n,
+                          num_attention_heads=heads, intermediate_size=ff, num_labels=3,
+                          relative_attention=True, position_buckets=16 if size != "full" else 256,
+                          max_relative_positions=-1, pos_att_type=["p2c", "c2p"],
+                          norm_rel_ebd="layer_norm", share_att_key=True, pooler_dropout=0.0,
+                          **_no_dropout())
+    return _hf(DebertaV2ForSequenceClassification(cfg), _text(size, 1000), "logits")
+
+
+@zoo("squeezebert")
+def squeezebert(size: str) -> ZooModel:
+    """SqueezeBERT: BERT with grouped 1-d convolutions for its projections."""
+    from transformers import SqueezeBertConfig, SqueezeBertForSequenceClassification
+    h, n, heads, ff = _widths(size, (768, 12, 12, 3072))
+    cfg = SqueezeBertConfig(vocab_size=1000, hidden_size=h, embedding_size=h,
+                            num_hidden_layers=n, num_attention_heads=heads, intermediate_size=ff,
+                            num_labels=3, **_no_dropout())
+    return _hf(SqueezeBertForSequenceClassification(cfg), _text(size, 1000), "logits")
+
+
+@zoo("bart")
+def bart(size: str) -> ZooModel:
+    """BART whole: encoder and decoder, two inputs, cross-attention, tied embeddings."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    h, n, heads, ff = _widths(size, (768, 6, 12, 3072))
+    cfg = BartConfig(vocab_size=1000, d_model=h, encoder_layers=n, decoder_layers=n,
+                     encoder_attention_heads=heads, decoder_attention_heads=heads,
+                     encoder_ffn_dim=ff, decoder_ffn_dim=ff, max_position_embeddings=256,
+                     dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+                     attn_implementation="eager")
+    inputs = _text(size, 1000)
+    inputs["decoder_input_ids"] = torch.randint(0, 1000, (2, inputs["input_ids"].shape[1] // 2))
+    return ZooModel(FirstOutput(BartForConditionalGeneration(cfg), "logits",
+                                names=("input_ids", "decoder_input_ids")).eval(), inputs,
+                    "transformers")
+
+
+@zoo("bloom")
+def bloom(size: str) -> ZooModel:
+    """BLOOM: ALiBi position biases (made from the attention mask), no position embeddings."""
+    from transformers import BloomConfig, BloomForCausalLM
+    h, n, heads, _ = _widths(size, (1024, 24, 16, 4096))
+    cfg = BloomConfig(vocab_size=1000, hidden_size=h, n_layer=n, n_head=heads,
+                      hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)
+    return _hf(BloomForCausalLM(cfg), _text(size, 1000), "logits")
+
+
+@zoo("phi")
+def phi(size: str) -> ZooModel:
+    """Phi: partial rotary embeddings, attention and MLP in parallel off one layer norm."""
+    from transformers import PhiConfig, PhiForCausalLM
+    return _causal_lm(PhiConfig, PhiForCausalLM, size, (2048, 24, 32, 8192),
+                      partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
+                      attention_dropout=0.0)
+
+
+@zoo("wav2vec2")
+def wav2vec2(size: str) -> ZooModel:
+    """wav2vec 2.0: a 1-d convolutional feature extractor (group norm), a grouped, weight-
+    normalized positional convolution, a transformer encoder."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+    h, n, heads, ff = _widths(size, (768, 12, 12, 3072))
+    conv = {"tiny": ((16, 16), (10, 3), (5, 2)), "small": ((128,) * 3, (10, 3, 3), (5, 2, 2)),
+            "full": ((512,) * 7, (10, 3, 3, 3, 3, 2, 2), (5, 2, 2, 2, 2, 2, 2))}[size]
+    samples = {"tiny": 400, "small": 4000, "full": 16000}[size]
+    cfg = Wav2Vec2Config(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads,
+                         intermediate_size=ff, conv_dim=conv[0], conv_kernel=conv[1],
+                         conv_stride=conv[2], num_conv_pos_embeddings=16 if size != "full"
+                         else 128, num_conv_pos_embedding_groups=4 if size != "full" else 16,
+                         feat_extract_norm="group", hidden_dropout=0.0, attention_dropout=0.0,
+                         activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0,
+                         attn_implementation="eager")
+    return _hf(Wav2Vec2Model(cfg), {"input_values": torch.randn(1, samples)},
+               "last_hidden_state")
+
+
+@zoo("mobilevit")
+def mobilevit(size: str) -> ZooModel:
+    """MobileViT: inverted residuals, then transformers over unfolded 2 x 2 patches folded back."""
+    from transformers import MobileViTConfig, MobileViTForImageClassification
+    side = {"tiny": 64, "small": 128, "full": 256}[size]
+    widths = {"tiny": ([16, 24, 32], [8, 8, 16, 16, 24, 24, 32]),
+              "small": ([64, 80, 96], [16, 16, 24, 48, 64, 80, 320]),
+              "full": ([144, 192, 240], [16, 32, 64, 96, 128, 160, 640])}[size]
+    cfg = MobileViTConfig(image_size=side, hidden_sizes=widths[0], neck_hidden_sizes=widths[1],
+                          num_attention_heads=2 if size == "tiny" else 4, num_labels=5,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                          classifier_dropout_prob=0.0, attn_implementation="eager")
+    return _hf(MobileViTForImageClassification(cfg), _image(size, side, side, side, batch=1),
+               "logits")
+
+
+@zoo("beit")
+def beit(size: str) -> ZooModel:
+    """BEiT: a relative position bias per layer, layer scale, mean pooling."""
+    from transformers import BeitConfig, BeitForImageClassification
+    patch = 16 if size == "full" else 8
+    image = _patch_image(size, patch)
+    cfg = BeitConfig(image_size=image["pixel_values"].shape[-1], patch_size=patch, num_labels=5,
+                     use_relative_position_bias=True, use_mean_pooling=True,
+                     layer_scale_init_value=0.1, drop_path_rate=0.0, attn_implementation="eager",
+                     **_no_dropout(), **_vit_widths(size, (768, 12, 12, 3072)))
+    return _hf(BeitForImageClassification(cfg), image, "logits")
+
+
+@zoo("poolformer")
+def poolformer(size: str) -> ZooModel:
+    """PoolFormer: average pooling (padding not counted) as the token mixer, group norm."""
+    from transformers import PoolFormerConfig, PoolFormerForImageClassification
+    widths, depths = {"tiny": ([8, 16, 24, 32], [1, 1, 1, 1]),
+                      "small": ([32, 64, 128, 256], [2, 2, 4, 2]),
+                      "full": ([64, 128, 320, 512], [2, 2, 6, 2])}[size]
+    cfg = PoolFormerConfig(hidden_sizes=widths, depths=depths, num_labels=5, drop_path_rate=0.0,
+                           hidden_dropout_prob=0.0)
+    return _hf(PoolFormerForImageClassification(cfg), _image(size, 32, 64, batch=1), "logits")
+
+
+@zoo("gptj")
+def gptj(size: str) -> ZooModel:
+    """GPT-J: rotary embeddings on part of each head, interleaved pairs (rotate_every_two),
+    attention and MLP in parallel."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+    h, n, heads, _ = _widths(size, (4096, 28, 16, 16384))
+    cfg = GPTJConfig(vocab_size=1000, n_embd=h, n_layer=n, n_head=heads,
+                     rotary_dim=(h // heads) // 2, n_positions=256, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+                     eos_token_id=0, attn_implementation="eager")
+    return _hf(GPTJForCausalLM(cfg), _text(size, 1000), "logits")
+
+
+@zoo("opt")
+def opt(size: str) -> ZooModel:
+    """OPT: learned positions offset by two, read at the mask's cumulative sum."""
+    from transformers import OPTConfig, OPTForCausalLM
+    h, n, heads, ff = _widths(size, (768, 12, 12, 3072))
+    cfg = OPTConfig(vocab_size=1000, hidden_size=h, num_hidden_layers=n,
+                    num_attention_heads=heads, ffn_dim=ff, word_embed_proj_dim=h,
+                    max_position_embeddings=256, dropout=0.0, attention_dropout=0.0,
+                    use_cache=False, attn_implementation="eager")
+    return _hf(OPTForCausalLM(cfg), _text(size, 1000), "logits")
+
+
+@zoo("falcon")
+def falcon(size: str) -> ZooModel:
+    """Falcon: multi-query attention (one key/value head), attention and MLP in parallel."""
+    from transformers import FalconConfig, FalconForCausalLM
+    h, n, heads, _ = _widths(size, (4544, 32, 71, 0))
+    cfg = FalconConfig(vocab_size=1000, hidden_size=h, num_hidden_layers=n,
+                       num_attention_heads=heads, multi_query=True, parallel_attn=True,
+                       alibi=False, bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+                       use_cache=False)
+    return _hf(FalconForCausalLM(cfg), _text(size, 1000), "logits")
+
+
+@zoo("fnet")
+def fnet(size: str) -> ZooModel:
+    """FNet: a 2-D Fourier transform (its real part) in place of attention."""
+    from transformers import FNetConfig, FNetForSequenceClassification
+    h, n, _, ff = _widths(size, (768, 12, 12, 3072))
+    cfg = FNetConfig(vocab_size=1000, hidden_size=h, num_hidden_layers=n, intermediate_size=ff,
+                     num_labels=3, hidden_dropout_prob=0.0, use_tpu_fourier_optimizations=False)
+    return _hf(FNetForSequenceClassification(cfg), _text(size, 1000), "logits")
+
+
+@zoo("funnel")
+def funnel(size: str) -> ZooModel:
+    """Funnel Transformer: the sequence pooled between blocks, relative attention."""
+    from transformers import FunnelConfig, FunnelForSequenceClassification
+    h, _, heads, ff = _widths(size, (768, 12, 12, 3072))
+    blocks = [1, 1] if size == "tiny" else [2, 2] if size == "small" else [4, 4, 4]
+    cfg = FunnelConfig(vocab_size=1000, block_sizes=blocks, d_model=h, n_head=heads,
+                       d_head=h // heads, d_inner=ff, num_decoder_layers=1 if size == "tiny"
+                       else 2, num_labels=3, hidden_dropout=0.0, attention_dropout=0.0,
+                       activation_dropout=0.0)
+    return _hf(FunnelForSequenceClassification(cfg), _text(size, 1000), "logits")
+
+
+@zoo("convbert")
+def convbert(size: str) -> ZooModel:
+    """ConvBERT: half the heads a span-based dynamic convolution (unfold of a separable 1-d
+    convolution's output)."""
+    from transformers import ConvBertConfig, ConvBertForSequenceClassification
+    h, n, heads, ff = _widths(size, (768, 12, 12, 3072))
+    cfg = ConvBertConfig(vocab_size=1000, hidden_size=h, embedding_size=h, num_hidden_layers=n,
+                         num_attention_heads=heads, intermediate_size=ff, num_labels=3,
+                         conv_kernel_size=3 if size == "tiny" else 9, head_ratio=2,
+                         **_no_dropout())
+    return _hf(ConvBertForSequenceClassification(cfg), _text(size, 1000), "logits")
 
 
 def build(name: str, size: str, seed: int = 0) -> ZooModel:
