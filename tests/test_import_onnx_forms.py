@@ -1049,6 +1049,33 @@ def test_int4_quantized_model_matches_onnxruntime(device, tmp_path, symmetric):
     assert set(imp.graph.params) == {"0.bias", "2.bias"}  # the int4 weights are constants
 
 
+ROPE = [("3d", 0, "ids"), ("3d", 1, "offset"), ("4d", 1, "ids"), ("4d", 0, "offset")]
+
+
+@vulkan_only
+@pytest.mark.parametrize("layout, interleaved, positions", ROPE,
+                         ids=["-".join(map(str, c)) for c in ROPE])
+def test_contrib_rotary_embedding_matches_onnxruntime(device, layout, interleaved, positions):
+    """com.microsoft's RotaryEmbedding: (batch, length, hidden) or (batch, heads, length,
+    size), position ids per token or one offset, both fed at run time."""
+    rng = np.random.default_rng(interleaved)
+    batch, length, heads, size = 2, 5, 2, 8
+    shape = (batch, length, heads * size) if layout == "3d" else (batch, heads, length, size)
+    caches = [numpy_helper.from_array(f(rng.random((16, size // 2))).astype(np.float32), name)
+              for f, name in ((np.cos, "cos"), (np.sin, "sin"))]
+    ids = (rng.integers(0, 10, (batch, length)) if positions == "ids" else np.array([3]))
+    attrs = {"interleaved": interleaved, **({"num_heads": heads} if interleaved else {})}
+    node = helper.make_node("RotaryEmbedding", ["x", "ids", "cos", "sin"], ["y"],
+                            domain="com.microsoft", **attrs)
+    model = helper.make_model(
+        helper.make_graph([node], "rope", [tensor_info("x", T.FLOAT, shape),
+                                           tensor_info("ids", T.INT64, ids.shape)],
+                          [tensor_info("y", T.FLOAT, shape)], caches),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    x = rng.standard_normal(shape).astype(np.float32)
+    check_against_onnxruntime(model, {"x": x, "ids": ids}, device)
+
+
 def test_contrib_ops_vkml_lacks_are_refused_by_domain_and_name():
     model, _, _ = _ms_model("Attention", [_f(2, 5, 8), _f(8, 24, seed=1), _f(24, seed=2), None,
                                           _f(2, 2, 2, 3, 4, seed=3)], {"num_heads": 2},

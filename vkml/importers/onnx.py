@@ -2573,3 +2573,25 @@ def _matmul_nbits(b, node, ins, attrs):
     weight = ((q - zero[..., None]) * scales[..., None]).reshape(width, -1)[:, :depth]
     y = matmul(b.g, b.device(ins[0]), b.device(weight.astype(np.float32)), transpose_b=True)
     return y if ins[5] is None else _plus_bias(b, y, ins[5])
+
+
+@onnx_op(MS + "RotaryEmbedding")
+def _ms_rotary_embedding(b, node, ins, attrs):
+    """onnxruntime's RoPE as ONNX's (opset 23) computes it: its inputs in another order, and
+    position_ids of one element the offset of positions 0, 1, ...; heads of a 3-D input from
+    the caches' width where num_heads is not given."""
+    if attrs.get("is_packed_batching", 0) or float(attrs.get("scale", 1.0)) != 1.0:
+        raise Refuse("is_packed_batching and a scale other than 1 are not supported")
+    g, x = b.g, b.device(ins[0])
+    ids, cos, sin = ins[1:4]
+    length = x.shape[-2] if len(x.shape) == 4 else x.shape[1]
+    if np.prod(ids.shape if isinstance(ids, Tensor) else np.shape(ids)) == 1:
+        steps = np.arange(length, dtype=np.int32).reshape(1, length)
+        ids = (steps + int(np.asarray(b.host(ids, "position offset")).reshape(()))
+               if not isinstance(ids, Tensor) else
+               g.add(g.constant(steps, "i32"), g.reshape(g.cast(ids, "i32"), (1, 1))))
+    attrs = dict(attrs)
+    if len(x.shape) == 3 and not attrs.get("num_heads"):
+        width = int(attrs.get("rotary_embedding_dim", 0)) or 2 * np.shape(b.host(cos, "cache"))[1]
+        attrs["num_heads"] = x.shape[2] // width
+    return _rotary_embedding(b, node, [x, cos, sin, ids], attrs)
