@@ -2386,9 +2386,11 @@ def _ms_attention_of(b, node, q: Tensor, k: Tensor, v: Tensor, mask: Value,
     if bias is not None:
         bias = b.device(bias)
         additive = bias if additive is None else g.add(additive, bias)
+    # onnxruntime reads a scale of 0 (what some writers store for "unset") as the default
+    scale = float(attrs.get("scale", 0.0)) or None
     y = g.scaled_dot_product_attention(_heads(g, q, heads), _heads(g, k, heads),
                                        _heads(g, v, heads), additive,
-                                       bool(attrs.get("unidirectional", 0)), attrs.get("scale"))
+                                       bool(attrs.get("unidirectional", 0)), scale)
     y = g.transpose(y, (0, 2, 1, 3))
     return g.reshape(y, (batch, length, y.shape[2] * y.shape[3]))
 
