@@ -2407,7 +2407,7 @@ def _ms_attention(b, node, ins, attrs):
     if ins[2] is not None:
         projected = g.bias_add(projected, b.device(ins[2]))
     width = projected.shape[-1]
-    sizes = list(attrs.get("qkv_hidden_sizes", [width // 3] * 3))
+    sizes = list(attrs.get("qkv_hidden_sizes") or [width // 3] * 3)
     q, k, v = g.split(projected, sizes, -1)
     return [_ms_attention_of(b, node, q, k, v, ins[3], ins[5], attrs), None]
 
