@@ -386,6 +386,8 @@ def _builder_misuse(g: vkml.Graph) -> list[tuple[Callable[[], object], str]]:
         (lambda: g.group_norm(x1, 1), r"group_norm takes an \(N, C, ...\) tensor"),
         (lambda: g.instance_norm(x1), r"instance_norm takes an \(N, C, ...\) tensor"),
         (lambda: g.batch_norm(s, training=True), r"batch_norm takes an \(N, C, ...\) tensor"),
+        (lambda: g.group_norm(img, 3, bias=0.5), "`bias` takes a Tensor of this graph, got float"),
+        (lambda: g.layer_norm(x2, 6, weight=np.ones(6)), "`weight` takes a Tensor .* ndarray"),
         (lambda: g.bias_add(s, x1), "bias_add: bias .* must have shape"),
         (lambda: g.rope(x1), r"rope takes a \(..., S, D\) tensor"),
         (lambda: g.split(x2, 2, axis=5), "axis 5 is out of range"),

@@ -421,7 +421,7 @@ class Graph:
     def avg_pool3d(self, x: Tensor, kernel_size, stride = ..., padding = ..., ceil_mode: bool = ..., count_include_pad: bool = ...) -> Tensor:
         """F.avg_pool3d of an (N, C, D, H, W) tensor: avg_pool2d over (H, W), then over D."""
         ...
-    def batch_norm(self, x: Tensor, running_mean = ..., running_var = ..., weight = ..., bias = ..., training: bool = ..., eps: float = ...) -> Tensor:
+    def batch_norm(self, x: Tensor, running_mean: Tensor | None = ..., running_var: Tensor | None = ..., weight: Tensor | None = ..., bias: Tensor | None = ..., training: bool = ..., eps: float = ...) -> Tensor:
         """Training form: statistics of this batch over (N, H, W) (biased variance, as F.batch_norm
         normalises with); the running statistics are not updated (the graph has no state writes).
         Inference form: the given running_mean / running_var (inputs or parameters, shape (C,))."""
@@ -549,7 +549,7 @@ class Graph:
     def greater_equal(self, *operands: Operand) -> Tensor:
         """torch.greater_equal elementwise as an f32 mask (1 true, 0 false), numpy broadcasting; numbers become constants of the other operand's dtype"""
         ...
-    def group_norm(self, x: Tensor, num_groups: int, weight = ..., bias = ..., eps: float = ...) -> Tensor:
+    def group_norm(self, x: Tensor, num_groups: int, weight: Tensor | None = ..., bias: Tensor | None = ..., eps: float = ...) -> Tensor:
         ...
     def hardsigmoid(self, x: Tensor) -> Tensor:
         """Elementwise hardsigmoid: WGSL select(select(select(({0} + 3.0) / 6.0, 0.0, {0} + 3.0 < 0.0), 1.0, {0} + 3.0 > 6.0), {0}, ((bitcast<u32>({0}) & 0x7fffffffu) > 0x7f800000u))"""
@@ -572,7 +572,7 @@ class Graph:
     def index_select(self, x: Tensor, axis: int, index: Tensor) -> Tensor:
         """torch.index_select: `x` at the 1-D i32 `index` along `axis`."""
         ...
-    def instance_norm(self, x: Tensor, weight = ..., bias = ..., eps: float = ...) -> Tensor:
+    def instance_norm(self, x: Tensor, weight: Tensor | None = ..., bias: Tensor | None = ..., eps: float = ...) -> Tensor:
         """F.instance_norm / ONNX InstanceNormalization (batch statistics of each sample's channel
         over its spatial axes): group_norm with a group per channel."""
         ...
@@ -587,7 +587,7 @@ class Graph:
     def isnan(self, *operands: Operand) -> Tensor:
         """torch.isnan elementwise as an f32 mask (1 true, 0 false), numpy broadcasting; numbers become constants of the other operand's dtype"""
         ...
-    def layer_norm(self, x: Tensor, normalized_shape, weight = ..., bias = ..., eps: float = ...) -> Tensor:
+    def layer_norm(self, x: Tensor, normalized_shape, weight: Tensor | None = ..., bias: Tensor | None = ..., eps: float = ...) -> Tensor:
         ...
     def leaky_relu(self, x: Tensor, *args: float, **kwargs: float) -> Tensor:
         """torch's F.leaky_relu(x, negative_slope=0.01) elementwise: WGSL select({0} * {1}, {0}, {0} > 0.0)"""
@@ -710,7 +710,7 @@ class Graph:
         round_prefer_floor or round_prefer_ceil. `taps_as`: whose interpolation taps, which decide
         where an infinity or NaN spreads ("onnxruntime", or "torch": F.interpolate's)."""
         ...
-    def rms_norm(self, x: Tensor, weight = ..., eps: float = ...) -> Tensor:
+    def rms_norm(self, x: Tensor, weight: Tensor | None = ..., eps: float = ...) -> Tensor:
         """x / sqrt(mean(x^2, last axis) + eps) * weight (LLaMA's RMSNorm, F.rms_norm)."""
         ...
     def roll(self, x: Tensor, shift: int | Sequence[int], axis: int | Sequence[int]) -> Tensor:

@@ -91,8 +91,8 @@ def _affine(g: Graph, y: Tensor, weight: Tensor | None, bias: Tensor | None) -> 
 
 
 @builder
-def layer_norm(g: Graph, x: Tensor, normalized_shape, weight=None, bias=None,
-               eps: float = 1e-5) -> Tensor:
+def layer_norm(g: Graph, x: Tensor, normalized_shape, weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if tuple(x.shape[len(x.shape) - len(shape):]) != shape:
         raise GraphError(f"layer_norm: {x.label} does not end in {shape}")
@@ -101,7 +101,7 @@ def layer_norm(g: Graph, x: Tensor, normalized_shape, weight=None, bias=None,
 
 
 @builder
-def rms_norm(g: Graph, x: Tensor, weight=None, eps: float = 1e-6) -> Tensor:
+def rms_norm(g: Graph, x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """x / sqrt(mean(x^2, last axis) + eps) * weight (LLaMA's RMSNorm, F.rms_norm)."""
     ms = g.mean(g.square(x), -1, keepdims=True)
     return _affine(g, g.mul(x, g.rsqrt(g.add(ms, float(eps)))), weight, None)
@@ -118,8 +118,8 @@ def _per_channel(g: Graph, p: Tensor | None, x: Tensor) -> Tensor | None:
 
 
 @builder
-def group_norm(g: Graph, x: Tensor, num_groups: int, weight=None, bias=None,
-               eps: float = 1e-5) -> Tensor:
+def group_norm(g: Graph, x: Tensor, num_groups: int, weight: Tensor | None = None,
+               bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     _require_channels(x, "group_norm")
     if not isinstance(num_groups, numbers.Integral) or num_groups < 1:
         raise GraphError(f"group_norm: num_groups must be an int >= 1, got {num_groups!r}")
@@ -132,7 +132,8 @@ def group_norm(g: Graph, x: Tensor, num_groups: int, weight=None, bias=None,
 
 
 @builder
-def instance_norm(g: Graph, x: Tensor, weight=None, bias=None, eps: float = 1e-5) -> Tensor:
+def instance_norm(g: Graph, x: Tensor, weight: Tensor | None = None,
+                  bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """F.instance_norm / ONNX InstanceNormalization (batch statistics of each sample's channel
     over its spatial axes): group_norm with a group per channel."""
     _require_channels(x, "instance_norm")
@@ -181,8 +182,9 @@ register(OpDef("normalized", _normalized_type, "pointwise", grad=_normalized_gra
 
 
 @builder
-def batch_norm(g: Graph, x: Tensor, running_mean=None, running_var=None, weight=None, bias=None,
-               training: bool = False, eps: float = 1e-5) -> Tensor:
+def batch_norm(g: Graph, x: Tensor, running_mean: Tensor | None = None,
+               running_var: Tensor | None = None, weight: Tensor | None = None,
+               bias: Tensor | None = None, training: bool = False, eps: float = 1e-5) -> Tensor:
     """Training form: statistics of this batch over (N, H, W) (biased variance, as F.batch_norm
     normalises with); the running statistics are not updated (the graph has no state writes).
     Inference form: the given running_mean / running_var (inputs or parameters, shape (C,))."""
