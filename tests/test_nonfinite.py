@@ -200,3 +200,37 @@ def test_onnx_grid_sample_spreads_infinities_and_nan_as_onnxruntime(device, mode
             session.set_input("grid", grid)
             session.forward()
             same(session.read("y"), want)
+
+
+# op, torch's, its inputs, and the upstream gradient of its result (infinite and NaN)
+UPSTREAM_CASES = {
+    # composed, its gradient summed two terms: inf - inf where torch's derivative is finite
+    "mish": (lambda g, x: g.mish(x), F.mish,
+             (np.array([-3.0, -1.0, 0.0, 0.5, 3.0, 25.0, 1e30, -1e30], np.float32),),
+             np.array([INF, -INF, NAN, INF, -INF, INF, INF, -INF], np.float32)),
+    # through the shift by the maximum, inf - inf
+    "logsumexp": (lambda g, x: g.logsumexp(x, -1), lambda x: x.logsumexp(-1), (ROWS,),
+                  np.array([INF, -INF, NAN, INF, -INF, -INF, INF, INF], np.float32)),
+    # the exponent's gradient at x = 0 <= y: torch multiplies the upstream gradient by 0
+    "pow": (lambda g, x, y: g.pow(x, y), torch.pow,
+            (np.array([0.0, 0.0, 2.0, 0.0, 1.0], np.float32),
+             np.array([INF, 2.0, 0.0, 0.0, 0.5], np.float32)),
+            np.array([INF, NAN, INF, -INF, 1.0], np.float32)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM_CASES))
+def test_gradients_of_an_infinite_or_nan_upstream_as_torch(device, name):
+    """Found by a probe of the special-values table with infinite and NaN upstream gradients
+    (a loss of inf or NaN): where torch's gradient is +-inf, vkml's was NaN (mish, logsumexp),
+    and where torch's is NaN, 0 (pow's exponent)."""
+    build, reference, inputs, upstream = UPSTREAM_CASES[name]
+    g = vkml.Graph()
+    params = [g.param(f"in{k}", a.shape, init=a) for k, a in enumerate(inputs)]
+    loss = g.sum(g.mul(build(g, *params), g.constant(upstream)))
+    leaves = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in inputs]
+    reference(*leaves).backward(torch.from_numpy(upstream).double())
+    with vkml.compile(g, loss=loss, device=device) as session:
+        session.step()
+        for k, leaf in enumerate(leaves):
+            same(session.grad(f"in{k}"), leaf.grad.numpy())

@@ -622,7 +622,9 @@ class Graph:
     def logsumexp(self, x: Tensor, axis: int | Sequence[int] | None = ..., keepdims: bool = ...) -> Tensor:
         """torch.logsumexp / ONNX ReduceLogSumExp over `axis`: log(sum(exp(x - m))) + m with m the
         maximum, so no exponential overflows; as torch, m = 0 where the maximum is infinite, so
-        a +inf gives +inf and all -inf gives -inf (not inf - inf = NaN)."""
+        a +inf gives +inf and all -inf gives -inf (not inf - inf = NaN). The result does not
+        depend on m, so no gradient flows through it: the gradient is d softmax(x) as torch's
+        (through m it would add d and take it away, inf - inf = NaN for an infinite d)."""
         ...
     def matmul(self, a: Tensor, b: Tensor, transpose_a: bool = ..., transpose_b: bool = ...) -> Tensor:
         """op(a) @ op(b), op transposing the last two axes when asked (no copy is made); operands

@@ -306,12 +306,6 @@ def swiglu(g: Graph, a: Tensor, b: Tensor) -> Tensor:
 
 
 @builder(tensor=True)
-def mish(g: Graph, x: Tensor) -> Tensor:
-    """torch's F.mish: x tanh(softplus(x))."""
-    return g.mul(x, g.tanh(g.softplus(x)))
-
-
-@builder(tensor=True)
 def selu(g: Graph, x: Tensor) -> Tensor:
     """torch's F.selu: scale elu(x, alpha) with its fixed constants."""
     return g.mul(g.elu(x, 1.6732632423543772848170429916717), 1.0507009873554804934193349852946)

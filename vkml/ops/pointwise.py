@@ -292,6 +292,36 @@ for _name, _rule in PARAMETRIC.items():
     _parametric(_name, *_rule)
 
 
+# x itself, through which no gradient flows (torch's detach): a quantity that changes the
+# result's rounding but not its value, as logsumexp's shift
+register(OpDef("detached", same_f32, "pointwise", grad=lambda g, node, d: [None],
+               expr=lambda n: Arg(0)))
+
+
+# ---- mish: one op, so that its gradient is torch's one derivative --------------------------------
+# x tanh(softplus(x)); composed, its gradient summed two terms, which an infinite upstream
+# gradient made inf - inf = NaN where torch's derivative tanh(sp) + x sigmoid(x) (1 - tanh(sp)^2)
+# is finite (x = -3, 1e30)
+def _mish_parts() -> tuple[Expr, Expr]:
+    """tanh(softplus(x)) and sigmoid(x), softplus linear past 20 as torch's."""
+    softplus = call("select(vkml_log1p(exp({0})), {0}, {0} > 20.0)", Arg(0), helper=LOG1P_HELPER)
+    return (call("vkml_tanh({0})", softplus, helper=TANH_HELPER),
+            call("1.0 / (1.0 + exp(-{0}))", Arg(0)))
+
+
+register(OpDef("mish_deriv", same_f32, "pointwise", expr=lambda n: call(
+    "{1} + {0} * {2} * (1.0 - {1} * {1})", Arg(0), *_mish_parts())))
+register(OpDef("mish", same_f32, "pointwise",
+               grad=lambda g, node, d: [g.mul(d, g.apply("mish_deriv", [node.inputs[0]]))],
+               expr=lambda n: call("{0} * {1}", Arg(0), _mish_parts()[0])))
+
+
+@builder(tensor=True)
+def mish(g: Graph, x: Tensor) -> Tensor:
+    """torch's F.mish: x tanh(softplus(x))."""
+    return g.apply("mish", [x])
+
+
 # ---- clamp: scalar bounds as attributes, so no constant tensors are made -----------------------
 def _clamped(node: Tensor) -> Expr:
     # a NaN element stays NaN and -0.0 stays, as torch's std::min(std::max(x, min), max)
@@ -652,8 +682,9 @@ def _pow_expr(node: Tensor) -> Expr:
 def _pow_grad(g, node, d):
     x, y = node.inputs  # torch's: no gradient to x where y == 0, none to y where x == 0 <= y
     dx = g.where(g.equal(y, 0.0), 0.0, g.mul(g.mul(d, y), g.pow(x, g.sub(y, 1.0))))
-    dy = g.where(g.logical_and(g.equal(x, 0.0), g.greater_equal(y, 0.0)), 0.0,
-                 g.mul(g.mul(d, node), g.log(x)))
+    # y's: d times the selected factor, so a NaN or infinite d gives NaN at x == 0 as torch's
+    dy = g.mul(d, g.where(g.logical_and(g.equal(x, 0.0), g.greater_equal(y, 0.0)), 0.0,
+                          g.mul(node, g.log(x))))
     return [sum_to(g, dx, x.shape), sum_to(g, dy, y.shape)]
 
 

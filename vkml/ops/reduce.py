@@ -95,10 +95,12 @@ def logsumexp(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
               keepdims: bool = False) -> Tensor:
     """torch.logsumexp / ONNX ReduceLogSumExp over `axis`: log(sum(exp(x - m))) + m with m the
     maximum, so no exponential overflows; as torch, m = 0 where the maximum is infinite, so
-    a +inf gives +inf and all -inf gives -inf (not inf - inf = NaN)."""
+    a +inf gives +inf and all -inf gives -inf (not inf - inf = NaN). The result does not
+    depend on m, so no gradient flows through it: the gradient is d softmax(x) as torch's
+    (through m it would add d and take it away, inf - inf = NaN for an infinite d)."""
     axes = normalize_axes(x, axis)
     top = g.amax(x, axes, keepdims=True)
-    top = g.where(g.isinf(top), 0.0, top)
+    top = g.apply("detached", [g.where(g.isinf(top), 0.0, top)])
     out = g.add(g.log(g.sum(g.exp(g.sub(x, top)), axes, keepdims=True)), top)
     return out if keepdims else g.reshape(out, [n for i, n in enumerate(x.shape) if i not in axes])
 
