@@ -40,9 +40,9 @@ def test_tiny_zoo_model_imports_trains_and_saves_back(device, name, way):
 def test_every_other_zoo_model_imports_both_ways(device, name):
     """The rest of the zoo, imported (not run: the numbers are checked above for one of each
     family, and by tools/zoo.py for all): an op a new exporter spells differently, or a pattern
-    that stops matching, shows here as a refusal naming it. Mostly the exporters' time: about
-    2 s a model on an idle lavapipe machine, 5 to 8 s for those torch.onnx's TorchScript
-    exporter cannot export (its dynamo exporter's turn: LLaMA, Qwen2, GPT-J, Falcon, VGG)."""
+    that stops matching, shows here as a refusal naming it. Mostly the exporters' time, the
+    longest for the models torch.onnx's TorchScript exporter cannot export (its dynamo
+    exporter's turn: LLaMA, Qwen2, Phi, GPT-J, Falcon, FNet, VGG)."""
     for way in zoo.WAYS:
         row = zoo.run_one(torch, name, way, "tiny", bench=False, device=device, import_only=True)
         assert row.status == "imported", f"{name} ({way}): {row.status} {row.error or ''}"
