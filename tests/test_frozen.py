@@ -98,6 +98,39 @@ def test_trainable_argument_rejects_unknown_names(device):
                      trainable=["decoder.weight"])
 
 
+
+def test_trainable_names_from_a_generator_train_those_parameters(device, rng):
+    """A generator of names is read once: the compiler asks for the trained set more than
+    once, and from the second time on it was empty (nothing trained, nothing said)."""
+    g, loss = two_layer(frozen_first=False)
+    session = vkml.compile(g, loss=loss, optimizer=vkml.SGD(lr=0.1), device=device,
+                           trainable=(name for name in g.params if name.startswith("dec.")))
+    before = session.params()
+    feed(session, rng)
+    session.step()
+    after = session.params()
+    assert np.array_equal(after["enc.weight"], before["enc.weight"])
+    assert not np.array_equal(after["dec.weight"], before["dec.weight"])
+
+
+@pytest.mark.parametrize("trainable,message", [
+    ([], "trainable names no parameter"),
+    (lambda name: name.startswith("head."), "the trainable predicate accepts none"),
+    (None, r"the graph's parameters are all frozen \(trainable=False\)"),
+])
+def test_an_optimizer_with_nothing_to_train_is_refused(device, trainable, message):
+    """As torch.optim refuses an empty parameter list: a predicate or list that matches no
+    name (a prefix spelled as another exporter names it) compiled a session whose steps
+    trained nothing."""
+    g = vkml.Graph()
+    x = g.input("x", (4, 3))
+    w = g.param("enc.weight", (3, 2), "normal", trainable=trainable is not None)
+    loss = g.mse(x @ w, g.input("y", (4, 2)))
+    with pytest.raises(vkml.GraphError, match=f"nothing to train: {message}.*'enc.weight'"):
+        vkml.compile(g, loss=loss, optimizer=vkml.Adam(lr=0.1), device=device,
+                     trainable=trainable)
+    vkml.compile(g, loss=loss, device=device, trainable=trainable).close()  # gradients alone
+
 # torch.optim skips a parameter whose .grad is None: not even its weight decay applies.
 UNREACHED_OPTIMIZERS = {
     "sgd": (lambda: vkml.SGD(lr=0.1, momentum=0.9, weight_decay=0.1),

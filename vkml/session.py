@@ -79,8 +79,9 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     without an optimizer keep them; otherwise their memory is reused).
     `trainable`: which parameters get gradients and updates: by default those built with
     `trainable=True` (the default of `graph.param`); or a collection of names, or a predicate
-    on the name (e.g. `lambda n: n.startswith("decoder.")`). The others are frozen. A
-    trainable parameter the loss does not depend on gets no gradient and no update (not even
+    on the name (e.g. `lambda n: n.startswith("decoder.")`). The others are frozen; with an
+    optimizer, a choice of none is refused (GraphError), as torch.optim refuses an empty
+    parameter list. A trainable parameter the loss does not depend on gets no gradient and no update (not even
     weight decay), as torch.optim skips a parameter whose .grad is None; a warning names it.
     Parameters the compiled outputs and loss do not use take no device memory: the session
     holds them on the host, frozen, for params(), read, set_param, save and load.

@@ -78,6 +78,19 @@ class CompileOptions:
         if loss is not None and loss.dtype != "f32":
             raise GraphError(f"the loss must be f32 to differentiate, got {loss.label}")
         object.__setattr__(self, "outputs", MappingProxyType(dict(outputs)))
+        trainable = self.trainable
+        if isinstance(trainable, str):
+            raise GraphError(f"trainable={trainable!r}: give a collection of parameter names "
+                             "or a predicate, e.g. trainable=lambda name: "
+                             "name.startswith('decoder.')")
+        if trainable is not None and not callable(trainable):
+            # Read once: a generator's names would be gone by the second pass that asks
+            # (every parameter then frozen, in silence).
+            try:
+                object.__setattr__(self, "trainable", frozenset(trainable))
+            except TypeError:
+                raise GraphError(f"trainable={trainable!r}: give a collection of parameter "
+                                 "names or a predicate on the name") from None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -91,9 +104,18 @@ class CompileOptions:
         return "the loss" if name == "loss" and t is self.loss else f"output '{name}'"
 
     def check(self, graph: Graph) -> None:
-        """That the graph is one and owns every tensor named here."""
+        """That the graph is one and owns every tensor named here, and that an optimizer has
+        something to train (torch.optim refuses an empty parameter list too)."""
         if not isinstance(graph, Graph):
             raise GraphError(f"compile takes a vkml.Graph first, got {type(graph).__name__}")
+        if self.optimizer is not None and not self.trained(graph):
+            chosen = ("the graph's parameters are all frozen (trainable=False)"
+                      if self.trainable is None else "the trainable predicate accepts none"
+                      if callable(self.trainable) else "trainable names no parameter")
+            raise GraphError(f"nothing to train: {chosen}; parameters: "
+                             f"{sorted(graph.params)[:8]}{' ...' if len(graph.params) > 8 else ''}"
+                             ". Name some to train, or compile without an optimizer (the loss "
+                             "and gradients alone)")
         for name, t in self._named(self.outputs):
             if not graph.owns(t):
                 raise GraphError(f"{self._what(name, t)} {t.label} belongs to another Graph "
@@ -138,10 +160,6 @@ class CompileOptions:
             return {n: t for n, t in graph.params.items() if t.attrs.get("trainable", True)}
         if callable(trainable):
             return {n: t for n, t in graph.params.items() if trainable(n)}
-        if isinstance(trainable, str):
-            raise GraphError(f"trainable={trainable!r}: give a collection of parameter names "
-                             "or a predicate, e.g. trainable=lambda name: "
-                             "name.startswith('decoder.')")
         unknown = sorted(set(trainable) - set(graph.params))
         if unknown:
             raise GraphError(f"trainable names unknown parameters {unknown}; parameters: "
