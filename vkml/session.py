@@ -81,8 +81,9 @@ def compile(graph: Graph, loss: Tensor | None = None, optimizer: Optimizer | Non
     `trainable=True` (the default of `graph.param`); or a collection of names, or a predicate
     on the name (e.g. `lambda n: n.startswith("decoder.")`). The others are frozen; with an
     optimizer, a choice of none is refused (GraphError), as torch.optim refuses an empty
-    parameter list. A trainable parameter the loss does not depend on gets no gradient and no update (not even
-    weight decay), as torch.optim skips a parameter whose .grad is None; a warning names it.
+    parameter list. A trainable parameter the loss does not depend on gets no gradient and
+    no update (not even weight decay), as torch.optim skips a parameter whose .grad is None;
+    a warning names it.
     Parameters the compiled outputs and loss do not use take no device memory: the session
     holds them on the host, frozen, for params(), read, set_param, save and load.
     `precision`: "f32" (strict: f32 arithmetic everywhere) or "f16" (accelerated: large
