@@ -1,10 +1,12 @@
-"""The ONNX front end: an ONNX model (opset 13 and newer) -> a vkml Graph.
+"""The ONNX front end: an ONNX model (opset 13 and newer; older ones converted to 13 first)
+-> a vkml Graph.
 
 Only this module imports `onnx` (the optional extra `vkml[onnx]`). Shapes are fixed at import:
-symbolic dimensions of the inputs come from `shapes=`, and every node whose inputs are all known
-on the host (shape arithmetic: Shape, Gather, Concat, Range, ConstantOfShape, ...) is computed
-there by onnx's reference implementation of the op and becomes a constant. The other nodes become
-vkml ops through the table below (one function an op type). Float initializers that computations
+open dimensions of the inputs come from `shapes=` (by input, or by dimension name), and every
+node whose inputs are all known on the host (shape arithmetic: Shape, Gather, Concat, Range,
+ConstantOfShape, ...) is computed there by onnx's reference implementation of the op and becomes
+a constant. The other nodes become vkml ops through the table below (one function an op type),
+onnxruntime's contrib ops (com.microsoft) among them. Float initializers that computations
 read become parameters under their own names (trainable; batch-norm running statistics and a
 loss's class weights frozen); integer initializers, one-element ones (an exporter's scalars) and
 those read only where a value must be known at import (a Reshape's shape) stay host constants.
@@ -100,7 +102,8 @@ def _onnx():
 def import_onnx(model: Any, shapes: Mapping[str, Sequence[int]] | None = None,
                 training: bool = False, seed: int = 0) -> ImportedModel:
     """Import an ONNX model: a path (external-data files beside it are read), bytes or an
-    onnx.ModelProto. `shapes`: the full shape of each input that has symbolic dimensions.
+    onnx.ModelProto. `shapes`: the full shape of an input with open dimensions, or the size
+    of a named dimension ("batch": 2) for every input that has it.
     Raises ModelImportError for an unreadable, malformed or truncated file, an opset out of
     range, a missing external-data file, or (all at once) every op that cannot be imported."""
     onnx = _onnx()
@@ -2250,8 +2253,9 @@ FUSED_ACTIVATIONS = {"Relu": [], "Tanh": [], "Sigmoid": [], "LeakyRelu": ["alpha
 
 
 @dataclass
-class _Activation:
-    """The node a FusedConv's activation attribute names, for that op's own handler."""
+class _StandIn:
+    """A node of the op a fused op applies (FusedConv's activation, a QLinear op's float
+    op), for that op's own handler, which reads its op_type alone."""
 
     op_type: str
 
@@ -2272,9 +2276,9 @@ def _fused_conv(b, node, ins, attrs):
                      f"({', '.join(FUSED_ACTIVATIONS)} are)")
     if activation == "Clip":
         bounds = [np.float32(p) for p in params]
-        return _clip(b, _Activation("Clip"), [y, *bounds], {})
+        return _clip(b, _StandIn("Clip"), [y, *bounds], {})
     named = dict(zip(FUSED_ACTIVATIONS[activation], params))
-    return HANDLERS[activation](b, _Activation(activation), [y], named)
+    return HANDLERS[activation](b, _StandIn(activation), [y], named)
 
 
 @onnx_op(MS + "FusedMatMul", MS + "TransposeMatMul")
@@ -2529,7 +2533,7 @@ def _qlinear_unary(b, node, ins, attrs):
         raise Refuse("channels_last=1 is not supported")
     op = node.op_type.removeprefix("QLinear")
     x = b.device(_dequantized(b, ins[0:3]))
-    return _requantized(b, HANDLERS[op](b, _Activation(op), [x], attrs), ins[3], ins[4])
+    return _requantized(b, HANDLERS[op](b, _StandIn(op), [x], attrs), ins[3], ins[4])
 
 
 @onnx_op(MS + "QLinearConcat")
