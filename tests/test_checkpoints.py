@@ -507,6 +507,10 @@ def test_optimizers_take_torch_optims_keywords(device):
     (lambda: vkml.Adam(betas=0.9), "give two numbers"),
     (lambda: vkml.Adam(betas=(0.8, 0.9), beta1=0.7), "give betas or beta1/beta2, not both"),
     (lambda: vkml.Adam(betas=(0.9, 1.5)), "beta2=1.5 must be at least 0 and below 1"),
+    # torch.optim.Adam(params, 1e-3, (0.9, 0.99), 1e-8, 0.01) with params left out
+    (lambda: vkml.AdamW(1e-3, (0.9, 0.99), 1e-8, 0.01),
+     r"the second positional argument is beta1 here \(torch.optim's is betas\): give "
+     r"betas=\(0.9, 0.99\)"),
 ])
 def test_torch_options_vkml_lacks_are_refused(make, message):
     with pytest.raises(vkml.InputError, match=message):

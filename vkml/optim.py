@@ -163,6 +163,10 @@ class Adam(Optimizer):
         name = type(self).__name__
         _torch_only(name, amsgrad=amsgrad, maximize=maximize,
                     decoupled_weight_decay=decoupled_weight_decay)
+        if isinstance(self.beta1, (tuple, list)):  # torch.optim's positional order
+            raise InputError(f"{name}(lr, {self.beta1!r}, ...): the second positional argument "
+                             "is beta1 here (torch.optim's is betas): give "
+                             f"betas={tuple(self.beta1)!r} and the rest by keyword")
         if betas is not None:
             try:
                 beta1, beta2 = betas
