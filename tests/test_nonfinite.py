@@ -234,3 +234,27 @@ def test_gradients_of_an_infinite_or_nan_upstream_as_torch(device, name):
         session.step()
         for k, leaf in enumerate(leaves):
             same(session.grad(f"in{k}"), leaf.grad.numpy())
+
+
+def test_product_by_zero_and_difference_with_itself_keep_nan_as_torch(device, request):
+    """exp(x) * 0.0 and exp(x) - exp(x) at x = +-inf and NaN: NaN, as torch's (0 at x = 1).
+    lavapipe (Mesa 22.3 llvmpipe) gives 0 for both, however the WGSL and SPIR-V say it: its
+    LLVM code builder returns zero for a product whose operand is the constant 0.0 (gallivm's
+    lp_build_mul), and NIR folds a - a (its inexact algebraic rules; the SPIR-V execution mode
+    SignedZeroInfNanPreserve is ignored there). A NoContraction decoration on every float
+    instruction keeps the difference but not the product, so vkml leaves the kernels as they
+    are and marks this expected to fail on llvmpipe alone; any other driver must pass it."""
+    if "llvmpipe" in device.caps.device_name:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="llvmpipe folds x * 0.0 "
+                                              "and x - x (see the docstring)"))
+    x = np.array([INF, -INF, NAN, 1.0], np.float32)
+    g = vkml.Graph()
+    t = g.input("x", x.shape)
+    g.output("product", g.mul(g.exp(t), 0.0))
+    g.output("difference", g.sub(g.exp(t), g.exp(t)))
+    with vkml.compile(g, device=device) as session:
+        session.set_input("x", x)
+        session.forward()
+        e = torch.from_numpy(x).double().exp()
+        same(session.read("product"), e * 0.0)
+        same(session.read("difference"), e - e)
