@@ -843,6 +843,37 @@ def test_torch_ops_kept_whole_train_as_pytorch(device):
     check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
 
 
+class FoldAndPut(torch.nn.Module):
+    """F.fold (MobileViT-v2 folds its patches back: aten col2im, ONNX Col2Im) with padding
+    that drops part of the blocks, then index_put at indices known at import: added with
+    one position repeated, and assigned."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 8)
+        self.gain = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x):  # (2, 4, 6)
+        cols = self.fc(x).transpose(1, 2)  # (2, 2 channels x 2 x 2, 4 blocks)
+        image = torch.nn.functional.fold(cols, (3, 3), 2, padding=1, stride=2).flatten(1)
+        image = torch.index_put(image, (torch.tensor([1, 0, 1]), torch.tensor([0, 5, 0])),
+                                self.gain, accumulate=True)
+        image = torch.index_put(image, (torch.tensor([0]), torch.tensor([3])),
+                                torch.tensor(0.5))
+        return image[:, :5] * image[:, 5:10]
+
+
+@vulkan_only
+def test_fold_and_index_put_import_both_ways(device, tmp_path):
+    torch.manual_seed(0)
+    module = FoldAndPut()
+    x, labels = torch.randn(2, 4, 6), torch.tensor([1, 4])
+    check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
+    path = export_onnx(module, (x,), tmp_path / "fold.onnx", ["x"], opset=18)
+    assert "Col2Im" in {n.op_type for n in onnx.load(path).graph.node}
+    assert onnxruntime_error(path, x, device) < FORWARD_TOL
+
+
 class Video(torch.nn.Module):
     """A video classifier's layers: 3-D convolutions (one strided and grouped, one over time
     alone), 3-D batch norm, 3-D max pooling, adaptive 3-D average pooling (an AveragePool in

@@ -290,3 +290,31 @@ def fourier(g: Graph, x: Tensor, axis: int, length: int, inverse: bool,
     pair = [g.transpose(v, back) if order != list(range(last)) else v
             for v in (real, imaginary)]
     return g.concat([g.reshape(v, (*v.shape, 1)) for v in pair], last)
+
+
+def fold(g: Graph, x: Tensor, image: Sequence[int], block: Sequence[int],
+         dilations: Sequence[int], pads: Sequence[int], strides: Sequence[int]) -> Tensor:
+    """torch's F.fold (ONNX Col2Im) of x (N, C * kh * kw, L) to (N, C, H, W): each column's
+    block of values added into the image where it sits (overlaps summed, what falls in the
+    padding dropped), a scatter-add at positions known at import (pads: top, left, bottom,
+    right)."""
+    n, channels, length = x.shape
+    (h, w), (kh, kw) = image, block
+    blocks = [(size + lo + hi - d * (k - 1) - 1) // s + 1 for size, lo, hi, d, k, s in
+              zip((h, w), pads[:2], pads[2:], dilations, (kh, kw), strides)]
+    if channels % (kh * kw) or blocks[0] * blocks[1] != length:
+        raise Refuse(f"fold of {x.label}: {length} columns for {blocks[0]} x {blocks[1]} "
+                     f"blocks of {kh} x {kw} in a {h} x {w} image")
+    ki, kj, bi, bj = np.meshgrid(np.arange(kh), np.arange(kw), np.arange(blocks[0]),
+                                 np.arange(blocks[1]), indexing="ij")
+    rows = bi * strides[0] - pads[0] + ki * dilations[0]
+    cols = bj * strides[1] - pads[1] + kj * dilations[1]
+    inside = ((rows >= 0) & (rows < h) & (cols >= 0) & (cols < w)).reshape(-1)
+    values = g.reshape(x, (n, channels // (kh * kw), kh * kw * length))
+    if not inside.all():
+        values = g.gather(values, g.constant(np.nonzero(inside)[0].astype(np.int32), "i32"), 2)
+    targets = (rows * w + cols).reshape(-1)[inside]
+    zeros = g.constant(np.zeros((1, 1, h * w), np.float32))
+    image_sums = scatter_along(g, g.expand(zeros, (n, channels // (kh * kw), h * w)), values,
+                               targets, 2, "add")
+    return g.reshape(image_sums, (n, channels // (kh * kw), h, w))

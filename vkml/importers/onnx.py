@@ -35,6 +35,7 @@ from vkml.importers.common import (
     Refusals,
     Refuse,
     convert_guarded,
+    fold,
     fourier,
     gather_points,
     last_axis,
@@ -1823,6 +1824,18 @@ def _scatter_elements(b, node, ins, attrs):
     out = scatter_along(b.g, b.g.reshape(data, (size,)), b.g.reshape(updates, (indices.size,)),
                         targets, 0, attrs.get("reduction", "none"))
     return b.g.reshape(out, data.shape)
+
+
+@onnx_op("Col2Im")
+def _col2im(b, node, ins, attrs):
+    """torch's F.fold: blocks of columns added back into an image (MobileViT-v2's)."""
+    x = b.device(ins[0])
+    image = [int(v) for v in b.host(ins[1], "image_shape")]
+    block = [int(v) for v in b.host(ins[2], "block_shape")]
+    if len(image) != 2 or len(x.shape) != 3:
+        raise Refuse(f"Col2Im of {len(image)} spatial axes (2 are supported)")
+    return fold(b.g, x, image, block, _spatial(attrs, "dilations", 2, 1),
+                _spatial(attrs, "pads", 4, 0), _spatial(attrs, "strides", 2, 1))
 
 
 @onnx_op("GatherND")

@@ -33,6 +33,7 @@ from vkml.importers.common import (
     Refusals,
     Refuse,
     convert_guarded,
+    fold,
     fourier,
     gather_points,
     last_axis,
@@ -387,7 +388,7 @@ KEPT = {"linear", "layer_norm", "scaled_dot_product_attention", "gelu", "silu", 
         "conv3d", "conv2d", "conv1d", "conv_transpose2d", "group_norm", "rms_norm", "softmax",
         "log_softmax", "hardswish", "hardsigmoid", "matmul", "embedding", "dropout",
         "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "instance_norm",
-        "einsum", "leaky_relu", "elu", "mish", "softplus"}
+        "einsum", "leaky_relu", "elu", "mish", "softplus", "col2im"}
 
 
 def aten(*names: str) -> Callable[[Handler], Handler]:
@@ -972,6 +973,44 @@ def _index(b, x, indices):
         raise Refuse("advanced indexing with several index tensors needs them known at import "
                      "and on adjacent axes")
     return gather_points(b.g, x, [i.numpy() for _, i in used], axes[0])
+
+
+@aten("index_put")
+def _index_put(b, x, indices, values, accumulate=False):
+    """x[indices] = values (or += with accumulate: repeated positions summed), for index
+    tensors known at import on adjacent axes: those axes merged into one and scattered
+    along. Indices computed at run time (a mixture of experts' routing) are refused."""
+    x = b.device(x)
+    used = [(axis, i) for axis, i in enumerate(indices) if i is not None]
+    if any(isinstance(i, Tensor) for _, i in used):
+        raise Refuse("index_put at indices computed at run time: which elements it writes "
+                     "depends on the data")
+    if any(i.dtype == b.torch.bool for _, i in used):
+        raise Refuse("index_put through a boolean mask is not supported")
+    axes = [axis for axis, _ in used]
+    if axes != list(range(axes[0], axes[-1] + 1)):
+        raise Refuse("index_put with index tensors on axes that are not adjacent")
+    first, dims = axes[0], x.shape[axes[0]:axes[-1] + 1]
+    points = [np.asarray(i, np.int64) % d
+              for i, d in zip(np.broadcast_arrays(*[i.numpy() for _, i in used]), dims)]
+    targets = np.ravel_multi_index(tuple(points), dims).reshape(-1) if points[0].size else \
+        points[0].reshape(-1)
+    lead, rest = x.shape[:first], x.shape[first + len(dims):]
+    written = b.g.expand(b.device(values), (*lead, *points[0].shape, *rest))
+    merged = b.g.reshape(x, (*lead, math.prod(dims), *rest))
+    out = scatter_along(b.g, merged, b.g.reshape(written, (*lead, targets.size, *rest)),
+                        targets, first, "add" if accumulate else "none")
+    return b.g.reshape(out, x.shape)
+
+
+@aten("col2im")
+def _col2im(b, x, size, kernel, dilation, padding, stride):
+    x = b.device(x)
+    if len(x.shape) != 3:
+        raise Refuse("F.fold of an unbatched input is not supported")
+    pads = [int(p) for p in padding]
+    return fold(b.g, x, [int(v) for v in size], [int(k) for k in kernel],
+                [int(d) for d in dilation], pads + pads, [int(v) for v in stride])
 
 
 def _make_like(name: str) -> Handler:
