@@ -817,6 +817,19 @@ def _extremum(b, node, ins, attrs):
     return out
 
 
+# past this, asinh(x) and acosh(x) are log(2x) to f32's precision (the next term, 1 / (4x^2),
+# is below 2^-26 of it), where their formulas square x (inf past 1.8e19)
+LOG_TWO_X_BEYOND = 4096.0
+
+
+def _log_two_x_beyond(g: Graph, x: Tensor, formula: Callable[[Tensor], Tensor],
+                      safe: float) -> Tensor:
+    """formula(x), or log(x) + log 2 beyond LOG_TWO_X_BEYOND; the formula reads `safe`
+    there, so that its infinities reach neither the result nor the gradient."""
+    far = g.greater(x, LOG_TWO_X_BEYOND)
+    return g.where(far, g.add(g.log(x), math.log(2.0)), formula(g.where(far, safe, x)))
+
+
 @onnx_op("Asinh")
 def _asinh(b, node, ins, attrs):
     """log1p(|x| + x^2 / (1 + sqrt(x^2 + 1))) with x's sign (precise near 0 and for large
@@ -826,15 +839,23 @@ def _asinh(b, node, ins, attrs):
     def of_positive(v: Tensor) -> Tensor:
         square = g.square(v)
         return g.log1p(g.add(v, g.div(square, g.add(g.sqrt(g.add(square, 1.0)), 1.0))))
-    return g.where(g.less(x, 0.0), g.neg(of_positive(g.neg(x))), of_positive(x))
+
+    # one evaluation at |x| (a where, whose gradient keeps asinh'(0) = 1): a branch at -x
+    # that the result leaves out would still send the gradient NaN from its squares
+    negative = g.less(x, 0.0)
+    y = _log_two_x_beyond(g, g.where(negative, g.neg(x), x), of_positive, 1.0)
+    return g.where(negative, g.neg(y), y)
 
 
 @onnx_op("Acosh")
 def _acosh(b, node, ins, attrs):
     """log1p((x - 1) + sqrt((x - 1)(x + 1))): precise near 1."""
     g, x = b.g, b.device(ins[0])
-    above = g.sub(x, 1.0)
-    return g.log1p(g.add(above, g.sqrt(g.mul(above, g.add(x, 1.0)))))
+
+    def formula(v: Tensor) -> Tensor:
+        above = g.sub(v, 1.0)
+        return g.log1p(g.add(above, g.sqrt(g.mul(above, g.add(v, 1.0)))))
+    return _log_two_x_beyond(g, x, formula, 2.0)
 
 
 @onnx_op("Atanh")
