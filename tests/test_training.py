@@ -222,3 +222,25 @@ def test_sgd_momentum_set_to_zero_later_is_plain_sgd_as_in_torch_optim(device):
         tw.grad = torch.tensor(grad)
         topt.step()
         assert rel_l2(session.read("w"), tw.detach().numpy()) < 1e-6
+
+
+def test_parameter_set_part_way_through_a_chunked_step_is_the_value_set(device):
+    """set_param finishes a step begun with step_chunk() first, as load() does: the step's
+    update, computed from the old value, used to land on top of the new one."""
+    session = build(vkml.SGD(lr=0.1), device)
+    xb, yb = batches()[0]
+    session.set_input("x", xb)
+    session.set_input("labels", yb)
+    initial = session.params()
+    session.step()
+    whole = session.params()
+    for name, value in initial.items():
+        session.set_param(name, value)
+    assert session.step_chunk(chunks=4) > 0
+    new = initial["fc1.weight"] + 1.0
+    session.set_param("fc1.weight", new)
+    assert not session.updating
+    after = session.params()
+    np.testing.assert_array_equal(after["fc1.weight"], new)
+    for name in ("fc1.bias", "fc2.weight", "fc2.bias"):  # the step, whole
+        np.testing.assert_array_equal(after[name], whole[name], err_msg=name)

@@ -801,6 +801,9 @@ class Session:
             raise InputError(f"unknown parameter '{name}'; parameters: {self._param_names()}")
         slot = self.plan.slots[self.plan.params[name]]
         array = _conform(f"parameter '{name}'", value, slot.shape, slot.dtype)
+        # A step begun with step_chunk() is finished first: its update, computed from the old
+        # value, would otherwise land on top of this one.
+        self._chunker.finish()
         self._bound.wait()
         self._bound.write_slot(slot, array)
 
