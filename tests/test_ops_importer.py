@@ -429,3 +429,21 @@ def test_concat_of_many_inputs_stays_within_the_binding_limit(device):
     for k, t in enumerate(ts):
         assert np.allclose(s.grad(f"p{k}"), t.grad.numpy(), atol=1e-6), k
     assert max(len(d.kernel.access) for d in s.plan.dispatches) <= CONCAT_INPUTS + 1
+
+
+@pytest.mark.parametrize("start, stop, step", [(-101, -29, 1), (-3, 200, 2), (5, -1, 3),
+                                               (-200, 4, 1)])
+def test_slice_bounds_are_pythons(start, stop, step, device):
+    """Found by tools/fuzz.py: negative bounds (and bounds past the axis) were refused, where
+    Python's and torch's slicing count them from the end and clip them; an empty slice is
+    still refused, naming it."""
+    x = np.arange(130, dtype=np.float32)
+    g = vkml.Graph()
+    y = g.output("y", g.slice(g.input("x", x.shape), 0, start, stop, step))
+    with vkml.compile(g, device=device) as session:
+        session.set_input("x", x)
+        session.forward()
+        np.testing.assert_array_equal(session.read("y"), torch.from_numpy(x)[start:stop:step])
+    assert y.shape == x[start:stop:step].shape
+    with pytest.raises(vkml.GraphError, match="empty"):
+        g.slice(y, 0, -1, -2)

@@ -754,7 +754,8 @@ class Graph:
         """Elementwise sin: WGSL vkml_sin_cos({0}).x"""
         ...
     def slice(self, x: Tensor, axis: int, start: int, stop: int, step: int = ...) -> Tensor:
-        """x[..., start:stop:step, ...] along `axis` (non-negative bounds, a positive step)."""
+        """x[..., start:stop:step, ...] along `axis`, the bounds as Python's (negative ones count
+        from the end, both clipped to the axis), a positive step; an empty slice is refused."""
         ...
     def softmax(self, x: Tensor) -> Tensor:
         """Softmax over the last axis."""

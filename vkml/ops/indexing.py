@@ -8,6 +8,7 @@ a broadcast (ops/composite.py)."""
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Sequence
 
@@ -62,7 +63,10 @@ register(OpDef("slice", _slice, "kernel", grad=_slice_grad, lower=kernels.loweri
 @builder
 def slice(g: Graph, x: Tensor, axis: int, start: int, stop: int,  # noqa: A001
           step: int = 1) -> Tensor:
-    """x[..., start:stop:step, ...] along `axis` (non-negative bounds, a positive step)."""
+    """x[..., start:stop:step, ...] along `axis`, the bounds as Python's (negative ones count
+    from the end, both clipped to the axis), a positive step; an empty slice is refused."""
+    if step >= 1:
+        start, stop, _ = builtins.slice(int(start), int(stop)).indices(x.shape[_axis_of(x, axis)])
     attrs = {"step": int(step)} if step != 1 else {}
     return g.apply("slice", [x], axis=int(axis), start=int(start), stop=int(stop), **attrs)
 
