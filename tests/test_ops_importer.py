@@ -447,3 +447,25 @@ def test_slice_bounds_are_pythons(start, stop, step, device):
     assert y.shape == x[start:stop:step].shape
     with pytest.raises(vkml.GraphError, match="empty"):
         g.slice(y, 0, -1, -2)
+
+
+@pytest.mark.parametrize("a, b", [((4,), (4, 3)), ((2, 4, 3), (3,)), ((5,), (5,)),
+                                  ((4,), (2, 4, 3))])
+def test_matmul_of_vectors_is_torchs(a, b, device):
+    """Found by tools/fuzz.py: a rank-1 operand was refused (torch.matmul takes it as a row on
+    the left, a column on the right, and drops that axis)."""
+    rng = np.random.default_rng(0)
+    xa, xb = (rng.standard_normal(s).astype(np.float32) for s in (a, b))
+    g = vkml.Graph()
+    pa, pb = g.param("a", a, init=xa), g.param("b", b, init=xb)
+    y = g.output("y", g.matmul(pa, pb))
+    ta, tb = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (xa, xb))
+    want = torch.matmul(ta, tb)
+    want.sum().backward()
+    with vkml.compile(g, loss=g.sum(y), device=device) as session:
+        session.step()
+        np.testing.assert_allclose(session.read("y"), want.detach().numpy(), rtol=1e-5,
+                                   atol=1e-5)
+        for name, leaf in (("a", ta), ("b", tb)):
+            np.testing.assert_allclose(session.grad(name), leaf.grad.numpy(), rtol=1e-5,
+                                       atol=1e-5)

@@ -628,7 +628,9 @@ class Graph:
         ...
     def matmul(self, a: Tensor, b: Tensor, transpose_a: bool = ..., transpose_b: bool = ...) -> Tensor:
         """op(a) @ op(b), op transposing the last two axes when asked (no copy is made); operands
-        of rank > 2 are batches of matrices, their leading axes broadcast as numpy's."""
+        of rank > 2 are batches of matrices, their leading axes broadcast as numpy's. A vector
+        (rank 1) is a row on the left and a column on the right, its axis then dropped from the
+        result, as torch.matmul's."""
         ...
     def max_pool2d(self, x: Tensor, kernel_size, stride = ..., padding = ..., ceil_mode: bool = ...) -> Tensor:
         """F.max_pool2d (the first maximum of a window takes its gradient, as PyTorch's);

@@ -60,7 +60,16 @@ register(OpDef("matmul", _matmul, "kernel", grad=_matmul_grad, lower=kernels.gen
 def matmul(g: Graph, a: Tensor, b: Tensor, transpose_a: bool = False,
            transpose_b: bool = False) -> Tensor:
     """op(a) @ op(b), op transposing the last two axes when asked (no copy is made); operands
-    of rank > 2 are batches of matrices, their leading axes broadcast as numpy's."""
+    of rank > 2 are batches of matrices, their leading axes broadcast as numpy's. A vector
+    (rank 1) is a row on the left and a column on the right, its axis then dropped from the
+    result, as torch.matmul's."""
+    if len(a.shape) == 1 or len(b.shape) == 1:
+        rows = a if len(a.shape) != 1 else g.reshape(a, (1, a.shape[0]))
+        columns = b if len(b.shape) != 1 else g.reshape(b, (b.shape[0], 1))
+        out = g.matmul(rows, columns, transpose_a and rows is a, transpose_b and columns is b)
+        kept = out.shape[:-2] + out.shape[-2:-1] * (len(a.shape) != 1) + \
+            out.shape[-1:] * (len(b.shape) != 1)
+        return g.reshape(out, kept)
     return g.apply("matmul", [a, b], transpose_a=bool(transpose_a),
                    transpose_b=bool(transpose_b))
 
