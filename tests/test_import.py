@@ -310,13 +310,15 @@ def test_onnx_refusal_lists_everything_at_once():
     assert "nonzero (NonZero): data-dependent" in message
 
 
-def test_torch_refusal_names_the_op():
-    class Sorting(torch.nn.Module):
+def test_torch_refusal_names_the_op_and_why():
+    """An op whose output's shape depends on the data: named, with the reason."""
+    class NonZero(torch.nn.Module):
         def forward(self, x):
-            return torch.sort(x, dim=-1).values * 2
+            return torch.nonzero(x > 0).float().sum(0)
 
-    with pytest.raises(vkml.ModelImportError, match=r"aten\.sort x1"):
-        vkml.import_torch(Sorting(), (torch.randn(2, 5),))
+    with pytest.raises(vkml.ModelImportError, match=r"aten\.nonzero x1: nonzero -- its "
+                                                    r"output's length is the number"):
+        vkml.import_torch(NonZero(), (torch.randn(3, 4),))
 
 
 def test_onnx_bad_files_are_named(tmp_path):
@@ -872,6 +874,28 @@ def test_fold_and_index_put_import_both_ways(device, tmp_path):
     path = export_onnx(module, (x,), tmp_path / "fold.onnx", ["x"], opset=18)
     assert "Col2Im" in {n.op_type for n in onnx.load(path).graph.node}
     assert onnxruntime_error(path, x, device) < FORWARD_TOL
+
+
+class Ranked(torch.nn.Module):
+    """topk and sort through torch.export (a router's first step), their values trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        best, _ = torch.topk(h, 3, dim=-1)
+        ordered, order = torch.sort(h, dim=0, descending=True)
+        return best + ordered[:, :3] + order[:, 3:6].float()
+
+
+@vulkan_only
+def test_torch_topk_and_sort_train_as_pytorch(device):
+    torch.manual_seed(0)
+    module = Ranked()
+    x, labels = torch.randn(4, 6), torch.tensor([1, 2, 0, 1])
+    check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
 
 
 class Video(torch.nn.Module):

@@ -295,7 +295,7 @@ class _Builder:
         flat = [a for a in node.all_input_nodes]
         if any(a.name in self.poisoned for a in flat):
             if key not in ATEN and key not in FOLD_ONLY:
-                self.refusals.unsupported(f"aten.{key}", name)
+                self.refusals.unsupported(f"aten.{key}", name, DATA_DEPENDENT.get(key, ""))
             self.poisoned.add(name)
             return
         args = self._map(node.args)
@@ -308,7 +308,7 @@ class _Builder:
             out = convert_guarded(self.refusals, name, f"aten.{key}",
                                   lambda: ATEN[key](self, *args, **kwargs))
         else:
-            self.refusals.unsupported(f"aten.{key}", name)
+            self.refusals.unsupported(f"aten.{key}", name, DATA_DEPENDENT.get(key, ""))
             out = None
         if out is None and key not in IGNORED:
             self.poisoned.add(name)
@@ -379,6 +379,21 @@ FOLD_ONLY = {"arange", "full", "zeros", "ones", "empty", "scalar_tensor", "lift_
 NOT_FOLDED = {"native_dropout", "dropout", "rand", "randn", "bernoulli", "rand_like",
               "randn_like"}
 IGNORED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
+# Ops whose output's shape depends on the values of their input: a static graph holds them only
+# where those values are known at import (then PyTorch computes them there).
+DATA_DEPENDENT = {
+    "nonzero": "its output's length is the number of non-zero elements, known only at run time",
+    "masked_select": "its output's length is the number of selected elements",
+    "unique": "its output's length depends on the data",
+    "_unique2": "its output's length depends on the data",
+    "unique_consecutive": "its output's length depends on the data",
+    "unique_dim": "its output's length depends on the data",
+    "repeat_interleave": "with repeats computed at run time its output's length depends on them",
+    "_grouped_mm": "a mixture of experts' grouped matmul: each group's rows are the tokens "
+                   "routed to it, counted at run time",
+    "grouped_mm_fallback": "a mixture of experts' grouped matmul: each group's rows are the "
+                           "tokens routed to it, counted at run time",
+}
 # Ops whose result shares its input's storage: writing into it in place writes the input too.
 VIEWS = {"view", "reshape", "_unsafe_view", "select", "slice", "transpose", "permute", "t",
          "expand", "unsqueeze", "squeeze", "alias", "as_strided", "diagonal", "narrow",
@@ -951,6 +966,22 @@ def _slice_scatter(b, x, src, dim=0, start=None, end=None, step=1):
         raise Refuse(f"{len(written)} positions of axis {axis} written from a source of "
                      f"{src.shape[axis]}")
     return scatter_along(b.g, x, src, written, axis)
+
+
+@aten("topk")
+def _topk(b, x, k, dim=-1, largest=True, sorted=True):
+    x = b.device(x)
+    return b.g.topk(x, int(k), dim % len(x.shape), bool(largest))
+
+
+@aten("sort")
+def _sort(b, x, *args, stable=None, dim=-1, descending=False):
+    """sort.default (x, dim, descending) and sort.stable (x, *, stable, dim, descending):
+    vkml's sort is stable either way."""
+    if args:
+        dim, descending = (list(args) + [descending])[:2]
+    x = b.device(x)
+    return b.g.sort(x, dim % len(x.shape), bool(descending))
 
 
 @aten("cumsum")
