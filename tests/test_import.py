@@ -877,7 +877,8 @@ def test_fold_and_index_put_import_both_ways(device, tmp_path):
 
 
 class Ranked(torch.nn.Module):
-    """topk and sort through torch.export (a router's first step), their values trained."""
+    """topk and sort through torch.export (a router's first steps, its expert ids sorted as
+    integers), their values trained."""
 
     def __init__(self):
         super().__init__()
@@ -887,7 +888,8 @@ class Ranked(torch.nn.Module):
         h = self.fc(x)
         best, _ = torch.topk(h, 3, dim=-1)
         ordered, order = torch.sort(h, dim=0, descending=True)
-        return best + ordered[:, :3] + order[:, 3:6].float()
+        ids, _ = torch.sort(order, dim=-1)  # integers, as a router sorts its expert ids
+        return best + ordered[:, :3] + order[:, 3:6].float() + ids[:, :3].float()
 
 
 @vulkan_only

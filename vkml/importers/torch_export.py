@@ -968,10 +968,19 @@ def _slice_scatter(b, x, src, dim=0, start=None, end=None, step=1):
     return scatter_along(b.g, x, src, written, axis)
 
 
+def _ranked(b, rank: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor):
+    """vkml's topk and sort rank f32 values: integers (a router's expert ids) as f32, exact
+    below 2 ** 24, their values cast back."""
+    if x.dtype == "f32":
+        return rank(x)
+    values, indices = rank(b.g.cast(x, "f32"))
+    return b.g.cast(values, x.dtype), indices
+
+
 @aten("topk")
 def _topk(b, x, k, dim=-1, largest=True, sorted=True):
     x = b.device(x)
-    return b.g.topk(x, int(k), dim % len(x.shape), bool(largest))
+    return _ranked(b, lambda v: b.g.topk(v, int(k), dim % len(x.shape), bool(largest)), x)
 
 
 @aten("sort")
@@ -981,7 +990,7 @@ def _sort(b, x, *args, stable=None, dim=-1, descending=False):
     if args:
         dim, descending = (list(args) + [descending])[:2]
     x = b.device(x)
-    return b.g.sort(x, dim % len(x.shape), bool(descending))
+    return _ranked(b, lambda v: b.g.sort(v, dim % len(x.shape), bool(descending)), x)
 
 
 @aten("cumsum")
