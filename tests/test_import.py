@@ -310,6 +310,29 @@ def test_onnx_refusal_lists_everything_at_once():
     assert "nonzero (NonZero): data-dependent" in message
 
 
+class RoundedDivision(torch.nn.Module):
+    """torch.div with rounding modes: of integers computed on the device (a router's expert
+    ids // experts per group), and of floats."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        ids = torch.argmax(h, -1, keepdim=True) - 3
+        groups = (ids // 2).float() + torch.div(ids, 4, rounding_mode="trunc").float()
+        return h + groups + torch.div(h.detach(), 0.3, rounding_mode="floor")
+
+
+@vulkan_only
+def test_torch_rounded_division_trains_as_pytorch(device):
+    torch.manual_seed(0)
+    module = RoundedDivision()
+    x, labels = torch.randn(5, 6), torch.tensor([1, 2, 0, 5, 3])
+    check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
+
+
 def test_torch_refusal_names_the_op_and_why():
     """An op whose output's shape depends on the data: named, with the reason."""
     class NonZero(torch.nn.Module):

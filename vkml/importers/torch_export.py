@@ -751,7 +751,7 @@ BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div"}
 def _make_binary(name: str) -> Handler:
     def handler(b, x, y, alpha=1, rounding_mode=None):
         if rounding_mode is not None:
-            raise Refuse(f"division with rounding_mode={rounding_mode!r} is not supported")
+            return _rounded_division(b, x, y, rounding_mode)
         if alpha != 1:
             y = b.g.mul(b.device(y), float(alpha)) if not isinstance(y, (int, float)) \
                 else y * alpha
@@ -761,6 +761,26 @@ def _make_binary(name: str) -> Handler:
 
 for _name in BINARY:
     ATEN[_name] = _make_binary(_name)
+
+
+def _rounded_division(b, x, y, mode: str) -> Tensor:
+    """torch.div with rounding_mode 'floor' (a // b) or 'trunc': integers by vkml's integer
+    divisions, floats as the quotient rounded down, or toward zero."""
+    if mode not in ("floor", "trunc"):
+        raise Refuse(f"division with rounding_mode={mode!r} is not supported")
+    integers = any(isinstance(v, Tensor) and v.dtype == "i32" for v in (x, y))
+    x, y = (b.g.constant(np.asarray(v, np.int32), "i32") if integers and isinstance(v, int)
+            else b.device(v) for v in (x, y))
+    if x.dtype == "i32" and y.dtype == "i32":
+        return (b.g.floor_divide if mode == "floor" else b.g.trunc_divide)(x, y)
+    quotient = b.g.div(b.g.cast(x, "f32") if x.dtype != "f32" else x,
+                       b.g.cast(y, "f32") if y.dtype != "f32" else y)
+    if mode == "floor":
+        return b.g.floor(quotient)
+    return b.g.where(b.g.less(quotient, 0.0), b.g.ceil(quotient), b.g.floor(quotient))
+
+
+ATEN["floor_divide"] = lambda b, x, y: _rounded_division(b, x, y, "floor")
 
 
 @aten("rsub")
