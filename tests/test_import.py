@@ -312,7 +312,7 @@ def test_onnx_refusal_lists_everything_at_once():
 
 class RoundedDivision(torch.nn.Module):
     """torch.div with rounding modes: of integers computed on the device (a router's expert
-    ids // experts per group), and of floats."""
+    ids // experts per group), and of floats; histc of those ids and of floats."""
 
     def __init__(self):
         super().__init__()
@@ -322,13 +322,35 @@ class RoundedDivision(torch.nn.Module):
         h = self.fc(x)
         ids = torch.argmax(h, -1, keepdim=True) - 3
         groups = (ids // 2).float() + torch.div(ids, 4, rounding_mode="trunc").float()
-        return h + groups + torch.div(h.detach(), 0.3, rounding_mode="floor")
+        counts = torch.histc(ids.float(), 6, -3, 2) + torch.histc(h.detach(), 6, -0.5, 0.5)
+        return h + groups + torch.div(h.detach(), 0.3, rounding_mode="floor") + counts
 
 
 @vulkan_only
 def test_torch_rounded_division_trains_as_pytorch(device):
     torch.manual_seed(0)
     module = RoundedDivision()
+    x, labels = torch.randn(5, 6), torch.tensor([1, 2, 0, 5, 3])
+    check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
+
+
+class StraightThrough(torch.nn.Module):
+    """x.detach() stops the gradient: a straight-through estimator (VQ-VAE's), whose forward
+    is the rounded value and whose gradient is the identity's."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x) * 3
+        return h + (torch.round(h) - h).detach() + h.detach() ** 2
+
+
+@vulkan_only
+def test_torch_detach_stops_the_gradient(device):
+    torch.manual_seed(0)
+    module = StraightThrough()
     x, labels = torch.randn(5, 6), torch.tensor([1, 2, 0, 5, 3])
     check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
 

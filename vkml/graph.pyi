@@ -292,6 +292,10 @@ class Tensor:
     def softplus(self, *args: float, **kwargs: float) -> Tensor:
         """torch's F.softplus(x, beta=1.0, threshold=20.0) elementwise: WGSL select(vkml_log1p(exp({1} * {0})) / {1}, {0}, {0} * {1} > {2})"""
         ...
+    def stop_gradient(self) -> Tensor:
+        """x's values, through which no gradient flows back (torch's x.detach(): a straight-through
+        estimator's x + (q - x).detach(), a target computed from the model itself)."""
+        ...
     def sum(self, axis: int | Sequence[int] | None = ..., keepdims: bool = ...) -> Tensor:
         """Sum over `axis` (all axes by default)."""
         ...
@@ -777,6 +781,10 @@ class Graph:
         ...
     def square(self, x: Tensor) -> Tensor:
         """Elementwise square: WGSL {0} * {0}"""
+        ...
+    def stop_gradient(self, x: Tensor) -> Tensor:
+        """x's values, through which no gradient flows back (torch's x.detach(): a straight-through
+        estimator's x + (q - x).detach(), a target computed from the model itself)."""
         ...
     def sub(self, a: Operand, b: Operand) -> Tensor:
         """a - b elementwise (f32 or i32), numpy broadcasting; numbers become constants of the other operand's dtype"""

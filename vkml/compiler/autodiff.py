@@ -25,10 +25,12 @@ def gradients(graph: Graph, loss: Tensor, params: dict[str, Tensor] | None = Non
     params = graph.params if params is None else params
     forward = graph.reachable([loss])
     wanted = {p.id for p in params.values()}
-    # Only nodes on a path from a parameter to the loss need a gradient.
+    # Only nodes on a path from a parameter to the loss need a gradient, and only f32 ones:
+    # an integer (an index computed from the model's values, a histogram's bin) carries none.
     needs_grad: set[int] = set()
     for node in forward:
-        if node.id in wanted or any(i.id in needs_grad for i in node.inputs):
+        if node.dtype == "f32" and (node.id in wanted
+                                    or any(i.id in needs_grad for i in node.inputs)):
             needs_grad.add(node.id)
 
     grad_of: dict[int, Tensor] = {loss.id: graph.constant(1.0)}

@@ -431,7 +431,13 @@ def _getitem(b, seq, index):
     return out
 
 
-@aten("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_to_copy", "to",
+@aten("detach")
+def _detach(b, x):
+    x = b.device(x)
+    return b.g.stop_gradient(x) if x.dtype == "f32" else x
+
+
+@aten("clone", "contiguous", "alias", "lift_fresh_copy", "_to_copy", "to",
       "_unsafe_view_copy")
 def _identity(b, x, *args, **kwargs):
     dtype = kwargs.get("dtype")
@@ -995,6 +1001,24 @@ def _ranked(b, rank: Callable[[Tensor], tuple[Tensor, Tensor]], x: Tensor):
         return rank(x)
     values, indices = rank(b.g.cast(x, "f32"))
     return b.g.cast(values, x.dtype), indices
+
+
+@aten("histc")
+def _histc(b, x, bins=100, low=0, high=0):
+    """torch.histc over a range given at import (a router counts its tokens per expert so):
+    each element's bin (floor((x - low) bins / (high - low)), the top edge in the last bin),
+    one-hot and summed, elements outside the range left out."""
+    if float(low) == float(high):
+        raise Refuse("histc over the data's own range (min == max): give the range")
+    x = b.device(x)
+    flat = b.g.reshape(b.g.cast(x, "f32") if x.dtype != "f32" else x, (x.size,))
+    lo, hi, bins = float(low), float(high), int(bins)
+    position = b.g.floor(b.g.mul(b.g.sub(flat, lo), bins / (hi - lo)))
+    position = b.g.where(b.g.equal(flat, hi), float(bins - 1), position)
+    inside = b.g.logical_and(b.g.greater_equal(flat, lo), b.g.less_equal(flat, hi))
+    index = b.g.cast(b.g.clamp(position, 0.0, float(bins - 1)), "i32")
+    rows = b.g.mul(b.g.one_hot(index, bins), b.g.reshape(inside, (x.size, 1)))
+    return b.g.sum(rows, 0)
 
 
 @aten("topk")

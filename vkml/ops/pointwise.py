@@ -626,6 +626,22 @@ def _cast_shape(inputs, attrs):
     return inputs[0].shape, attrs["dtype"]
 
 
+# ---- stopping a gradient -------------------------------------------------------------------------
+def _same(inputs, attrs):
+    return inputs[0].shape, inputs[0].dtype
+
+
+register(OpDef("stop_gradient", _same, "pointwise", grad=_no_gradient,
+               expr=lambda n: call("{0}", Arg(0))))
+
+
+@builder(tensor=True)
+def stop_gradient(g: Graph, x: Tensor) -> Tensor:
+    """x's values, through which no gradient flows back (torch's x.detach(): a straight-through
+    estimator's x + (q - x).detach(), a target computed from the model itself)."""
+    return g.apply("stop_gradient", [x])
+
+
 # f32 -> i32 truncates toward zero, as torch's .to(torch.int32) (WGSL's conversion clamps values
 # out of range, where C's is undefined); integers are not differentiable, so no gradient.
 register(OpDef("cast", _cast_shape, "pointwise", grad=_no_gradient,
