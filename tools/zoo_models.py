@@ -250,11 +250,19 @@ def fcn_resnet50(size: str) -> ZooModel:
 def vgg11_bn(size: str) -> ZooModel:
     tv = _tv()
 
-    def narrow():  # an eighth of the widths, the classifier 128 wide (4096 wide at 512 x 7 x 7
-        # inputs is a 411 MB weight); its adaptive pool still makes 7 x 7 of a 1 x 1 map
+    # its classifier narrowed (4096 wide at 512 x 7 x 7 inputs is a 411 MB weight, past
+    # lavapipe's 128 MiB storage-buffer binding): at "tiny" 128 wide with an eighth of the
+    # convolutions' widths (its adaptive pool still makes 7 x 7 of a 1 x 1 map), at "small"
+    # 512 wide
+    def narrow():
         widths = [c if c == "M" else c // 8 for c in tv.vgg.cfgs["A"]]
         model = tv.vgg.VGG(tv.vgg.make_layers(widths, batch_norm=True), num_classes=10)
         return _narrow_classifier(model, (64 * 7 * 7, 128, 128, 10))
+
+    if size == "small":
+        return ZooModel(FirstOutput(_narrow_classifier(
+            tv.vgg11_bn(weights=None, num_classes=10), (512 * 7 * 7, 512, 512, 10))).eval(),
+            _image(size, 32, 64), "torchvision")
     return _vision(tv.vgg11_bn, size, 32, 64, narrow=narrow)
 
 
@@ -684,7 +692,7 @@ def poolformer(size: str) -> ZooModel:
 @zoo("gptj")
 def gptj(size: str) -> ZooModel:
     """GPT-J: rotary embeddings on part of each head, interleaved pairs (rotate_every_two),
-    attention and MLP in parallel."""
+    attention and MLP in parallel. Its "full" is the published 6B (24 GB of f32 weights)."""
     from transformers import GPTJConfig, GPTJForCausalLM
     h, n, heads, _ = _widths(size, (4096, 28, 16, 16384))
     cfg = GPTJConfig(vocab_size=1000, n_embd=h, n_layer=n, n_head=heads,
@@ -708,7 +716,8 @@ def opt(size: str) -> ZooModel:
 
 @zoo("falcon")
 def falcon(size: str) -> ZooModel:
-    """Falcon: multi-query attention (one key/value head), attention and MLP in parallel."""
+    """Falcon: multi-query attention (one key/value head), attention and MLP in parallel. Its
+    "full" is the published 7B (28 GB of f32 weights)."""
     from transformers import FalconConfig, FalconForCausalLM
     h, n, heads, _ = _widths(size, (4544, 32, 71, 0))
     cfg = FalconConfig(vocab_size=1000, hidden_size=h, num_hidden_layers=n,
