@@ -616,7 +616,9 @@ def gen_attention(rng, shape):
             # gradient off at the masked scores; softmax's backward gives 0 * NaN there)
             keep = torch.ones(length, s, dtype=torch.bool).tril()
             scores = scores + torch.zeros(length, s, dtype=q.dtype).masked_fill(~keep, -math.inf)
-        return scores.softmax(-1) @ v
+        # torch's math kernel's softmax: 0 for a query whose scores are all -inf (it sees no
+        # key), where a plain softmax gives NaN
+        return torch._safe_softmax(scores, -1) @ v
     return Applied(f"sdpa(q=x, k{extras[0].shape}, v{extras[1].shape}, mask={masked}, "
                    f"causal={causal}, fused={fused}, scale={scale})", extras,
                    lambda g, x, k, v, *m: g.scaled_dot_product_attention(
