@@ -177,9 +177,9 @@ def test_adam_bias_correction_past_the_host_table_matches_torch_optim(beta2, dev
         assert rel_l2(session.read("w"), tw.detach().numpy()) < 1e-5, t
 
 
-def test_learning_rate_set_part_way_through_a_chunked_step_applies_from_the_next(device):
-    """A step begun with step_chunk() updates every layer with the learning rate it began with:
-    its remaining pieces used to read the new one (all four parameters kept lr=0's values)."""
+def _stepped_whole_then_begun_in_chunks(device):
+    """An SGD session that took one whole step (its parameters after it: `whole`), then, from
+    the `initial` parameters again, the same step begun in four pieces and left part-way."""
     session = build(vkml.SGD(lr=0.1), device)
     xb, yb = batches()[0]
     session.set_input("x", xb)
@@ -190,6 +190,13 @@ def test_learning_rate_set_part_way_through_a_chunked_step_applies_from_the_next
     for name, value in initial.items():
         session.set_param(name, value)
     assert session.step_chunk(chunks=4) > 0
+    return session, initial, whole
+
+
+def test_learning_rate_set_part_way_through_a_chunked_step_applies_from_the_next(device):
+    """A step begun with step_chunk() updates every layer with the learning rate it began with:
+    its remaining pieces used to read the new one (all four parameters kept lr=0's values)."""
+    session, _, whole = _stepped_whole_then_begun_in_chunks(device)
     session.set_hyperparams(lr=0.0)  # finishes the step in progress first
     assert not session.updating
     for name, value in session.params().items():
@@ -227,16 +234,7 @@ def test_sgd_momentum_set_to_zero_later_is_plain_sgd_as_in_torch_optim(device):
 def test_parameter_set_part_way_through_a_chunked_step_is_the_value_set(device):
     """set_param finishes a step begun with step_chunk() first, as load() does: the step's
     update, computed from the old value, used to land on top of the new one."""
-    session = build(vkml.SGD(lr=0.1), device)
-    xb, yb = batches()[0]
-    session.set_input("x", xb)
-    session.set_input("labels", yb)
-    initial = session.params()
-    session.step()
-    whole = session.params()
-    for name, value in initial.items():
-        session.set_param(name, value)
-    assert session.step_chunk(chunks=4) > 0
+    session, initial, whole = _stepped_whole_then_begun_in_chunks(device)
     new = initial["fc1.weight"] + 1.0
     session.set_param("fc1.weight", new)
     assert not session.updating
