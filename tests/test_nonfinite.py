@@ -258,3 +258,45 @@ def test_product_by_zero_and_difference_with_itself_keep_nan_as_torch(device, re
         e = torch.from_numpy(x).double().exp()
         same(session.read("product"), e * 0.0)
         same(session.read("difference"), e - e)
+
+
+class Deviations(torch.nn.Module):
+    """std and var as torch.export writes them (aten.std.correction, aten.var.correction);
+    `single`: also the std of one value."""
+
+    def __init__(self, w: np.ndarray, single: bool):
+        super().__init__()
+        self.w, self.single = torch.nn.Parameter(torch.from_numpy(w)), single
+
+    def forward(self, x):
+        v = self.w + x
+        parts = [v.std(-1), v.var(-1, correction=0)]
+        return torch.cat([*parts, v[:, :1].std(-1)] if self.single else parts)
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["rows", "one_value"])
+def test_torch_std_and_var_as_torch(device, single):
+    """std of values past 1.8e19 (torch's is finite, vkml's sum of squares was inf), of a
+    constant row (torch's gradient 0, vkml's NaN), and of one value (torch's NaN: a division
+    by n - 1 = 0; vkml divided by 1, 0). The gradient of the one value's std (NaN) is not
+    compared: on lavapipe it passes through x - x (its mean is itself), which llvmpipe folds
+    to 0 (test_product_by_zero_and_difference_with_itself_keep_nan_as_torch)."""
+    w = np.array([[1e20, 1.0, 2.0, -3e19], [2.0, 2.0, 2.0, 2.0], [0.5, -1.0, 3.0, 0.25]],
+                 np.float32)
+    x = torch.zeros(w.shape)
+    imp = vkml.import_torch(Deviations(w, single), (x,))
+    g = imp.graph
+    (y,) = imp.outputs.values()
+    weight = np.linspace(0.5, 1.0, y.size, dtype=np.float32)
+    loss = None if single else g.sum(g.mul(y, g.constant(weight)))
+    with vkml.compile(g, loss=loss, outputs=imp.outputs, device=device) as session:
+        session.set_input(next(iter(imp.inputs)), x.numpy())
+        session.step()
+        got = session.read(next(iter(imp.outputs)))
+        grad = None if single else session.grad("w")
+    reference = Deviations(w, single).double()
+    want = reference(x.double())
+    same(got, want.detach())
+    if not single:
+        (want * torch.from_numpy(weight).double()).sum().backward()
+        same(grad, reference.w.grad)

@@ -943,9 +943,16 @@ def _make_var(root: bool) -> Handler:
             keepdim = args[-1] if len(args) > 1 else keepdim
         ddof = 1 if correction is None and unbiased is not False else (correction or 0)
         centred = b.g.sub(x, b.g.mean(x, axes, keepdims=True))
-        var = b.g.mul(b.g.sum(b.g.square(centred), axes, keepdims=bool(keepdim)),
-                      1.0 / max(n - ddof, 1))
-        return b.g.sqrt(var) if root else var
+        # over n - ddof as torch's, 0 included: times 1 / 0 = inf, NaN where n <= ddof but
+        # for a variance above 0; the deviation is the scaled norm of the centred values
+        # (torch's is finite past 1.8e19, where the sum of squares overflows, and its gradient
+        # is 0 at a deviation of 0)
+        count = max(n - ddof, 0)
+        if root:
+            return b.g.mul(b.g.reduce_l2(centred, axes, keepdims=bool(keepdim)),
+                           1.0 / math.sqrt(count) if count else math.inf)
+        return b.g.mul(b.g.sum(b.g.square(centred), axes, keepdims=bool(keepdim)),
+                       1.0 / count if count else math.inf)
     return handler
 
 
