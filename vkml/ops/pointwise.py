@@ -292,12 +292,6 @@ for _name, _rule in PARAMETRIC.items():
     _parametric(_name, *_rule)
 
 
-# x itself, through which no gradient flows (torch's detach): a quantity that changes the
-# result's rounding but not its value, as logsumexp's shift
-register(OpDef("detached", same_f32, "pointwise", grad=lambda g, node, d: [None],
-               expr=lambda n: Arg(0)))
-
-
 # ---- mish: one op, so that its gradient is torch's one derivative --------------------------------
 # x tanh(softplus(x)); composed, its gradient summed two terms, which an infinite upstream
 # gradient made inf - inf = NaN where torch's derivative tanh(sp) + x sigmoid(x) (1 - tanh(sp)^2)

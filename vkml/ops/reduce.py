@@ -100,7 +100,7 @@ def logsumexp(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
     (through m it would add d and take it away, inf - inf = NaN for an infinite d)."""
     axes = normalize_axes(x, axis)
     top = g.amax(x, axes, keepdims=True)
-    top = g.apply("detached", [g.where(g.isinf(top), 0.0, top)])
+    top = g.stop_gradient(g.where(g.isinf(top), 0.0, top))
     out = g.add(g.log(g.sum(g.exp(g.sub(x, top)), axes, keepdims=True)), top)
     return out if keepdims else g.reshape(out, [n for i, n in enumerate(x.shape) if i not in axes])
 
