@@ -188,6 +188,53 @@ def test_torch_cnn_inference_form_uses_running_statistics(device):
     assert rel_l2(s.read("output"), module.eval()(x).detach().numpy()) < FORWARD_TOL
 
 
+class ConvTokens(torch.nn.Module):
+    """LeViT's patch embedding's end: convolution, batch norm, then the image as tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)).flatten(2).transpose(1, 2)
+
+
+@vulkan_only
+def test_torch_batchnorm_then_tokens_gets_the_true_gradient(device):
+    """The reference spells batch norm as arithmetic: PyTorch's own CPU batch-norm backward
+    (2.13, f32 and f64) sums the bias gradient wrongly for a batch of one whose incoming
+    gradient has flatten(2).transpose(1, 2)'s strides (off 3x in a LeViT, where central
+    differences agree with vkml), which made vkml's correct gradient look wrong."""
+    torch.manual_seed(0)
+    module = _with_running_stats(ConvTokens()).eval()
+    with torch.no_grad():
+        module.bn.weight.normal_()
+        module.bn.bias.normal_()
+    x = torch.randn(1, 3, 8, 8)
+    target = torch.randn(1, 16, 4)
+    imp = vkml.import_torch(module, (x,))
+    g = imp.graph
+    (y,) = imp.outputs.values()
+    session = vkml.compile(g, loss=g.mse(y, g.input("target", target.shape)), device=device,
+                           keep_grads=True)
+    session.set_input("x", x.numpy())
+    session.set_input("target", target.numpy())
+    session.step()
+
+    params = {n: p.detach().double().requires_grad_() for n, p in module.named_parameters()}
+    bn = module.bn
+    scale = params["bn.weight"] / torch.sqrt(bn.running_var.double() + bn.eps)
+    conv = torch.nn.functional.conv2d(x.double(), params["conv.weight"], stride=2, padding=1)
+    normed = ((conv - bn.running_mean.double()[:, None, None]) * scale[:, None, None]
+              + params["bn.bias"][:, None, None])
+    loss = torch.nn.functional.mse_loss(normed.flatten(2).transpose(1, 2), target.double())
+    loss.backward()
+    for name, p in params.items():
+        assert rel_l2(session.grad(name), p.grad.numpy()) < GRAD_TOL, name
+    session.close()
+
+
 @vulkan_only
 def test_onnx_cnn_matches_onnxruntime(device, tmp_path):
     """A convolution, max pooling and global average pooling (the TorchScript exporter folds
