@@ -664,6 +664,38 @@ def mobilevit(size: str) -> ZooModel:
                "logits")
 
 
+def _gathered_every_call(module: torch.nn.Module) -> torch.nn.Module:
+    """LeViT's attention gathers its bias table anew in every forward, as it does in training.
+    In eval mode it caches the gathered table at its first forward: filled by one without
+    gradients (the zoo's first), the cache is a constant that leaves the table untrained on
+    both engines in silence, and filled with gradients it is a non-leaf tensor that
+    `copy.deepcopy` refuses."""
+    for layer in module.modules():
+        if hasattr(layer, "attention_bias_cache"):
+            cls = type(layer)
+            layer.__class__ = type(cls.__name__, (cls,), {
+                "get_attention_biases":
+                    lambda self, device: self.attention_biases[:, self.attention_bias_idxs]})
+    return module
+
+
+@zoo("levit")
+def levit(size: str) -> ZooModel:
+    """LeViT: a convolutional stem, attention with a learned bias gathered per query-key
+    offset, queries subsampled between stages, batch norm after every linear, hardswish."""
+    from transformers import LevitConfig, LevitForImageClassification
+    side = {"tiny": 64, "small": 128, "full": 224}[size]
+    widths, heads, depths = {"tiny": ([16, 32, 48], [1, 2, 3], [1, 1, 1]),
+                             "small": ([128, 256, 384], [4, 6, 8], [2, 3, 4]),  # LeViT-128S
+                             "full": ([128, 256, 384], [4, 8, 12], [4, 4, 4])}[size]  # LeViT-128
+    key_dim = [8] * 3 if size == "tiny" else [16] * 3
+    cfg = LevitConfig(image_size=side, hidden_sizes=widths, num_attention_heads=heads,
+                      depths=depths, key_dim=key_dim, patch_size=16, num_labels=5,
+                      drop_path_rate=0)  # the config types it int
+    return _hf(_gathered_every_call(LevitForImageClassification(cfg)),
+               _image(size, side, side, side), "logits")
+
+
 @zoo("beit")
 def beit(size: str) -> ZooModel:
     """BEiT: a relative position bias per layer, layer scale, mean pooling."""
