@@ -105,17 +105,20 @@ def logsumexp(g: Graph, x: Tensor, axis: int | Sequence[int] | None = None,
     return out if keepdims else g.reshape(out, [n for i, n in enumerate(x.shape) if i not in axes])
 
 
-# The L2 norm is s sqrt(sum((x / s)^2)) with s the largest finite magnitude (1 where none is
-# above 0), as BLAS's nrm2 scales, so that no square overflows (past 1.8e19) or underflows;
-# infinities and NaN pass through the sum as torch's. The gradient x / norm: s, a constant,
-# passes none, and the division by s and the product by it pass the gradient unscaled: every
-# step between them is linear in the gradient, so the two factors cancel, and d s (past f32's
-# range for a large upstream d) is never formed.
+# The L2 norm is 2^e sqrt(sum((x 2^-e)^2)) with 2^(e - 1) <= s < 2^e for s the largest finite
+# magnitude (e = 0 where none is above 0), as BLAS's nrm2 scales, so that no square overflows
+# (past 1.8e19) or underflows; infinities and NaN pass through the sum as torch's. A power of
+# two applied by ldexp is exact, where x / s is not on GPUs: Vulkan bounds a division's error
+# only for divisors up to 2^126, and the H200's took x / 1.4e38 to 0 (x times a reciprocal
+# flushed to zero). The gradient x / norm: e, a constant, passes none, and the scalings down
+# and up pass the gradient unscaled: every step between them is linear in the gradient, so the
+# two factors cancel, and d 2^e (past f32's range for a large upstream d) is never formed.
 register(OpDef("norm_scale", same_f32, "pointwise",
-               expr=lambda n: call("select({0}, 1.0, {0} == 0.0)", Arg(0))))
-for _name, _symbol in (("norm_scale_down", "/"), ("norm_scale_up", "*")):
+               expr=lambda n: call("select(f32(frexp({0}).exp), 0.0, {0} == 0.0)", Arg(0))))
+for _name, _sign in (("norm_scale_down", "-"), ("norm_scale_up", "")):
     register(OpDef(_name, binary_f32, "pointwise", grad=lambda g, node, d: [d, None],
-                   expr=lambda n, symbol=_symbol: call(f"{{0}} {symbol} {{1}}", Arg(0), Arg(1))))
+                   expr=lambda n, sign=_sign: call(f"ldexp({{0}}, {sign}i32({{1}}))",
+                                                   Arg(0), Arg(1))))
 
 
 @builder
