@@ -232,18 +232,20 @@ def load(bound: BoundPlan, path: str | os.PathLike, strict: bool = True,
 
 
 def _warn_of_missing_state(bound: BoundPlan, path: str, tensors: Mapping[str, Any]) -> None:
-    """Warn where a training session loaded parameters without their optimizer state, which
-    then goes on from this session's own, as torch.optim's does after a model's
-    load_state_dict: a user resuming a run would not see otherwise that its moments restart
-    (a file of parameters alone), or that a parameter's fresh state is taken as old as the
-    file's step count (strict=False, a file whose run trained fewer parameters: vkml counts
-    steps once for all parameters, torch.optim per parameter)."""
+    """Warn where a training session that has stepped loaded parameters without their
+    optimizer state, which then goes on from this session's own moments, as torch.optim's
+    does after a model's load_state_dict (a user resuming a run into it would not see
+    otherwise that the moments are not the file's; a session that has not stepped starts
+    afresh, the usual fine-tuning, without a warning), or that a parameter's fresh state is
+    taken as old as the file's step count (strict=False, a file whose run trained fewer
+    parameters: vkml counts steps once for all parameters, torch.optim per parameter)."""
     plan = bound.plan
     kind = type(plan.optimizer).__name__
     t = int(bound.read_slot(plan.slots[plan.hyperparams_slot])[plan.hyperparams.index("t")])
     if not any(n.startswith(STATE_PREFIX) for n in tensors):
-        own = ("no state yet: it starts afresh" if t == 0 else
-               f"the state of its own {t} step(s) ({', '.join(plan.optimizer.state_names)} "
+        if t == 0:  # pretrained weights into a new session: its optimizer starts afresh, as
+            return  # torch.optim's made after load_state_dict; nothing to warn of
+        own = (f"the state of its own {t} step(s) ({', '.join(plan.optimizer.state_names)} "
                "and step count)")
         warnings.warn(f"{path} holds no optimizer state: its parameters were loaded, and this "
                       f"session's {kind} keeps {own}. To resume a run exactly, load a file "
