@@ -152,6 +152,9 @@ BAD_INPUTS = [
      r"list failed: .*inhomogeneous"),
     ("x", torch.zeros((4, 6), requires_grad=True), r"input 'x' takes a numpy array .* "
      r"converting this Tensor failed: .*detach"),
+    # float64 past f32's range would become inf in silence (an infinity itself is kept)
+    ("x", np.full((4, 6), 1e39), r"input 'x': 24 finite value\(s\) lie beyond float32's "
+     r"range .* largest magnitude is 1e\+39.*np.clip"),
 ]
 
 
@@ -163,6 +166,17 @@ def test_bad_input_is_refused_clearly_and_session_stays_usable(device, name, val
         session.set_input(name, value)
     session.forward()  # the inputs set before are still in place
     assert abs(float(session.read("loss")) - mlp_loss(session.params())) < 1e-6
+
+
+def test_float64_infinities_and_values_within_float32_are_set_as_they_are(device):
+    g = vkml.Graph()
+    x = g.input("x", (3,))
+    g.output("y", g.mul(x, 1.0))
+    session = vkml.compile(g, device=device)
+    value = np.array([np.inf, -3e38, np.nan])
+    session.set_input("x", value)
+    session.step()
+    np.testing.assert_array_equal(session.read("y"), value.astype(np.float32))
 
 
 def test_reading_unknown_names_and_unset_inputs(device):

@@ -960,7 +960,17 @@ def _conform(what: str, value: np.ndarray | Sequence, shape: tuple[int, ...],
         if array.dtype.kind != "f":
             raise InputError(f"{what} expects floating-point values (float32), got "
                              f"{array.dtype}; convert with .astype(np.float32)")
-        return array.astype(np.float32, copy=False)
+        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+            converted = array.astype(np.float32, copy=False)
+        if array.dtype.itemsize > 4:  # float64 values past f32's range would become infinite
+            overflowed = np.isinf(converted) & np.isfinite(array)
+            if overflowed.any():
+                raise InputError(f"{what}: {int(overflowed.sum())} finite value(s) lie beyond "
+                                 f"float32's range (+-3.4e38; the largest magnitude is "
+                                 f"{float(np.abs(array[overflowed]).max()):.3g}) and would "
+                                 "become infinite; scale them, or clip with np.clip(x, -3.4e38, "
+                                 "3.4e38) if infinity is meant")
+        return converted
     if array.dtype.kind not in "iu":
         raise InputError(f"{what} expects integers (int32), got {array.dtype}; convert with "
                          ".astype(np.int32)")
