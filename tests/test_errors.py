@@ -3,6 +3,7 @@ input and the fix, and leave the session usable."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -483,7 +484,8 @@ def test_malformed_environment_variables_are_named():
 
 
 def test_onnx_import_misuse_is_named_and_a_session_of_another_graph_is_refused(device,
-                                                                               tmp_path):
+                                                                               tmp_path,
+                                                                               monkeypatch):
     onnx = pytest.importorskip("onnx")
     from onnx import TensorProto, helper, numpy_helper
     weight = np.arange(8, dtype=np.float32).reshape(4, 2)
@@ -518,6 +520,17 @@ def test_onnx_import_misuse_is_named_and_a_session_of_another_graph_is_refused(d
     imp.save_onnx(session, str(tmp_path / "tuned.onnx"))
     saved = onnx.load(str(tmp_path / "tuned.onnx")).graph.initializer[0]
     np.testing.assert_array_equal(numpy_helper.to_array(saved), weight * 2)
+    # a write that fails part-way (a full disk) leaves the file as it was, and no temporary
+    written = (tmp_path / "tuned.onnx").read_bytes()
+    session.set_param("w", weight * 3)
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(vkml.CheckpointError, match="No space left on device"):
+        imp.save_onnx(session, str(tmp_path / "tuned.onnx"))
+    assert (tmp_path / "tuned.onnx").read_bytes() == written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tuned.onnx"]
 
 
 def test_the_command_line_refuses_what_would_fail_after_the_run():

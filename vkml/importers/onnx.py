@@ -46,6 +46,7 @@ from vkml.importers.common import (
     take,
 )
 from vkml.ops.composite import COORDINATE_MODES
+from vkml.runtime.checkpoint import write_atomic
 
 MIN_OPSET = 13
 # save_onnx writes the tensors of a larger model to an external-data file beside it
@@ -531,7 +532,7 @@ class _Builder:
                         np.asarray(values[t.name]).astype(dtypes[t.name]), t.name))
             size = sum(len(t.raw_data) for t in out.graph.initializer)
             if size < EXTERNAL_DATA_ABOVE:
-                onnx.save(out, path)
+                write_atomic(os.fspath(path), out.SerializeToString())
             else:  # protobuf's 2 GiB limit: the tensors go to a file beside the model
                 onnx.save(out, path, save_as_external_data=True, all_tensors_to_one_file=True,
                           location=os.path.basename(path) + ".data", size_threshold=0)

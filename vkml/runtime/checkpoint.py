@@ -85,11 +85,12 @@ def save(bound: BoundPlan, path: str | os.PathLike, entries: Entries | None = No
             metadata[EXACT] = json.dumps({k: float(v) for k, v in hyperparams.items()})
     if TRAINING_STEP in plan.inputs:
         metadata[TRAINING_STEPS] = str(bound.training_steps)
-    _write_atomic(path, serialize(state_dict(bound, entries), metadata=metadata))
+    write_atomic(path, serialize(state_dict(bound, entries), metadata=metadata))
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    """`data` to `path` through a temporary file in the same directory and os.replace. The
+def write_atomic(path: str, data: bytes) -> None:
+    """`data` to `path` through a temporary file in the same directory and os.replace (a crash
+    leaves the old file or the new one, never a torn one: checkpoints, save_onnx). The
     temporary file is created with mode 0o666 so that the umask applies as it would to
     open(path, "wb") (tempfile.mkstemp would make every checkpoint 0600), and a file that
     already exists keeps its permissions, as open() would leave them."""
