@@ -319,7 +319,7 @@ def test_unwritable_destinations_raise_checkpoint_error(device, tmp_path):
     session = mlp(device, vkml.Adam(lr=1e-2))
     for path, cause in [(tmp_path / "no" / "such" / "dir.safetensors", FileNotFoundError),
                         (tmp_path, IsADirectoryError)]:
-        with pytest.raises(vkml.CheckpointError, match="cannot write checkpoint") as info:
+        with pytest.raises(vkml.CheckpointError, match="cannot write ") as info:
             session.save(path)
         assert isinstance(info.value.__cause__, cause)
     leftovers = [p for p in os.listdir(tmp_path.parent) if p.endswith(".tmp")]

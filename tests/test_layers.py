@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "vkml"
 
 # Lowest first. A module may import modules of its own layer and of the layers before it.
 LAYERS: list[tuple[str, ...]] = [
-    ("vkml.errors", "vkml.expr", "vkml.threads", "vkml.cachedir", "vkml.interrupts"),
+    ("vkml.errors", "vkml.expr", "vkml.threads", "vkml.cachedir", "vkml.interrupts",
+     "vkml.files"),
     ("vkml.hal",),
     ("vkml.graph", "vkml.optim", "vkml.nn"),
     ("vkml.kernels",),

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from vkml.errors import ModelImportError
+from vkml.files import write_atomic
 from vkml.graph import Graph, Tensor
 from vkml.importers import patterns
 from vkml.importers.common import (
@@ -46,7 +47,6 @@ from vkml.importers.common import (
     take,
 )
 from vkml.ops.composite import COORDINATE_MODES
-from vkml.runtime.checkpoint import write_atomic
 
 MIN_OPSET = 13
 # save_onnx writes the tensors of a larger model to an external-data file beside it

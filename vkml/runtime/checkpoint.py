@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import secrets
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +24,7 @@ import numpy as np
 
 from vkml.compiler.plan import Slot
 from vkml.errors import CheckpointError, InputError
+from vkml.files import write_atomic
 from vkml.graph import STATE_PREFIX, TRAINING_STEP, user_stacklevel
 from vkml.interrupts import deferred_interrupts
 from vkml.runtime.bound import BoundPlan
@@ -86,36 +86,6 @@ def save(bound: BoundPlan, path: str | os.PathLike, entries: Entries | None = No
     if TRAINING_STEP in plan.inputs:
         metadata[TRAINING_STEPS] = str(bound.training_steps)
     write_atomic(path, serialize(state_dict(bound, entries), metadata=metadata))
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """`data` to `path` through a temporary file in the same directory and os.replace (a crash
-    leaves the old file or the new one, never a torn one: checkpoints, save_onnx). The
-    temporary file is created with mode 0o666 so that the umask applies as it would to
-    open(path, "wb") (tempfile.mkstemp would make every checkpoint 0600), and a file that
-    already exists keeps its permissions, as open() would leave them."""
-    directory, base = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
-                     0o666)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.chmod(tmp, os.stat(path).st_mode & 0o777)
-            except FileNotFoundError:
-                pass
-            os.replace(tmp, path)
-        finally:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc} (check "
-                              "that the directory exists and is writable, and that the path "
-                              "is not a directory)") from exc
 
 
 def read_file(path: str | os.PathLike) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
