@@ -880,9 +880,11 @@ class Session:
         session's optimizer state, hyperparameters and step count, e.g. to
         fine-tune with another optimizer; a file without optimizer state loaded into a
         training session with the default `optimizer_state=True` keeps them too, and warns
-        (the moments and step count are not the file's run's). A tensor the graph declares
-        unsupported (`Graph.unsupported`) is refused even with strict=False. A session that shares
-        another's parameters (share_params_with) cannot load: load the owner."""
+        where the session has stepped (the moments and step count are not the file's run's;
+        a session that has not stepped starts afresh, as fine-tuning does). A tensor the
+        graph declares unsupported (`Graph.unsupported`) is refused even with strict=False. A
+        session that shares another's parameters (share_params_with) cannot load: load the
+        owner."""
         bound = self._bound
         if bound.shared:
             raise InputError("this session uses another session's parameters "
@@ -960,16 +962,13 @@ def _conform(what: str, value: np.ndarray | Sequence, shape: tuple[int, ...],
         if array.dtype.kind != "f":
             raise InputError(f"{what} expects floating-point values (float32), got "
                              f"{array.dtype}; convert with .astype(np.float32)")
-        with np.errstate(over="ignore"):  # an overflow is refused below, by name
-            converted = array.astype(np.float32, copy=False)
-        if array.dtype.itemsize > 4:  # float64 values past f32's range would become infinite
-            overflowed = np.isinf(converted) & np.isfinite(array)
-            if overflowed.any():
-                raise InputError(f"{what}: {int(overflowed.sum())} finite value(s) lie beyond "
-                                 f"float32's range (+-3.4e38; the largest magnitude is "
-                                 f"{float(np.abs(array[overflowed]).max()):.3g}) and would "
-                                 "become infinite; scale them, or clip with np.clip(x, -3.4e38, "
-                                 "3.4e38) if infinity is meant")
+        converted, overflowed = checkpoint.to_f32(array)
+        if overflowed is not None and overflowed.any():
+            raise InputError(f"{what}: {int(overflowed.sum())} finite value(s) lie beyond "
+                             f"float32's range (+-3.4e38; the largest magnitude is "
+                             f"{float(np.abs(array[overflowed]).max()):.3g}) and would "
+                             "become infinite; scale them, or clip with np.clip(x, -3.4e38, "
+                             "3.4e38) if infinity is meant")
         return converted
     if array.dtype.kind not in "iu":
         raise InputError(f"{what} expects integers (int32), got {array.dtype}; convert with "

@@ -267,12 +267,21 @@ def _as_float(name: str, entry: Mapping[str, Any], what: str) -> tuple[np.ndarra
         return np.empty(0), (f"'{name}' is {entry['dtype']} in the file, but it is a "
                              f"floating-point {what} here (f32): vkml reads F32, F16, BF16 and "
                              "F64 into it and never casts integers or booleans")
-    value = decode(name, entry)
-    with np.errstate(over="ignore"):  # checked below
-        converted = np.ascontiguousarray(value, dtype=np.float32)
-    if entry["dtype"] == "F64" and np.isfinite(value).sum() != np.isfinite(converted).sum():
+    converted, overflowed = to_f32(decode(name, entry))
+    if overflowed is not None and overflowed.any():
         return converted, f"'{name}' holds F64 values beyond the range of f32"
     return converted, ""
+
+
+def to_f32(value: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """A float array as contiguous f32, and where its finite values became infinite on the
+    way, past f32's range (None for dtypes that cannot hold such values: no pass over them),
+    for the caller to refuse by name (a file's tensor; set_input's, set_param's values)."""
+    with np.errstate(over="ignore"):
+        converted = np.ascontiguousarray(value, dtype=np.float32)
+    if value.dtype.itemsize <= 4:
+        return converted, None
+    return converted, np.isinf(converted) & np.isfinite(value)
 
 
 def _as_extra(name: str, entry: Mapping[str, Any], dtype: np.dtype) -> tuple[np.ndarray, str]:
