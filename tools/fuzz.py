@@ -368,7 +368,7 @@ def gen_slice(rng, shape):
     start = int(rng.integers(0, n))
     stop = int(rng.integers(start + 1, n + 1))
     step = int(pick(rng, (1, 1, 2, 3)))
-    if rng.random() < 0.2:  # negative bounds, as Python's (the API says non-negative)
+    if rng.random() < 0.2:  # negative bounds, counted from the end as Python's
         start, stop = start - n, (stop - n if stop < n else stop)
     idx = [slice(None)] * len(shape)
     idx[axis] = slice(start, stop, step)
