@@ -57,16 +57,15 @@ def _where_copies_are_free(nodes: list[Tensor], roots: set[int], wants: dict) ->
     input (OpDef.stores; `store_layouts`), which needs every reader of that input to want the
     same copy and the input not to be a root. A copy made by a dispatch of its own reads and
     writes the whole tensor for a layout that saves less than that on the convolutions
-    measured (tools/kernel_lab.py --channels-last: ResNet-50's copies of block outputs that a
-    residual add reads too; the U-Net's of group norms' outputs)."""
+    measured (tools/rule_ab.py chlast-all against library, tools/KERNELS.md v18: ResNet-50's
+    copies of block outputs that a residual add reads too; the U-Net's of group norms'
+    outputs)."""
     static: set[int] = set()
-    readers: dict[int, list[Tensor]] = defaultdict(list)
     for node in nodes:
         if node.op in ("param", "constant") or (node.inputs and
                                                 all(x.id in static for x in node.inputs)):
             static.add(node.id)
-        for x in node.inputs:
-            readers[x.id].append(node)
+    readers = _readers(nodes)
 
     def layout_of(node: Tensor, x: Tensor) -> str | None:
         layouts = wants[node.id][0] if node.id in wants else ()
@@ -99,10 +98,7 @@ def store_layouts(rooted: Rooted) -> Rooted:
     layout op and the copy's dtype, and keeps its shape (the copy's bytes fit in its slot)."""
     graph = rooted.graph
     nodes = graph.reachable(rooted.roots)
-    readers: dict[int, list[Tensor]] = defaultdict(list)
-    for node in nodes:
-        for x in node.inputs:
-            readers[x.id].append(node)
+    readers = _readers(nodes)
     kept = {t.id for t in rooted.roots}
     stored: dict[int, Tensor] = {}  # producer's id -> the copy it writes
     for node in nodes:
@@ -125,3 +121,12 @@ def store_layouts(rooted: Rooted) -> Rooted:
         return emit(node.op, inputs, node.shape, node.attrs, node)
 
     return rebuild(rooted, make)
+
+
+def _readers(nodes: list[Tensor]) -> dict[int, list[Tensor]]:
+    """Each node's id -> the nodes among `nodes` that read it."""
+    readers: dict[int, list[Tensor]] = defaultdict(list)
+    for node in nodes:
+        for x in node.inputs:
+            readers[x.id].append(node)
+    return readers
