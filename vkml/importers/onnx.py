@@ -46,6 +46,8 @@ from vkml.importers.common import (
     slice_along,
     take,
 )
+from vkml.models.common import heads as split_heads
+from vkml.models.common import merge_heads
 from vkml.ops.composite import COORDINATE_MODES
 
 MIN_OPSET = 13
@@ -1407,8 +1409,7 @@ def _attention(b, node, ins, attrs):
         mask = b.device(mask)
     y = g.scaled_dot_product_attention(q, k, v, mask, causal, attrs.get("scale"))
     if packed:
-        y = g.transpose(y, (0, 2, 1, 3))
-        y = g.reshape(y, (*y.shape[:2], y.shape[2] * y.shape[3]))
+        y = merge_heads(g, y)
     return [y, k, v]
 
 
@@ -1452,10 +1453,9 @@ def _rotary_embedding(b, node, ins, attrs):
     return g.reshape(out, (*out.shape[:2], -1)) if packed else out
 
 
-def _heads(g: Graph, x: Tensor, heads: int) -> Tensor:
-    """(batch, length, heads x size) -> (batch, heads, length, size)."""
-    batch, length, width = x.shape
-    return g.transpose(g.reshape(x, (batch, length, heads, width // heads)), (0, 2, 1, 3))
+def _heads(g: Graph, x: Tensor, count: int) -> Tensor:
+    """(batch, length, count x size) -> (batch, count, length, size)."""
+    return split_heads(g, x, count, x.shape[2] // count)
 
 
 # an integer type's range: QuantizeLinear saturates to it
@@ -2420,7 +2420,7 @@ def _ms_attention_of(b, node, q: Tensor, k: Tensor, v: Tensor, mask: Value,
     if attrs.get("do_rotary", 0) or attrs.get("past_present_share_buffer", 0):
         raise Refuse("do_rotary and past_present_share_buffer are not supported")
     heads = int(attrs["num_heads"])
-    batch, length, keys = q.shape[0], q.shape[1], k.shape[1]
+    batch, keys = q.shape[0], k.shape[1]
     additive = _padding_mask(b, mask, batch, keys, float(attrs.get("mask_filter_value", -10000.0)))
     if bias is not None:
         bias = b.device(bias)
@@ -2430,8 +2430,7 @@ def _ms_attention_of(b, node, q: Tensor, k: Tensor, v: Tensor, mask: Value,
     y = g.scaled_dot_product_attention(_heads(g, q, heads), _heads(g, k, heads),
                                        _heads(g, v, heads), additive,
                                        bool(attrs.get("unidirectional", 0)), scale)
-    y = g.transpose(y, (0, 2, 1, 3))
-    return g.reshape(y, (batch, length, y.shape[2] * y.shape[3]))
+    return merge_heads(g, y)
 
 
 @onnx_op(MS + "Attention")
