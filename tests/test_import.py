@@ -373,14 +373,6 @@ class RoundedDivision(torch.nn.Module):
         return h + groups + torch.div(h.detach(), 0.3, rounding_mode="floor") + counts
 
 
-@vulkan_only
-def test_torch_rounded_division_trains_as_pytorch(device):
-    torch.manual_seed(0)
-    module = RoundedDivision()
-    x, labels = torch.randn(5, 6), torch.tensor([1, 2, 0, 5, 3])
-    check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
-
-
 class StraightThrough(torch.nn.Module):
     """x.detach() stops the gradient: a straight-through estimator (VQ-VAE's), whose forward
     is the rounded value and whose gradient is the identity's."""
@@ -395,9 +387,11 @@ class StraightThrough(torch.nn.Module):
 
 
 @vulkan_only
-def test_torch_detach_stops_the_gradient(device):
+@pytest.mark.parametrize("module_class", [RoundedDivision, StraightThrough],
+                         ids=["rounded_division", "detach_stops_the_gradient"])
+def test_torch_six_feature_classifier_trains_as_pytorch(device, module_class):
     torch.manual_seed(0)
-    module = StraightThrough()
+    module = module_class()
     x, labels = torch.randn(5, 6), torch.tensor([1, 2, 0, 5, 3])
     check_training(vkml.import_torch(module, (x,)), module, x, labels, device)
 
